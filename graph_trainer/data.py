@@ -1,0 +1,270 @@
+"""Training data: document sources -> one token stream -> packed, shuffled batches.
+
+Pipeline (everything in memory, nothing cached on disk):
+1. A source yields documents (strings): `embedded` (CPython's own pydoc topics, so
+   every install can train without a download), `text` files, or `jsonl` records.
+   `synthetic` skips text and draws random token ids, for benchmarks.
+2. Every document is tokenized and followed by EOS (when the tokenizer has one);
+   the results are concatenated into one stream.
+3. The stream is cut into non-overlapping windows of seq_len + 1 tokens; a sample is
+   input = window[:-1], labels = window[1:].
+4. `PackedBatchLoader` visits the windows in a fresh seeded permutation each epoch,
+   takes every world_size-th batch of it on each rank, and can resume mid-epoch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from graph_trainer.errors import ConfigError, UserError
+from graph_trainer.tokenizer import Tokenizer
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
+# Synthetic data holds this many batches per rank per epoch: enough to exercise
+# shuffling and epoch rollover, small enough that even 8B-sized batches stay cheap.
+SYNTHETIC_BATCHES_PER_RANK = 8
+
+
+# ---------------------------------------------------------------- sources
+
+
+def embedded_documents() -> Iterator[str]:
+    """The pydoc topic texts shipped with every CPython (~465 KB of English prose and
+    code), one document per topic, in sorted key order."""
+    from pydoc_data.topics import topics
+
+    for key in sorted(topics):
+        yield topics[key]
+
+
+def _require_path(path: str, source: str) -> Path:
+    if not path:
+        raise UserError(f"data.path is empty but data.source = \"{source}\" reads files; set data.path")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(
+            f"data.path '{p}' does not exist; set data.path to a file or folder for data.source = \"{source}\""
+        )
+    return p
+
+
+def _files_under(root: Path, suffixes: tuple[str, ...], source: str) -> list[Path]:
+    """`root` itself if it is a file, else every matching file below it, sorted (for determinism)."""
+    if root.is_file():
+        return [root]
+    files = sorted(f for f in root.rglob("*") if f.is_file() and f.name.endswith(suffixes))
+    if not files:
+        raise UserError(
+            f"data.path '{root}' holds no {'/'.join(suffixes)} files for data.source = \"{source}\"; "
+            "point data.path at a folder with such files"
+        )
+    return files
+
+
+def text_documents(path: str) -> Iterator[str]:
+    """One document per file: `path` itself if it is a file, else every .txt/.md/.rst/.py
+    file below it (recursively, sorted). Undecodable bytes become U+FFFD."""
+    for f in _files_under(_require_path(path, "text"), TEXT_SUFFIXES, "text"):
+        yield f.read_text(encoding="utf-8", errors="replace")
+
+
+def jsonl_documents(path: str) -> Iterator[str]:
+    """One document per line, its "text" field: `path` itself if it is a file, else every
+    *.jsonl file below it (recursively, sorted). Blank lines are skipped."""
+    for f in _files_under(_require_path(path, "jsonl"), (".jsonl",), "jsonl"):
+        with f.open(encoding="utf-8", errors="replace") as lines:
+            for lineno, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(
+                        f"{f}:{lineno}: not valid JSON ({e.msg}); "
+                        "each line of a data.path .jsonl file must be one JSON object"
+                    ) from e
+                text = record.get("text") if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise UserError(
+                        f"{f}:{lineno}: no string \"text\" field; "
+                        'each line of a data.path .jsonl file must look like {"text": "..."}'
+                    )
+                yield text
+
+
+DOCUMENT_SOURCES: dict[str, Callable[[str], Iterator[str]]] = {
+    "embedded": lambda path: embedded_documents(),
+    "text": text_documents,
+    "jsonl": jsonl_documents,
+}
+SOURCES = tuple(sorted([*DOCUMENT_SOURCES, "synthetic"]))
+
+
+# ---------------------------------------------------------------- packing
+
+
+def tokenize_documents(documents: Iterator[str], tokenizer: Tokenizer) -> torch.Tensor:
+    """One int32 stream: each document's ids followed by EOS (if the tokenizer has one).
+    Documents that tokenize to nothing are dropped, so no EOS follows another EOS."""
+    eos = None if tokenizer.eos_id is None else torch.tensor([tokenizer.eos_id], dtype=torch.int32)
+    pieces = []
+    for doc in documents:
+        ids = tokenizer.encode_to_tensor(doc)
+        if ids.numel() == 0:
+            continue
+        pieces.append(ids)
+        if eos is not None:
+            pieces.append(eos)
+    if not pieces:
+        return torch.empty(0, dtype=torch.int32)
+    return torch.cat(pieces)
+
+
+def synthetic_stream(vocab_size: int, num_tokens: int, seed: int) -> torch.Tensor:
+    """`num_tokens` uniform random ids in [0, vocab_size), reproducible from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (num_tokens,), generator=gen, dtype=torch.int32)
+
+
+def pack_windows(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[num_windows, seq_len + 1] view of the stream; the tail shorter than a window is dropped."""
+    window = seq_len + 1
+    num_windows = stream.numel() // window
+    return stream[: num_windows * window].view(num_windows, window)
+
+
+# ---------------------------------------------------------------- loader
+
+
+class PackedBatchLoader:
+    """Endless iterator of `{"input": LongTensor[B, S], "labels": LongTensor[B, S]}` on CPU.
+
+    Epoch e visits the windows in `torch.randperm` drawn from a generator seeded with
+    `seed + e`, cut into batches of `batch_size`; rank r takes global batches r,
+    r + world_size, r + 2 * world_size, ... (ranks see disjoint windows and run the same
+    number of steps). A trailing partial batch is dropped. `epoch` is the epoch the most
+    recent batch came from.
+
+    Resume: `load_state_dict(state_dict())` on a loader built from the same data and
+    settings yields exactly the batches the original would have yielded next.
+    """
+
+    def __init__(
+        self, windows: torch.Tensor, *, batch_size: int, seed: int, rank: int = 0, world_size: int = 1
+    ) -> None:
+        if windows.dim() != 2 or windows.shape[1] < 2:
+            raise ValueError(f"windows must be [num_windows, seq_len + 1], seq_len >= 1; got {tuple(windows.shape)}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.windows = windows
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        # Same count on every rank, so collectives stay in step at epoch ends.
+        self.batches_per_epoch = windows.shape[0] // batch_size // world_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"{windows.shape[0]} windows do not fill one batch of {batch_size} on each of {world_size} ranks"
+            )
+        self.epoch = 0
+        self.batch_index = 0  # batches of `epoch` already yielded by this rank
+        self._perm_epoch: int | None = None
+        self._perm = torch.empty(0, dtype=torch.long)
+
+    @property
+    def seq_len(self) -> int:
+        return self.windows.shape[1] - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the packed windows (the usable part of the stream)."""
+        return self.windows.numel()
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if self._perm_epoch != epoch:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm = torch.randperm(self.windows.shape[0], generator=gen)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def __iter__(self) -> PackedBatchLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self.batch_index == self.batches_per_epoch:
+            self.epoch += 1
+            self.batch_index = 0
+        global_batch = self.batch_index * self.world_size + self.rank
+        start = global_batch * self.batch_size
+        idx = self._permutation(self.epoch)[start : start + self.batch_size]
+        self.batch_index += 1
+        tokens = self.windows[idx].long()
+        return {"input": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+
+    def state_dict(self) -> dict[str, int]:
+        """Position in the data: the current epoch and how many of its batches this rank has taken."""
+        return {"epoch": self.epoch, "batch_index": self.batch_index}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Continue from a `state_dict()` position."""
+        epoch, batch_index = int(state_dict["epoch"]), int(state_dict["batch_index"])
+        if epoch < 0 or not 0 <= batch_index <= self.batches_per_epoch:
+            raise UserError(
+                f"data loader state (epoch {epoch}, batch {batch_index}) does not fit this data "
+                f"({self.batches_per_epoch} batches per epoch); "
+                "resume with the data and batch settings the checkpoint was saved with"
+            )
+        self.epoch, self.batch_index = epoch, batch_index
+
+
+def build_dataloader(
+    source: str,
+    path: str,
+    tokenizer: Tokenizer,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> PackedBatchLoader:
+    """Read `source` (see `SOURCES`), tokenize and pack it, and return this rank's loader.
+
+    `path` is ignored by "embedded" and "synthetic"; "synthetic" draws ids below
+    `tokenizer.vocab_size` from `seed`.
+    """
+    if batch_size < 1:
+        raise ConfigError(f"training.local_batch_size must be >= 1, got {batch_size}")
+    if seq_len < 1:
+        raise ConfigError(f"training.seq_len must be >= 1, got {seq_len}")
+    if source == "synthetic":
+        num_windows = batch_size * world_size * SYNTHETIC_BATCHES_PER_RANK
+        stream = synthetic_stream(tokenizer.vocab_size, num_windows * (seq_len + 1), seed)
+    elif source in DOCUMENT_SOURCES:
+        stream = tokenize_documents(DOCUMENT_SOURCES[source](path), tokenizer)
+        if stream.numel() == 0:
+            raise UserError(
+                f"data.path '{path}' has no text to train on (0 tokens); point data.path at non-empty files"
+            )
+    else:
+        close = difflib.get_close_matches(source, SOURCES, n=1)
+        hint = f" (did you mean \"{close[0]}\"?)" if close else ""
+        raise ConfigError(f"data.source \"{source}\" is unknown{hint}; valid sources: {', '.join(SOURCES)}")
+
+    needed = batch_size * world_size * (seq_len + 1)
+    if stream.numel() < needed:
+        where = "the embedded corpus" if source == "embedded" else f"data.path '{path}'"
+        ranks = f" on each of {world_size} ranks" if world_size > 1 else ""
+        raise UserError(
+            f"{where} has {stream.numel()} tokens but one batch needs {needed} "
+            f"({batch_size} x (seq_len {seq_len} + 1){ranks}); use a smaller training.seq_len "
+            "or training.local_batch_size, or more data"
+        )
+    windows = pack_windows(stream, seq_len)
+    return PackedBatchLoader(windows, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size)
