@@ -1,0 +1,374 @@
+"""Capture of the whole training step as one FX graph.
+
+`trace_step` traces forward, loss, `torch.autograd.grad`, gradient clipping and,
+optionally, the optimizer update with `make_fx` on fake tensors: nothing the
+size of an activation is allocated, so big models trace on a small machine.
+Parameters, buffers, the batch, optimizer state and per-step host scalars all
+enter as flat graph inputs, so one graph serves every step and passes can
+rewrite it without a pytree calling convention to keep.
+
+Graph outputs: `[loss, grad_norm, *grads]` (grads clipped when max_norm > 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import linecache
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental import proxy_tensor
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graph_trainer.errors import UserError
+from graph_trainer.layers import transformer_layers
+from graph_trainer.loss import lm_loss
+from graph_trainer.optimizer import clip_grads_
+from graph_trainer.tracer import node_meta
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+class TraceError(UserError):
+    """The step could not be traced; the message names the module, source line and op."""
+
+
+class GraphOptimizer(Protocol):
+    """An optimizer whose update can be traced into the step graph (see `GraphAdamW`)."""
+
+    params: list[torch.Tensor]
+
+    def state_tensors(self) -> list[torch.Tensor]: ...
+
+    def host_scalars(self) -> list[torch.Tensor]: ...
+
+    def update_(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+                state: list[torch.Tensor], scalars: list[torch.Tensor]) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class InputLayout:
+    """How the flat graph inputs are laid out: params, buffers, batch leaves, optimizer state, host scalars."""
+
+    param_names: tuple[str, ...]
+    buffer_names: tuple[str, ...]
+    batch_spec: pytree.TreeSpec
+    num_batch: int
+    num_opt_state: int
+    num_scalars: int
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (len(self.param_names), len(self.buffer_names), self.num_batch,
+                self.num_opt_state, self.num_scalars)
+
+    @property
+    def categories(self) -> list[str]:
+        """One category per graph input, for memory accounting."""
+        names = ("parameter", "buffer", "batch", "optimizer_state", "scalar")
+        return [name for name, n in zip(names, self.sizes) for _ in range(n)]
+
+    def split(self, flat: list) -> list[list]:
+        """Split flat inputs into [params, buffers, batch leaves, optimizer state, scalars]."""
+        out, start = [], 0
+        for n in self.sizes:
+            out.append(list(flat[start:start + n]))
+            start += n
+        return out
+
+
+def batch_signature(batch: Any) -> tuple:
+    """What a graph is specialized on in a batch: its structure and each leaf's shape, dtype and device."""
+    leaves, spec = pytree.tree_flatten(batch)
+    return (str(spec),) + tuple(
+        (tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else (type(t), t)
+        for t in leaves
+    )
+
+
+@dataclasses.dataclass
+class TracedStep:
+    """A traced training step: the graph plus what is needed to feed it from the live model."""
+
+    gm: torch.fx.GraphModule
+    layout: InputLayout
+    signature: tuple
+    trace_time_s: float
+    has_optimizer: bool
+
+    def __call__(self, flat_inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Run the graph under no_grad: autograd must not record the traced backward a second time."""
+        with torch.no_grad():
+            out = self.gm(*flat_inputs)
+        return out[0], out[1], list(out[2:])
+
+
+def check_no_compiled_autograd() -> None:
+    """Refuse compiled autograd: our backward is already in the graph, and it would rewrite it."""
+    enabled = getattr(getattr(torch, "_dynamo", None), "config", None)
+    enabled = getattr(enabled, "compiled_autograd", False)
+    try:
+        from torch._dynamo import compiled_autograd
+
+        enabled = enabled or bool(getattr(compiled_autograd, "compiled_autograd_enabled", False))
+    except ImportError:  # pragma: no cover - torch without dynamo
+        pass
+    if enabled:
+        raise TraceError("torch._dynamo compiled autograd is enabled, but graph_trainer already traces "
+                         "the backward into the step graph; turn compiled autograd off "
+                         "(torch._dynamo.config.compiled_autograd = False)")
+
+
+class _ModuleAnnotator:
+    """Forward hooks that annotate every traced op with its module FQN and layer index.
+
+    Forward annotations reach only forward nodes; `_copy_forward_annotations`
+    carries them to the backward nodes afterwards. The stack of open modules also
+    tells which module a failing op was in.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.layers = transformer_layers(model)
+        self.stack: list[tuple[str, contextlib.AbstractContextManager]] = []
+
+    def _layer_of(self, fqn: str) -> int | None:
+        for prefix, index in self.layers.items():
+            if fqn == prefix or fqn.startswith(prefix + "."):
+                return index
+        return None
+
+    @contextlib.contextmanager
+    def installed(self):
+        handles = []
+        for fqn, module in self.model.named_modules():
+            tags = {node_meta.MODULE_FQN: fqn}
+            layer = self._layer_of(fqn)
+            if layer is not None:
+                tags[node_meta.LAYER_ID] = layer
+            handles.append(module.register_forward_pre_hook(self._enter_hook(fqn, tags)))
+            handles.append(module.register_forward_hook(self._exit))
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+            while self.stack:  # a failed forward leaves modules open
+                self.stack.pop()[1].__exit__(None, None, None)
+
+    def _enter_hook(self, fqn: str, tags: dict):
+        def hook(module, args):
+            ctx = fx_traceback.annotate(tags)
+            ctx.__enter__()
+            self.stack.append((fqn, ctx))
+        return hook
+
+    def _exit(self, module, args, output):
+        self.stack.pop()[1].__exit__(None, None, None)
+
+    def current_module(self) -> str | None:
+        return self.stack[-1][0] if self.stack else None
+
+
+def _link_backward_to_forward(root: Any) -> None:
+    """Make each backward node carry the seq_nr of the forward op it differentiates.
+
+    make_fx stamps `meta["seq_nr"]` on backward nodes from fx.traceback's
+    grad_fn stack, which autograd itself does not fill; these hooks push each
+    autograd node's sequence number while it runs (what AOTAutograd does too).
+    """
+    seen, queue = set(), [root]
+    while queue:
+        fn = queue.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        seq_nr = fn._sequence_nr()
+        fn.register_prehook(lambda grad_outputs, s=seq_nr: fx_traceback.set_grad_fn_seq_nr(s))
+        fn.register_hook(lambda grad_inputs, grad_outputs: fx_traceback.reset_grad_fn_seq_nr())
+        queue.extend(next_fn for next_fn, _ in fn.next_functions)
+
+
+def _copy_forward_annotations(graph: torch.fx.Graph) -> None:
+    """Give each backward node the module FQN and layer of the forward op with the same autograd seq_nr."""
+    first_forward: dict[int, torch.fx.Node] = {}
+    for node in graph.nodes:
+        if node_meta.is_forward(node) and node_meta.SEQ_NR in node.meta:
+            first_forward.setdefault(node.meta[node_meta.SEQ_NR], node)
+    for node in graph.nodes:
+        if not node_meta.is_backward(node):
+            continue
+        source = first_forward.get(node.meta.get(node_meta.SEQ_NR))
+        # annotate() shares one dict among many nodes: copy before writing.
+        tags = dict(node.meta.get(node_meta.CUSTOM, {}))
+        if source is not None:
+            tags[node_meta.MODULE_FQN] = node_meta.module_fqn(source)
+            if node_meta.layer_id(source) is not None:
+                tags[node_meta.LAYER_ID] = node_meta.layer_id(source)
+        node.meta[node_meta.CUSTOM] = tags
+
+
+def _user_frame(exc: BaseException) -> str:
+    """'file:line: source' of the innermost frame outside torch and this tracer."""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(os.path.dirname(__file__))
+    best = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(torch_dir) or path.startswith(here) or frame.filename.startswith("<"):
+            continue
+        best = frame
+    if best is None:
+        return "unknown source line"
+    line = (best.line or linecache.getline(best.filename, best.lineno)).strip()
+    return f"{best.filename}:{best.lineno}: {line}"
+
+
+def _failed_op(exc: BaseException) -> str | None:
+    func = getattr(exc, "func", None)
+    if func is not None:
+        return str(func)
+    return None
+
+
+def _explain(exc: BaseException) -> str:
+    name = type(exc).__name__
+    if "DataDependent" in name or "GuardOnDataDependent" in name:
+        return ("the step reads a tensor's value in Python (data-dependent control flow, .item(), "
+                "bool(tensor)), which a trace on fake tensors cannot know")
+    if "UnsupportedOperator" in name or "fake" in str(exc).lower() and "impl" in str(exc).lower():
+        return "an op has no fake-tensor implementation (register one with torch.library.register_fake)"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else name
+    return f"{name}: {first}"
+
+
+def _partial_graph_code() -> str | None:
+    tracer = getattr(proxy_tensor, "_CURRENT_MAKE_FX_TRACER", None)  # private: guarded
+    graph = getattr(getattr(tracer, "fx_tracer", None), "graph", None)
+    if graph is None:
+        return None
+    return graph.python_code(root_module="self", verbose=True).src
+
+
+def _fake_like(mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    with mode:
+        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                   device=device if device is not None else t.device)
+    return fake
+
+
+def trace_step(
+    model: nn.Module,
+    batch: Any,
+    *,
+    loss_fn: LossFn = lm_loss,
+    max_norm: float = 0.0,
+    optimizer: GraphOptimizer | None = None,
+    device: torch.device | str | None = None,
+    failure_dir: Path | None = None,
+) -> TracedStep:
+    """Trace one whole training step of `model` on a batch shaped like `batch`.
+
+    Args:
+        model: any nn.Module whose `loss_fn(model, batch)` is traceable; it may live
+            on the meta device (then pass `device`): only shapes and dtypes are read.
+        batch: a pytree of tensors (e.g. {"input": ..., "labels": ...}).
+        loss_fn: forward + loss; the default is the causal-LM cross-entropy.
+        max_norm: clip the global grad norm to this (<= 0: compute the norm only).
+        optimizer: when given, its update is traced into the graph (in place on
+            params and optimizer state).
+        device: the device the graph is traced for (default: where the params are).
+        failure_dir: where the partial graph goes when tracing fails.
+
+    Raises:
+        TraceError: with the module FQN, source line and op that could not be traced.
+    """
+    check_no_compiled_autograd()
+    device = torch.device(device) if device is not None else None
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    if optimizer is not None and [id(p) for p in optimizer.params] != [id(p) for p in params.values()]:
+        raise TraceError("the traced optimizer must hold exactly the model's parameters, in "
+                         "model.named_parameters() order; build it from model.parameters()")
+    batch_leaves, batch_spec = pytree.tree_flatten(batch)
+    opt_state = optimizer.state_tensors() if optimizer is not None else []
+    scalars = optimizer.host_scalars() if optimizer is not None else []
+    layout = InputLayout(tuple(params), tuple(buffers), batch_spec, len(batch_leaves),
+                         len(opt_state), len(scalars))
+
+    annotator = _ModuleAnnotator(model)
+    failure: dict[str, Any] = {}
+
+    def step(*flat: torch.Tensor) -> list[torch.Tensor]:
+        p_list, b_list, leaves, state, host = layout.split(list(flat))
+        try:
+            with fx_traceback.annotate({node_meta.PHASE: node_meta.FORWARD}):
+                tensors = {**dict(zip(layout.param_names, p_list)),
+                           **dict(zip(layout.buffer_names, b_list))}
+                # functional_call's own mechanism, but around loss_fn rather than forward alone;
+                # tie_weights lets tied modules (e.g. the output projection) follow the one name.
+                with torch.nn.utils.stateless._reparametrize_module(model, tensors, tie_weights=True):
+                    loss = loss_fn(model, pytree.tree_unflatten(leaves, layout.batch_spec))
+            _link_backward_to_forward(loss.grad_fn)
+            with fx_traceback.annotate({node_meta.PHASE: node_meta.BACKWARD}):
+                grads = list(torch.autograd.grad(loss, p_list))
+            with fx_traceback.annotate({node_meta.PHASE: node_meta.OPTIMIZER}), torch.no_grad():
+                grad_norm = clip_grads_(grads, max_norm)
+                if optimizer is not None:
+                    optimizer.update_(p_list, grads, state, host)
+            return [loss.detach(), grad_norm, *grads]
+        except Exception:
+            failure["module"] = annotator.current_module()
+            failure["graph"] = _partial_graph_code()
+            raise
+
+    fake_mode = FakeTensorMode()
+    fake_inputs = [_fake_like(fake_mode, t, device).requires_grad_(True) for t in params.values()]
+    fake_inputs += [_fake_like(fake_mode, t, device) for t in buffers.values()]
+    fake_inputs += [_fake_like(fake_mode, t, device) for t in batch_leaves]
+    fake_inputs += [_fake_like(fake_mode, t, device) for t in opt_state]
+    fake_inputs += [_fake_like(fake_mode, t, None) for t in scalars]  # host scalars stay on the CPU
+
+    start = time.perf_counter()
+    try:
+        with fx_traceback.preserve_node_meta(), annotator.installed():
+            gm = make_fx(step, tracing_mode="fake")(*fake_inputs)
+    except Exception as exc:
+        raise _trace_error(exc, failure, failure_dir) from exc
+    trace_time = time.perf_counter() - start
+
+    _copy_forward_annotations(gm.graph)
+    gm.recompile()
+    return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch),
+                      trace_time_s=trace_time, has_optimizer=optimizer is not None)
+
+
+def _trace_error(exc: Exception, failure: dict, failure_dir: Path | None) -> TraceError:
+    module = failure.get("module")
+    where = f"module '{module}'" if module else "the loss or optimizer code"
+    op = _failed_op(exc)
+    msg = f"cannot trace the training step in {where} at {_user_frame(exc)}"
+    if op:
+        msg += f" (op {op})"
+    msg += f": {_explain(exc)}"
+    if failure.get("graph") and failure_dir is not None:
+        failure_dir.mkdir(parents=True, exist_ok=True)
+        path = failure_dir / "partial_graph.py"
+        path.write_text(failure["graph"])
+        msg += f"; partial graph written to {path}"
+    msg += "; fix the code or run with --compile.mode eager"
+    return TraceError(msg)
+
+
+__all__ = ["TraceError", "TracedStep", "InputLayout", "GraphOptimizer", "trace_step",
+           "batch_signature", "check_no_compiled_autograd"]

@@ -1,0 +1,56 @@
+"""The node-metadata contract between the tracer and the graph passes.
+
+Every key that one stage writes and another reads is named here, once, and read
+through these helpers. The tracer writes `node.meta["custom"]` (phase, module
+FQN, layer id); the activation-checkpointing passes write torch's own
+`node.meta["recompute"]` and `node.meta["ac_graph_id"]`, which
+`torch._functorch`'s rematerialization reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx
+
+CUSTOM = "custom"  # torch.fx.traceback.annotate() writes here
+PHASE = "phase"
+MODULE_FQN = "module_fqn"
+LAYER_ID = "layer_id"
+
+FORWARD = "forward"
+BACKWARD = "backward"
+OPTIMIZER = "optimizer"
+PHASES = (FORWARD, BACKWARD, OPTIMIZER)
+
+RECOMPUTE = "recompute"  # a torch.utils.checkpoint.CheckpointPolicy
+AC_GRAPH_ID = "ac_graph_id"  # int region id; remat never moves ops across regions
+SEQ_NR = "seq_nr"  # autograd sequence number; links a forward op to its backward ops
+
+
+def custom(node: torch.fx.Node) -> dict[str, Any]:
+    """The node's `meta["custom"]` dict (created empty if missing)."""
+    return node.meta.setdefault(CUSTOM, {})
+
+
+def phase(node: torch.fx.Node) -> str | None:
+    """'forward', 'backward' or 'optimizer' for op nodes of a traced step; None for inputs/outputs."""
+    return node.meta.get(CUSTOM, {}).get(PHASE)
+
+
+def module_fqn(node: torch.fx.Node) -> str:
+    """Fully qualified name of the innermost module that produced the node ('' for the root)."""
+    return node.meta.get(CUSTOM, {}).get(MODULE_FQN, "")
+
+
+def layer_id(node: torch.fx.Node) -> int | None:
+    """Index of the transformer layer the node belongs to, or None outside the layers."""
+    return node.meta.get(CUSTOM, {}).get(LAYER_ID)
+
+
+def is_backward(node: torch.fx.Node) -> bool:
+    return phase(node) == BACKWARD
+
+
+def is_forward(node: torch.fx.Node) -> bool:
+    return phase(node) == FORWARD
