@@ -1,0 +1,62 @@
+"""Crash-safe file writes shared by the metrics and checkpoint components.
+
+A reader (a resumed run, a dashboard, a test harness) must only ever see either
+the previous complete file or the new complete file, never a torn one: write to
+a temporary file in the same folder (so the rename stays on one filesystem),
+fsync it, `os.replace` it over the target (atomic on POSIX), then fsync the
+folder so the rename itself survives a power loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+# Temp files start with a dot and end with this suffix, so globs such as
+# `step-*.pt` never match a half-written file.
+TEMP_SUFFIX = ".tmp"
+
+
+def fsync_dir(folder: Path) -> None:
+    """Flush a folder's entry table to disk (makes a rename inside it durable)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # platforms without directory fds (Windows) have no equivalent
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write `path` atomically: `write(f)` fills a temp file that replaces `path` only once complete.
+
+    If `write` raises (or the process dies), `path` keeps its previous content and
+    the temp file is removed (or, after a hard kill, left as `.{name}.*.tmp`).
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a UTF-8 text file atomically (see `atomic_write`)."""
+    data = text.encode("utf-8")
+    atomic_write(path, lambda f: f.write(data))
