@@ -1,0 +1,363 @@
+"""Llama 3, in one file you can read top to bottom.
+
+Order follows the data: config, RMSNorm, rotary embeddings, attention,
+feed-forward, the transformer block, the model, then helpers that count
+parameters and FLOPs.
+
+Parameter names match Meta's checkpoints (`layers.0.attention.wq.weight`, ...);
+the trainer relies on `model.layers` being the list of transformer blocks.
+
+Big flavors are built without memory and materialized afterwards:
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graph_trainer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape and initialization of a Llama-3 model. Frozen: derive variants with `dataclasses.replace`."""
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
+    vocab_size: int = 128256
+    multiple_of: int = 256  # FFN hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama-3.1 long-context frequency scaling of RoPE.
+    use_rope_scaling: bool = False
+    scaling_factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+    max_seq_len: int = 2048  # length of the precomputed RoPE tables
+    dropout: float = 0.0  # residual dropout; 0 disables it entirely (no op in the graph)
+    tie_embeddings: bool = False
+    depth_init: bool = True  # scale output projections' init by layer depth rather than model depth
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads != 0:
+            raise ConfigError(
+                f"model dim {self.dim} is not divisible by n_heads {self.n_heads}; pick n_heads that divides dim"
+            )
+        if (self.dim // self.n_heads) % 2 != 0:
+            raise ConfigError(
+                f"head dim {self.dim // self.n_heads} is odd; RoPE needs an even head dim (change dim or n_heads)"
+            )
+        if self.n_heads % self.kv_heads != 0:
+            raise ConfigError(
+                f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}; "
+                "pick n_kv_heads that divides n_heads"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout {self.dropout} is outside [0, 1); set model dropout to e.g. 0.0 or 0.1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+
+# --------------------------------------------------------------------------- RMSNorm
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 for low-precision inputs."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+# --------------------------------------------------------------------------- rotary embeddings
+
+
+def rope_frequencies(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """Rotation frequency of each pair of channels in a head: theta^(-2i/head_dim), shape [head_dim // 2].
+
+    With `use_rope_scaling` the Llama-3.1 rule stretches the low frequencies (long
+    wavelengths) by `scaling_factor`, keeps the high ones, and blends in between.
+    """
+    exponents = torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32) / args.head_dim
+    freqs = 1.0 / (args.rope_theta**exponents)
+    if not args.use_rope_scaling:
+        return freqs
+    wavelen = 2 * math.pi / freqs
+    low_freq_wavelen = args.original_max_seq_len / args.low_freq_factor
+    high_freq_wavelen = args.original_max_seq_len / args.high_freq_factor
+    # 0 at the low-frequency edge, 1 at the high-frequency edge.
+    smooth = (args.original_max_seq_len / wavelen - args.low_freq_factor) / (
+        args.high_freq_factor - args.low_freq_factor
+    )
+    blended = (1 - smooth) * freqs / args.scaling_factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / args.scaling_factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables, [max_seq_len, head_dim // 2] each.
+
+    Real-valued (not complex) so that every op in the traced graph is an ordinary
+    float op; non-persistent because they are derived from the config, not learned.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        shape = (args.max_seq_len, args.head_dim // 2)
+        self.register_buffer("cos", torch.empty(shape), persistent=False)
+        self.register_buffer("sin", torch.empty(shape), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Recompute the tables in place (in float32, then cast to the buffers' dtype)."""
+        device = self.cos.device
+        if device.type == "meta":
+            return  # nothing to compute on meta; init_weights() after to_empty() fills them
+        positions = torch.arange(self.args.max_seq_len, device=device, dtype=torch.float32)
+        angles = torch.outer(positions, rope_frequencies(self.args, device))
+        with torch.no_grad():
+            self.cos.copy_(angles.cos())
+            self.sin.copy_(angles.sin())
+
+    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len > self.args.max_seq_len:
+            raise ConfigError(
+                f"sequence length {seq_len} exceeds the model's max_seq_len {self.args.max_seq_len}; "
+                "raise model max_seq_len or lower the training seq_len"
+            )
+        return self.cos[:seq_len], self.sin[:seq_len]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (x[2i], x[2i+1]) of x [B, S, H, head_dim] by position-dependent angles.
+
+    Adjacent channels form a pair, as in Meta's complex-number formulation, so
+    Meta's wq/wk weights load without permutation. Computed in float32.
+    """
+    x_pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = x_pairs[..., 0], x_pairs[..., 1]
+    cos = cos[None, :, None, :]  # broadcast over batch and heads
+    sin = sin[None, :, None, :]
+    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq_len, _ = x.shape
+        q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, head_dim]
+        # Share each KV head with its group of query heads explicitly: SDPA's own
+        # `enable_gqa` path would not reach the fused CPU flash kernel.
+        k, v = self._expand_kv(k), self._expand_kv(v)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+    def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        n_rep = self.n_heads // self.n_kv_heads
+        if n_rep == 1:
+            return t
+        bsz, n_kv, seq_len, head_dim = t.shape
+        return t[:, :, None].expand(bsz, n_kv, n_rep, seq_len, head_dim).reshape(bsz, n_kv * n_rep, seq_len, head_dim)
+
+
+# --------------------------------------------------------------------------- feed-forward
+
+
+def ffn_hidden_dim(args: ModelArgs) -> int:
+    """Llama-3 SwiGLU width: 2/3 of 4*dim (keeps the FLOPs of a 4*dim GELU MLP), scaled, rounded up."""
+    hidden = 4 * args.dim
+    hidden = int(2 * hidden / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hidden = ffn_hidden_dim(args)
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# --------------------------------------------------------------------------- transformer block
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(.))."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.args = args
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self._dropout(self.attention(self.attention_norm(x), cos, sin))
+        return h + self._dropout(self.feed_forward(self.ffn_norm(h)))
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        # Skipped entirely at p=0 so the graph has no random op to save or replay.
+        if self.args.dropout == 0.0:
+            return x
+        return F.dropout(x, p=self.args.dropout, training=self.training)
+
+    def init_weights(self) -> None:
+        """Inputs projections std 0.02; output projections scaled down with depth (see ModelArgs.depth_init)."""
+        depth = self.layer_id + 1 if self.args.depth_init else self.args.n_layers
+        out_std = 0.02 / math.sqrt(2 * depth)
+        for linear in (self.attention.wq, self.attention.wk, self.attention.wv, self.feed_forward.w1):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        for linear in (self.attention.wo, self.feed_forward.w2, self.feed_forward.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=out_std)
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class Transformer(nn.Module):
+    """Llama 3: token embedding, n_layers blocks, final norm, output projection to logits."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.rope = RotaryEmbedding(args)
+        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens LongTensor [B, S] -> logits [B, S, vocab_size] in the model's dtype."""
+        cos, sin = self.rope(tokens.shape[1])
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialize every parameter and the RoPE tables in place; deterministic under torch.manual_seed.
+
+        A no-op for tensors on the meta device (a meta model has no values to set);
+        call it after `to_empty()`, which also restores the embedding tie that
+        `to_empty()` breaks.
+        """
+        if self.args.tie_embeddings:
+            # `to_empty()` gives each module its own new Parameter, which unties them.
+            self.output.weight = self.tok_embeddings.weight
+        if self.output.weight.device.type == "meta":
+            return
+        self.rope.reset_parameters()
+        if not self.args.tie_embeddings:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
+        for layer in self.layers:
+            layer.init_weights()
+        self.norm.reset_parameters()
+        # When tied this also sets the embedding: the output role decides the
+        # scale, because std 1.0 would make the first logits ~sqrt(dim) large.
+        std = self.args.dim**-0.5
+        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Number of parameters, tied weights counted once (meta tensors count too).
+
+    `exclude_embedding` leaves out the token embedding table (and with it a
+    tied output projection, which is the same tensor).
+    """
+    excluded: set[int] = set()
+    if exclude_embedding:
+        excluded = {id(p) for p in model.tok_embeddings.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in excluded)
+
+
+def num_params_from_args(args: ModelArgs) -> int:
+    """Parameter count of `Transformer(args)` derived from the config alone (tied weights once)."""
+    kv_dim = args.kv_heads * args.head_dim
+    attention = 2 * args.dim * args.dim + 2 * args.dim * kv_dim
+    ffn = 3 * args.dim * ffn_hidden_dim(args)
+    per_layer = attention + ffn + 2 * args.dim  # + two RMSNorm weights
+    embedding = args.vocab_size * args.dim
+    output = 0 if args.tie_embeddings else args.vocab_size * args.dim
+    return embedding + args.n_layers * per_layer + args.dim + output
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6*N + 12*n_layers*n_heads*head_dim*seq_len.
+
+    N counts the parameters that take part in a matmul: everything but the
+    embedding lookup, with the output projection counted even when tied (its
+    matmul runs either way). The second term is the attention score and value
+    matmuls (forward + backward), which have no parameters.
+    """
+    n_matmul = num_params_from_args(args) - args.vocab_size * args.dim
+    if args.tie_embeddings:
+        n_matmul += args.vocab_size * args.dim
+    return 6.0 * n_matmul + 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
