@@ -180,6 +180,14 @@ class _ModuleAnnotator:
         return self.stack[-1][0] if self.stack else None
 
 
+def _mark_random_ops(graph: torch.fx.Graph) -> None:
+    """Tag ops that draw from the RNG (dropout, SDPA with dropout_p) so no pass recomputes them."""
+    for node in graph.nodes:
+        tags = getattr(node.target, "tags", ())
+        if torch.Tag.nondeterministic_seeded in tags:
+            node.meta[node_meta.CUSTOM] = {**node.meta.get(node_meta.CUSTOM, {}), node_meta.RANDOM: True}
+
+
 def _link_backward_to_forward(root: Any) -> None:
     """Make each backward node carry the seq_nr of the forward op it differentiates.
 
@@ -348,6 +356,7 @@ def trace_step(
     trace_time = time.perf_counter() - start
 
     _copy_forward_annotations(gm.graph)
+    _mark_random_ops(gm.graph)
     gm.recompile()
     return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch),
                       trace_time_s=trace_time, has_optimizer=optimizer is not None)

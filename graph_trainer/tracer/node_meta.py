@@ -17,6 +17,7 @@ CUSTOM = "custom"  # torch.fx.traceback.annotate() writes here
 PHASE = "phase"
 MODULE_FQN = "module_fqn"
 LAYER_ID = "layer_id"
+RANDOM = "random"  # True on ops that draw from an RNG: they must run exactly once
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -54,3 +55,8 @@ def is_backward(node: torch.fx.Node) -> bool:
 
 def is_forward(node: torch.fx.Node) -> bool:
     return phase(node) == FORWARD
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """True for ops that consume the RNG; recomputing one would change numerics."""
+    return bool(node.meta.get(CUSTOM, {}).get(RANDOM))

@@ -1,0 +1,37 @@
+"""The eager training step: plain PyTorch autograd, the baseline every claim is measured against.
+
+It runs the same loss function and the same gradient clipping as the traced
+step (`graph_trainer.loss`, `graph_trainer.optimizer.clip_grads_`), so the two
+differ only in how the step is executed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from graph_trainer.loss import lm_loss
+from graph_trainer.optimizer import clip_grads_
+from graph_trainer.tracer.capture import LossFn
+
+
+class EagerStep:
+    """forward + loss + backward + clipping; the optimizer update stays with the caller."""
+
+    def __init__(self, model: nn.Module, *, loss_fn: LossFn = lm_loss, max_norm: float = 0.0):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.max_norm = max_norm
+        self._params = [p for p in model.parameters() if p.requires_grad]
+
+    def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one step; returns (loss, grad_norm) with the clipped grads in `param.grad`."""
+        for p in self._params:
+            p.grad = None
+        loss = self.loss_fn(self.model, batch)
+        loss.backward()
+        with torch.no_grad():
+            grad_norm = clip_grads_([p.grad for p in self._params], self.max_norm)
+        return loss.detach(), grad_norm

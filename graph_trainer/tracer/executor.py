@@ -1,0 +1,117 @@
+"""Running a traced step every iteration: trace once per input signature, then replay.
+
+`GraphStep` owns the current `TracedStep` of a model. Each call checks the
+batch's signature (structure, shapes, dtypes, devices: a tuple compare), traces
+again when it changed (or refuses, with `on_shape_change="error"`), feeds the
+graph from the live model and optimizer, and writes the gradients it returns
+into `param.grad` as eager backward would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from graph_trainer.errors import UserError
+from graph_trainer.loss import lm_loss
+from graph_trainer.tracer.capture import (GraphOptimizer, LossFn, TracedStep, batch_signature,
+                                          trace_step)
+
+Transform = Callable[[TracedStep], TracedStep]
+
+
+@dataclasses.dataclass
+class TraceStats:
+    """How often the step was traced and why; logged as `trace/count` and `compile/trace_time_s`."""
+
+    count: int = 0
+    total_time_s: float = 0.0
+    last_time_s: float = 0.0
+    reasons: list[str] = dataclasses.field(default_factory=list)
+
+
+def describe_change(old: tuple, new: tuple) -> str:
+    """A short human reason for a signature change, e.g. 'batch leaf 0: (4, 256) -> (4, 128)'."""
+    if old[0] != new[0] or len(old) != len(new):
+        return "batch structure changed"
+    diffs = [f"batch leaf {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(old[1:], new[1:])) if a != b]
+    return "; ".join(diffs) or "signature changed"
+
+
+class GraphStep:
+    """A model's training step as a traced graph, retraced only when the batch signature changes.
+
+    Args:
+        model: the live model; its parameters and buffers feed the graph each step.
+        loss_fn: forward + loss (default: causal-LM cross-entropy).
+        max_norm: gradient clipping inside the graph (<= 0: norm only).
+        optimizer: a `GraphOptimizer` to trace the update into the graph, or None.
+        on_shape_change: "retrace" (log and count) or "error".
+        transform: applied to each fresh trace (the pass pipeline).
+        device: device to trace for (default: the parameters').
+        failure_dir: where a failing trace leaves its partial graph.
+        log: where retrace reasons go.
+    """
+
+    def __init__(self, model: nn.Module, *, loss_fn: LossFn = lm_loss, max_norm: float = 0.0,
+                 optimizer: GraphOptimizer | None = None, on_shape_change: str = "retrace",
+                 transform: Transform | None = None, device: torch.device | None = None,
+                 failure_dir: Path | None = None, log: Callable[[str], None] = print):
+        if on_shape_change not in ("retrace", "error"):
+            raise UserError(f"compile.on_shape_change: expected retrace|error, got {on_shape_change!r}")
+        self.model = model
+        self.loss_fn = loss_fn
+        self.max_norm = max_norm
+        self.optimizer = optimizer
+        self.on_shape_change = on_shape_change
+        self.transform = transform
+        self.device = device
+        self.failure_dir = failure_dir
+        self.log = log
+        self.stats = TraceStats()
+        self.traced: TracedStep | None = None
+        self._params = [p for _, p in model.named_parameters()]
+        self._buffers = [b for _, b in model.named_buffers()]
+
+    def ensure_traced(self, batch: Any) -> TracedStep:
+        """The graph for `batch`'s signature, tracing (and transforming) it if needed."""
+        signature = batch_signature(batch)
+        if self.traced is not None and self.traced.signature == signature:
+            return self.traced
+        if self.traced is not None:
+            reason = describe_change(self.traced.signature, signature)
+            if self.on_shape_change == "error":
+                raise UserError(f"the batch signature changed ({reason}) and compile.on_shape_change = "
+                                "'error'; keep shapes fixed or set compile.on_shape_change = 'retrace'")
+            self.log(f"retracing the step: {reason}")
+            self.stats.reasons.append(reason)
+        traced = trace_step(self.model, batch, loss_fn=self.loss_fn, max_norm=self.max_norm,
+                            optimizer=self.optimizer, device=self.device,
+                            failure_dir=self.failure_dir)
+        self.stats.count += 1
+        self.stats.last_time_s = traced.trace_time_s
+        self.stats.total_time_s += traced.trace_time_s
+        self.traced = self.transform(traced) if self.transform is not None else traced
+        return self.traced
+
+    def flat_inputs(self, batch: Any) -> list[torch.Tensor]:
+        """Graph inputs for this step, gathered from the live model, batch and optimizer."""
+        inputs = [*self._params, *self._buffers, *pytree.tree_leaves(batch)]
+        if self.optimizer is not None:
+            inputs += self.optimizer.state_tensors() + self.optimizer.host_scalars()
+        return inputs
+
+    def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one training step; returns (loss, grad_norm) and leaves the (clipped) grads in `param.grad`."""
+        traced = self.ensure_traced(batch)
+        for p in self._params:  # as zero_grad(set_to_none=True): last step's grads must not outlive it
+            p.grad = None
+        loss, grad_norm, grads = traced(self.flat_inputs(batch))
+        for p, g in zip(self._params, grads):
+            p.grad = g
+        return loss, grad_norm

@@ -1,0 +1,283 @@
+"""The training loop: wires config, model, data, step (eager or traced), metrics and checkpoints.
+
+Data flows one way: config -> model + data -> step (tracer + passes, or eager)
+-> metrics -> checkpoint. The trainer holds the loop and no graph logic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from graph_trainer.checkpoint import (CheckpointManager, capture_rng_state, load_model_state,
+                                      restore_rng_state)
+from graph_trainer.config import JobConfig, config_to_toml
+from graph_trainer.data import build_dataloader
+from graph_trainer.digest import tensors_digest
+from graph_trainer.eager import EagerStep
+from graph_trainer.errors import UserError
+from graph_trainer.loss import lm_loss
+from graph_trainer.memory import MemoryMonitor
+from graph_trainer.metrics import MetricsLogger
+from graph_trainer.optimizer import GraphAdamW, build_lr_scheduler, build_optimizer
+from graph_trainer.tokenizer import build_tokenizer
+from graph_trainer.tracer.executor import GraphStep
+from models import build_model_args, get_model_spec
+from models.llama3.model import flops_per_token, num_params
+
+
+class TrainingDiverged(UserError):
+    """The loss became NaN or inf; the last good checkpoint is kept."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a finished run returns to its caller (tests, benchmarks)."""
+
+    losses: list[float]
+    final_step: int
+    params_sha256: str
+    grads_sha256: str
+    trace_count: int
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks CUDA when available; asking for CUDA without it is a user error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("training.device = 'cuda' but no CUDA device is available; "
+                        "use training.device = 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Compute dtype: 'auto' is bf16 autocast on CUDA and fp32 on CPU; parameters stay fp32."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def set_determinism(seed: int, deterministic: bool, device: torch.device) -> None:
+    """Seed every RNG; with `deterministic`, also force deterministic kernels (CUDA flags included)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        if device.type == "cuda":
+            # cuBLAS reads this when its handle is created: before the first matmul.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+        torch.use_deterministic_algorithms(True)
+
+
+def autocast_loss(dtype: torch.dtype, device: torch.device):
+    """The loss function, under bf16 autocast when the compute dtype asks for it (fp32 master weights)."""
+    if dtype == torch.float32:
+        return lm_loss
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dtype):
+            return lm_loss(model, batch)
+    return loss_fn
+
+
+def prepare_dump_folder(cfg: JobConfig) -> Path:
+    """Refuse to clobber an earlier run: a non-empty dump folder needs resume or job.overwrite."""
+    folder = Path(cfg.job.dump_folder)
+    if folder.exists() and any(folder.iterdir()):
+        if cfg.checkpoint.resume:
+            return folder
+        if not cfg.job.overwrite:
+            raise UserError(f"job.dump_folder '{folder}' already holds a run; pass --checkpoint.resume to "
+                            "continue it, --job.overwrite true to replace it, or choose another "
+                            "--job.dump_folder")
+        for name in ("tb", "summary.json", "graphs", cfg.checkpoint.folder):
+            path = folder / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def build_model(cfg: JobConfig, device: torch.device, vocab_needed: int) -> nn.Module:
+    """Build on the meta device (nothing allocated), then materialize on `device` and initialize."""
+    args = build_model_args(cfg.model.name, cfg.model.flavor, cfg.model.overrides())
+    if vocab_needed > args.vocab_size:
+        raise UserError(f"the tokenizer has {vocab_needed} ids but model.vocab_size is {args.vocab_size}; "
+                        "set model.vocab_size >= the tokenizer's vocabulary")
+    if cfg.training.seq_len > args.max_seq_len:
+        raise UserError(f"training.seq_len {cfg.training.seq_len} exceeds the model's max_seq_len "
+                        f"{args.max_seq_len}; lower training.seq_len or raise model.max_seq_len")
+    with torch.device("meta"):
+        model = get_model_spec(cfg.model.name).model_cls(args)
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.training.seed)
+    model.init_weights()
+    return model
+
+
+class Trainer:
+    """One training job, from a validated `JobConfig`.
+
+    `train()` runs `training.steps` steps (continuing from a checkpoint with
+    `checkpoint.resume`) and returns a `TrainResult`.
+    """
+
+    def __init__(self, cfg: JobConfig, *, rank: int = 0, world_size: int = 1):
+        self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
+        self.device = resolve_device(cfg.training.device)
+        self.dtype = resolve_dtype(cfg.training.dtype, self.device)
+        self.dump_folder = prepare_dump_folder(cfg)
+        set_determinism(cfg.training.seed, cfg.training.deterministic, self.device)
+
+        tokenizer = build_tokenizer(cfg.data.tokenizer)
+        self.dataloader = build_dataloader(cfg.data.source, cfg.data.path, tokenizer,
+                                           batch_size=cfg.training.local_batch_size,
+                                           seq_len=cfg.training.seq_len, seed=cfg.training.seed,
+                                           rank=rank, world_size=world_size)
+        self.model = build_model(cfg, self.device, tokenizer.vocab_size)
+        self.model.train()
+        self.model_args = self.model.args
+        self.num_params = num_params(self.model)
+        self.log(f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
+                 f"device {self.device}, compute dtype {str(self.dtype).removeprefix('torch.')}, "
+                 f"mode {cfg.compile.mode}")
+
+        o = cfg.optimizer
+        self.optimizer = build_optimizer(self.model, name=o.name, lr=o.lr, betas=tuple(o.betas),
+                                         eps=o.eps, weight_decay=o.weight_decay)
+        s = cfg.lr_scheduler
+        self.scheduler = build_lr_scheduler(self.optimizer, warmup_steps=s.warmup_steps,
+                                            total_steps=cfg.training.steps, decay_type=s.decay_type,
+                                            min_lr_factor=s.min_lr_factor)
+        self.step_fn, self.graph_step = self._build_step()
+        self.memory = MemoryMonitor(self.device, track=cfg.metrics.track_memory)
+        self.checkpointer = CheckpointManager(self.dump_folder / cfg.checkpoint.folder,
+                                              enable=cfg.checkpoint.enable and rank == 0,
+                                              interval=cfg.checkpoint.interval,
+                                              keep_latest_k=cfg.checkpoint.keep_latest_k)
+        self.step = 0
+        if cfg.checkpoint.resume:
+            self._resume()
+        self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, flush=True)
+
+    def _build_step(self):
+        cfg = self.cfg
+        loss_fn = autocast_loss(self.dtype, self.device)
+        if cfg.compile.mode == "eager":
+            return EagerStep(self.model, loss_fn=loss_fn, max_norm=cfg.training.max_norm), None
+        graph_optimizer = GraphAdamW(self.optimizer) if cfg.compile.trace_optimizer else None
+        graph_step = GraphStep(self.model, loss_fn=loss_fn, max_norm=cfg.training.max_norm,
+                               optimizer=graph_optimizer, on_shape_change=cfg.compile.on_shape_change,
+                               device=self.device, failure_dir=self.dump_folder / "graphs",
+                               log=self.log)
+        return graph_step, graph_step
+
+    def _resume(self) -> None:
+        latest = self.checkpointer.latest_step()
+        if latest is None:
+            raise UserError(f"checkpoint.resume is set but {self.checkpointer.folder} holds no checkpoint; "
+                            "drop --checkpoint.resume to start a new run")
+        state = self.checkpointer.load(latest)
+        load_model_state(self.model, state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        self.dataloader.load_state_dict(state["data"])
+        restore_rng_state(state["rng"], self.device)
+        self.step = int(state["step"])
+        self.log(f"resumed from {self.checkpointer.path(latest)} at step {self.step}")
+
+    def _state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.scheduler.state_dict(), "data": self.dataloader.state_dict(),
+                "rng": capture_rng_state(self.device), "step": self.step}
+
+    def _live_tensors(self, batch: Any) -> list[torch.Tensor]:
+        """Tensors alive when a step starts: what the CPU memory figure counts besides the step's own."""
+        state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return [*self.model.parameters(), *self.model.buffers(), *batch.values(), *state]
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """One optimizer step on `batch`; returns the step's metrics record."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        for p in self.model.parameters():
+            p.grad = None
+        start = time.perf_counter()
+        with self.memory.measure_step(self._live_tensors(batch)) as mem:
+            loss, grad_norm = self.step_fn(batch)
+            if self.graph_step is None or self.graph_step.optimizer is None:
+                self.optimizer.step()
+        self.scheduler.step()
+        loss_value = loss.item()  # syncs the device, so the step time below is real
+        step_time = time.perf_counter() - start
+        tokens = batch["input"].numel() * self.world_size
+        record = {"loss": loss_value, "grad_norm": grad_norm.item(), "lr": lr,
+                  "step_time_s": step_time, "tokens_per_s": tokens / step_time,
+                  "tflops": self.flops_per_token * tokens / step_time / 1e12, **mem.as_record()}
+        if self.graph_step is not None:
+            record["trace_count"] = self.graph_step.stats.count
+            record["trace_time_s"] = self.graph_step.stats.total_time_s
+            estimate = getattr(self.graph_step.traced, "memory_estimate", None)
+            if estimate is not None:
+                record["estimated_peak_bytes"] = estimate.peak_bytes
+                record["saved_activation_bytes"] = estimate.saved_bytes
+        return record
+
+    def train(self) -> TrainResult:
+        """Run the loop to `training.steps`; checkpoints, logs, and stops on a non-finite loss."""
+        cfg = self.cfg
+        losses = []
+        wall_start = time.perf_counter()
+        metrics = MetricsLogger(self.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
+                                log_freq=cfg.metrics.log_freq, total_steps=cfg.training.steps,
+                                rank=self.rank, config_toml=config_to_toml(cfg))
+        with metrics:
+            data = iter(self.dataloader)
+            while self.step < cfg.training.steps:
+                batch = {k: v.to(self.device, non_blocking=True) for k, v in next(data).items()}
+                record = self.train_step(batch)
+                self.step += 1
+                losses.append(record["loss"])
+                metrics.log_step(self.step, record)
+                if not math.isfinite(record["loss"]):
+                    metrics.set_final({"status": "diverged", "final_step": self.step})
+                    raise TrainingDiverged(self._diverged_message(record["loss"]))
+                if self.checkpointer.should_save(self.step, last_step=self.step == cfg.training.steps):
+                    self.checkpointer.save(self.step, self._state())
+            result = TrainResult(
+                losses=losses, final_step=self.step,
+                params_sha256=tensors_digest(self.model.state_dict(keep_vars=False)),
+                grads_sha256=tensors_digest({n: p.grad for n, p in self.model.named_parameters()
+                                             if p.grad is not None}),
+                trace_count=self.graph_step.stats.count if self.graph_step else 0)
+            metrics.set_final({"status": "ok", "final_step": self.step,
+                               "final_loss": losses[-1] if losses else None,
+                               "params_sha256": result.params_sha256, "grads_sha256": result.grads_sha256,
+                               "trace_count": result.trace_count,
+                               "retrace_reasons": self.graph_step.stats.reasons if self.graph_step else [],
+                               "num_params": self.num_params,
+                               "wall_time_s": time.perf_counter() - wall_start})
+        return result
+
+    def _diverged_message(self, loss: float) -> str:
+        kept = self.checkpointer.latest_step()
+        where = f"the last good checkpoint (step {kept}) is kept" if kept is not None else "no checkpoint was saved"
+        return (f"the loss became {loss} at step {self.step}; {where}; lower optimizer.lr, "
+                "raise lr_scheduler.warmup_steps or keep training.max_norm > 0")
