@@ -234,7 +234,7 @@ class Trainer:
         if self.graph_step is not None:
             record["trace_count"] = self.graph_step.stats.count
             record["trace_time_s"] = self.graph_step.stats.total_time_s
-            estimate = getattr(self.graph_step.traced, "memory_estimate", None)
+            estimate = self.graph_step.traced.memory_estimate
             if estimate is not None:
                 record["estimated_peak_bytes"] = estimate.peak_bytes
                 record["saved_activation_bytes"] = estimate.saved_bytes

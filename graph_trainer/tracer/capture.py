@@ -105,6 +105,8 @@ class TracedStep:
     signature: tuple
     trace_time_s: float
     has_optimizer: bool
+    # Filled by the pass pipeline: graph_trainer.passes.memory_estimate.MemoryEstimate of the final graph.
+    memory_estimate: Any = None
 
     def __call__(self, flat_inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Run the graph under no_grad: autograd must not record the traced backward a second time."""
