@@ -142,3 +142,7 @@ class GraphAdamW:
             exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
             p.add_(exp_avg.mul(neg_step_size).div(denom))
+
+    def after_step(self) -> None:
+        """Tell the LR scheduler an update happened (it watches `optimizer.step`, which the graph bypasses)."""
+        self.optimizer._opt_called = True  # the flag torch's LRScheduler reads

@@ -55,6 +55,8 @@ class GraphOptimizer(Protocol):
     def update_(self, params: list[torch.Tensor], grads: list[torch.Tensor],
                 state: list[torch.Tensor], scalars: list[torch.Tensor]) -> None: ...
 
+    def after_step(self) -> None: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class InputLayout:
@@ -88,11 +90,12 @@ class InputLayout:
 
 
 def batch_signature(batch: Any) -> tuple:
-    """What a graph is specialized on in a batch: its structure and each leaf's shape, dtype and device."""
-    leaves, spec = pytree.tree_flatten(batch)
-    return (str(spec),) + tuple(
-        (tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else (type(t), t)
-        for t in leaves
+    """What a graph is specialized on in a batch: per leaf, its path, shape, dtype and device."""
+    leaves, _ = pytree.tree_flatten_with_path(batch)
+    return tuple(
+        (pytree.keystr(path), tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor)
+        else (pytree.keystr(path), type(t).__name__, t)
+        for path, t in leaves
     )
 
 
@@ -336,7 +339,7 @@ def trace_step(
                 grad_norm = clip_grads_(grads, max_norm)
                 if optimizer is not None:
                     optimizer.update_(p_list, grads, state, host)
-            return [loss.detach(), grad_norm, *grads]
+            return [loss, grad_norm, *grads]
         except Exception:
             failure["module"] = annotator.current_module()
             failure["graph"] = _partial_graph_code()

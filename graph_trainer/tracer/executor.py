@@ -36,10 +36,14 @@ class TraceStats:
 
 
 def describe_change(old: tuple, new: tuple) -> str:
-    """A short human reason for a signature change, e.g. 'batch leaf 0: (4, 256) -> (4, 128)'."""
-    if old[0] != new[0] or len(old) != len(new):
-        return "batch structure changed"
-    diffs = [f"batch leaf {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(old[1:], new[1:])) if a != b]
+    """A short human reason for a signature change, e.g. "['input'] shape (4, 256) -> (4, 128)"."""
+    if [leaf[0] for leaf in old] != [leaf[0] for leaf in new]:
+        return f"batch structure changed: {[leaf[0] for leaf in old]} -> {[leaf[0] for leaf in new]}"
+    diffs = []
+    for (path, *a), (_, *b) in zip(old, new):
+        for what, x, y in zip(("shape", "dtype", "device"), a, b):
+            if x != y:
+                diffs.append(f"{path} {what} {x} -> {y}")
     return "; ".join(diffs) or "signature changed"
 
 
@@ -114,4 +118,6 @@ class GraphStep:
         loss, grad_norm, grads = traced(self.flat_inputs(batch))
         for p, g in zip(self._params, grads):
             p.grad = g
+        if self.optimizer is not None:
+            self.optimizer.after_step()
         return loss, grad_norm
