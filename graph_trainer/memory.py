@@ -1,0 +1,240 @@
+"""Peak memory of a training step, measured at run time.
+
+Three sources, one front (`MemoryMonitor`):
+- CUDA: the caching allocator's own counters (`cuda_memory_stats`); nothing here
+  touches CUDA unless the device is a CUDA device and CUDA is available.
+- CPU: `LiveTensorTracker`, a dispatch mode that counts live tensor storage bytes
+  exactly (CPU has no allocator statistics). Its figure is what
+  `graph_trainer.passes.memory_estimate` predicts statically, to the byte.
+- Any device: the process RSS high-water mark (`rss_peak_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_iter
+
+GIB = 1024**3
+
+
+def to_gib(nbytes: int | float | None) -> float | None:
+    """Bytes -> GiB (1024**3); None stays None."""
+    return None if nbytes is None else nbytes / GIB
+
+
+def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The tensor's storage if it holds real memory (not meta, fake, sparse or a wrapper subclass)."""
+    if t.device.type == "meta" or t.layout != torch.strided:
+        return None
+    if isinstance(t, FakeTensor) or is_traceable_wrapper_subclass(t):
+        # Fake tensors hold no memory; wrappers (DTensor) hold it in their inner tensors.
+        return None
+    return t.untyped_storage()
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Exact peak of live tensor storage bytes while the mode is active.
+
+    Each untyped storage counts once (views share it): it is added the first time
+    it is an op's output and subtracted when the storage itself is freed (a
+    `weakref.finalize` on the `UntypedStorage`, whose Python object torch keeps
+    alive exactly as long as the C++ storage). Storages that existed before the
+    step (parameters, optimizer state, the batch) must be registered with
+    `track_existing`, otherwise they are not counted: an op that writes into or
+    views an unregistered tensor adds nothing.
+
+    It sees every op that reaches the dispatcher from this thread, including the
+    autograd backward (on CPU the engine runs on the calling thread and carries
+    the mode along). It does not see scratch memory allocated inside one kernel.
+
+    Usage:
+        tracker = LiveTensorTracker()
+        tracker.track_existing(params + buffers + batch)
+        with tracker:
+            step()
+        tracker.peak_bytes
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        # storage key (address of the StorageImpl) -> (nbytes, finalizer)
+        self._live: dict[int, tuple[int, weakref.finalize]] = {}
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def track_existing(self, tensors: Iterable[Any]) -> None:
+        """Count the storages of `tensors` (any pytree of them) as live from now until they are freed."""
+        for t in tree_iter(tensors):
+            if isinstance(t, torch.Tensor):
+                s = _storage_of(t)
+                if s is not None:
+                    self._add(s)
+
+    def reset(self) -> None:
+        """Restart the peak from the bytes live now (storages stay tracked)."""
+        self.peak_bytes = self.current_bytes
+
+    def forget(self) -> None:
+        """Stop tracking every storage; current and peak go to 0."""
+        for _, fin in self._live.values():
+            fin.detach()
+        self._live.clear()
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def _add(self, s: torch.UntypedStorage) -> None:
+        key = s._cdata
+        nbytes = s.nbytes()
+        entry = self._live.get(key)
+        if entry is not None:
+            if entry[0] != nbytes:  # resized in place (resize_)
+                self.current_bytes += nbytes - entry[0]
+                self._live[key] = (nbytes, entry[1])
+                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+            return
+        fin = weakref.finalize(s, self._free, key)
+        fin.atexit = False
+        self._live[key] = (nbytes, fin)
+        self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
+    def _free(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.current_bytes -= entry[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        input_keys: set[int] | None = None
+        for t in tree_iter(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = _storage_of(t)
+            if s is None:
+                continue
+            if s._cdata not in self._live:
+                # An untracked storage that is also an input was not allocated by
+                # this op (an in-place op or a view of an unregistered tensor).
+                if input_keys is None:
+                    input_keys = {
+                        a.untyped_storage()._cdata
+                        for a in tree_iter((args, kwargs))
+                        if isinstance(a, torch.Tensor) and _storage_of(a) is not None
+                    }
+                if s._cdata in input_keys:
+                    continue
+            self._add(s)
+        return out
+
+
+# ---------------------------------------------------------------------------
+# CUDA allocator statistics (no CUDA call unless the device is CUDA and CUDA exists)
+
+
+def _is_cuda(device: torch.device | str | None) -> bool:
+    return device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def cuda_memory_stats(device: torch.device | str) -> dict[str, int]:
+    """Peak allocator figures since the last `reset_peak(device)`; {} unless `device` is an available CUDA device.
+
+    Keys: peak_active_bytes (`active_bytes.all.peak`), peak_allocated_bytes
+    (`max_memory_allocated`), peak_reserved_bytes (`max_memory_reserved`),
+    num_alloc_retries, num_ooms (both cumulative since process start).
+    """
+    if not _is_cuda(device):
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "peak_active_bytes": int(stats.get("active_bytes.all.peak", 0)),
+        "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+        "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        "num_ooms": int(stats.get("num_ooms", 0)),
+    }
+
+
+def reset_peak(device: torch.device | str) -> None:
+    """Reset the CUDA allocator's peak counters for `device`; a no-op off CUDA."""
+    if _is_cuda(device):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def rss_peak_bytes() -> int:
+    """The process's resident-set high-water mark since start, in bytes (it never goes down)."""
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss) if sys.platform == "darwin" else int(maxrss) * 1024  # Linux reports KiB
+
+
+# ---------------------------------------------------------------------------
+# Front used by the trainer
+
+
+@dataclass
+class StepMemory:
+    """Memory figures of one step, in bytes; None where this device/mode cannot measure them."""
+
+    peak_active_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    num_alloc_retries: int | None = None
+    num_ooms: int | None = None
+    rss_peak_bytes: int | None = None
+
+    def as_record(self) -> dict[str, int]:
+        """The figures that were measured, keyed as in `graph_trainer.metrics.TB_TAGS`."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+class MemoryMonitor:
+    """Measures each step's peak memory on `device`.
+
+    CUDA: allocator peaks (reset at each step's start). CPU with `track=True`:
+    exact live-tensor bytes from `LiveTensorTracker` (active = reserved; it slows
+    the step down, see the README); with `track=False` only RSS is reported.
+    """
+
+    def __init__(self, device: torch.device | str, track: bool = True) -> None:
+        self.device = torch.device(device)
+        self.track = track
+        self.last: StepMemory | None = None
+
+    @contextlib.contextmanager
+    def measure_step(self, existing: Iterable[Any] = ()) -> Iterator[StepMemory]:
+        """Context manager around one step; yields a `StepMemory` filled in on exit (also kept as `.last`).
+
+        `existing`: tensors alive before the step (parameters, buffers, optimizer
+        state, batch) that count toward the CPU peak; ignored on CUDA, where the
+        allocator already knows them.
+        """
+        result = StepMemory()
+        if self.device.type == "cuda":
+            reset_peak(self.device)
+            yield result
+            stats = cuda_memory_stats(self.device)
+            result.peak_active_bytes = stats.get("peak_active_bytes")
+            result.peak_reserved_bytes = stats.get("peak_reserved_bytes")
+            result.num_alloc_retries = stats.get("num_alloc_retries")
+            result.num_ooms = stats.get("num_ooms")
+        elif self.track:
+            tracker = LiveTensorTracker()
+            tracker.track_existing(existing)
+            try:
+                with tracker:
+                    yield result
+                result.peak_active_bytes = result.peak_reserved_bytes = tracker.peak_bytes
+            finally:
+                tracker.forget()  # drop finalizers so no callback outlives the step
+        else:
+            yield result
+        result.rss_peak_bytes = rss_peak_bytes()
+        self.last = result

@@ -1,0 +1,269 @@
+"""Static peak-memory estimate of a traced step (an analysis; the graph is not changed).
+
+Reads: `node.meta["val"]` on every node (fake tensors from make_fx under
+`FakeTensorMode`, or from `torch.fx.passes.fake_tensor_prop.FakeTensorProp`; view
+aliasing is only right with fake values), and optionally
+`node.meta["custom"]["phase"]` / `["module_fqn"]` written by the tracer.
+Writes nothing.
+
+The model is the code FX generates for the GraphModule. That code frees each
+value right after its last use (`; add = mm = None` in `gm.code`) and a value
+nobody uses right after the node that made it; graph outputs live until the
+function returns. Counting is by storage, so a view keeps its base's bytes alive
+and in-place ops add nothing. A storage is live from the first node whose value
+holds it until every node whose value holds it has been freed. A node's output
+shares an allocation only with an input holding the same fake storage, so a
+remat'd node whose meta was copied from its forward twin still counts as a new
+allocation (no FakeTensorProp needed after remat). Graph inputs
+(placeholders) and module attributes (`get_attr`) are live throughout: the
+caller and the module keep them. Each node's peak includes its inputs and its
+outputs together (the op's outputs exist before its inputs can be freed).
+Scratch memory inside one kernel is not modelled.
+
+Run under `torch.no_grad()` with the inputs alive, the graph's live tensor bytes
+measured by `graph_trainer.memory.LiveTensorTracker` equal this estimate to the
+byte, after every op.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_iter
+
+from graph_trainer.memory import to_gib
+from graph_trainer.tracer import node_meta
+
+INPUT = "input"
+CONSTANT = "constant"
+GRADIENT = "gradient"
+OUTPUT = "output"
+ACTIVATION = "activation"
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One storage made in the forward and still needed once the backward starts."""
+
+    node: str
+    op: str
+    module_fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Result of `estimate_peak_memory`; all sizes in bytes."""
+
+    peak_bytes: int
+    peak_node: str  # name of the node at whose execution the peak happens
+    peak_op: str  # its op target
+    peak_module_fqn: str
+    peak_bytes_by_category: dict[str, int]
+    final_bytes_by_category: dict[str, int]  # live when the step returns: inputs, constants, outputs
+    input_bytes: int  # live before the first op: placeholders + module attributes
+    saved_bytes: int  # forward storages still needed when the backward starts (0 without phase tags)
+    timeline: tuple[int, ...] = field(repr=False)  # live bytes at each node, in graph order
+
+    def summary(self) -> str:
+        """A few human-readable lines (GiB) for the dry-run report."""
+        where = f" in {self.peak_module_fqn}" if self.peak_module_fqn else ""
+        lines = [
+            f"estimated peak {to_gib(self.peak_bytes):.3f} GiB at {self.peak_node} ({self.peak_op}){where}",
+            f"  saved for backward {to_gib(self.saved_bytes):.3f} GiB, inputs {to_gib(self.input_bytes):.3f} GiB",
+        ]
+        for cat, nbytes in sorted(self.peak_bytes_by_category.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  at peak: {cat:<16} {to_gib(nbytes):.3f} GiB")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Storage:
+    nbytes: int
+    born: int  # node index of the first node holding it (-1: before the first node)
+    dies: float  # node index after which it is freed (inf: never within the call)
+    producer: torch.fx.Node
+    example: torch.Tensor  # the producer's (fake) tensor on this storage
+    last_op_use: int = -1  # last node (other than output) whose value holds it or that reads it
+    category: str = ACTIVATION
+
+
+def _int(x: Any) -> int:
+    """A size as an int, using the trace-time hint for a symbolic one."""
+    if isinstance(x, torch.SymInt):
+        return int(x.node.hint) if x.node.hint is not None else int(x.node.shape_env.size_hint(x.node.expr))
+    return int(x)
+
+
+def _tensors(val: Any) -> list[torch.Tensor]:
+    """Tensors inside a node value (a tensor, a tuple/list of them, or None/SymInt for none)."""
+    return [t for t in tree_iter(val) if isinstance(t, torch.Tensor)]
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # Address of the StorageImpl: shared by all views, stable while the fake value is alive.
+    return t.untyped_storage()._cdata
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    return str(node.target) if node.op != "call_function" else getattr(node.target, "__name__", str(node.target))
+
+
+def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if input_categories is not None and len(input_categories) != len(placeholders):
+        raise ValueError(
+            f"input_categories has {len(input_categories)} entries for {len(placeholders)} graph inputs"
+        )
+    in_cat = dict(zip(placeholders, input_categories or [INPUT] * len(placeholders)))
+    output_node = next(n for n in reversed(nodes) if n.op == "output")
+    outputs = {a for a in tree_iter(output_node.args) if isinstance(a, torch.fx.Node)}
+
+    # When FX's generated code drops each node's value (see module docstring).
+    node_dies: dict[torch.fx.Node, float] = {}
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr") or n in outputs:
+            node_dies[n] = math.inf
+        elif not n.users:
+            node_dies[n] = index[n]
+        else:
+            node_dies[n] = max(index[u] for u in n.users)
+
+    # Allocation ids, not fake storages, are the unit: a node's output aliases an
+    # input's allocation only if it shares that input's fake storage, else it is
+    # new. (Remat copies meta, so a recomputed node carries the *same* fake value
+    # as the forward node it recomputes; storage identity alone would merge them.)
+    storages: list[_Storage] = []
+    allocs_of: dict[torch.fx.Node, dict[int, int]] = {}  # node -> fake storage key -> allocation id
+    held_by_inputs: dict[int, int] = {}  # placeholders/get_attr sharing a storage count once
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            continue
+        if "val" not in n.meta:
+            raise ValueError(
+                f"node {n.name} has no meta['val']: trace with make_fx under FakeTensorMode "
+                "or run torch.fx.passes.fake_tensor_prop.FakeTensorProp first"
+            )
+        is_input = n.op in ("placeholder", "get_attr")
+        if is_input:
+            reachable = held_by_inputs
+        else:
+            reachable = {}
+            for inp in n.all_input_nodes:
+                reachable.update(allocs_of[inp])
+        mine = allocs_of[n] = {}
+        last_use = max((index[u] for u in n.users if u.op != "output"), default=i)
+        for t in _tensors(n.meta["val"]):
+            key = _storage_key(t)
+            aid = mine.get(key, reachable.get(key))
+            if aid is None:
+                aid = len(storages)
+                st = _Storage(_int(t.untyped_storage().nbytes()), -1 if is_input else i, node_dies[n], n, t)
+                if n.op == "placeholder":
+                    st.category = in_cat[n]
+                elif n.op == "get_attr":
+                    st.category = CONSTANT
+                storages.append(st)
+                if is_input:
+                    held_by_inputs[key] = aid
+            st = storages[aid]
+            mine[key] = aid
+            st.dies = max(st.dies, node_dies[n])
+            st.last_op_use = max(st.last_op_use, last_use)
+            if n in outputs and st.born >= 0:
+                # A gradient is often a view (t, view) of a storage an earlier node made.
+                if node_meta.is_backward(n):
+                    st.category = GRADIENT
+                elif st.category == ACTIVATION:
+                    st.category = OUTPUT
+    return nodes, storages
+
+
+def estimate_peak_memory(
+    gm: torch.fx.GraphModule, *, input_categories: list[str] | None = None
+) -> MemoryEstimate:
+    """Peak live tensor bytes while `gm` runs under no_grad, by storage-level liveness over `meta['val']`.
+
+    `input_categories`: one label per placeholder in graph order (e.g. "parameter",
+    "buffer", "optimizer_state", "batch"); default "input". Other storages are
+    "constant" (get_attr), "gradient" (returned by a backward node), "output"
+    (other returned values, e.g. the loss) or "activation" (everything else).
+    """
+    nodes, storages = _analyze(gm, input_categories)
+    n_nodes = len(nodes)
+    # Sweep: +bytes at birth, -bytes after death.
+    delta = [0] * (n_nodes + 1)
+    input_bytes = 0
+    for st in storages:
+        if st.born < 0:
+            input_bytes += st.nbytes
+        else:
+            delta[st.born] += st.nbytes
+        if st.dies != math.inf:
+            delta[int(st.dies) + 1] -= st.nbytes
+    timeline, live = [], input_bytes
+    for i in range(n_nodes):
+        live += delta[i]
+        timeline.append(live)
+        # Frees happen after node i; applied when we reach i + 1.
+    peak_idx = max(range(n_nodes), key=lambda i: (timeline[i], -i))
+    peak_node = nodes[peak_idx]
+    by_cat: dict[str, int] = defaultdict(int)
+    final_by_cat: dict[str, int] = defaultdict(int)
+    for st in storages:
+        if st.born <= peak_idx <= st.dies:
+            by_cat[st.category] += st.nbytes
+        if st.dies == math.inf:
+            final_by_cat[st.category] += st.nbytes
+    saved = _saved(nodes, storages)
+    return MemoryEstimate(
+        peak_bytes=timeline[peak_idx],
+        peak_node=peak_node.name,
+        peak_op=_op_name(peak_node),
+        peak_module_fqn=node_meta.module_fqn(peak_node),
+        peak_bytes_by_category=dict(by_cat),
+        final_bytes_by_category=dict(final_by_cat),
+        input_bytes=input_bytes,
+        saved_bytes=sum(st.nbytes for st in saved),
+        timeline=tuple(timeline),
+    )
+
+
+def _saved(nodes: list[torch.fx.Node], storages: list[_Storage]) -> list[_Storage]:
+    """Storages made before the first backward node and used by it or a later node (not just returned)."""
+    first_bwd = next((i for i, n in enumerate(nodes) if node_meta.is_backward(n)), None)
+    if first_bwd is None:
+        return []
+    return [st for st in storages if 0 <= st.born < first_bwd <= st.last_op_use]
+
+
+def saved_tensors(gm: torch.fx.GraphModule) -> list[SavedTensor]:
+    """The tensors saved for backward (see `MemoryEstimate.saved_bytes`), largest first.
+
+    Empty when no node carries the tracer's `phase == "backward"` tag.
+    """
+    nodes, storages = _analyze(gm, None)
+    out = []
+    for st in _saved(nodes, storages):
+        n, t = st.producer, st.example
+        out.append(
+            SavedTensor(
+                node=n.name,
+                op=_op_name(n),
+                module_fqn=node_meta.module_fqn(n),
+                shape=tuple(_int(s) for s in t.shape),
+                dtype=t.dtype,
+                nbytes=st.nbytes,
+            )
+        )
+    out.sort(key=lambda s: -s.nbytes)
+    return out
