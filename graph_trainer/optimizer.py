@@ -53,6 +53,17 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, t
     )
 
 
+def resync_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set each group's lr from this run's schedule at the scheduler's position.
+
+    Needed after loading a checkpoint: the saved lr came from the saved run's
+    schedule, and a resumed run may have a different `training.steps` horizon.
+    """
+    for group, base_lr, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * fn(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
 def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Scale `grads` in place so their global L2 norm is at most `max_norm`; returns the norm before clipping.
 

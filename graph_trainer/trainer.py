@@ -28,7 +28,7 @@ from graph_trainer.errors import UserError
 from graph_trainer.loss import lm_loss
 from graph_trainer.memory import MemoryMonitor
 from graph_trainer.metrics import MetricsLogger
-from graph_trainer.optimizer import GraphAdamW, build_lr_scheduler, build_optimizer
+from graph_trainer.optimizer import GraphAdamW, build_lr_scheduler, build_optimizer, resync_lr
 from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.tracer.executor import GraphStep
 from models import build_model_args, get_model_spec
@@ -199,6 +199,7 @@ class Trainer:
         load_model_state(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
+        resync_lr(self.scheduler)
         self.dataloader.load_state_dict(state["data"])
         restore_rng_state(state["rng"], self.device)
         self.step = int(state["step"])

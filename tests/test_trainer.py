@@ -1,0 +1,116 @@
+"""The real Trainer end to end: loss falls, modes agree bitwise, resume continues exactly, bad runs stop cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from graph_trainer.config import load_config
+from graph_trainer.errors import UserError
+from graph_trainer.trainer import Trainer, TrainingDiverged
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.deterministic", "true",
+        "--metrics.enable_tensorboard", "false"]
+
+
+@pytest.fixture(autouse=True)
+def restore_determinism():
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def run(tmp: Path, *overrides: str, steps: int = 5):
+    cfg, _ = load_config(["--config", "llama3_debug", *TINY, "--training.steps", str(steps),
+                          "--job.dump_folder", str(tmp), *overrides])
+    return Trainer(cfg).train()
+
+
+def test_eager_twenty_steps_on_embedded_corpus_loss_falls(tmp_path):
+    result = run(tmp_path, "--compile.mode", "eager", "--training.local_batch_size", "4",
+                 "--optimizer.lr", "3e-3", steps=20)
+    assert len(result.losses) == 20
+    first, last = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3
+    assert last < first - 0.5, result.losses
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [s["loss"] for s in summary["steps"]] == result.losses
+    assert summary["final"]["status"] == "ok"
+
+
+@pytest.mark.parametrize("mode", [["--compile.mode", "trace"],
+                                  ["--compile.mode", "trace", "--compile.trace_optimizer", "true"]],
+                         ids=["trace", "trace+optimizer"])
+def test_five_steps_traced_equal_eager_bitwise(tmp_path, mode):
+    eager = run(tmp_path / "eager", "--compile.mode", "eager")
+    traced = run(tmp_path / "traced", *mode)
+    assert traced.losses == eager.losses
+    assert traced.params_sha256 == eager.params_sha256
+    assert traced.grads_sha256 == eager.grads_sha256
+    assert traced.trace_count == 1
+
+
+def test_resume_continues_bitwise(tmp_path):
+    straight = run(tmp_path / "straight", steps=6)
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "3"]
+    first = run(tmp_path / "split", *ckpt, steps=3)
+    second = run(tmp_path / "split", *ckpt, "--checkpoint.resume", steps=6)
+    assert first.losses + second.losses == straight.losses
+    assert second.params_sha256 == straight.params_sha256
+    summary = json.loads((tmp_path / "split" / "summary.json").read_text())
+    assert [s["loss"] for s in summary["steps"]] == straight.losses
+
+
+def test_resume_with_other_model_shape_names_tensor_and_keeps_checkpoint(tmp_path):
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    run(tmp_path, *ckpt, steps=2)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoint").iterdir()}
+    with pytest.raises(UserError, match=r"checkpoint tensor '.*' has shape"):
+        run(tmp_path, *ckpt, "--checkpoint.resume", "--model.dim", "128", steps=4)
+    after = {p.name: p.read_bytes() for p in (tmp_path / "checkpoint").iterdir()}
+    assert before == after
+
+
+def test_non_empty_dump_folder_is_not_overwritten(tmp_path):
+    run(tmp_path, steps=1)
+    summary = (tmp_path / "summary.json").read_bytes()
+    with pytest.raises(UserError, match="already holds a run"):
+        run(tmp_path, steps=1)
+    assert (tmp_path / "summary.json").read_bytes() == summary
+    run(tmp_path, "--job.overwrite", "true", steps=2)
+    assert len(json.loads((tmp_path / "summary.json").read_text())["steps"]) == 2
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--training.max_norm", "0"]
+    with pytest.raises(TrainingDiverged, match="the last good checkpoint"):
+        run(tmp_path, *ckpt, "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", steps=10)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final"]["status"] == "diverged"
+    bad_step = summary["final"]["final_step"]
+    saved = sorted(p.name for p in (tmp_path / "checkpoint").glob("step-*.pt"))
+    assert saved and saved[-1] == f"step-{bad_step - 1:08d}.pt"
+
+
+def test_tokenizer_larger_than_model_vocab_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="vocab_size"):
+        run(tmp_path, "--model.vocab_size", "100", steps=1)
+
+
+def test_cli_end_to_end_from_another_directory(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "graph_trainer", "--config", "llama3_debug.toml", *TINY,
+                           "--training.steps", "2", "--job.dump_folder", str(tmp_path / "run"),
+                           "--metrics.enable_tensorboard", "true"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "parameters" in proc.stdout and "step 2/2" in proc.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert len(summary["steps"]) == 2 and summary["final"]["trace_count"] == 1
+    assert any((tmp_path / "run" / "tb").iterdir())
