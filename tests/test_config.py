@@ -89,7 +89,7 @@ def test_defaults():
 def test_cli_overrides_win_over_the_file():
     cfg, _ = load_config(["--config", "llama3_debug", "--training.steps", "3", "--optimizer.lr=1e-3"])
     assert cfg.training.steps == 3 and cfg.optimizer.lr == 1e-3
-    assert cfg.training.local_batch_size == 4  # from the file
+    assert cfg.training.local_batch_size == 16  # from the file
     assert cfg.training.seed == 0  # from the defaults
 
 
