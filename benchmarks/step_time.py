@@ -1,0 +1,48 @@
+"""Traced vs eager: step time, trace time and peak live memory, measured side by side in one run.
+
+    python benchmarks/step_time.py [--configs debug deep] [--steps 10] [--warmup 2]
+
+Prints per config: median step time of each mode (steps interleaved eager/traced),
+the ratio traced/eager (target <= 1.00), the trace time (target <= 2 s on the debug
+model), and the exact peak live bytes of one step of each (ratio target <= 1.00).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import CONFIGS, interleaved_step_times, make_trainer, measured_peak, median  # noqa: E402
+
+GIB = 1024**3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    rows = []
+    for name in args.configs:
+        overrides = CONFIGS[name]
+        trainers = {mode: make_trainer("llama3_debug", *overrides, "--compile.mode", mode)
+                    for mode in ("eager", "trace")}
+        times = interleaved_step_times(trainers, warmup=args.warmup, steps=args.steps)
+        peaks = {mode: measured_peak(t)[0] for mode, t in trainers.items()}
+        eager_t, trace_t = median(times["eager"]), median(times["trace"])
+        rows.append((name, eager_t, trace_t, trace_t / eager_t, trainers["trace"].graph_step.stats.last_time_s,
+                     trainers["trace"].graph_step.stats.count, peaks["eager"], peaks["trace"],
+                     peaks["trace"] / peaks["eager"]))
+    print(f"\nmedian of {args.steps} steps after {args.warmup} warm-up, eager and traced interleaved")
+    print(f"{'config':8} {'eager s':>8} {'traced s':>9} {'ratio':>6} {'trace s':>8} {'traces':>6} "
+          f"{'eager peak':>11} {'traced peak':>12} {'ratio':>6}")
+    for name, e, t, r, tt, n, pe, pt, pr in rows:
+        print(f"{name:8} {e:8.3f} {t:9.3f} {r:6.3f} {tt:8.2f} {n:6d} {pe / GIB:9.3f}Gi {pt / GIB:10.3f}Gi {pr:6.3f}")
+
+
+if __name__ == "__main__":
+    main()
