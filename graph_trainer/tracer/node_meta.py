@@ -18,6 +18,7 @@ PHASE = "phase"
 MODULE_FQN = "module_fqn"
 LAYER_ID = "layer_id"
 RANDOM = "random"  # True on ops that draw from an RNG: they must run exactly once
+REMATERIALIZED = "rematerialized"  # True on the backward copy of a recomputed forward op (passes.remat)
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -55,6 +56,11 @@ def is_backward(node: torch.fx.Node) -> bool:
 
 def is_forward(node: torch.fx.Node) -> bool:
     return phase(node) == FORWARD
+
+
+def is_rematerialized(node: torch.fx.Node) -> bool:
+    """True for a forward op copied into the backward by rematerialization."""
+    return bool(node.meta.get(CUSTOM, {}).get(REMATERIALIZED))
 
 
 def is_random(node: torch.fx.Node) -> bool:

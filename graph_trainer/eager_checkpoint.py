@@ -1,0 +1,100 @@
+"""The eager activation-checkpointing baseline: `torch.utils.checkpoint` around each transformer layer.
+
+The same policies as the graph passes (`graph_trainer.passes.activation_checkpoint`):
+- full: plain `checkpoint` of every layer (recomputes everything in it);
+- selective "op": `create_selective_checkpoint_contexts` saving matmul and
+  attention outputs, recomputing every second matmul of each layer (the
+  counter restarts per layer) and everything else;
+- selective N: plain `checkpoint` of layers N-1, 2N-1, ... (every N-th, from 1).
+Per-op overrides without a module glob (`"aten.mm"`) apply inside checkpointed
+layers. Budget mode exists only on the graph.
+
+Eager recomputation replays random ops under the saved RNG state, so the
+numbers match the graph (which saves random ops instead) bitwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts)
+
+from graph_trainer.config import ActivationCheckpointConfig
+from graph_trainer.errors import ConfigError
+from graph_trainer.layers import transformer_layers
+from graph_trainer.passes.activation_checkpoint import OpPattern, parse_overrides
+from graph_trainer.passes.graph_utils import is_attention, is_matmul
+
+
+def _op_matches(pattern: OpPattern, func: Any) -> bool:
+    packet = getattr(func, "overloadpacket", None)
+    return (packet is not None and packet._qualified_op_name == pattern.op
+            and (pattern.overload is None or func._overloadname == pattern.overload))
+
+
+def _policy_factory(selective_op: bool, save: list[OpPattern], recompute: list[OpPattern]):
+    """A fresh policy function per checkpointed call (its matmul counters belong to that layer call)."""
+
+    def make():
+        # Forward and recompute must reach the same decisions: count them separately.
+        counts = {False: 0, True: 0}
+
+        def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+            matmul_save = True
+            if is_matmul(func):
+                counts[ctx.is_recompute] += 1
+                matmul_save = counts[ctx.is_recompute] % 2 == 1
+            if any(_op_matches(p, func) for p in save):
+                return CheckpointPolicy.MUST_SAVE
+            if any(_op_matches(p, func) for p in recompute):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            if selective_op and (is_attention(func) or (is_matmul(func) and matmul_save)):
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return make
+
+
+def _checkpointed_forward(forward, context_fn, *args: Any, **kwargs: Any):
+    if context_fn is None:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def apply_eager_checkpointing(model: nn.Module, ac: ActivationCheckpointConfig) -> list[str]:
+    """Wrap the forward of each chosen transformer layer of `model` with `torch.utils.checkpoint`.
+
+    The layer's `forward` is replaced on the instance, so parameter names and
+    state dicts are unchanged. Returns the FQNs of the wrapped layers.
+
+    Raises:
+        ConfigError: budget mode (graph-only) or a module-qualified override.
+    """
+    if ac.mode == "none":
+        return []
+    if ac.mode == "budget":
+        raise ConfigError("activation_checkpoint.mode = 'budget' is graph-only; use --compile.mode trace "
+                          "or choose selective/full for eager")
+    save, recompute = parse_overrides(ac)
+    if any(p.module is not None for p in save + recompute):
+        raise ConfigError("module-qualified save_list/recompute_list entries ('<glob>::aten.<op>') are "
+                          "graph-only; use --compile.mode trace or plain 'aten.<op>' entries")
+    layers = transformer_layers(model)
+    selective_op = ac.mode == "selective" and ac.selective_ac_option == "op"
+    if ac.mode == "selective" and not selective_op:
+        n_th = int(ac.selective_ac_option)
+        chosen = [fqn for fqn, i in layers.items() if (i + 1) % n_th == 0]
+    else:
+        chosen = list(layers)
+    context_fn = _policy_factory(selective_op, save, recompute) if selective_op or save or recompute else None
+    for fqn in chosen:
+        layer = model.get_submodule(fqn)
+        # The class's forward, bound: wrapping twice would nest checkpoints.
+        forward = type(layer).forward.__get__(layer)
+        layer.forward = functools.partial(_checkpointed_forward, forward, context_fn)
+    return chosen

@@ -1,0 +1,251 @@
+"""Selective activation checkpointing on the whole-step graph: decide, per forward op, save or recompute.
+
+Reads (tracer metadata, see `graph_trainer.tracer.node_meta`): `phase`,
+`layer_id`, `module_fqn` and `random` in `node.meta["custom"]`, and
+`node.meta["val"]` (fake tensors: storages, for aliasing and mutation).
+Writes torch's own `node.meta["recompute"]` (a `CheckpointPolicy`) and
+`node.meta["ac_graph_id"]` (the layer index + 1) on every forward op inside a
+transformer layer; nothing else. `remat` then acts on these tags. The graph's
+ops are unchanged, so this pass preserves numerics bitwise by itself.
+
+Rules every policy obeys (`StepStructure`):
+- each transformer layer is a region; ops outside the layers (embedding, final
+  norm, output projection, loss) are never tagged, hence never recomputed;
+- a layer op whose value is used by a forward op outside its layer (the
+  residual stream at the layer boundary) is saved;
+- random ops (`node_meta.is_random`: dropout, SDPA with dropout_p) are saved:
+  running them again would draw new random numbers;
+- in-place ops, tensors they write into, and ops that read a tensor which a
+  later forward/backward op writes into are saved: a recompute would see
+  different values;
+- a multi-output op's `getitem`s share their parent's decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Callable
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from graph_trainer.config import ActivationCheckpointConfig
+from graph_trainer.errors import ConfigError
+from graph_trainer.passes.graph_utils import (fqn_matches, is_attention, is_matmul, is_mutating,
+                                              layer_forward_nodes, mutated_args, storage_keys)
+from graph_trainer.tracer import node_meta
+
+SAVE = CheckpointPolicy.MUST_SAVE
+RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# --------------------------------------------------------------------------- per-op overrides
+
+
+@dataclasses.dataclass(frozen=True)
+class OpPattern:
+    """One `save_list` / `recompute_list` entry: '[<module glob>::]aten.<op>[.<overload>]'."""
+
+    text: str
+    module: str | None
+    op: str  # qualified packet name, e.g. 'aten::mm'
+    overload: str | None
+
+    def matches(self, node: torch.fx.Node) -> bool:
+        target = node.target
+        packet = getattr(target, "overloadpacket", None)
+        if packet is None or packet._qualified_op_name != self.op:
+            return False
+        if self.overload is not None and target._overloadname != self.overload:
+            return False
+        return self.module is None or fqn_matches(node_meta.module_fqn(node), self.module)
+
+
+def parse_op_pattern(text: str, where: str) -> OpPattern:
+    """Parse and check an override entry; the op (and overload) must exist in torch.ops.
+
+    Raises:
+        ConfigError: naming the entry and what is wrong with it.
+    """
+    module, _, op_text = text.rpartition("::")
+    parts = op_text.split(".")
+    if module == "" and "::" in text or len(parts) not in (2, 3) or parts[0] != "aten" or not all(parts):
+        raise ConfigError(f"{where}: {text!r} is not '[<module glob>::]aten.<op>[.<overload>]', "
+                          "e.g. 'aten.mm' or 'layers.*.attention::aten.mm'")
+    packet = getattr(torch.ops.aten, parts[1], None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise ConfigError(f"{where}: {text!r} names no ATen op 'aten.{parts[1]}'; "
+                          "use names as they appear in the dumped graph (e.g. aten.mm, aten.silu)")
+    overload = parts[2] if len(parts) == 3 else None
+    if overload is not None and overload not in packet.overloads():
+        raise ConfigError(f"{where}: aten.{parts[1]} has no overload {overload!r}; "
+                          f"choose one of {', '.join(packet.overloads())}")
+    return OpPattern(text, module or None, packet._qualified_op_name, overload)
+
+
+def parse_overrides(ac: ActivationCheckpointConfig) -> tuple[list[OpPattern], list[OpPattern]]:
+    """(save patterns, recompute patterns) from the config, validated."""
+    save = [parse_op_pattern(p, f"activation_checkpoint.save_list[{i}]") for i, p in enumerate(ac.save_list)]
+    recompute = [parse_op_pattern(p, f"activation_checkpoint.recompute_list[{i}]")
+                 for i, p in enumerate(ac.recompute_list)]
+    return save, recompute
+
+
+# --------------------------------------------------------------------------- structure of the step
+
+
+@dataclasses.dataclass
+class StepStructure:
+    """What every policy must respect: the layer ops, and which of them must be saved (and why)."""
+
+    layer_nodes: list[torch.fx.Node]
+    forced: dict[torch.fx.Node, str]  # node -> reason it can never be recomputed
+
+    def layers(self) -> dict[int, list[torch.fx.Node]]:
+        out: dict[int, list[torch.fx.Node]] = {}
+        for n in self.layer_nodes:
+            out.setdefault(node_meta.layer_id(n), []).append(n)
+        return out
+
+
+def analyze(gm: torch.fx.GraphModule) -> StepStructure:
+    """Find the layer ops and the ones that must be saved (see the module docstring)."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    # Last position at which each storage is written by a forward/backward op (the
+    # optimizer's in-place updates run after every recompute, so they do not count).
+    last_write: dict[int, int] = {}
+    for n in nodes:
+        if is_mutating(n) and node_meta.phase(n) != node_meta.OPTIMIZER:
+            for arg in mutated_args(n):
+                for key in storage_keys(arg):
+                    last_write[key] = max(last_write.get(key, -1), index[n])
+
+    layer_nodes = layer_forward_nodes(gm)
+    forced: dict[torch.fx.Node, str] = {}
+    for n in layer_nodes:
+        region = node_meta.layer_id(n)
+        if node_meta.is_random(n):
+            forced[n] = "random op"
+        elif is_mutating(n):
+            forced[n] = "in-place op"
+        elif is_attention(n.target):
+            forced[n] = "attention output"
+        elif any(last_write.get(k, -1) > index[n] for k in storage_keys(n)):
+            forced[n] = "written in place later"
+        elif any(last_write.get(k, -1) > index[n] for a in n.all_input_nodes for k in storage_keys(a)):
+            forced[n] = "reads a tensor written in place later"
+        elif any(u.op == "output" or (node_meta.is_forward(u) and node_meta.layer_id(u) != region)
+                 for u in n.users):
+            forced[n] = "layer boundary"
+    return StepStructure(layer_nodes, forced)
+
+
+# --------------------------------------------------------------------------- policies
+
+Decisions = dict[torch.fx.Node, CheckpointPolicy]
+
+
+def policy_full(structure: StepStructure, layers: set[int] | None = None) -> Decisions:
+    """Recompute every op in the given layers (default: all); save everything in the others."""
+    return {n: RECOMPUTE if layers is None or node_meta.layer_id(n) in layers else SAVE
+            for n in structure.layer_nodes}
+
+
+def policy_every_nth_layer(structure: StepStructure, n_th: int) -> Decisions:
+    """Full recompute of layers N-1, 2N-1, ... (every N-th layer counting from 1), as eager does."""
+    layers = {i for i in structure.layers() if (i + 1) % n_th == 0}
+    return policy_full(structure, layers)
+
+
+def policy_selective_op(structure: StepStructure) -> Decisions:
+    """Save matmul and attention outputs, but recompute every second matmul of each layer; recompute the rest."""
+    decisions: Decisions = {}
+    for nodes in structure.layers().values():
+        matmuls = 0  # restarts at each layer
+        for n in nodes:
+            if is_matmul(n.target):
+                matmuls += 1
+                decisions[n] = RECOMPUTE if matmuls % 2 == 0 else SAVE
+            elif is_attention(n.target):
+                decisions[n] = SAVE
+            else:
+                decisions[n] = RECOMPUTE
+    return decisions
+
+
+def apply_overrides(structure: StepStructure, decisions: Decisions, save: list[OpPattern],
+                    recompute: list[OpPattern]) -> Decisions:
+    """Per-op overrides win over the policy (save_list over recompute_list); boundaries stay saved.
+
+    Raises:
+        ConfigError: a recompute_list entry matches an op that can never be recomputed.
+    """
+    out = dict(decisions)
+    for n in structure.layer_nodes:
+        if any(p.matches(n) for p in save):
+            out[n] = SAVE
+        elif hit := next((p for p in recompute if p.matches(n)), None):
+            reason = structure.forced.get(n)
+            if reason in ("random op", "in-place op", "attention output"):
+                raise ConfigError(f"activation_checkpoint.recompute_list entry {hit.text!r} matches "
+                                  f"{n.target} in {node_meta.module_fqn(n)!r}, a {reason} that is never "
+                                  "recomputed; remove the entry or restrict it with a module glob")
+            out[n] = RECOMPUTE
+    return out
+
+
+def finalize(structure: StepStructure, decisions: Decisions) -> Decisions:
+    """Force the saves of `structure` and make getitems follow their multi-output parent."""
+    out = dict(decisions)
+    for n in structure.layer_nodes:
+        if n in structure.forced:
+            out[n] = SAVE
+        elif n.target is operator.getitem and n.args[0] in out:
+            out[n] = out[n.args[0]]
+    return out
+
+
+def write_tags(gm: torch.fx.GraphModule, structure: StepStructure, decisions: Decisions) -> None:
+    """Write `recompute` and `ac_graph_id` on the layer ops in `decisions`; clear any stale tag elsewhere."""
+    layer_set = set(structure.layer_nodes)
+    for n in gm.graph.nodes:
+        if n in layer_set and n in decisions:
+            n.meta[node_meta.RECOMPUTE] = decisions[n]
+            n.meta[node_meta.AC_GRAPH_ID] = node_meta.layer_id(n) + 1
+        else:
+            n.meta.pop(node_meta.RECOMPUTE, None)
+            n.meta.pop(node_meta.AC_GRAPH_ID, None)
+
+
+def policy_for(ac: ActivationCheckpointConfig) -> Callable[[StepStructure], Decisions]:
+    """The base policy of a non-budget mode."""
+    if ac.mode == "full":
+        return policy_full
+    if ac.mode == "selective" and ac.selective_ac_option == "op":
+        return policy_selective_op
+    if ac.mode == "selective":
+        return lambda s: policy_every_nth_layer(s, int(ac.selective_ac_option))
+    raise ValueError(f"no tagging policy for activation_checkpoint.mode {ac.mode!r}")
+
+
+def tag_activation_checkpoint(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig) -> torch.fx.GraphModule:
+    """Tag the layer ops of `gm` with save/recompute for mode selective or full (see module docstring).
+
+    In place; returns `gm`. Preserves numerics bitwise (metadata only).
+    """
+    structure = analyze(gm)
+    save, recompute = parse_overrides(ac)
+    decisions = apply_overrides(structure, policy_for(ac)(structure), save, recompute)
+    write_tags(gm, structure, finalize(structure, decisions))
+    return gm
+
+
+def policy_name(node: torch.fx.Node) -> str:
+    """'save', 'recompute' or 'no-AC' for a node, for the saved-activation report."""
+    policy = node.meta.get(node_meta.RECOMPUTE)
+    if policy is None:
+        return "no-AC"
+    return "save" if policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE) else "recompute"

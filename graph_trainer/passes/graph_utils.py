@@ -1,0 +1,173 @@
+"""Small graph helpers shared by the passes: op identity, storages, aliasing, FLOPs, fake values.
+
+Everything here reads a graph; nothing rewrites one except `refresh_duplicated_values`,
+which only replaces `meta["val"]` on nodes that share it with an earlier node.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_iter, tree_map
+
+from graph_trainer.tracer import node_meta
+
+aten = torch.ops.aten
+
+# Compute-intensive ops whose outputs selective AC saves. Matmuls are counted for
+# the "recompute every second matmul" rule; attention outputs are always saved.
+MATMUL_OPS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm})
+ATTENTION_OPS = frozenset({
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_cudnn_attention,
+    aten._scaled_dot_product_fused_attention_overrideable,
+})
+
+
+def packet(node_or_target: Any) -> Any:
+    """The OpOverloadPacket of a node's (or a target's) op, or None for non-ATen targets."""
+    target = node_or_target.target if isinstance(node_or_target, torch.fx.Node) else node_or_target
+    return getattr(target, "overloadpacket", None)
+
+
+def is_matmul(target: Any) -> bool:
+    return packet(target) in MATMUL_OPS
+
+
+def is_attention(target: Any) -> bool:
+    return packet(target) in ATTENTION_OPS
+
+
+def is_getitem(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def tensors(val: Any) -> list[torch.Tensor]:
+    """Tensors inside a node value (a tensor, a tuple/list of them, or nothing)."""
+    return [t for t in tree_iter(val) if isinstance(t, torch.Tensor)]
+
+
+def storage_keys(node: torch.fx.Node) -> set[int]:
+    """Identities of the storages the node's (fake) value lives in."""
+    return {t.untyped_storage()._cdata for t in tensors(node.meta.get("val"))}
+
+
+def output_nbytes(node: torch.fx.Node) -> int:
+    """Bytes of the storages of the node's value."""
+    return sum(int(t.untyped_storage().nbytes()) for t in tensors(node.meta.get("val")))
+
+
+def is_mutating(node: torch.fx.Node) -> bool:
+    """True for an op that writes into one of its inputs (add_, bernoulli_, copy_, ...)."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The input nodes a mutating op writes into."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        out += [v for v in tree_iter(value) if isinstance(v, torch.fx.Node)]
+    return out
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """A non-mutating op whose output lives in an input's storage (view, t, getitem, detach, ...)."""
+    if node.op != "call_function" or is_mutating(node):
+        return False
+    out = storage_keys(node)
+    if not out:
+        return False
+    inputs = set().union(*(storage_keys(a) for a in node.all_input_nodes)) if node.all_input_nodes else set()
+    return out <= inputs
+
+
+def _numel(t: torch.Tensor) -> int:
+    return int(math.prod(int(s) for s in t.shape))
+
+
+def op_flops(node: torch.fx.Node) -> int:
+    """Rough FLOPs of one op: 2*m*n*k for matmuls, 4*B*H*S*S*D for attention, the output size otherwise.
+
+    Only used to rank recompute candidates; views cost 0.
+    """
+    if node.op != "call_function" or is_view(node):
+        return 0
+    outs = tensors(node.meta.get("val"))
+    if is_matmul(node.target):
+        a = node.args[1] if packet(node) in (aten.addmm, aten.baddbmm) else node.args[0]
+        k = int(a.meta["val"].shape[-1])
+        return 2 * k * _numel(outs[0])
+    if is_attention(node.target):
+        q = node.args[0].meta["val"]
+        b, h, s, d = (int(x) for x in q.shape)
+        return 4 * b * h * s * s * d
+    return max(1, sum(_numel(t) for t in outs))
+
+
+def refresh_duplicated_values(graph: torch.fx.Graph) -> None:
+    """Give nodes copied by a rewrite (they share `meta["val"]` with their original) their own fake values.
+
+    Storage-level memory accounting keys on the fake tensor's storage: a
+    recomputed copy must not look like the same storage as the original. Each
+    such node is re-run on its inputs' fake values in their fake mode.
+    """
+    seen: set[int] = set()
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if val is None:
+            continue
+        if id(val) not in seen or node.op != "call_function":
+            seen.add(id(val))
+            continue
+        fake_mode = next((t.fake_mode for t in tensors(val) if hasattr(t, "fake_mode")), None)
+
+        def arg_val(a):
+            return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+        args = tree_map(arg_val, node.args)
+        kwargs = tree_map(arg_val, node.kwargs)
+        if fake_mode is None:
+            new_val = node.target(*args, **kwargs)
+        else:
+            with fake_mode:
+                new_val = node.target(*args, **kwargs)
+        node.meta["val"] = new_val
+        seen.add(id(new_val))
+
+
+def fqn_matches(fqn: str, pattern: str) -> bool:
+    """True when the module FQN or one of its parents matches the glob ('layers.*.attention' matches 'layers.0.attention.wq')."""
+    parts = fqn.split(".") if fqn else []
+    return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
+
+
+def layer_forward_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Forward op nodes inside a transformer layer, in graph order."""
+    return [n for n in gm.graph.nodes
+            if n.op == "call_function" and node_meta.is_forward(n) and node_meta.layer_id(n) is not None]
+
+
+def count_nodes(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
+
+
+def node_by_name(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
+    return {n.name: n for n in gm.graph.nodes}
+
+
+def iter_ops(gm: torch.fx.GraphModule) -> Iterable[torch.fx.Node]:
+    return (n for n in gm.graph.nodes if n.op == "call_function")

@@ -1,0 +1,121 @@
+"""The pass pipeline: run the registered passes in their fixed order on each fresh trace.
+
+The pipeline (not the passes) decides the order. For each enabled pass it logs
+the time and the node-count change, and with `compile.dump_graphs` writes the
+graph's code before and after it. Finally it estimates the step's peak memory
+(`TracedStep.memory_estimate`) and, with `compile.log_saved_activations`,
+prints the tensors kept for the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import torch.fx
+
+from graph_trainer.config import JobConfig
+from graph_trainer.errors import ConfigError
+from graph_trainer.passes.activation_checkpoint import policy_name
+from graph_trainer.passes.graph_utils import count_nodes, node_by_name
+from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_tensors
+from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.capture import TracedStep
+
+MIB = 1024**2
+
+
+@dataclasses.dataclass(frozen=True)
+class PassContext:
+    """What a pass may read besides the graph: the job config, one memory category per input, a logger."""
+
+    cfg: JobConfig
+    input_categories: list[str]
+    log: Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPass:
+    """A registered pass: `run(gm, ctx) -> gm` plus its name, numerics promise and when it is on."""
+
+    name: str
+    run: Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
+    preserves_numerics_bitwise: bool
+    enabled: Callable[[JobConfig], bool]
+    doc: str
+
+
+def check_disabled(names: list[str], registry: list[GraphPass]) -> None:
+    """Raise ConfigError for a `compile.disable_passes` entry that names no pass."""
+    known = [p.name for p in registry]
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"compile.disable_passes: unknown pass {name!r}; available passes: "
+                              f"{', '.join(known)}")
+
+
+class Pipeline:
+    """Callable TracedStep -> TracedStep running `passes` in order (see module docstring)."""
+
+    def __init__(self, cfg: JobConfig, passes: list[GraphPass], *, dump_dir: Path | None,
+                 log: Callable[[str], None]):
+        self.cfg = cfg
+        self.passes = passes
+        self.dump_dir = dump_dir if cfg.compile.dump_graphs else None
+        self.log = log
+        self.runs = 0  # traces transformed so far; names the dump subfolder
+
+    def __call__(self, traced: TracedStep) -> TracedStep:
+        self.runs += 1
+        ctx = PassContext(self.cfg, traced.layout.categories, self.log)
+        gm = traced.gm
+        dump = self.dump_dir / f"trace_{self.runs}" if self.dump_dir is not None else None
+        if dump is not None:
+            dump.mkdir(parents=True, exist_ok=True)
+            _dump(gm, dump / "00_traced.py")
+        for i, p in enumerate(self.passes, start=1):
+            before = count_nodes(gm)
+            start = time.perf_counter()
+            gm = p.run(gm, ctx)
+            elapsed = time.perf_counter() - start
+            after = count_nodes(gm)
+            self.log(f"pass {p.name}: {elapsed * 1000:.1f} ms, ops {before} -> {after} ({after - before:+d})")
+            if dump is not None:
+                _dump(gm, dump / f"{i:02d}_after_{p.name}.py")
+        traced.gm = gm
+        traced.memory_estimate = estimate_peak_memory(gm, input_categories=ctx.input_categories)
+        est = traced.memory_estimate
+        self.log(f"memory estimate: peak {est.peak_bytes / MIB:.2f} MiB at {est.peak_node} "
+                 f"({est.peak_module_fqn or 'top level'}), saved for backward {est.saved_bytes / MIB:.2f} MiB")
+        if self.cfg.compile.log_saved_activations:
+            self.log(saved_activation_report(gm))
+        return traced
+
+
+def _dump(gm: torch.fx.GraphModule, path: Path) -> None:
+    path.write_text(gm.print_readable(print_output=False, include_stride=True, include_device=True))
+
+
+def saved_activation_report(gm: torch.fx.GraphModule, limit: int | None = 50) -> str:
+    """The tensors the step keeps for the backward, largest first, then totals per layer."""
+    saved = saved_tensors(gm)
+    nodes = node_by_name(gm)
+    per_layer: dict[str, int] = defaultdict(int)
+    lines = [f"saved activations: {len(saved)} tensors, {sum(s.nbytes for s in saved) / MIB:.2f} MiB",
+             f"  {'bytes':>12}  {'dtype':<9} {'shape':<22} {'policy':<9} {'op':<40} module"]
+    for i, s in enumerate(saved):
+        node = nodes[s.node]
+        layer = node_meta.layer_id(node)
+        per_layer["outside layers" if layer is None else f"layer {layer}"] += s.nbytes
+        if limit is None or i < limit:
+            lines.append(f"  {s.nbytes:>12,}  {str(s.dtype).removeprefix('torch.'):<9} {str(list(s.shape)):<22} "
+                         f"{policy_name(node):<9} {s.op:<40} {s.module_fqn}")
+    if limit is not None and len(saved) > limit:
+        lines.append(f"  ... {len(saved) - limit} smaller tensors")
+    lines.append("  per layer:")
+    for name, nbytes in sorted(per_layer.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {nbytes / MIB:>10.2f} MiB  {name}")
+    return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""The pass pipeline: registry and order, disable_passes validation, graph dumps, DCE keeping in-place
+optimizer ops, no-op removal and remat preserving numerics bitwise, remat being final."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graph_trainer.config import load_config
+from graph_trainer.errors import ConfigError
+from graph_trainer.optimizer import GraphAdamW, build_optimizer
+from graph_trainer.passes import available_passes, build_pipeline
+from graph_trainer.passes.activation_checkpoint import parse_op_pattern, tag_activation_checkpoint
+from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
+from graph_trainer.passes.graph_utils import is_mutating
+from graph_trainer.passes.remat import rematerialize
+from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.capture import trace_step
+from models.llama3.model import ModelArgs, Transformer
+
+
+def _cfg(*extra: str):
+    cfg, _ = load_config(["--config", "llama3_debug.toml", *extra])
+    return cfg
+
+
+def _model_and_batch(dropout: float = 0.1):
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16, dropout=dropout))
+    batch = {"input": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}
+    return model, batch
+
+
+def _run(gm, inputs):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        return [t.clone() for t in gm(*[t.clone() for t in inputs])]
+
+
+def test_unknown_pass_in_disable_passes_lists_the_available_ones():
+    with pytest.raises(ConfigError, match="unknown pass 'cse'.*dce, remove_noops"):
+        build_pipeline(_cfg("--compile.disable_passes", "cse"), dump_dir=None, log=lambda s: None)
+
+
+@pytest.mark.parametrize("entry", ["aten.notanop", "aten.mm.nooverload", "layers.*::aten.bogus"])
+def test_bad_override_pattern_is_a_config_error(entry):
+    with pytest.raises(ConfigError, match="recompute_list"):
+        build_pipeline(_cfg("--activation_checkpoint.mode", "selective", "--activation_checkpoint.recompute_list",
+                            entry), dump_dir=None, log=lambda s: None)
+
+
+def test_override_pattern_matches_op_overload_and_module_glob():
+    model, batch = _model_and_batch()
+    gm = trace_step(model, batch).gm
+    mms = [n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default and node_meta.is_forward(n)]
+    attn = parse_op_pattern("layers.*.attention::aten.mm", "x")
+    assert {node_meta.module_fqn(n).rsplit(".", 1)[0] for n in mms if attn.matches(n)} == {
+        "layers.0.attention", "layers.1.attention"}
+    assert all(parse_op_pattern("aten.mm.default", "x").matches(n) for n in mms)
+
+
+def test_pipeline_runs_in_order_logs_and_dumps_each_pass(tmp_path):
+    model, batch = _model_and_batch()
+    logs: list[str] = []
+    cfg = _cfg("--compile.dump_graphs", "true", "--activation_checkpoint.mode", "full",
+               "--compile.log_saved_activations", "true")
+    traced = build_pipeline(cfg, dump_dir=tmp_path, log=logs.append)(trace_step(model, batch))
+    ran = [line.split(":")[0].removeprefix("pass ") for line in logs if line.startswith("pass ")]
+    assert ran == ["dce", "remove_noops", "activation_checkpoint", "remat"]
+    assert [n for n in available_passes() if n in ran] == ran  # registry order
+    dumped = sorted(p.name for p in (tmp_path / "trace_1").iterdir())
+    assert dumped == ["00_traced.py", "01_after_dce.py", "02_after_remove_noops.py",
+                      "03_after_activation_checkpoint.py", "04_after_remat.py"]
+    assert "_recomputed" in (tmp_path / "trace_1" / "04_after_remat.py").read_text()
+    assert traced.memory_estimate is not None and traced.memory_estimate.peak_bytes > 0
+    assert any(line.startswith("saved activations:") and "per layer" in line for line in logs)
+
+    logs.clear()
+    no_dce = _cfg("--compile.disable_passes", "dce,remove_noops")
+    build_pipeline(no_dce, dump_dir=None, log=logs.append)(trace_step(model, batch))
+    assert not any(line.startswith("pass ") for line in logs)
+
+
+def test_dce_keeps_in_place_optimizer_ops_and_numerics():
+    model, batch = _model_and_batch(dropout=0.0)
+    optimizer = GraphAdamW(build_optimizer(model, name="AdamW", lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                                           weight_decay=0.1))
+    traced = trace_step(model, batch, optimizer=optimizer)
+    gm = traced.gm
+    inputs = [*model.parameters(), *model.buffers(), *batch.values(), *optimizer.state_tensors(),
+              *optimizer.host_scalars()]
+    before = sum(is_mutating(n) for n in gm.graph.nodes)
+    assert before > 0
+    expected = _run(gm, inputs)
+    gm = remove_noops(dead_code_elimination(gm))
+    assert sum(is_mutating(n) for n in gm.graph.nodes) == before
+    assert all(torch.equal(a, b) for a, b in zip(expected, _run(gm, inputs)))
+
+
+def test_remat_is_bitwise_and_final():
+    model, batch = _model_and_batch()
+    traced = trace_step(model, batch)
+    inputs = [*model.parameters(), *model.buffers(), *batch.values()]
+    expected = _run(traced.gm, inputs)
+    cfg = _cfg("--activation_checkpoint.mode", "full")
+    gm = rematerialize(tag_activation_checkpoint(remove_noops(dead_code_elimination(traced.gm)),
+                                                 cfg.activation_checkpoint))
+    copies = [n for n in gm.graph.nodes if node_meta.is_rematerialized(n)]
+    assert copies and not any(node_meta.is_random(n) for n in copies)
+    assert all(torch.equal(a, b) for a, b in zip(expected, _run(gm, inputs)))
+    assert rematerialize(gm) is gm  # nothing left to decide
