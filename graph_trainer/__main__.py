@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         # Imported here: the trainer pulls in torch and the models, which --help and config errors don't need.
         if opts.dry_run:
-            from graph_trainer.dry_run import dry_run
+            from graph_trainer.planner import dry_run
 
             dry_run(cfg)
             return 0

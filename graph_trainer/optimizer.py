@@ -64,6 +64,21 @@ def resync_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
+def init_adamw_state(optimizer: torch.optim.AdamW, p: torch.Tensor) -> dict:
+    """`p`'s AdamW state, created as torch.optim.AdamW would lazily create it on its first step.
+
+    Creating it up front keeps the first step's memory like every later one, so the
+    preflight's prediction (which counts optimizer state) holds from step 1.
+    """
+    state = optimizer.state[p]
+    if not state:
+        step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        state["step"] = torch.tensor(0.0, dtype=step_dtype)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
 def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Scale `grads` in place so their global L2 norm is at most `max_norm`; returns the norm before clipping.
 
@@ -109,12 +124,7 @@ class GraphAdamW:
         self._groups = [group for group in optimizer.param_groups for _ in group["params"]]
 
     def _state(self, p: torch.Tensor) -> dict:
-        state = self.optimizer.state[p]
-        if not state:  # the same lazy init torch.optim.AdamW performs on its first step
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
+        return init_adamw_state(self.optimizer, p)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Flat optimizer state, (step, exp_avg, exp_avg_sq) per parameter (created on first use).

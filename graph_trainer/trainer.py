@@ -26,9 +26,11 @@ from graph_trainer.digest import tensors_digest
 from graph_trainer.eager import EagerStep
 from graph_trainer.errors import UserError
 from graph_trainer.loss import lm_loss
-from graph_trainer.memory import MemoryMonitor
+from graph_trainer.memory import MemoryMonitor, to_gib
 from graph_trainer.metrics import MetricsLogger
-from graph_trainer.optimizer import GraphAdamW, build_lr_scheduler, build_optimizer, resync_lr
+from graph_trainer.planner import preflight
+from graph_trainer.optimizer import (GraphAdamW, build_lr_scheduler, build_optimizer, init_adamw_state,
+                                     resync_lr)
 from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.tracer.executor import GraphStep
 from models import build_model_args, get_model_spec
@@ -48,6 +50,7 @@ class TrainResult:
     params_sha256: str
     grads_sha256: str
     trace_count: int
+    records: list[dict[str, Any]]  # every step's metrics record, as logged
 
 
 def resolve_device(name: str) -> torch.device:
@@ -143,6 +146,9 @@ class Trainer:
         self.dump_folder = prepare_dump_folder(cfg)
         set_determinism(cfg.training.seed, cfg.training.deterministic, self.device)
 
+        plan = preflight(cfg, self.device, loss_fn=autocast_loss(self.dtype, self.device), log=self.log)
+        self.log(f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
+                 f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)")
         tokenizer = build_tokenizer(cfg.data.tokenizer)
         self.dataloader = build_dataloader(cfg.data.source, cfg.data.path, tokenizer,
                                            batch_size=cfg.training.local_batch_size,
@@ -159,11 +165,16 @@ class Trainer:
         o = cfg.optimizer
         self.optimizer = build_optimizer(self.model, name=o.name, lr=o.lr, betas=tuple(o.betas),
                                          eps=o.eps, weight_decay=o.weight_decay)
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                init_adamw_state(self.optimizer, p)
         s = cfg.lr_scheduler
         self.scheduler = build_lr_scheduler(self.optimizer, warmup_steps=s.warmup_steps,
                                             total_steps=cfg.training.steps, decay_type=s.decay_type,
                                             min_lr_factor=s.min_lr_factor)
         self.step_fn, self.graph_step = self._build_step()
+        self._state_bytes_outside_graph = 0 if cfg.compile.trace_optimizer else sum(
+            t.untyped_storage().nbytes() for st in self.optimizer.state.values() for t in st.values())
         self.memory = MemoryMonitor(self.device, track=cfg.metrics.track_memory)
         self.checkpointer = CheckpointManager(self.dump_folder / cfg.checkpoint.folder,
                                               enable=cfg.checkpoint.enable and rank == 0,
@@ -182,12 +193,18 @@ class Trainer:
         cfg = self.cfg
         loss_fn = autocast_loss(self.dtype, self.device)
         if cfg.compile.mode == "eager":
+            from graph_trainer.eager_checkpoint import apply_eager_checkpointing
+
+            apply_eager_checkpointing(self.model, cfg.activation_checkpoint)
             return EagerStep(self.model, loss_fn=loss_fn, max_norm=cfg.training.max_norm), None
+        from graph_trainer.passes import build_pipeline
+
+        transform = build_pipeline(cfg, dump_dir=self.dump_folder / "graphs", log=self.log)
         graph_optimizer = GraphAdamW(self.optimizer) if cfg.compile.trace_optimizer else None
         graph_step = GraphStep(self.model, loss_fn=loss_fn, max_norm=cfg.training.max_norm,
                                optimizer=graph_optimizer, on_shape_change=cfg.compile.on_shape_change,
-                               device=self.device, failure_dir=self.dump_folder / "graphs",
-                               log=self.log)
+                               transform=transform, device=self.device,
+                               failure_dir=self.dump_folder / "graphs", log=self.log)
         return graph_step, graph_step
 
     def _resume(self) -> None:
@@ -237,14 +254,15 @@ class Trainer:
             record["trace_time_s"] = self.graph_step.stats.total_time_s
             estimate = self.graph_step.traced.memory_estimate
             if estimate is not None:
-                record["estimated_peak_bytes"] = estimate.peak_bytes
+                # Optimizer state outside the graph is alive through the whole step too.
+                record["estimated_peak_bytes"] = estimate.peak_bytes + self._state_bytes_outside_graph
                 record["saved_activation_bytes"] = estimate.saved_bytes
         return record
 
     def train(self) -> TrainResult:
         """Run the loop to `training.steps`; checkpoints, logs, and stops on a non-finite loss."""
         cfg = self.cfg
-        losses = []
+        losses, records = [], []
         wall_start = time.perf_counter()
         metrics = MetricsLogger(self.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                 log_freq=cfg.metrics.log_freq, total_steps=cfg.training.steps,
@@ -256,6 +274,7 @@ class Trainer:
                 record = self.train_step(batch)
                 self.step += 1
                 losses.append(record["loss"])
+                records.append(record)
                 metrics.log_step(self.step, record)
                 if not math.isfinite(record["loss"]):
                     metrics.set_final({"status": "diverged", "final_step": self.step})
@@ -267,7 +286,7 @@ class Trainer:
                 params_sha256=tensors_digest(self.model.state_dict(keep_vars=False)),
                 grads_sha256=tensors_digest({n: p.grad for n, p in self.model.named_parameters()
                                              if p.grad is not None}),
-                trace_count=self.graph_step.stats.count if self.graph_step else 0)
+                trace_count=self.graph_step.stats.count if self.graph_step else 0, records=records)
             metrics.set_final({"status": "ok", "final_step": self.step,
                                "final_loss": losses[-1] if losses else None,
                                "params_sha256": result.params_sha256, "grads_sha256": result.grads_sha256,

@@ -1,0 +1,155 @@
+"""Predicting a step's memory and FLOPs before anything is allocated: the preflight and `--dry-run`.
+
+The model is built on the meta device and the whole step (forward, loss,
+backward, clipping and the AdamW update) is traced on fake tensors for the
+target device, then run through the same pass pipeline the trainer uses; the
+static estimate of the final graph is the prediction. Nothing the size of a
+parameter is ever allocated, so an 8B plan fits in a laptop's memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from graph_trainer.config import JobConfig
+from graph_trainer.errors import UserError
+from graph_trainer.memory import to_gib
+from graph_trainer.optimizer import GraphAdamW, build_optimizer
+from graph_trainer.passes import build_pipeline
+from graph_trainer.passes.graph_utils import op_flops
+from graph_trainer.tracer.capture import trace_step
+from models import build_model_args, get_model_spec
+from models.llama3.model import num_params
+
+AC_MODES = ("none", "selective", "full", "budget")
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """The predicted cost of one training step under one activation-checkpointing mode."""
+
+    ac_mode: str
+    peak_bytes: int
+    saved_bytes: int
+    peak_by_category: dict[str, int]
+    peak_where: str
+    flops: int
+    num_params: int
+    trace_time_s: float
+
+
+def meta_model(cfg: JobConfig) -> nn.Module:
+    """The configured model on the meta device: shapes only, no memory."""
+    args = build_model_args(cfg.model.name, cfg.model.flavor, cfg.model.overrides())
+    with torch.device("meta"):
+        return get_model_spec(cfg.model.name).model_cls(args)
+
+
+def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
+              loss_fn: Callable | None = None, log: Callable[[str], None] = lambda s: None) -> StepPlan:
+    """Trace `model` (meta) for `device` with cfg's AC mode, apply the pipeline, and read the estimate."""
+    b, s = cfg.training.local_batch_size, cfg.training.seq_len
+    batch = {"input": torch.empty(b, s, dtype=torch.long, device="meta"),
+             "labels": torch.empty(b, s, dtype=torch.long, device="meta")}
+    o = cfg.optimizer
+    optimizer = GraphAdamW(build_optimizer(model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay))
+    kwargs = {"loss_fn": loss_fn} if loss_fn is not None else {}
+    start = time.perf_counter()
+    traced = trace_step(model, batch, max_norm=cfg.training.max_norm, optimizer=optimizer, device=device,
+                        **kwargs)
+    plan_cfg = copy.deepcopy(cfg)
+    plan_cfg.compile.dump_graphs = False
+    traced = build_pipeline(plan_cfg, dump_dir=None, log=log)(traced)
+    elapsed = time.perf_counter() - start
+    est = traced.memory_estimate
+    where = f"{est.peak_node} ({est.peak_op})" + (f" in {est.peak_module_fqn}" if est.peak_module_fqn else "")
+    return StepPlan(ac_mode=cfg.activation_checkpoint.mode, peak_bytes=est.peak_bytes,
+                    saved_bytes=est.saved_bytes, peak_by_category=dict(est.peak_bytes_by_category),
+                    peak_where=where, flops=sum(op_flops(n) for n in traced.gm.graph.nodes),
+                    num_params=num_params(model), trace_time_s=elapsed)
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a step can use: free CUDA memory, or MemAvailable of the machine on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise UserError("cannot read available memory from /proc/meminfo")
+
+
+def _with_mode(cfg: JobConfig, mode: str) -> JobConfig:
+    other = copy.deepcopy(cfg)
+    other.activation_checkpoint.mode = mode
+    return other
+
+
+def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None = None,
+              log: Callable[[str], None] = print) -> StepPlan:
+    """Refuse (UserError, exit 2) a job whose predicted step peak exceeds the device's free memory.
+
+    The message gives predicted vs available, the biggest contributors at the
+    peak, and what would fit: a smaller batch (activations scale with it) or
+    another activation-checkpointing mode.
+    """
+    model = meta_model(cfg)
+    plan = plan_step(cfg, model, device, loss_fn=loss_fn)
+    available = available_bytes(device)
+    if plan.peak_bytes <= available:
+        return plan
+    parts = ", ".join(f"{cat} {to_gib(n):.2f}" for cat, n in
+                      sorted(plan.peak_by_category.items(), key=lambda kv: -kv[1])[:4])
+    hints = []
+    activations = plan.peak_by_category.get("activation", 0)
+    fixed = plan.peak_bytes - activations  # parameters, optimizer state, batch (and gradients made by then)
+    if fixed < available:
+        if activations:
+            batch = int(cfg.training.local_batch_size * (available - fixed) / activations)
+            if batch >= 1:
+                hints.append(f"--training.local_batch_size {batch}")
+        for mode in ("full", "budget"):
+            if mode == cfg.activation_checkpoint.mode:
+                continue
+            other = plan_step(_with_mode(cfg, mode), model, device, loss_fn=loss_fn)
+            if other.peak_bytes <= available:
+                hints.append(f"--activation_checkpoint.mode {mode} (predicted {to_gib(other.peak_bytes):.2f} GiB)")
+    if hints:
+        fix = "; would fit: " + " or ".join(hints)
+    else:
+        fix = (f"; everything but the activations already needs {to_gib(fixed):.2f} GiB, so no batch "
+               "size or activation_checkpoint mode fits: use a device with more memory or a smaller model")
+    raise UserError(f"the step needs about {to_gib(plan.peak_bytes):.2f} GiB but {device.type} has "
+                    f"{to_gib(available):.2f} GiB available (at the peak, GiB: {parts}){fix}; "
+                    "--dry-run prints the full plan")
+
+
+def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Callable[[str], None] = print) -> None:
+    """Print, for each AC mode, the predicted peak, saved activations, parameters and FLOPs per step."""
+    from graph_trainer.trainer import resolve_device  # the trainer owns device policy
+
+    device = device or resolve_device(cfg.training.device)
+    model = meta_model(cfg)
+    print_fn(f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {cfg.training.local_batch_size} x "
+             f"seq {cfg.training.seq_len}, device {device.type}, fake tensors only "
+             "(AdamW update and clipping included)")
+    print_fn(f"{'ac mode':10} {'peak GiB':>9} {'saved GiB':>10} {'params':>15} {'TFLOP/step':>11} "
+             f"{'plan s':>7}  peak at")
+    for mode in AC_MODES:
+        try:
+            plan = plan_step(_with_mode(cfg, mode), model, device)
+        except UserError as e:
+            print_fn(f"{mode:10} not plannable: {e}")
+            continue
+        print_fn(f"{mode:10} {to_gib(plan.peak_bytes):9.2f} {to_gib(plan.saved_bytes):10.2f} "
+                 f"{plan.num_params:15,} {plan.flops / 1e12:11.2f} {plan.trace_time_s:7.1f}  {plan.peak_where}")
+    print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")
