@@ -1,0 +1,35 @@
+"""Running the real Trainer from a test: a tiny deterministic config plus overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from graph_trainer.config import load_config
+from graph_trainer.trainer import Trainer, TrainResult
+
+# GQA (4 query heads, 2 KV heads), small enough for CPU, deterministic kernels.
+TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.deterministic", "true",
+        "--metrics.enable_tensorboard", "false"]
+
+MODES = {
+    "eager": ["--compile.mode", "eager"],
+    "trace": ["--compile.mode", "trace"],
+    "trace+selective": ["--activation_checkpoint.mode", "selective"],
+    "trace+full": ["--activation_checkpoint.mode", "full"],
+    "trace+budget": ["--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", "0.8"],
+    "trace+optimizer": ["--compile.trace_optimizer", "true"],
+}
+
+
+def train(folder: Path, *overrides: str, steps: int = 5, base: list[str] = TINY) -> tuple[TrainResult, Trainer]:
+    """Train `steps` steps of the debug config with `base` + `overrides` into `folder`."""
+    cfg, _ = load_config(["--config", "llama3_debug", *base, "--training.steps", str(steps),
+                          "--job.dump_folder", str(folder), *overrides])
+    try:
+        trainer = Trainer(cfg)
+        return trainer.train(), trainer
+    finally:
+        torch.use_deterministic_algorithms(False)
