@@ -114,3 +114,16 @@ def test_cli_end_to_end_from_another_directory(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert len(summary["steps"]) == 2 and summary["final"]["trace_count"] == 1
     assert any((tmp_path / "run" / "tb").iterdir())
+
+
+def test_dump_graphs_writes_code_summary_and_saved_tensors(tmp_path):
+    run(tmp_path, "--compile.dump_graphs", "true", "--activation_checkpoint.mode", "selective", steps=1)
+    dump = tmp_path / "graphs" / "trace_1"
+    code = (dump / "00_traced.py").read_text()
+    assert "torch.ops.aten.mm.default" in code and "_scaled_dot_product_flash_attention_for_cpu" in code
+    assert (dump / "04_after_remat.py").exists()
+    summary = (dump / "summary.txt").read_text()
+    assert "by phase: forward" in summary and "backward" in summary and "layers.0.attention.wq" in summary
+    assert "estimated peak" in summary
+    saved = (dump / "saved_tensors.txt").read_text()
+    assert "saved activations:" in saved and "per layer:" in saved and "layers.0" in saved

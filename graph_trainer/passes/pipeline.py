@@ -24,6 +24,7 @@ from graph_trainer.passes.graph_utils import count_nodes, node_by_name
 from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_tensors
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep
+from graph_trainer.tracer.summary import graph_summary
 
 MIB = 1024**2
 
@@ -92,6 +93,10 @@ class Pipeline:
                  f"({est.peak_module_fqn or 'top level'}), saved for backward {est.saved_bytes / MIB:.2f} MiB")
         if self.cfg.compile.log_saved_activations:
             self.log(saved_activation_report(gm))
+        if dump is not None:
+            (dump / "summary.txt").write_text(graph_summary(gm) + "\n" + est.summary() + "\n")
+            (dump / "saved_tensors.txt").write_text(saved_activation_report(gm, limit=None) + "\n")
+            self.log(f"graphs written to {dump}")
         return traced
 
 
