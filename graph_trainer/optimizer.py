@@ -79,6 +79,18 @@ def init_adamw_state(optimizer: torch.optim.AdamW, p: torch.Tensor) -> dict:
     return state
 
 
+def eager_step_scratch_bytes(optimizer: torch.optim.AdamW) -> int:
+    """Most bytes `torch.optim.AdamW.step()` (single-tensor path, as on CPU) holds beyond its inputs.
+
+    For parameter i it builds `denom = (exp_avg_sq.sqrt() / c).add_(eps)`: two
+    temporaries of p_i's size, while the previous parameter's `denom` is still
+    bound to the loop variable; every other update is in place. So the scratch
+    peaks at max_i(size(p_{i-1}) + 2 * size(p_i)).
+    """
+    sizes = [p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"]]
+    return max((prev + 2 * cur for prev, cur in zip([0, *sizes], sizes)), default=0)
+
+
 def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Scale `grads` in place so their global L2 norm is at most `max_norm`; returns the norm before clipping.
 
@@ -146,7 +158,8 @@ class GraphAdamW:
             bias_correction1 = 1 - beta1**step
             bias_correction2_sqrt = (1 - beta2**step) ** 0.5
             values = (1 - lr * wd, bias_correction2_sqrt, -(lr / bias_correction1))
-            out += [torch.tensor(v, dtype=torch.float64) for v in values]
+            # torch.full, not torch.tensor: it dispatches, so the CPU memory tracker sees it.
+            out += [torch.full((), v, dtype=torch.float64) for v in values]
         return out
 
     def update_(self, params: list[torch.Tensor], grads: list[torch.Tensor],

@@ -120,7 +120,10 @@ def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None 
         for mode in ("full", "budget"):
             if mode == cfg.activation_checkpoint.mode:
                 continue
-            other = plan_step(_with_mode(cfg, mode), model, device, loss_fn=loss_fn)
+            try:
+                other = plan_step(_with_mode(cfg, mode), model, device, loss_fn=loss_fn)
+            except UserError:  # e.g. the default budget is infeasible for this shape
+                continue
             if other.peak_bytes <= available:
                 hints.append(f"--activation_checkpoint.mode {mode} (predicted {to_gib(other.peak_bytes):.2f} GiB)")
     if hints:

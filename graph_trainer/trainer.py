@@ -29,8 +29,8 @@ from graph_trainer.loss import lm_loss
 from graph_trainer.memory import MemoryMonitor, to_gib
 from graph_trainer.metrics import MetricsLogger
 from graph_trainer.planner import preflight
-from graph_trainer.optimizer import (GraphAdamW, build_lr_scheduler, build_optimizer, init_adamw_state,
-                                     resync_lr)
+from graph_trainer.optimizer import (GraphAdamW, build_lr_scheduler, build_optimizer, eager_step_scratch_bytes,
+                                     init_adamw_state, resync_lr)
 from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.tracer.executor import GraphStep
 from models import build_model_args, get_model_spec
@@ -140,6 +140,11 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, *, rank: int = 0, world_size: int = 1):
         self.cfg = cfg
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if cfg.parallelism.dp_shard > 1 or launched > 1:
+            raise UserError(f"multi-process data parallelism is not implemented yet (parallelism.dp_shard = "
+                            f"{cfg.parallelism.dp_shard}, WORLD_SIZE = {launched}); run one process with "
+                            "parallelism.dp_shard = 1")
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(cfg.training.device)
         self.dtype = resolve_dtype(cfg.training.dtype, self.device)
@@ -254,10 +259,20 @@ class Trainer:
             record["trace_time_s"] = self.graph_step.stats.total_time_s
             estimate = self.graph_step.traced.memory_estimate
             if estimate is not None:
-                # Optimizer state outside the graph is alive through the whole step too.
-                record["estimated_peak_bytes"] = estimate.peak_bytes + self._state_bytes_outside_graph
+                record["estimated_peak_bytes"] = self._estimated_step_peak(estimate)
                 record["saved_activation_bytes"] = estimate.saved_bytes
         return record
+
+    def _estimated_step_peak(self, estimate) -> int:
+        """The graph's estimated peak, widened to the whole step when the optimizer runs outside the graph.
+
+        Then the optimizer state is alive throughout, and the eager update runs
+        after the graph on its live set (params, batch, grads) plus its scratch.
+        """
+        if self.cfg.compile.trace_optimizer:
+            return estimate.peak_bytes
+        after_graph = sum(estimate.final_bytes_by_category.values()) + eager_step_scratch_bytes(self.optimizer)
+        return max(estimate.peak_bytes, after_graph) + self._state_bytes_outside_graph
 
     def train(self) -> TrainResult:
         """Run the loop to `training.steps`; checkpoints, logs, and stops on a non-finite loss."""

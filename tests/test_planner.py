@@ -1,0 +1,75 @@
+"""Memory planning before allocation: --dry-run and the preflight refusal."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from graph_trainer import planner
+from graph_trainer.config import load_config
+from graph_trainer.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+# Activations dominate at this shape, so AC modes differ in peak.
+SMALL = ["--model.n_layers", "2", "--training.seq_len", "256", "--training.local_batch_size", "4"]
+
+
+def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "graph_trainer", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_plan_of_meta_model_orders_modes_by_memory():
+    cfg, _ = load_config(["--config", "llama3_debug", *SMALL])
+    model = planner.meta_model(cfg)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    plans = {mode: planner.plan_step(planner._with_mode(cfg, mode), model, torch.device("cpu"))
+             for mode in ("none", "selective", "full")}
+    assert plans["none"].peak_bytes > plans["selective"].peak_bytes > plans["full"].peak_bytes
+    assert plans["none"].saved_bytes > plans["selective"].saved_bytes > plans["full"].saved_bytes
+    assert plans["full"].flops > plans["none"].flops  # recompute costs FLOPs
+    assert {"parameter", "optimizer_state", "activation"} <= set(plans["none"].peak_by_category)
+
+
+def test_preflight_refusal_names_sizes_and_what_would_fit(monkeypatch):
+    cfg, _ = load_config(["--config", "llama3_debug", *SMALL])
+    plan = planner.plan_step(cfg, planner.meta_model(cfg), torch.device("cpu"))
+    fixed = plan.peak_bytes - plan.peak_by_category["activation"]
+    monkeypatch.setattr(planner, "available_bytes", lambda device: fixed + plan.peak_by_category["activation"] // 3)
+    with pytest.raises(UserError) as info:
+        planner.preflight(cfg, torch.device("cpu"))
+    msg = str(info.value)
+    assert "needs about" in msg and "available" in msg and "would fit" in msg
+    assert "--training.local_batch_size" in msg or "--activation_checkpoint.mode full" in msg
+
+
+@pytest.mark.integration
+def test_dry_run_of_8b_is_fast_and_small():
+    start = time.perf_counter()
+    proc = _cli("--config", "llama3_8b.toml", "--dry-run", timeout=600)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    for mode in ("none", "selective", "full", "budget"):
+        assert f"\n{mode} " in out
+    assert "8,030,261,248" in out
+    rss_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024**2
+    print(f"8B dry run: {elapsed:.1f} s, max RSS {rss_gib:.2f} GiB")
+    assert elapsed < 120 and rss_gib < 2.0
+
+
+@pytest.mark.integration
+def test_preflight_refuses_8b_on_this_machine_with_exit_2(tmp_path):
+    proc = _cli("--config", "llama3_8b.toml", "--job.dump_folder", str(tmp_path / "run"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert "the step needs about" in proc.stderr and "GiB available" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoint").exists()
