@@ -122,6 +122,9 @@ def format_step_line(
         parts.append(mem)
     elif estimated is not None:
         parts.append(f"mem est {float(estimated) / GIB:5.2f} GiB")
+    if "trace_count" in record:
+        # Traces so far and the time they took: a count that grows means retracing.
+        parts.append(f"traces {int(record['trace_count'])} ({float(record.get('trace_time_s', 0.0)):.1f}s)")
     progress = f"[{100.0 * step / max(total_steps, 1):3.0f}%"
     if mean_step_time_s is not None and step < total_steps:
         progress += f" eta {_format_duration(mean_step_time_s * (total_steps - step))}"

@@ -132,6 +132,7 @@ def test_console_line_format():
     assert line.startswith("step  5/20  loss  5.1234  grad_norm   1.23  lr 8.0e-04  tok/s   4,321  mfu 12.5%")
     assert "step  0.95s" in line
     assert "mem  2.00 GiB (est 0.50)" in line
+    assert "traces 1 (0.6s)" in line
     assert line.endswith("[ 25% eta 0:00:14]")  # 15 steps left x 0.95 s
     # Consecutive lines align: same field starts at the same column.
     later = format_step_line(15, 20, _record(15) | {"loss": 12.5, "grad_norm": 1.0}, 0.95)
