@@ -127,3 +127,12 @@ def test_dump_graphs_writes_code_summary_and_saved_tensors(tmp_path):
     assert "estimated peak" in summary
     saved = (dump / "saved_tensors.txt").read_text()
     assert "saved activations:" in saved and "per layer:" in saved and "layers.0" in saved
+
+
+def test_bf16_autocast_traced_equal_eager(tmp_path):
+    bf16 = ["--training.dtype", "bfloat16"]
+    eager = run(tmp_path / "eager", *bf16, "--compile.mode", "eager", steps=3)
+    traced = run(tmp_path / "traced", *bf16, steps=3)
+    assert traced.losses == eager.losses
+    assert traced.params_sha256 == eager.params_sha256
+    assert traced.losses != run(tmp_path / "fp32", steps=3).losses  # autocast really changed the math
