@@ -259,7 +259,8 @@ def _explain(exc: BaseException) -> str:
     if "DataDependent" in name or "GuardOnDataDependent" in name:
         return ("the step reads a tensor's value in Python (data-dependent control flow, .item(), "
                 "bool(tensor)), which a trace on fake tensors cannot know")
-    if "UnsupportedOperator" in name or "fake" in str(exc).lower() and "impl" in str(exc).lower():
+    text = str(exc).lower()
+    if "UnsupportedOperator" in name or ("fake" in text and "impl" in text):
         return "an op has no fake-tensor implementation (register one with torch.library.register_fake)"
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else name
     return f"{name}: {first}"
