@@ -70,7 +70,8 @@ def test_pipeline_runs_in_order_logs_and_dumps_each_pass(tmp_path):
     assert [n for n in available_passes() if n in ran] == ran  # registry order
     dumped = sorted(p.name for p in (tmp_path / "trace_1").iterdir())
     assert dumped == ["00_traced.py", "01_after_dce.py", "02_after_remove_noops.py",
-                      "03_after_activation_checkpoint.py", "04_after_remat.py"]
+                      "03_after_activation_checkpoint.py", "04_after_remat.py", "saved_tensors.txt",
+                      "summary.txt"]
     assert "_recomputed" in (tmp_path / "trace_1" / "04_after_remat.py").read_text()
     assert traced.memory_estimate is not None and traced.memory_estimate.peak_bytes > 0
     assert any(line.startswith("saved activations:") and "per layer" in line for line in logs)
