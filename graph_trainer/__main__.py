@@ -28,9 +28,14 @@ def main(argv: list[str] | None = None) -> int:
 
             dry_run(cfg)
             return 0
+        from graph_trainer.distributed import destroy, init_distributed
         from graph_trainer.trainer import Trainer
 
-        Trainer(cfg).train()
+        dist = init_distributed(cfg)  # one rank of torchrun's launch, or the only process
+        try:
+            Trainer(cfg, dist=dist).train()
+        finally:
+            destroy(dist)
         return 0
     except UserError as e:
         message = " ".join(str(e).split("\n"))

@@ -1,8 +1,9 @@
 """The eager training step: plain PyTorch autograd, the baseline every claim is measured against.
 
-It runs the same loss function and the same gradient clipping as the traced
-step (`graph_trainer.loss`, `graph_trainer.optimizer.clip_grads_`), so the two
-differ only in how the step is executed.
+It runs the same loss function, the same gradient reduction (the data-parallel
+average, when given) and the same gradient clipping as the traced step
+(`graph_trainer.loss`, `graph_trainer.optimizer.clip_grads_`), so the two differ
+only in how the step is executed.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ import torch.nn as nn
 
 from graph_trainer.loss import lm_loss
 from graph_trainer.optimizer import clip_grads_
-from graph_trainer.tracer.capture import LossFn
+from graph_trainer.tracer.capture import GradReduce, LossFn
 
 
 class EagerStep:
-    """forward + loss + backward + clipping; the optimizer update stays with the caller."""
+    """forward + loss + backward [+ grad_reduce] + clipping; the optimizer update stays with the caller."""
 
-    def __init__(self, model: nn.Module, *, loss_fn: LossFn = lm_loss, max_norm: float = 0.0):
+    def __init__(self, model: nn.Module, *, loss_fn: LossFn = lm_loss, max_norm: float = 0.0,
+                 grad_reduce: GradReduce | None = None):
         self.model = model
         self.loss_fn = loss_fn
         self.max_norm = max_norm
+        self.grad_reduce = grad_reduce
         self._params = [p for p in model.parameters() if p.requires_grad]
 
     def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,5 +36,9 @@ class EagerStep:
         loss = self.loss_fn(self.model, batch)
         loss.backward()
         with torch.no_grad():
+            if self.grad_reduce is not None:
+                # Before clipping, as in the traced step: the norm is of the averaged gradients.
+                for p, g in zip(self._params, self.grad_reduce([p.grad for p in self._params])):
+                    p.grad = g
             grad_norm = clip_grads_([p.grad for p in self._params], self.max_norm)
         return loss.detach(), grad_norm

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
 import torch.nn as nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts)
 

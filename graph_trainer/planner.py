@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.config import JobConfig
+from graph_trainer.device import resolve_device
 from graph_trainer.errors import UserError
 from graph_trainer.memory import to_gib
 from graph_trainer.optimizer import GraphAdamW, build_optimizer
@@ -138,8 +139,6 @@ def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None 
 
 def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Callable[[str], None] = print) -> None:
     """Print, for each AC mode, the predicted peak, saved activations, parameters and FLOPs per step."""
-    from graph_trainer.trainer import resolve_device  # the trainer owns device policy
-
     device = device or resolve_device(cfg.training.device)
     model = meta_model(cfg)
     print_fn(f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {cfg.training.local_batch_size} x "

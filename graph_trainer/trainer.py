@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import random
 import shutil
 import time
 from pathlib import Path
@@ -22,15 +20,17 @@ from graph_trainer.checkpoint import (CheckpointManager, capture_rng_state, load
                                       restore_rng_state)
 from graph_trainer.config import JobConfig, config_to_toml
 from graph_trainer.data import build_dataloader
+from graph_trainer.device import resolve_dtype, set_determinism
 from graph_trainer.digest import tensors_digest
+from graph_trainer.distributed import DistInfo, single_process
 from graph_trainer.eager import EagerStep
 from graph_trainer.errors import UserError
 from graph_trainer.loss import lm_loss
 from graph_trainer.memory import MemoryMonitor, to_gib
 from graph_trainer.metrics import MetricsLogger
-from graph_trainer.planner import preflight
 from graph_trainer.optimizer import (GraphAdamW, build_lr_scheduler, build_optimizer, eager_step_scratch_bytes,
                                      init_adamw_state, resync_lr)
+from graph_trainer.planner import preflight
 from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.tracer.executor import GraphStep
 from models import build_model_args, get_model_spec
@@ -53,36 +53,6 @@ class TrainResult:
     records: list[dict[str, Any]]  # every step's metrics record, as logged
 
 
-def resolve_device(name: str) -> torch.device:
-    """'auto' picks CUDA when available; asking for CUDA without it is a user error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("training.device = 'cuda' but no CUDA device is available; "
-                        "use training.device = 'cpu' or 'auto'")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Compute dtype: 'auto' is bf16 autocast on CUDA and fp32 on CPU; parameters stay fp32."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def set_determinism(seed: int, deterministic: bool, device: torch.device) -> None:
-    """Seed every RNG; with `deterministic`, also force deterministic kernels (CUDA flags included)."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic:
-        if device.type == "cuda":
-            # cuBLAS reads this when its handle is created: before the first matmul.
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.backends.cudnn.deterministic = True
-            torch.backends.cudnn.benchmark = False
-        torch.use_deterministic_algorithms(True)
-
-
 def autocast_loss(dtype: torch.dtype, device: torch.device):
     """The loss function, under bf16 autocast when the compute dtype asks for it (fp32 master weights)."""
     if dtype == torch.float32:
@@ -94,16 +64,27 @@ def autocast_loss(dtype: torch.dtype, device: torch.device):
     return loss_fn
 
 
-def prepare_dump_folder(cfg: JobConfig) -> Path:
-    """Refuse to clobber an earlier run: a non-empty dump folder needs resume or job.overwrite."""
+def prepare_dump_folder(cfg: JobConfig, dist: DistInfo | None = None) -> Path:
+    """Refuse to clobber an earlier run: a non-empty dump folder needs resume or job.overwrite.
+
+    With several ranks every rank checks, only rank 0 clears, and all wait for it.
+    """
     folder = Path(cfg.job.dump_folder)
-    if folder.exists() and any(folder.iterdir()):
-        if cfg.checkpoint.resume:
-            return folder
-        if not cfg.job.overwrite:
-            raise UserError(f"job.dump_folder '{folder}' already holds a run; pass --checkpoint.resume to "
-                            "continue it, --job.overwrite true to replace it, or choose another "
-                            "--job.dump_folder")
+    if folder.exists() and any(folder.iterdir()) and not cfg.checkpoint.resume and not cfg.job.overwrite:
+        raise UserError(f"job.dump_folder '{folder}' already holds a run; pass --checkpoint.resume to "
+                        "continue it, --job.overwrite true to replace it, or choose another "
+                        "--job.dump_folder")
+    if dist is not None:
+        dist.barrier()  # every rank has looked before rank 0 deletes anything
+    if dist is None or dist.rank == 0:
+        _clear_previous_run(cfg, folder)
+    if dist is not None:
+        dist.barrier()
+    return folder
+
+
+def _clear_previous_run(cfg: JobConfig, folder: Path) -> None:
+    if folder.exists() and any(folder.iterdir()) and not cfg.checkpoint.resume:
         for name in ("tb", "summary.json", "graphs", cfg.checkpoint.folder):
             path = folder / name
             if path.is_dir():
@@ -111,7 +92,6 @@ def prepare_dump_folder(cfg: JobConfig) -> Path:
             elif path.exists():
                 path.unlink()
     folder.mkdir(parents=True, exist_ok=True)
-    return folder
 
 
 def build_model(cfg: JobConfig, device: torch.device, vocab_needed: int) -> nn.Module:
@@ -136,19 +116,21 @@ class Trainer:
 
     `train()` runs `training.steps` steps (continuing from a checkpoint with
     `checkpoint.resume`) and returns a `TrainResult`.
+
+    With `dist` from `graph_trainer.distributed.init_distributed`, this is one rank
+    of a data-parallel job: it trains on its slice of the data, the step averages
+    gradients over the ranks, and only rank 0 logs and saves. Without it, the job
+    must be a single process.
     """
 
-    def __init__(self, cfg: JobConfig, *, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: JobConfig, *, dist: DistInfo | None = None):
         self.cfg = cfg
-        launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if cfg.parallelism.dp_shard > 1 or launched > 1:
-            raise UserError(f"multi-process data parallelism is not implemented yet (parallelism.dp_shard = "
-                            f"{cfg.parallelism.dp_shard}, WORLD_SIZE = {launched}); run one process with "
-                            "parallelism.dp_shard = 1")
+        self.dist = dist if dist is not None else single_process(cfg)
+        rank, world_size = self.dist.rank, self.dist.world_size
         self.rank, self.world_size = rank, world_size
-        self.device = resolve_device(cfg.training.device)
+        self.device = self.dist.device
         self.dtype = resolve_dtype(cfg.training.dtype, self.device)
-        self.dump_folder = prepare_dump_folder(cfg)
+        self.dump_folder = prepare_dump_folder(cfg, self.dist)
         set_determinism(cfg.training.seed, cfg.training.deterministic, self.device)
 
         plan = preflight(cfg, self.device, loss_fn=autocast_loss(self.dtype, self.device), log=self.log)
@@ -201,15 +183,19 @@ class Trainer:
             from graph_trainer.eager_checkpoint import apply_eager_checkpointing
 
             apply_eager_checkpointing(self.model, cfg.activation_checkpoint)
-            return EagerStep(self.model, loss_fn=loss_fn, max_norm=cfg.training.max_norm), None
+            return EagerStep(self.model, loss_fn=loss_fn, max_norm=cfg.training.max_norm,
+                             grad_reduce=self.dist.grad_reduce()), None
         from graph_trainer.passes import build_pipeline
 
-        transform = build_pipeline(cfg, dump_dir=self.dump_folder / "graphs", log=self.log)
+        # Every rank traces the same graph; one copy of the dumps is enough.
+        dump_dir = self.dump_folder / "graphs" if self.rank == 0 else None
+        transform = build_pipeline(cfg, dump_dir=dump_dir, log=self.log)
         graph_optimizer = GraphAdamW(self.optimizer) if cfg.compile.trace_optimizer else None
         graph_step = GraphStep(self.model, loss_fn=loss_fn, max_norm=cfg.training.max_norm,
                                optimizer=graph_optimizer, on_shape_change=cfg.compile.on_shape_change,
                                transform=transform, device=self.device,
-                               failure_dir=self.dump_folder / "graphs", log=self.log)
+                               failure_dir=self.dump_folder / "graphs", log=self.log,
+                               grad_reduce=self.dist.grad_reduce())
         return graph_step, graph_step
 
     def _resume(self) -> None:
@@ -228,6 +214,8 @@ class Trainer:
         self.log(f"resumed from {self.checkpointer.path(latest)} at step {self.step}")
 
     def _state(self) -> dict[str, Any]:
+        # Saved by rank 0 only: weights are replicated, and every rank has taken the same number of
+        # batches, so rank 0's data position is every rank's (each maps it to its own slice on load).
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "lr_scheduler": self.scheduler.state_dict(), "data": self.dataloader.state_dict(),
                 "rng": capture_rng_state(self.device), "step": self.step}
@@ -248,7 +236,8 @@ class Trainer:
             if self.graph_step is None or self.graph_step.optimizer is None:
                 self.optimizer.step()
         self.scheduler.step()
-        loss_value = loss.item()  # syncs the device, so the step time below is real
+        # The logged loss is the mean over ranks (equal-sized local batches), all-reduced outside the graph.
+        loss_value = self.dist.global_average(loss).item()  # syncs the device, so the step time below is real
         step_time = time.perf_counter() - start
         tokens = batch["input"].numel() * self.world_size
         record = {"loss": loss_value, "grad_norm": grad_norm.item(), "lr": lr,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
 from graph_trainer.config import load_config
 from graph_trainer.errors import ConfigError

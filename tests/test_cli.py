@@ -60,7 +60,7 @@ def test_main_dispatches_dry_run_and_train(monkeypatch):
                         types.SimpleNamespace(dry_run=lambda cfg: calls.append(("dry_run", cfg))))
 
     class FakeTrainer:
-        def __init__(self, cfg: JobConfig):
+        def __init__(self, cfg: JobConfig, dist=None):
             self.cfg = cfg
 
         def train(self):

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer.errors import ConfigError

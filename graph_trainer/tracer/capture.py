@@ -7,7 +7,9 @@ Parameters, buffers, the batch, optimizer state and per-step host scalars all
 enter as flat graph inputs, so one graph serves every step and passes can
 rewrite it without a pytree calling convention to keep.
 
-Graph outputs: `[loss, grad_norm, *grads]` (grads clipped when max_norm > 0).
+Graph outputs: `[loss, grad_norm, *grads]` (grads passed through the optional
+`grad_reduce` hook, e.g. the data-parallel all-reduce, then clipped when max_norm > 0;
+the loss is this process's own).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from graph_trainer.optimizer import clip_grads_
 from graph_trainer.tracer import node_meta
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+# Maps the raw gradients to the ones clipped and applied, e.g. averaged over data-parallel
+# ranks with traceable collectives (graph_trainer.distributed.GradAverager).
+GradReduce = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
 class TraceError(UserError):
@@ -290,6 +295,7 @@ def trace_step(
     optimizer: GraphOptimizer | None = None,
     device: torch.device | str | None = None,
     failure_dir: Path | None = None,
+    grad_reduce: GradReduce | None = None,
 ) -> TracedStep:
     """Trace one whole training step of `model` on a batch shaped like `batch`.
 
@@ -303,6 +309,9 @@ def trace_step(
             params and optimizer state).
         device: the device the graph is traced for (default: where the params are).
         failure_dir: where the partial graph goes when tracing fails.
+        grad_reduce: applied to the gradients right after `autograd.grad`, before
+            clipping; its ops are traced into the graph in the backward phase
+            (e.g. the data-parallel all-reduce).
 
     Raises:
         TraceError: with the module FQN, source line and op that could not be traced.
@@ -336,6 +345,8 @@ def trace_step(
             _link_backward_to_forward(loss.grad_fn)
             with fx_traceback.annotate({node_meta.PHASE: node_meta.BACKWARD}):
                 grads = list(torch.autograd.grad(loss, p_list))
+                if grad_reduce is not None:
+                    grads = list(grad_reduce(grads))
             with fx_traceback.annotate({node_meta.PHASE: node_meta.OPTIMIZER}), torch.no_grad():
                 grad_norm = clip_grads_(grads, max_norm)
                 if optimizer is not None:
@@ -385,5 +396,5 @@ def _trace_error(exc: Exception, failure: dict, failure_dir: Path | None) -> Tra
     return TraceError(msg)
 
 
-__all__ = ["TraceError", "TracedStep", "InputLayout", "GraphOptimizer", "trace_step",
+__all__ = ["TraceError", "TracedStep", "InputLayout", "GraphOptimizer", "GradReduce", "trace_step",
            "batch_signature", "check_no_compiled_autograd"]

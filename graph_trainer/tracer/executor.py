@@ -19,8 +19,8 @@ import torch.utils._pytree as pytree
 
 from graph_trainer.errors import UserError
 from graph_trainer.loss import lm_loss
-from graph_trainer.tracer.capture import (GraphOptimizer, LossFn, TracedStep, batch_signature,
-                                          trace_step)
+from graph_trainer.tracer.capture import (GradReduce, GraphOptimizer, LossFn, TracedStep,
+                                          batch_signature, trace_step)
 
 Transform = Callable[[TracedStep], TracedStep]
 
@@ -60,12 +60,14 @@ class GraphStep:
         device: device to trace for (default: the parameters').
         failure_dir: where a failing trace leaves its partial graph.
         log: where retrace reasons go.
+        grad_reduce: traced into the graph between the backward and clipping (see `trace_step`).
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: LossFn = lm_loss, max_norm: float = 0.0,
                  optimizer: GraphOptimizer | None = None, on_shape_change: str = "retrace",
                  transform: Transform | None = None, device: torch.device | None = None,
-                 failure_dir: Path | None = None, log: Callable[[str], None] = print):
+                 failure_dir: Path | None = None, log: Callable[[str], None] = print,
+                 grad_reduce: GradReduce | None = None):
         if on_shape_change not in ("retrace", "error"):
             raise UserError(f"compile.on_shape_change: expected retrace|error, got {on_shape_change!r}")
         self.model = model
@@ -77,6 +79,7 @@ class GraphStep:
         self.device = device
         self.failure_dir = failure_dir
         self.log = log
+        self.grad_reduce = grad_reduce
         self.stats = TraceStats()
         self.traced: TracedStep | None = None
         self._params = [p for _, p in model.named_parameters()]
@@ -96,7 +99,7 @@ class GraphStep:
             self.stats.reasons.append(reason)
         traced = trace_step(self.model, batch, loss_fn=self.loss_fn, max_norm=self.max_norm,
                             optimizer=self.optimizer, device=self.device,
-                            failure_dir=self.failure_dir)
+                            failure_dir=self.failure_dir, grad_reduce=self.grad_reduce)
         self.stats.count += 1
         self.stats.last_time_s = traced.trace_time_s
         self.stats.total_time_s += traced.trace_time_s

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.trainer_runs import TINY, train
+from tests.integration.trainer_runs import train
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,40 @@
+"""Device policy: which device and compute dtype a job runs on, and how it is made deterministic."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+from graph_trainer.errors import UserError
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks CUDA when available; asking for CUDA without it is a user error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("training.device = 'cuda' but no CUDA device is available; "
+                        "use training.device = 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Compute dtype: 'auto' is bf16 autocast on CUDA and fp32 on CPU; parameters stay fp32."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def set_determinism(seed: int, deterministic: bool, device: torch.device) -> None:
+    """Seed every RNG; with `deterministic`, also force deterministic kernels (CUDA flags included)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        if device.type == "cuda":
+            # cuBLAS reads this when its handle is created: before the first matmul.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+        torch.use_deterministic_algorithms(True)

@@ -1,0 +1,161 @@
+"""Data parallelism over processes: launch checks, the process group, and gradient averaging.
+
+One process per rank, launched by torchrun (which sets RANK, WORLD_SIZE and
+LOCAL_RANK). Every rank holds the full model and a disjoint slice of the data
+(`graph_trainer.data`); after the backward each gradient is averaged over the
+ranks, so all ranks take the same optimizer step and stay identical.
+
+The averaging uses traceable functional collectives
+(`torch.distributed._functional_collectives`): called inside the traced step
+they become `_c10d_functional.all_reduce` + `wait_tensor` nodes of the one step
+graph; called eagerly they run the same ops, so eager and traced steps agree
+bitwise. The tracer knows nothing of this: it receives a `GradReduce` hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from graph_trainer.config import JobConfig
+from graph_trainer.device import resolve_device
+from graph_trainer.errors import UserError
+
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands: its rank, the number of ranks, its device and process group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    group: dist.ProcessGroup | None = None  # None for a single process
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def grad_reduce(self) -> GradAverager | None:
+        """The hook that averages gradients over the ranks, or None for a single process."""
+        return GradAverager(self.group, self.world_size) if self.is_distributed else None
+
+    def global_average(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` averaged over the ranks (a new tensor; `t` itself for a single process). For logging."""
+        if not self.is_distributed:
+            return t
+        total = t.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        return total / self.world_size
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op for a single process)."""
+        if self.is_distributed:
+            dist.barrier(group=self.group)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradAverager:
+    """`GradReduce` hook: each gradient all-reduced (sum) over `group`, then divided by the world size.
+
+    One all-reduce per gradient (no bucketing). Sum-then-divide rather than the
+    "avg" reduce op so that every backend (gloo, nccl) runs the same arithmetic.
+    """
+
+    group: dist.ProcessGroup
+    world_size: int
+
+    def __call__(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        import torch.distributed._functional_collectives as funcol  # absent from builds without distributed
+
+        # Under make_fx the functional all_reduce is traced with its wait_tensor; eagerly
+        # the division waits on the AsyncCollectiveTensor it returns.
+        return [funcol.all_reduce(g, "sum", self.group) / self.world_size for g in grads]
+
+
+def _launch_env(env: Mapping[str, str]) -> tuple[int, int, int] | None:
+    """(rank, world_size, local_rank) from torchrun's variables, or None when not launched by it."""
+    if "WORLD_SIZE" not in env:
+        return None
+    try:
+        rank, world_size = int(env.get("RANK", "0")), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        raise UserError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers, got "
+                        f"{ {k: env.get(k) for k in LAUNCH_ENV} }; launch with torchrun") from None
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise UserError(f"RANK {rank} is outside WORLD_SIZE {world_size}; launch with torchrun")
+    return rank, world_size, local_rank
+
+
+def check_launch(cfg: JobConfig, env: Mapping[str, str] | None = None) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) of this process; raises UserError when the launch does not fit the config."""
+    env = os.environ if env is None else env
+    dp = cfg.parallelism.dp_shard
+    launched = _launch_env(env)
+    if launched is None:
+        if dp > 1:
+            raise UserError(f"parallelism.dp_shard = {dp} needs one process per rank; launch with "
+                            f"`torchrun --nproc_per_node {dp} -m graph_trainer ...` or set "
+                            "parallelism.dp_shard = 1")
+        return 0, 1, 0
+    rank, world_size, local_rank = launched
+    if world_size != dp:
+        raise UserError(f"WORLD_SIZE = {world_size} (processes launched) but parallelism.dp_shard = {dp}; "
+                        f"pass --parallelism.dp_shard {world_size} or launch with "
+                        f"`torchrun --nproc_per_node {dp}`")
+    return rank, world_size, local_rank
+
+
+def single_process(cfg: JobConfig) -> DistInfo:
+    """DistInfo of a run that is not distributed; raises UserError if the config or launch asks for ranks."""
+    _, world_size, _ = check_launch(cfg)
+    if world_size > 1:
+        raise UserError(f"this process was launched as one of {world_size} ranks but the trainer was built "
+                        "without a process group; start it through `python -m graph_trainer` "
+                        "(graph_trainer.distributed.init_distributed)")
+    return DistInfo(0, 1, resolve_device(cfg.training.device))
+
+
+def init_distributed(cfg: JobConfig) -> DistInfo:
+    """Check the launch against `parallelism.dp_shard`, and for several ranks join the process group.
+
+    gloo on CPU, nccl on CUDA (device cuda:LOCAL_RANK). Pair with `destroy`.
+    """
+    rank, world_size, local_rank = check_launch(cfg)
+    device = resolve_device(cfg.training.device)
+    if world_size == 1:
+        return DistInfo(0, 1, device)
+    if not dist.is_available():
+        raise UserError("parallelism.dp_shard > 1 needs torch.distributed, which this torch build lacks; "
+                        "install a torch build with distributed support or set parallelism.dp_shard = 1")
+    if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA devices; "
+                            "launch at most one process per GPU (torchrun --nproc_per_node)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        if not dist.is_gloo_available():
+            raise UserError("data parallelism on CPU needs the gloo backend, which this torch build lacks; "
+                            "install a torch build with gloo or set parallelism.dp_shard = 1")
+        backend = "gloo"
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+    return DistInfo(rank, world_size, device, dist.group.WORLD)
+
+
+def destroy(info: DistInfo) -> None:
+    """Leave the process group `init_distributed` joined (no-op for a single process)."""
+    if info.is_distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+__all__ = ["DistInfo", "GradAverager", "check_launch", "single_process", "init_distributed", "destroy"]
