@@ -38,3 +38,21 @@ def set_determinism(seed: int, deterministic: bool, device: torch.device) -> Non
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
         torch.use_deterministic_algorithms(True)
+
+
+# Dense peak TFLOP/s per GPU by (name fragment, dtype), from the vendors' data sheets (no sparsity).
+_PEAK_TFLOPS = {
+    ("H200", torch.bfloat16): 989.0, ("H100", torch.bfloat16): 989.0, ("A100", torch.bfloat16): 312.0,
+    ("H200", torch.float32): 67.0, ("H100", torch.float32): 67.0, ("A100", torch.float32): 19.5,
+}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's peak FLOP/s for `dtype`, for MFU; None where unknown (CPUs, other GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for (fragment, peak_dtype), tflops in _PEAK_TFLOPS.items():
+        if fragment in name and peak_dtype == dtype:
+            return tflops * 1e12
+    return None

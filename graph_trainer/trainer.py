@@ -20,7 +20,7 @@ from graph_trainer.checkpoint import (CheckpointManager, capture_rng_state, load
                                       restore_rng_state)
 from graph_trainer.config import JobConfig, config_to_toml
 from graph_trainer.data import build_dataloader
-from graph_trainer.device import resolve_dtype, set_determinism
+from graph_trainer.device import peak_flops, resolve_dtype, set_determinism
 from graph_trainer.digest import tensors_digest
 from graph_trainer.distributed import DistInfo, single_process
 from graph_trainer.eager import EagerStep
@@ -171,6 +171,7 @@ class Trainer:
         if cfg.checkpoint.resume:
             self._resume()
         self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
+        self.peak_flops = peak_flops(self.device, self.dtype)
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -228,8 +229,6 @@ class Trainer:
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """One optimizer step on `batch`; returns the step's metrics record."""
         lr = self.optimizer.param_groups[0]["lr"]
-        for p in self.model.parameters():
-            p.grad = None
         start = time.perf_counter()
         with self.memory.measure_step(self._live_tensors(batch)) as mem:
             loss, grad_norm = self.step_fn(batch)
@@ -243,6 +242,8 @@ class Trainer:
         record = {"loss": loss_value, "grad_norm": grad_norm.item(), "lr": lr,
                   "step_time_s": step_time, "tokens_per_s": tokens / step_time,
                   "tflops": self.flops_per_token * tokens / step_time / 1e12, **mem.as_record()}
+        if self.peak_flops:
+            record["mfu_pct"] = 100 * record["tflops"] * 1e12 / (self.peak_flops * self.world_size)
         if self.graph_step is not None:
             record["trace_count"] = self.graph_step.stats.count
             record["trace_time_s"] = self.graph_step.stats.total_time_s
