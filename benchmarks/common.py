@@ -32,10 +32,14 @@ def next_batch(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.to(trainer.device) for k, v in next(trainer._bench_iter).items()}
 
 
-def interleaved_step_times(trainers: dict[str, Trainer], *, warmup: int, steps: int) -> dict[str, list[float]]:
-    """Run the trainers' steps alternately (so machine noise hits all alike); step times after warm-up."""
-    for t in trainers.values():
-        t.memory.track = False  # the CPU tracker's dispatch overhead would distort the timing
+def interleaved_step_times(trainers: dict, *, warmup: int, steps: int,
+                           tracked: tuple = ()) -> dict[str, list[float]]:
+    """Run the trainers' steps alternately (so machine noise hits all alike); step times after warm-up.
+
+    Memory tracking is off (its dispatch overhead would distort the timing) except for `tracked` keys.
+    """
+    for name, t in trainers.items():
+        t.memory.track = name in tracked
     times: dict[str, list[float]] = {name: [] for name in trainers}
     for i in range(warmup + steps):
         for name, t in trainers.items():

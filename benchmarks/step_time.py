@@ -4,7 +4,8 @@
 
 Prints per config: median step time of each mode (steps interleaved eager/traced),
 the ratio traced/eager (target <= 1.00), the trace time (target <= 2 s on the debug
-model), and the exact peak live bytes of one step of each (ratio target <= 1.00).
+model), the exact peak live bytes of one step of each (ratio target <= 1.00), and
+the cost of CPU memory tracking (a third, traced trainer with the tracker on).
 """
 
 from __future__ import annotations
@@ -29,19 +30,20 @@ def main() -> None:
     rows = []
     for name in args.configs:
         overrides = CONFIGS[name]
-        trainers = {mode: make_trainer("llama3_debug", *overrides, "--compile.mode", mode)
-                    for mode in ("eager", "trace")}
-        times = interleaved_step_times(trainers, warmup=args.warmup, steps=args.steps)
-        peaks = {mode: measured_peak(t)[0] for mode, t in trainers.items()}
+        trainers = {mode: make_trainer("llama3_debug", *overrides, "--compile.mode", mode.split("+")[0])
+                    for mode in ("eager", "trace", "trace+tracked")}
+        times = interleaved_step_times(trainers, warmup=args.warmup, steps=args.steps, tracked=("trace+tracked",))
+        peaks = {mode: measured_peak(trainers[mode])[0] for mode in ("eager", "trace")}
         eager_t, trace_t = median(times["eager"]), median(times["trace"])
         rows.append((name, eager_t, trace_t, trace_t / eager_t, trainers["trace"].graph_step.stats.last_time_s,
                      trainers["trace"].graph_step.stats.count, peaks["eager"], peaks["trace"],
-                     peaks["trace"] / peaks["eager"]))
+                     peaks["trace"] / peaks["eager"], median(times["trace+tracked"]) / trace_t))
     print(f"\nmedian of {args.steps} steps after {args.warmup} warm-up, eager and traced interleaved")
     print(f"{'config':8} {'eager s':>8} {'traced s':>9} {'ratio':>6} {'trace s':>8} {'traces':>6} "
-          f"{'eager peak':>11} {'traced peak':>12} {'ratio':>6}")
-    for name, e, t, r, tt, n, pe, pt, pr in rows:
-        print(f"{name:8} {e:8.3f} {t:9.3f} {r:6.3f} {tt:8.2f} {n:6d} {pe / GIB:9.3f}Gi {pt / GIB:10.3f}Gi {pr:6.3f}")
+          f"{'eager peak':>11} {'traced peak':>12} {'ratio':>6} {'tracking':>9}")
+    for name, e, t, r, tt, n, pe, pt, pr, tr in rows:
+        print(f"{name:8} {e:8.3f} {t:9.3f} {r:6.3f} {tt:8.2f} {n:6d} {pe / GIB:9.3f}Gi {pt / GIB:10.3f}Gi {pr:6.3f} "
+              f"{tr:8.3f}x")
 
 
 if __name__ == "__main__":
