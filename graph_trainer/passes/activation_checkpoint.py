@@ -13,8 +13,11 @@ Rules every policy obeys (`StepStructure`):
   norm, output projection, loss) are never tagged, hence never recomputed;
 - a layer op whose value is used by a forward op outside its layer (the
   residual stream at the layer boundary) is saved;
-- random ops (`node_meta.is_random`: dropout, SDPA with dropout_p) are saved:
-  running them again would draw new random numbers;
+- random ops (`node_meta.is_random`: dropout, SDPA with dropout_p > 0) are saved:
+  running them again would draw new random numbers. Attention without dropout is
+  deterministic: `selective` saves it, `full` recomputes it like eager
+  `torch.utils.checkpoint` does (saving it in every layer costs more than
+  eager full checkpointing once the model is deep);
 - in-place ops, tensors they write into, and ops that read a tensor which a
   later forward/backward op writes into are saved: a recompute would see
   different values;
@@ -35,6 +38,7 @@ from graph_trainer.config import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError
 from graph_trainer.passes.graph_utils import (fqn_matches, is_attention, is_matmul, is_mutating,
                                               layer_forward_nodes, mutated_args, storage_keys)
+from graph_trainer.passes.remat import peak_after_remat
 from graph_trainer.tracer import node_meta
 
 SAVE = CheckpointPolicy.MUST_SAVE
@@ -131,8 +135,6 @@ def analyze(gm: torch.fx.GraphModule) -> StepStructure:
             forced[n] = "random op"
         elif is_mutating(n):
             forced[n] = "in-place op"
-        elif is_attention(n.target):
-            forced[n] = "attention output"
         elif any(last_write.get(k, -1) > index[n] for k in storage_keys(n)):
             forced[n] = "written in place later"
         elif any(last_write.get(k, -1) > index[n] for a in n.all_input_nodes for k in storage_keys(a)):
@@ -149,7 +151,7 @@ Decisions = dict[torch.fx.Node, CheckpointPolicy]
 
 
 def policy_full(structure: StepStructure, layers: set[int] | None = None) -> Decisions:
-    """Recompute every op in the given layers (default: all); save everything in the others."""
+    """Recompute every op in the given layers (default: all), attention included; save everything in the others."""
     return {n: RECOMPUTE if layers is None or node_meta.layer_id(n) in layers else SAVE
             for n in structure.layer_nodes}
 
@@ -189,7 +191,7 @@ def apply_overrides(structure: StepStructure, decisions: Decisions, save: list[O
             out[n] = SAVE
         elif hit := next((p for p in recompute if p.matches(n)), None):
             reason = structure.forced.get(n)
-            if reason in ("random op", "in-place op", "attention output"):
+            if reason in ("random op", "in-place op"):
                 raise ConfigError(f"activation_checkpoint.recompute_list entry {hit.text!r} matches "
                                   f"{n.target} in {node_meta.module_fqn(n)!r}, a {reason} that is never "
                                   "recomputed; remove the entry or restrict it with a module glob")
@@ -231,15 +233,29 @@ def policy_for(ac: ActivationCheckpointConfig) -> Callable[[StepStructure], Deci
     raise ValueError(f"no tagging policy for activation_checkpoint.mode {ac.mode!r}")
 
 
-def tag_activation_checkpoint(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig) -> torch.fx.GraphModule:
+def tag_activation_checkpoint(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, *,
+                              input_categories: list[str] | None = None) -> torch.fx.GraphModule:
     """Tag the layer ops of `gm` with save/recompute for mode selective or full (see module docstring).
 
-    In place; returns `gm`. Preserves numerics bitwise (metadata only).
+    In `full` mode, saving or recomputing the (non-random) attention outputs is
+    decided on the graph: whichever gives the lower estimated peak after remat
+    (saving on a tie, as it costs no FLOPs). Shallow models peak lower with them
+    saved, deep ones with them recomputed. In place; returns `gm`. Preserves
+    numerics bitwise (metadata only).
     """
     structure = analyze(gm)
     save, recompute = parse_overrides(ac)
-    decisions = apply_overrides(structure, policy_for(ac)(structure), save, recompute)
-    write_tags(gm, structure, finalize(structure, decisions))
+    decisions = finalize(structure, apply_overrides(structure, policy_for(ac)(structure), save, recompute))
+    if ac.mode == "full":
+        attention = [n for n in structure.layer_nodes if is_attention(n.target) and decisions[n] == RECOMPUTE]
+        if attention:
+            saved = finalize(structure, {**decisions, **{n: SAVE for n in attention}})
+            peaks = []
+            for option in (saved, decisions):
+                write_tags(gm, structure, option)
+                peaks.append(peak_after_remat(gm, input_categories))
+            decisions = saved if peaks[0] <= peaks[1] else decisions
+    write_tags(gm, structure, decisions)
     return gm
 
 

@@ -35,7 +35,6 @@ An infeasible budget is reported with the smallest probed peak.
 from __future__ import annotations
 
 import math
-import types
 from typing import Callable
 
 import torch.fx
@@ -47,7 +46,7 @@ from graph_trainer.passes.activation_checkpoint import (RECOMPUTE, SAVE, Decisio
                                                         write_tags)
 from graph_trainer.passes.graph_utils import is_view, op_flops, storage_keys, tensors
 from graph_trainer.passes.memory_estimate import estimate_peak_memory
-from graph_trainer.passes.remat import remat_graph
+from graph_trainer.passes.remat import peak_after_remat
 from graph_trainer.tracer import node_meta
 
 GIB = 1024**3
@@ -98,14 +97,6 @@ def rank_candidates(structure: StepStructure, pinned: set[torch.fx.Node],
     return ranked, free
 
 
-def _probe_peak(gm: torch.fx.GraphModule, input_categories: list[str] | None) -> int:
-    """Estimated peak of `gm` after remat with its current tags (the graph remat would build, uncompiled)."""
-    graph = remat_graph(gm.graph)
-    # The estimate reads only `.graph`; skipping GraphModule saves a Python codegen per probe.
-    target = gm if graph is None else types.SimpleNamespace(graph=graph)
-    return estimate_peak_memory(target, input_categories=input_categories).peak_bytes
-
-
 def probe_points(n: int) -> list[int]:
     """Prefix lengths probed: 0, n and evenly spaced ones between, at most MAX_PROBES + 1."""
     steps = min(n, MAX_PROBES)
@@ -147,7 +138,7 @@ def tag_memory_budget(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, 
     chosen_k, smallest = None, no_ac.peak_bytes
     for k in probe_points(len(candidates)):
         write_tags(gm, structure, decisions_for(k))
-        peak = _probe_peak(gm, input_categories)
+        peak = peak_after_remat(gm, input_categories)
         smallest = min(smallest, peak)
         if peak <= target:
             chosen_k = k

@@ -20,7 +20,7 @@ from graph_trainer.tracer import node_meta
 aten = torch.ops.aten
 
 # Compute-intensive ops whose outputs selective AC saves. Matmuls are counted for
-# the "recompute every second matmul" rule; attention outputs are always saved.
+# the "recompute every second matmul" rule; selective saves every attention output.
 MATMUL_OPS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm})
 ATTENTION_OPS = frozenset({
     aten._scaled_dot_product_flash_attention_for_cpu,

@@ -23,11 +23,13 @@ and outputs.
 from __future__ import annotations
 
 import copy
+import types
 
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graph_trainer.passes.graph_utils import refresh_duplicated_values
+from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.tracer import node_meta
 
 _RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
@@ -95,3 +97,14 @@ def rematerialize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     if new is None:
         return gm
     return torch.fx.GraphModule(gm, new)
+
+
+def peak_after_remat(gm: torch.fx.GraphModule, input_categories: list[str] | None = None) -> int:
+    """Estimated peak of `gm` once its current tags are rematerialized; `gm` itself is not changed.
+
+    How the tagging passes compare candidate decisions before committing to one.
+    """
+    graph = remat_graph(gm.graph)
+    # The estimate reads only `.graph`; skipping GraphModule saves a Python codegen per probe.
+    target = gm if graph is None else types.SimpleNamespace(graph=graph)
+    return estimate_peak_memory(target, input_categories=input_categories).peak_bytes

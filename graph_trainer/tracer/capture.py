@@ -190,11 +190,22 @@ class _ModuleAnnotator:
         return self.stack[-1][0] if self.stack else None
 
 
+def _draws_random_numbers(node: torch.fx.Node) -> bool:
+    """Whether the op consumes the RNG. Ops tagged `nondeterministic_seeded` do, except attention
+    kernels (tagged because they take a dropout_p) called with dropout_p == 0."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == "dropout_p":
+            value = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
+            return value != 0
+    return True
+
+
 def _mark_random_ops(graph: torch.fx.Graph) -> None:
-    """Tag ops that draw from the RNG (dropout, SDPA with dropout_p) so no pass recomputes them."""
+    """Tag ops that draw from the RNG (dropout, SDPA with dropout_p > 0) so no pass recomputes them."""
     for node in graph.nodes:
-        tags = getattr(node.target, "tags", ())
-        if torch.Tag.nondeterministic_seeded in tags:
+        if node.op == "call_function" and _draws_random_numbers(node):
             node.meta[node_meta.CUSTOM] = {**node.meta.get(node_meta.CUSTOM, {}), node_meta.RANDOM: True}
 
 
