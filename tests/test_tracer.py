@@ -172,6 +172,12 @@ def test_random_ops_are_marked():
     assert random_nodes, "dropout ops must be marked random"
     for n in random_nodes:
         assert torch.Tag.nondeterministic_seeded in n.target.tags
+    # Attention kernels carry the seeded tag for their dropout_p, but draw nothing when it is 0.
+    no_dropout = trace_step(tiny_llama(), make_batch(96))
+    sdpa = [n for n in no_dropout.gm.graph.nodes
+            if n.target == torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default]
+    assert sdpa and torch.Tag.nondeterministic_seeded in sdpa[0].target.tags
+    assert not any(node_meta.is_random(n) for n in no_dropout.gm.graph.nodes)
 
 
 # ----------------------------------------------------------------------------- annotations
