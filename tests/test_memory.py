@@ -164,6 +164,15 @@ def _eager_setup(b: int, t: int):
     return model, opt, x, y, step, existing
 
 
+
+def _tracked(step, existing) -> LiveTensorTracker:
+    """A tracker that saw `step()` run with `existing` registered as live beforehand."""
+    tracker = LiveTensorTracker()
+    tracker.track_existing(existing)
+    with tracker:
+        step()
+    return tracker
+
 def test_tracker_sees_backward_on_eager_step():
     model, opt, x, y, step, existing = _eager_setup(8, 64)
     tracker = LiveTensorTracker()
@@ -186,10 +195,7 @@ def test_tracker_sees_backward_on_eager_step():
 def test_tracker_equals_memtracker_on_eager_step():
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
     model, opt, x, y, step, existing = _eager_setup(8, 64)
-    tracker = LiveTensorTracker()
-    tracker.track_existing(existing())
-    with tracker:
-        step()
+    tracker = _tracked(step, existing())
     mt = mem_tracker.MemTracker()
     mt.track_external(model, opt, x, y)
     with mt:
@@ -200,10 +206,7 @@ def test_tracker_equals_memtracker_on_eager_step():
 def test_tracker_equals_profiler_on_eager_step():
     """The profiler sees the CPU allocator itself: an independent measurement."""
     model, opt, x, y, step, existing = _eager_setup(8, 64)
-    tracker = LiveTensorTracker()
-    tracker.track_existing(existing())
-    with tracker:
-        step()
+    tracker = _tracked(step, existing())
     growth = tracker.peak_bytes - tracker.current_bytes  # bytes above what lives before/after the step
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
@@ -368,10 +371,7 @@ def test_no_grad_peak_below_grad_enabled_peak():
 
 def test_monitor_cpu_tracked_and_untracked():
     model, opt, x, y, step, existing = _eager_setup(2, 16)
-    tracker = LiveTensorTracker()
-    tracker.track_existing(existing())
-    with tracker:
-        step()
+    tracker = _tracked(step, existing())
 
     monitor = MemoryMonitor("cpu", track=True)
     with monitor.measure_step(existing=existing()) as mem:
