@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +59,17 @@ class CheckpointManager:
     `keep_latest_k <= 0` keeps every checkpoint.
     """
 
-    def __init__(self, folder: Path, *, enable: bool, interval: int, keep_latest_k: int) -> None:
+    def __init__(self, folder: Path, *, enable: bool, interval: int, keep_latest_k: int,
+                 record: Callable[[Path], None] | None = None, owns: Callable[[Path], bool] | None = None) -> None:
+        """`record(path)` is called before a file is written; pruning deletes only files `owns(path)` accepts."""
         if enable and interval < 1:
             raise ConfigError(f"checkpoint.interval must be >= 1, got {interval}; set a positive step count")
         self.folder = Path(folder)
         self.enable = enable
         self.interval = interval
         self.keep_latest_k = keep_latest_k
+        self.record = record
+        self.owns = owns
 
     def path(self, step: int) -> Path:
         """The checkpoint file for `step` (whether or not it exists)."""
@@ -95,6 +99,8 @@ class CheckpointManager:
         _check_loadable(state, "")
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.path(step)
+        if self.record is not None:
+            self.record(path)
         atomic_write(path, lambda f: torch.save(state, f))
         self._prune()
         return path
@@ -103,10 +109,15 @@ class CheckpointManager:
         steps = self.saved_steps()
         if self.keep_latest_k > 0:
             for old in steps[: -self.keep_latest_k]:
-                self.path(old).unlink(missing_ok=True)
+                if self._ours(self.path(old)):
+                    self.path(old).unlink(missing_ok=True)
         # Temp files only outlive their save after a hard kill; by now they are garbage.
         for stale in self.folder.glob(f".step-*{TEMP_SUFFIX}"):
-            stale.unlink(missing_ok=True)
+            if self._ours(stale):
+                stale.unlink(missing_ok=True)
+
+    def _ours(self, path: Path) -> bool:
+        return self.owns is None or self.owns(path)
 
     def load(self, step: int | None = None, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
         """Load the checkpoint for `step` (default: the latest) with `weights_only=True`."""

@@ -35,6 +35,19 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where Linux allows (os.umask() sets it, racing other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write `path` atomically: `write(f)` fills a temp file that replaces `path` only once complete.
 
@@ -44,6 +57,8 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
     try:
+        # mkstemp creates 0600; give the file the mode open() would (0666 less the umask).
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -6,9 +6,9 @@ Data flows one way: config -> model + data -> step (tracer + passes, or eager)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,12 @@ from graph_trainer.eager import EagerStep
 from graph_trainer.errors import UserError
 from graph_trainer.loss import lm_loss
 from graph_trainer.memory import MemoryMonitor, to_gib
-from graph_trainer.metrics import MetricsLogger
+from graph_trainer.fsutil import atomic_write_text
+from graph_trainer.metrics import SUMMARY_FILE, TB_SUBDIR, MetricsLogger
 from graph_trainer.optimizer import (GraphAdamW, build_lr_scheduler, build_optimizer, eager_step_scratch_bytes,
                                      init_adamw_state, resync_lr)
 from graph_trainer.planner import preflight
+from graph_trainer.run_folder import CONFIG_FILE, RunFolder, inspect
 from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.tracer.executor import GraphStep
 from models import build_model_args, get_model_spec
@@ -64,34 +66,10 @@ def autocast_loss(dtype: torch.dtype, device: torch.device):
     return loss_fn
 
 
-def prepare_dump_folder(cfg: JobConfig, dist: DistInfo | None = None) -> Path:
-    """Refuse to clobber an earlier run: a non-empty dump folder needs resume or job.overwrite.
-
-    With several ranks every rank checks, only rank 0 clears, and all wait for it.
-    """
-    folder = Path(cfg.job.dump_folder)
-    if folder.exists() and any(folder.iterdir()) and not cfg.checkpoint.resume and not cfg.job.overwrite:
-        raise UserError(f"job.dump_folder '{folder}' already holds a run; pass --checkpoint.resume to "
-                        "continue it, --job.overwrite true to replace it, or choose another "
-                        "--job.dump_folder")
-    if dist is not None:
-        dist.barrier()  # every rank has looked before rank 0 deletes anything
-    if dist is None or dist.rank == 0:
-        _clear_previous_run(cfg, folder)
-    if dist is not None:
-        dist.barrier()
-    return folder
-
-
-def _clear_previous_run(cfg: JobConfig, folder: Path) -> None:
-    if folder.exists() and any(folder.iterdir()) and not cfg.checkpoint.resume:
-        for name in ("tb", "summary.json", "graphs", cfg.checkpoint.folder):
-            path = folder / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-    folder.mkdir(parents=True, exist_ok=True)
+def inspect_run_folder(cfg: JobConfig) -> RunFolder:
+    """Check job.dump_folder and checkpoint.folder without writing anything (see `graph_trainer.run_folder`)."""
+    return inspect(cfg.job.dump_folder, cfg.checkpoint.folder, resume=cfg.checkpoint.resume,
+                   overwrite=cfg.job.overwrite, checkpoint_enable=cfg.checkpoint.enable)
 
 
 def build_model(cfg: JobConfig, device: torch.device, vocab_needed: int) -> nn.Module:
@@ -130,17 +108,20 @@ class Trainer:
         self.rank, self.world_size = rank, world_size
         self.device = self.dist.device
         self.dtype = resolve_dtype(cfg.training.dtype, self.device)
-        self.dump_folder = prepare_dump_folder(cfg, self.dist)
-        set_determinism(cfg.training.seed, cfg.training.deterministic, self.device)
-
-        plan = preflight(cfg, self.device, loss_fn=autocast_loss(self.dtype, self.device), log=self.log)
-        self.log(f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
-                 f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)")
+        # Everything is validated before the first write: folders (read only), data, tokenizer, preflight,
+        # model and checkpoint. Only then is a replaced run's folder cleared (`_prepare_run_folder`).
+        self.run_folder = inspect_run_folder(cfg)
+        self.dump_folder = self.run_folder.dump_folder
         tokenizer = build_tokenizer(cfg.data.tokenizer)
         self.dataloader = build_dataloader(cfg.data.source, cfg.data.path, tokenizer,
                                            batch_size=cfg.training.local_batch_size,
                                            seq_len=cfg.training.seq_len, seed=cfg.training.seed,
                                            rank=rank, world_size=world_size)
+        set_determinism(cfg.training.seed, cfg.training.deterministic, self.device)
+
+        plan = preflight(cfg, self.device, loss_fn=autocast_loss(self.dtype, self.device), log=self.log)
+        self.log(f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
+                 f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)")
         self.model = build_model(cfg, self.device, tokenizer.vocab_size)
         self.model.train()
         self.model_args = self.model.args
@@ -163,15 +144,37 @@ class Trainer:
         self._state_bytes_outside_graph = 0 if cfg.compile.trace_optimizer else sum(
             t.untyped_storage().nbytes() for st in self.optimizer.state.values() for t in st.values())
         self.memory = MemoryMonitor(self.device, track=cfg.metrics.track_memory)
-        self.checkpointer = CheckpointManager(self.dump_folder / cfg.checkpoint.folder,
+        self.checkpointer = CheckpointManager(self.run_folder.checkpoint_folder,
                                               enable=cfg.checkpoint.enable and rank == 0,
                                               interval=cfg.checkpoint.interval,
                                               keep_latest_k=cfg.checkpoint.keep_latest_k)
         self.step = 0
         if cfg.checkpoint.resume:
             self._resume()
+        self._prepare_run_folder()
         self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
         self.peak_flops = peak_flops(self.device, self.dtype)
+
+    def _prepare_run_folder(self) -> None:
+        """The first write: clear a replaced run (its recorded files only), start the manifest, write config.toml.
+
+        Rank 0 writes; every rank has finished its checks (barrier) before anything is deleted.
+        """
+        self.dist.barrier()
+        if self.rank == 0:
+            manifest = self.run_folder.prepare()
+            self.checkpointer.record, self.checkpointer.owns = manifest.record, manifest.owns
+            for name in (CONFIG_FILE, SUMMARY_FILE):
+                manifest.record(self.dump_folder / name)
+            atomic_write_text(self.dump_folder / CONFIG_FILE, config_to_toml(self.cfg))
+            # Files that later appear here (TensorBoard events, graph dumps) are adopted as ours.
+            self._preexisting = {p for d in (TB_SUBDIR, "graphs") for p in (self.dump_folder / d).rglob("*")}
+        self.dist.barrier()
+
+    def _adopt_new_files(self) -> None:
+        if self.rank == 0:
+            for d in (TB_SUBDIR, "graphs"):
+                self.run_folder.adopt_new_files(self.dump_folder / d, self._preexisting)
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -272,7 +275,7 @@ class Trainer:
         metrics = MetricsLogger(self.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                 log_freq=cfg.metrics.log_freq, total_steps=cfg.training.steps,
                                 rank=self.rank, config_toml=config_to_toml(cfg))
-        with metrics:
+        with metrics, self._adopting_files():
             data = iter(self.dataloader)
             while self.step < cfg.training.steps:
                 batch = {k: v.to(self.device, non_blocking=True) for k, v in next(data).items()}
@@ -286,6 +289,9 @@ class Trainer:
                     raise TrainingDiverged(self._diverged_message(record["loss"]))
                 if self.checkpointer.should_save(self.step, last_step=self.step == cfg.training.steps):
                     self.checkpointer.save(self.step, self._state())
+                    self._adopt_new_files()
+                elif len(losses) == 1:
+                    self._adopt_new_files()  # the first step opened TensorBoard and dumped the graphs
             result = TrainResult(
                 losses=losses, final_step=self.step,
                 params_sha256=tensors_digest(self.model.state_dict(keep_vars=False)),
@@ -299,7 +305,22 @@ class Trainer:
                                "retrace_reasons": self.graph_step.stats.reasons if self.graph_step else [],
                                "num_params": self.num_params,
                                "wall_time_s": time.perf_counter() - wall_start})
+        self.log(self._results_line())
         return result
+
+    @contextlib.contextmanager
+    def _adopting_files(self):
+        """Record the files the run wrote under tb/ and graphs/ in the manifest, however the loop ends."""
+        try:
+            yield
+        finally:
+            self._adopt_new_files()
+
+    def _results_line(self) -> str:
+        latest = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None
+        ckpt = f", checkpoint {self.checkpointer.path(latest)}" if latest is not None else ""
+        return f"results in {self.dump_folder}: {SUMMARY_FILE}, {CONFIG_FILE}" + (
+            f", {TB_SUBDIR}/" if self.cfg.metrics.enable_tensorboard else "") + ckpt
 
     def _diverged_message(self, loss: float) -> str:
         kept = self.checkpointer.latest_step()

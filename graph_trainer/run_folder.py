@@ -1,0 +1,209 @@
+"""The run folder: what in it is ours, checks before anything is written, and a safe replace.
+
+A run records every file it writes in `{dump_folder}/run_manifest.json` *before*
+writing it (so a killed run is still fully described). `--job.overwrite true`
+removes exactly the recorded files that still exist, and nothing else: files a
+user put in the dump folder, the checkpoint folder, next to the data or the
+config survive. A checkpoint folder outside the dump folder (absolute, or with
+`..`) must be empty or hold only files of this run.
+
+`inspect` only reads; it runs before the data, tokenizer and preflight are
+checked, and `RunFolder.prepare` (which deletes) runs only after all of them passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from graph_trainer.errors import UserError
+from graph_trainer.fsutil import TEMP_SUFFIX, atomic_write_text
+
+MANIFEST_FILE = "run_manifest.json"
+CONFIG_FILE = "config.toml"
+_SCHEMA = 1
+_CKPT_RE = re.compile(r"^step-\d{8,}\.pt$")
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _writable_dir_or_creatable(folder: Path, option: str) -> None:
+    """Raise UserError unless `folder` is a writable directory or can be created as one."""
+    if folder.exists():
+        if not folder.is_dir():
+            raise UserError(f"{option} '{folder}' is a file, not a folder; choose a folder path")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise UserError(f"{option} '{folder}' is not writable; choose a folder you can write to")
+        return
+    parent = folder.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"{option} '{folder}' cannot be created: '{parent}' is a file; choose another path")
+    # /proc and /sys pass os.access as root but refuse mkdir; probe with a real (removed) folder.
+    try:
+        probe = Path(os.path.join(parent, f".graph_trainer_probe_{os.getpid()}"))
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        raise UserError(f"{option} '{folder}' cannot be created ({e.strerror}); "
+                        "choose a folder in a writable place") from None
+
+
+def _files_below(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+
+
+@dataclass
+class Manifest:
+    """The files a run wrote (absolute paths), stored as JSON in the dump folder."""
+
+    path: Path
+    files: set[str] = field(default_factory=set)
+
+    @classmethod
+    def read(cls, dump_folder: Path) -> Manifest | None:
+        path = dump_folder / MANIFEST_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("schema") != _SCHEMA:
+            return None
+        return cls(path, {str(f) for f in data.get("files", []) if isinstance(f, str)})
+
+    def owns(self, path: Path) -> bool:
+        """Whether `path` is a recorded file or the temp file of a recorded file (left by a kill)."""
+        p = str(path.absolute())
+        if p == str(self.path.absolute()) or p in self.files:
+            return True
+        name = path.name
+        if name.startswith(".") and name.endswith(TEMP_SUFFIX):
+            return any(str(path.parent / Path(f).name) == f and name.startswith(f".{Path(f).name}.")
+                       for f in self.files)
+        return False
+
+    def record(self, path: Path) -> None:
+        """Add `path` (call before writing it) and save the manifest atomically if it is new."""
+        p = str(Path(path).absolute())
+        if p in self.files:
+            return
+        self.files.add(p)
+        self.save()
+
+    def save(self) -> None:
+        atomic_write_text(self.path, json.dumps({"schema": _SCHEMA, "files": sorted(self.files)}, indent=1) + "\n")
+
+    def existing(self) -> list[Path]:
+        return [Path(f) for f in sorted(self.files) if Path(f).exists()]
+
+
+@dataclass
+class RunFolder:
+    """The dump folder and checkpoint folder of one run, checked (see `inspect`)."""
+
+    dump_folder: Path
+    checkpoint_folder: Path
+    previous: Manifest | None  # the earlier run found there, if any
+    replace: bool  # remove the previous run's files in `prepare`
+    manifest: Manifest | None = None
+
+    def prepare(self) -> Manifest:
+        """Remove the previous run's recorded files when replacing, create the folders, start the manifest.
+
+        Call only once every input has been validated: this is the first write.
+        """
+        if self.replace and self.previous is not None:
+            remove_run(self.previous)
+        try:
+            self.dump_folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"job.dump_folder '{self.dump_folder}' cannot be created ({e.strerror}); "
+                            "choose a folder in a writable place") from None
+        kept = self.previous.files if (self.previous is not None and not self.replace) else set()
+        self.manifest = Manifest(self.dump_folder / MANIFEST_FILE, set(kept))
+        self.manifest.save()
+        return self.manifest
+
+    def adopt_new_files(self, folder: Path, before: set[Path]) -> None:
+        """Record files that appeared under `folder` during this run (TensorBoard events, graph dumps)."""
+        if self.manifest is None:
+            return
+        for p in _files_below(folder):
+            if p not in before:
+                self.manifest.record(p)
+
+
+def remove_run(manifest: Manifest) -> None:
+    """Delete the recorded files of a run (and their temp files), then its folders that became empty."""
+    folders = set()
+    for path in manifest.existing():
+        path.unlink()
+        folders.add(path.parent)
+    for folder in list(folders):
+        for stale in folder.glob(f".*{TEMP_SUFFIX}") if folder.is_dir() else []:
+            if manifest.owns(stale):
+                stale.unlink(missing_ok=True)
+    manifest.path.unlink(missing_ok=True)
+    dump = manifest.path.parent
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        # Only folders inside the dump folder, and only when empty: never a folder that holds anything else.
+        while _is_within(folder, dump) and folder != dump and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+            folder = folder.parent
+
+
+def _foreign(files: list[Path], manifest: Manifest | None) -> list[Path]:
+    return [p for p in files if manifest is None or not manifest.owns(p)]
+
+
+def inspect(dump_folder: str, checkpoint_folder: str, *, resume: bool, overwrite: bool,
+            checkpoint_enable: bool) -> RunFolder:
+    """Check the dump and checkpoint folders without writing; decide whether the previous run is replaced.
+
+    A previous run is replaced only with `overwrite`, or when it never finished a
+    step (nothing but its manifest and config). Raises UserError with the fix otherwise.
+    """
+    dump = Path(dump_folder).absolute()
+    _writable_dir_or_creatable(dump, "job.dump_folder")
+    ckpt = Path(os.path.normpath(dump / checkpoint_folder))
+    if ckpt.exists() and not ckpt.is_dir():
+        raise UserError(f"checkpoint.folder '{ckpt}' is a file, not a folder; choose a folder path")
+    previous = Manifest.read(dump)
+    files = _files_below(dump)
+    foreign = _foreign(files, previous)
+    started = previous is not None and any(
+        p.name not in (MANIFEST_FILE, CONFIG_FILE) for p in previous.existing())
+
+    if checkpoint_enable and not _is_within(ckpt, dump):
+        alien = _foreign(_files_below(ckpt), previous)
+        if alien:
+            raise UserError(
+                f"checkpoint.folder '{ckpt}' is outside job.dump_folder '{dump}' and holds files no run of "
+                f"ours wrote (e.g. {alien[0]}); choose an empty folder or one inside job.dump_folder")
+        _writable_dir_or_creatable(ckpt, "checkpoint.folder")
+
+    if resume:
+        return RunFolder(dump, ckpt, previous, replace=False)
+    # Files of others may share the folder (they are never touched), but none that this run would overwrite.
+    clobbered = [p for p in (dump / "summary.json", dump / CONFIG_FILE) if p in foreign]
+    clobbered += _foreign([p for p in _files_below(ckpt) if p.name.startswith("step-")], previous)
+    if clobbered:
+        raise UserError(f"'{clobbered[0]}' was not written by a run recorded in job.dump_folder '{dump}' and "
+                        "this run would overwrite it; move it away or choose another --job.dump_folder")
+    if started and not overwrite:
+        saved = [p for p in previous.existing() if _CKPT_RE.match(p.name)]
+        if saved:
+            how = "--checkpoint.resume" if checkpoint_enable else "--checkpoint.enable true --checkpoint.resume"
+            raise UserError(f"job.dump_folder '{dump}' already holds a run with checkpoints (latest {saved[-1]}); pass {how} to "
+                            "continue it, --job.overwrite true to replace it, or choose another --job.dump_folder")
+        raise UserError(f"job.dump_folder '{dump}' already holds a run (without checkpoints, so it cannot be "
+                        "resumed); pass --job.overwrite true to replace it, or choose another --job.dump_folder")
+    return RunFolder(dump, ckpt, previous, replace=previous is not None)
