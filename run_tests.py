@@ -19,7 +19,6 @@ failed, 2 a usage error.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
 import shlex
@@ -36,6 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parent
 if str(REPO_ROOT) not in sys.path:  # so `tests.integration` imports from any cwd
     sys.path.insert(0, str(REPO_ROOT))
 
+from graph_trainer.errors import did_you_mean  # noqa: E402
 from tests.integration.checks import FAILED, PASSED, SKIPPED, RunOutcome, Verdict, check_test  # noqa: E402
 from tests.integration.collect import collect_run  # noqa: E402
 from tests.integration.png_chart import write_bar_chart  # noqa: E402
@@ -71,9 +71,7 @@ def select_tests(all_tests: list[IntegrationTest], suite: str, names: list[str] 
         by_name = {t.name: t for t in all_tests}
         for name in names:
             if name not in by_name:
-                close = difflib.get_close_matches(name, list(by_name), n=1)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                raise UsageError(f"unknown test '{name}'{hint}; see --list")
+                raise UsageError(f"unknown test '{name}'{did_you_mean(name, list(by_name))}; see --list")
         return with_dependencies([by_name[n] for n in names], all_tests)
     return with_dependencies([t for t in all_tests if suite in t.suites], all_tests)
 

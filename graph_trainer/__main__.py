@@ -11,7 +11,8 @@ from graph_trainer.errors import UserError
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the process exit code (0 ok, 2 user error, 130 interrupted)."""
-    from graph_trainer.config import config_to_toml, help_text, load_config
+    from graph_trainer.cli import help_text, load_config
+    from graph_trainer.config_load import config_to_toml
 
     argv = sys.argv[1:] if argv is None else argv
     try:

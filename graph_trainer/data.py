@@ -14,14 +14,13 @@ Pipeline (everything in memory, nothing cached on disk):
 
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
-from graph_trainer.errors import ConfigError, UserError
+from graph_trainer.errors import ConfigError, UserError, closest_match
 from graph_trainer.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
@@ -253,8 +252,8 @@ def build_dataloader(
                 f"data.path '{path}' has no text to train on (0 tokens); point data.path at non-empty files"
             )
     else:
-        close = difflib.get_close_matches(source, SOURCES, n=1)
-        hint = f" (did you mean \"{close[0]}\"?)" if close else ""
+        close = closest_match(source, list(SOURCES))
+        hint = f" (did you mean \"{close}\"?)" if close else ""
         raise ConfigError(f"data.source \"{source}\" is unknown{hint}; valid sources: {', '.join(SOURCES)}")
 
     needed = batch_size * world_size * (seq_len + 1)

@@ -5,6 +5,8 @@ code 2 (see `graph_trainer.__main__`); everything else is a bug and keeps its
 traceback.
 """
 
+import difflib
+
 
 class UserError(Exception):
     """A mistake in the user's input (config, flags, files); the message names the cause and the fix."""
@@ -12,3 +14,19 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A config file or command-line override is malformed or out of range."""
+
+
+def closest_match(given: str, candidates: list[str], *, ignore_case: bool = False) -> str | None:
+    """The candidate `given` was most likely meant to be (difflib's closest), or None if none is close."""
+    if not ignore_case:
+        close = difflib.get_close_matches(given, candidates, n=1)
+        return close[0] if close else None
+    by_lower = {c.lower(): c for c in candidates}
+    close = difflib.get_close_matches(given.lower(), list(by_lower), n=1)
+    return by_lower[close[0]] if close else None
+
+
+def did_you_mean(given: str, candidates: list[str]) -> str:
+    """The tail " (did you mean 'x'?)" for the closest candidate, or "" when none is close."""
+    close = closest_match(given, candidates)
+    return f" (did you mean '{close}'?)" if close else ""

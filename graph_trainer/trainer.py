@@ -18,7 +18,8 @@ import torch.nn as nn
 
 from graph_trainer.checkpoint import (CheckpointManager, capture_rng_state, load_model_state,
                                       restore_rng_state)
-from graph_trainer.config import JobConfig, config_to_toml
+from graph_trainer.config import JobConfig
+from graph_trainer.config_load import config_to_toml
 from graph_trainer.data import build_dataloader
 from graph_trainer.device import peak_flops, resolve_dtype, set_determinism
 from graph_trainer.digest import tensors_digest

@@ -7,13 +7,12 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from torch import nn
 
-from graph_trainer.errors import ConfigError
+from graph_trainer.errors import ConfigError, closest_match
 from models.llama3 import LLAMA3_FLAVORS, ModelArgs, Transformer
 
 
@@ -34,9 +33,8 @@ MODELS: dict[str, ModelSpec] = {
 
 def _unknown(kind: str, given: str, choices: list[str]) -> ConfigError:
     # Case-insensitive, so "8b" finds "8B".
-    by_lower = {choice.lower(): choice for choice in choices}
-    close = difflib.get_close_matches(given.lower(), list(by_lower), n=1)
-    hint = f" Did you mean {by_lower[close[0]]!r}?" if close else ""
+    close = closest_match(given, choices, ignore_case=True)
+    hint = f" Did you mean {close!r}?" if close else ""
     return ConfigError(f"unknown {kind} {given!r}; available: {', '.join(choices)}.{hint}")
 
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from graph_trainer.config import load_config
+from graph_trainer.cli import load_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.memory import LiveTensorTracker
 from graph_trainer.trainer import Trainer

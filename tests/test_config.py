@@ -6,18 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from graph_trainer.config import (
-    CONFIGS_DIR,
-    JobConfig,
-    build_config,
-    config_to_toml,
-    help_text,
-    load_config,
-    parse_cli,
-    resolve_config_path,
-    shipped_configs,
-    validate,
-)
+from graph_trainer.cli import build_config, help_text, load_config, parse_cli
+from graph_trainer.config import JobConfig
+from graph_trainer.config_load import CONFIGS_DIR, config_to_toml, resolve_config_path, shipped_configs, validate
 from graph_trainer.errors import ConfigError, UserError
 
 SHIPPED = ["llama3_1b", "llama3_70b", "llama3_8b", "llama3_debug"]

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graph_trainer.config import load_config
+from graph_trainer.cli import load_config
 from graph_trainer.distributed import check_launch, destroy, init_distributed
 from graph_trainer.errors import UserError
 from graph_trainer.tracer import node_meta

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_trainer.config import load_config
+from graph_trainer.cli import load_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.optimizer import GraphAdamW, build_optimizer
 from graph_trainer.passes import available_passes, build_pipeline

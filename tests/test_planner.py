@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graph_trainer import planner
-from graph_trainer.config import load_config
+from graph_trainer.cli import load_config
 from graph_trainer.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_trainer.config import load_config
+from graph_trainer.cli import load_config
 from graph_trainer.errors import UserError
 from graph_trainer.trainer import Trainer, TrainingDiverged
 

@@ -308,7 +308,7 @@ def test_declared_tests_cover_the_promises():
 @pytest.mark.parametrize("t", TESTS, ids=lambda t: t.name)
 def test_declared_invocations_parse_as_the_trainer_expects(t, tmp_path):
     """Every declared command line is a valid config, or fails with the declared message, without running."""
-    from graph_trainer.config import load_config
+    from graph_trainer.cli import load_config
     from graph_trainer.errors import UserError
 
     for args in t.runs:
