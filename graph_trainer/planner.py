@@ -20,6 +20,7 @@ import torch.nn as nn
 from graph_trainer.config import JobConfig
 from graph_trainer.device import resolve_device
 from graph_trainer.errors import UserError
+from graph_trainer.log import quiet
 from graph_trainer.memory import to_gib
 from graph_trainer.optimizer import GraphAdamW, build_optimizer
 from graph_trainer.passes import build_pipeline
@@ -53,7 +54,7 @@ def meta_model(cfg: JobConfig) -> nn.Module:
 
 
 def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
-              loss_fn: Callable | None = None, log: Callable[[str], None] = lambda s: None) -> StepPlan:
+              loss_fn: Callable | None = None) -> StepPlan:
     """Trace `model` (meta) for `device` with cfg's AC mode, apply the pipeline, and read the estimate."""
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
     batch = {"input": torch.empty(b, s, dtype=torch.long, device="meta"),
@@ -67,7 +68,8 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
                         **kwargs)
     plan_cfg = copy.deepcopy(cfg)
     plan_cfg.compile.dump_graphs = False
-    traced = build_pipeline(plan_cfg, dump_dir=None, log=log)(traced)
+    with quiet():  # a plan, not the step that runs: its pass timings would only repeat the trainer's
+        traced = build_pipeline(plan_cfg, dump_dir=None)(traced)
     elapsed = time.perf_counter() - start
     est = traced.memory_estimate
     where = f"{est.peak_node} ({est.peak_op})" + (f" in {est.peak_module_fqn}" if est.peak_module_fqn else "")
@@ -95,8 +97,7 @@ def _with_mode(cfg: JobConfig, mode: str) -> JobConfig:
     return other
 
 
-def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None = None,
-              log: Callable[[str], None] = print) -> StepPlan:
+def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None = None) -> StepPlan:
     """Refuse (UserError, exit 2) a job whose predicted step peak exceeds the device's free memory.
 
     The message gives predicted vs available, the biggest contributors at the

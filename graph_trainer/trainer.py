@@ -26,6 +26,7 @@ from graph_trainer.digest import tensors_digest
 from graph_trainer.distributed import DistInfo, single_process
 from graph_trainer.eager import EagerStep
 from graph_trainer.errors import UserError
+from graph_trainer.log import configure_console, get_logger
 from graph_trainer.loss import lm_loss
 from graph_trainer.memory import MemoryMonitor, to_gib
 from graph_trainer.fsutil import atomic_write_text
@@ -38,6 +39,8 @@ from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.tracer.executor import GraphStep
 from models import build_model_args, get_model_spec
 from models.llama3.model import flops_per_token, num_params
+
+logger = get_logger(__name__)
 
 
 class TrainingDiverged(UserError):
@@ -107,6 +110,7 @@ class Trainer:
         self.dist = dist if dist is not None else single_process(cfg)
         rank, world_size = self.dist.rank, self.dist.world_size
         self.rank, self.world_size = rank, world_size
+        configure_console(rank)  # rank 0 prints progress; the others only warnings and errors
         self.device = self.dist.device
         self.dtype = resolve_dtype(cfg.training.dtype, self.device)
         # Everything is validated before the first write: folders (read only), data, tokenizer, preflight,
@@ -120,14 +124,14 @@ class Trainer:
                                            rank=rank, world_size=world_size)
         set_determinism(cfg.training.seed, cfg.training.deterministic, self.device)
 
-        plan = preflight(cfg, self.device, loss_fn=autocast_loss(self.dtype, self.device), log=self.log)
-        self.log(f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
+        plan = preflight(cfg, self.device, loss_fn=autocast_loss(self.dtype, self.device))
+        logger.info(f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
                  f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)")
         self.model = build_model(cfg, self.device, tokenizer.vocab_size)
         self.model.train()
         self.model_args = self.model.args
         self.num_params = num_params(self.model)
-        self.log(f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
+        logger.info(f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
                  f"device {self.device}, compute dtype {str(self.dtype).removeprefix('torch.')}, "
                  f"mode {cfg.compile.mode}")
 
@@ -177,10 +181,6 @@ class Trainer:
             for d in (TB_SUBDIR, "graphs"):
                 self.run_folder.adopt_new_files(self.dump_folder / d, self._preexisting)
 
-    def log(self, message: str) -> None:
-        if self.rank == 0:
-            print(message, flush=True)
-
     def _build_step(self):
         cfg = self.cfg
         loss_fn = autocast_loss(self.dtype, self.device)
@@ -194,12 +194,12 @@ class Trainer:
 
         # Every rank traces the same graph; one copy of the dumps is enough.
         dump_dir = self.dump_folder / "graphs" if self.rank == 0 else None
-        transform = build_pipeline(cfg, dump_dir=dump_dir, log=self.log)
+        transform = build_pipeline(cfg, dump_dir=dump_dir)
         graph_optimizer = GraphAdamW(self.optimizer) if cfg.compile.trace_optimizer else None
         graph_step = GraphStep(self.model, loss_fn=loss_fn, max_norm=cfg.training.max_norm,
                                optimizer=graph_optimizer, on_shape_change=cfg.compile.on_shape_change,
                                transform=transform, device=self.device,
-                               failure_dir=self.dump_folder / "graphs", log=self.log,
+                               failure_dir=self.dump_folder / "graphs",
                                grad_reduce=self.dist.grad_reduce())
         return graph_step, graph_step
 
@@ -216,7 +216,7 @@ class Trainer:
         self.dataloader.load_state_dict(state["data"])
         restore_rng_state(state["rng"], self.device)
         self.step = int(state["step"])
-        self.log(f"resumed from {self.checkpointer.path(latest)} at step {self.step}")
+        logger.info(f"resumed from {self.checkpointer.path(latest)} at step {self.step}")
 
     def _state(self) -> dict[str, Any]:
         # Saved by rank 0 only: weights are replicated, and every rank has taken the same number of
@@ -306,7 +306,7 @@ class Trainer:
                                "retrace_reasons": self.graph_step.stats.reasons if self.graph_step else [],
                                "num_params": self.num_params,
                                "wall_time_s": time.perf_counter() - wall_start})
-        self.log(self._results_line())
+        logger.info(self._results_line())
         return result
 
     @contextlib.contextmanager

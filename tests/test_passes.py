@@ -3,6 +3,8 @@ optimizer ops, no-op removal and remat preserving numerics bitwise, remat being 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -39,14 +41,14 @@ def _run(gm, inputs):
 
 def test_unknown_pass_in_disable_passes_lists_the_available_ones():
     with pytest.raises(ConfigError, match="unknown pass 'cse'.*dce, remove_noops"):
-        build_pipeline(_cfg("--compile.disable_passes", "cse"), dump_dir=None, log=lambda s: None)
+        build_pipeline(_cfg("--compile.disable_passes", "cse"), dump_dir=None)
 
 
 @pytest.mark.parametrize("entry", ["aten.notanop", "aten.mm.nooverload", "layers.*::aten.bogus"])
 def test_bad_override_pattern_is_a_config_error(entry):
     with pytest.raises(ConfigError, match="recompute_list"):
         build_pipeline(_cfg("--activation_checkpoint.mode", "selective", "--activation_checkpoint.recompute_list",
-                            entry), dump_dir=None, log=lambda s: None)
+                            entry), dump_dir=None)
 
 
 def test_override_pattern_matches_op_overload_and_module_glob():
@@ -59,13 +61,13 @@ def test_override_pattern_matches_op_overload_and_module_glob():
     assert all(parse_op_pattern("aten.mm.default", "x").matches(n) for n in mms)
 
 
-def test_pipeline_runs_in_order_logs_and_dumps_each_pass(tmp_path):
+def test_pipeline_runs_in_order_logs_and_dumps_each_pass(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="graph_trainer")
     model, batch = _model_and_batch()
-    logs: list[str] = []
     cfg = _cfg("--compile.dump_graphs", "true", "--activation_checkpoint.mode", "full",
                "--compile.log_saved_activations", "true")
-    traced = build_pipeline(cfg, dump_dir=tmp_path, log=logs.append)(trace_step(model, batch))
-    ran = [line.split(":")[0].removeprefix("pass ") for line in logs if line.startswith("pass ")]
+    traced = build_pipeline(cfg, dump_dir=tmp_path)(trace_step(model, batch))
+    ran = [line.split(":")[0].removeprefix("pass ") for line in caplog.messages if line.startswith("pass ")]
     assert ran == ["dce", "remove_noops", "activation_checkpoint", "remat"]
     assert [n for n in available_passes() if n in ran] == ran  # registry order
     dumped = sorted(p.name for p in (tmp_path / "trace_1").iterdir())
@@ -74,12 +76,12 @@ def test_pipeline_runs_in_order_logs_and_dumps_each_pass(tmp_path):
                       "summary.txt"]
     assert "_recomputed" in (tmp_path / "trace_1" / "04_after_remat.py").read_text()
     assert traced.memory_estimate is not None and traced.memory_estimate.peak_bytes > 0
-    assert any(line.startswith("saved activations:") and "per layer" in line for line in logs)
+    assert any(line.startswith("saved activations:") and "per layer" in line for line in caplog.messages)
 
-    logs.clear()
+    caplog.clear()
     no_dce = _cfg("--compile.disable_passes", "dce,remove_noops")
-    build_pipeline(no_dce, dump_dir=None, log=logs.append)(trace_step(model, batch))
-    assert not any(line.startswith("pass ") for line in logs)
+    build_pipeline(no_dce, dump_dir=None)(trace_step(model, batch))
+    assert not any(line.startswith("pass ") for line in caplog.messages)
 
 
 def test_dce_keeps_in_place_optimizer_ops_and_numerics():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import pytest
@@ -244,17 +245,17 @@ def test_no_grad_execution_peaks_below_grad_enabled():
     assert with_no_grad < with_grad, (with_no_grad, with_grad)
 
 
-def test_fixed_shape_run_traces_once_and_new_shape_retraces_with_reason():
+def test_fixed_shape_run_traces_once_and_new_shape_retraces_with_reason(caplog):
+    caplog.set_level(logging.INFO, logger="graph_trainer")
     model = tiny_llama()
-    messages = []
-    step = GraphStep(model, max_norm=1.0, log=messages.append)
+    step = GraphStep(model, max_norm=1.0)
     for seed in range(4):
         step(make_batch(96, seq=16, seed=seed))
     assert step.stats.count == 1 and not step.stats.reasons
     step(make_batch(96, seq=8))
     assert step.stats.count == 2
     assert len(step.stats.reasons) == 1 and "(2, 16) -> (2, 8)" in step.stats.reasons[0]
-    assert messages and "retracing" in messages[0]
+    assert caplog.messages and "retracing" in caplog.messages[0]
 
 
 def test_shape_change_with_error_policy_is_a_user_error():

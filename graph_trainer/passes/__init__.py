@@ -20,12 +20,15 @@ from typing import Callable
 
 from graph_trainer.config import JobConfig
 from graph_trainer.errors import ConfigError
+from graph_trainer.log import get_logger
 from graph_trainer.passes.activation_checkpoint import parse_overrides, tag_activation_checkpoint
 from graph_trainer.passes.budget import tag_memory_budget
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
 from graph_trainer.passes.pipeline import GraphPass, PassContext, Pipeline, check_disabled
 from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer.capture import TracedStep
+
+logger = get_logger(__name__)
 
 
 def _ac_mode(*modes: str) -> Callable[[JobConfig], bool]:
@@ -47,7 +50,7 @@ REGISTRY: tuple[GraphPass, ...] = (
               _ac_mode("selective", "full"), "tag save/recompute per op (selective / full)"),
     GraphPass("memory_budget",
               lambda gm, ctx: tag_memory_budget(gm, ctx.cfg.activation_checkpoint,
-                                                input_categories=ctx.input_categories, log=ctx.log),
+                                                input_categories=ctx.input_categories),
               True, _ac_mode("budget"), "tag save/recompute to fit activation_checkpoint.memory_budget"),
     GraphPass("remat", lambda gm, ctx: rematerialize(gm), True, _ac_mode("selective", "full", "budget"),
               "duplicate recomputed forward ops just before their first backward use"),
@@ -59,8 +62,7 @@ def available_passes() -> list[str]:
     return [p.name for p in REGISTRY]
 
 
-def build_pipeline(cfg: JobConfig, *, dump_dir: Path | None,
-                   log: Callable[[str], None]) -> Callable[[TracedStep], TracedStep]:
+def build_pipeline(cfg: JobConfig, *, dump_dir: Path | None) -> Callable[[TracedStep], TracedStep]:
     """The pipeline for `cfg`: enabled passes in registry order, minus `compile.disable_passes`.
 
     Validates at build time (trainer start-up), before anything is traced.
@@ -74,11 +76,12 @@ def build_pipeline(cfg: JobConfig, *, dump_dir: Path | None,
     passes = [p for p in REGISTRY if p.enabled(cfg) and p.name not in cfg.compile.disable_passes]
     if cfg.activation_checkpoint.mode == "none" and (cfg.activation_checkpoint.save_list
                                                      or cfg.activation_checkpoint.recompute_list):
-        log("activation_checkpoint.save_list/recompute_list are ignored with activation_checkpoint.mode = 'none'")
+        logger.info("activation_checkpoint.save_list/recompute_list are ignored with "
+                    "activation_checkpoint.mode = 'none'")
     if cfg.activation_checkpoint.mode == "budget" and "remat" in cfg.compile.disable_passes:
         raise ConfigError("activation_checkpoint.mode = 'budget' needs the 'remat' pass; remove it from "
                           "compile.disable_passes or choose another activation_checkpoint.mode")
-    return Pipeline(cfg, passes, dump_dir=dump_dir, log=log)
+    return Pipeline(cfg, passes, dump_dir=dump_dir)
 
 
 __all__ = ["REGISTRY", "GraphPass", "PassContext", "Pipeline", "available_passes", "build_pipeline"]

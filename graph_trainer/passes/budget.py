@@ -35,12 +35,11 @@ An infeasible budget is reported with the smallest probed peak.
 from __future__ import annotations
 
 import math
-from typing import Callable
-
 import torch.fx
 
 from graph_trainer.config import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError
+from graph_trainer.log import get_logger
 from graph_trainer.passes.activation_checkpoint import (RECOMPUTE, SAVE, Decisions, StepStructure,
                                                         analyze, apply_overrides, finalize, parse_overrides,
                                                         write_tags)
@@ -51,6 +50,8 @@ from graph_trainer.tracer import node_meta
 
 GIB = 1024**3
 MAX_PROBES = 48
+
+logger = get_logger(__name__)
 
 
 def _backward_storages(gm: torch.fx.GraphModule) -> set[int]:
@@ -104,8 +105,7 @@ def probe_points(n: int) -> list[int]:
 
 
 def tag_memory_budget(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, *,
-                      input_categories: list[str] | None = None,
-                      log: Callable[[str], None] = print) -> torch.fx.GraphModule:
+                      input_categories: list[str] | None = None) -> torch.fx.GraphModule:
     """Tag `gm` so its estimated peak fits `ac.memory_budget` with the fewest recompute FLOPs (see module docstring).
 
     In place; returns `gm`.
@@ -132,8 +132,8 @@ def tag_memory_budget(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, 
 
     if no_ac.peak_bytes <= target:
         write_tags(gm, structure, {})  # the no-AC graph fits: recompute nothing
-        log(f"memory_budget: the no-AC peak {no_ac.peak_bytes / GIB:.4f} GiB fits the target "
-            f"{target / GIB:.4f} GiB; nothing recomputed")
+        logger.info(f"memory_budget: the no-AC peak {no_ac.peak_bytes / GIB:.4f} GiB fits the target "
+                    f"{target / GIB:.4f} GiB; nothing recomputed")
         return gm
     chosen_k, smallest = None, no_ac.peak_bytes
     for k in probe_points(len(candidates)):
@@ -155,6 +155,6 @@ def tag_memory_budget(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, 
                           "or sequence length")
     write_tags(gm, structure, decisions_for(chosen_k))
     flops = sum(op_flops(n) for n in candidates[:chosen_k])
-    log(f"memory_budget: target peak {target / GIB:.4f} GiB; recompute {chosen_k}/{len(candidates)} "
-        f"candidates (~{flops / 1e9:.3f} GFLOP of recompute, not counting free ops)")
+    logger.info(f"memory_budget: target peak {target / GIB:.4f} GiB; recompute {chosen_k}/{len(candidates)} "
+                f"candidates (~{flops / 1e9:.3f} GFLOP of recompute, not counting free ops)")
     return gm

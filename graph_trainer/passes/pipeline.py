@@ -19,6 +19,7 @@ import torch.fx
 
 from graph_trainer.config import JobConfig
 from graph_trainer.errors import ConfigError
+from graph_trainer.log import get_logger
 from graph_trainer.passes.activation_checkpoint import policy_name
 from graph_trainer.passes.graph_utils import count_nodes, node_by_name
 from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_tensors
@@ -28,14 +29,15 @@ from graph_trainer.tracer.summary import graph_summary
 
 MIB = 1024**2
 
+logger = get_logger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class PassContext:
-    """What a pass may read besides the graph: the job config, one memory category per input, a logger."""
+    """What a pass may read besides the graph: the job config and one memory category per input."""
 
     cfg: JobConfig
     input_categories: list[str]
-    log: Callable[[str], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,17 +63,15 @@ def check_disabled(names: list[str], registry: list[GraphPass]) -> None:
 class Pipeline:
     """Callable TracedStep -> TracedStep running `passes` in order (see module docstring)."""
 
-    def __init__(self, cfg: JobConfig, passes: list[GraphPass], *, dump_dir: Path | None,
-                 log: Callable[[str], None]):
+    def __init__(self, cfg: JobConfig, passes: list[GraphPass], *, dump_dir: Path | None):
         self.cfg = cfg
         self.passes = passes
         self.dump_dir = dump_dir if cfg.compile.dump_graphs else None
-        self.log = log
         self.runs = 0  # traces transformed so far; names the dump subfolder
 
     def __call__(self, traced: TracedStep) -> TracedStep:
         self.runs += 1
-        ctx = PassContext(self.cfg, traced.layout.categories, self.log)
+        ctx = PassContext(self.cfg, traced.layout.categories)
         gm = traced.gm
         dump = self.dump_dir / f"trace_{self.runs}" if self.dump_dir is not None else None
         if dump is not None:
@@ -83,20 +83,20 @@ class Pipeline:
             gm = p.run(gm, ctx)
             elapsed = time.perf_counter() - start
             after = count_nodes(gm)
-            self.log(f"pass {p.name}: {elapsed * 1000:.1f} ms, ops {before} -> {after} ({after - before:+d})")
+            logger.info(f"pass {p.name}: {elapsed * 1000:.1f} ms, ops {before} -> {after} ({after - before:+d})")
             if dump is not None:
                 _dump(gm, dump / f"{i:02d}_after_{p.name}.py")
         traced.gm = gm
         traced.memory_estimate = estimate_peak_memory(gm, input_categories=ctx.input_categories)
         est = traced.memory_estimate
-        self.log(f"memory estimate: peak {est.peak_bytes / MIB:.2f} MiB at {est.peak_node} "
+        logger.info(f"memory estimate: peak {est.peak_bytes / MIB:.2f} MiB at {est.peak_node} "
                  f"({est.peak_module_fqn or 'top level'}), saved for backward {est.saved_bytes / MIB:.2f} MiB")
         if self.cfg.compile.log_saved_activations:
-            self.log(saved_activation_report(gm))
+            logger.info(saved_activation_report(gm))
         if dump is not None:
             (dump / "summary.txt").write_text(graph_summary(gm) + "\n" + est.summary() + "\n")
             (dump / "saved_tensors.txt").write_text(saved_activation_report(gm, limit=None) + "\n")
-            self.log(f"graphs written to {dump}")
+            logger.info(f"graphs written to {dump}")
         return traced
 
 

@@ -18,11 +18,14 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from graph_trainer.errors import UserError
+from graph_trainer.log import get_logger
 from graph_trainer.loss import lm_loss
 from graph_trainer.tracer.capture import (GradReduce, GraphOptimizer, LossFn, TracedStep,
                                           batch_signature, trace_step)
 
 Transform = Callable[[TracedStep], TracedStep]
+
+logger = get_logger(__name__)
 
 
 @dataclasses.dataclass
@@ -55,19 +58,17 @@ class GraphStep:
         loss_fn: forward + loss (default: causal-LM cross-entropy).
         max_norm: gradient clipping inside the graph (<= 0: norm only).
         optimizer: a `GraphOptimizer` to trace the update into the graph, or None.
-        on_shape_change: "retrace" (log and count) or "error".
+        on_shape_change: "retrace" (log the reason and count it) or "error".
         transform: applied to each fresh trace (the pass pipeline).
         device: device to trace for (default: the parameters').
         failure_dir: where a failing trace leaves its partial graph.
-        log: where retrace reasons go.
         grad_reduce: traced into the graph between the backward and clipping (see `trace_step`).
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: LossFn = lm_loss, max_norm: float = 0.0,
                  optimizer: GraphOptimizer | None = None, on_shape_change: str = "retrace",
                  transform: Transform | None = None, device: torch.device | None = None,
-                 failure_dir: Path | None = None, log: Callable[[str], None] = print,
-                 grad_reduce: GradReduce | None = None):
+                 failure_dir: Path | None = None, grad_reduce: GradReduce | None = None):
         if on_shape_change not in ("retrace", "error"):
             raise UserError(f"compile.on_shape_change: expected retrace|error, got {on_shape_change!r}")
         self.model = model
@@ -78,7 +79,6 @@ class GraphStep:
         self.transform = transform
         self.device = device
         self.failure_dir = failure_dir
-        self.log = log
         self.grad_reduce = grad_reduce
         self.stats = TraceStats()
         self.traced: TracedStep | None = None
@@ -95,7 +95,7 @@ class GraphStep:
             if self.on_shape_change == "error":
                 raise UserError(f"the batch signature changed ({reason}) and compile.on_shape_change = "
                                 "'error'; keep shapes fixed or set compile.on_shape_change = 'retrace'")
-            self.log(f"retracing the step: {reason}")
+            logger.info(f"retracing the step: {reason}")
             self.stats.reasons.append(reason)
         traced = trace_step(self.model, batch, loss_fn=self.loss_fn, max_norm=self.max_norm,
                             optimizer=self.optimizer, device=self.device,
