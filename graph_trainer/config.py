@@ -82,6 +82,8 @@ class OptimizerConfig:
     betas: list[float] = _opt([0.9, 0.95], "AdamW beta1, beta2", ge=0, lt=1)
     eps: float = _opt(1e-8, "AdamW epsilon", gt=0)
     weight_decay: float = _opt(0.1, "decoupled weight decay", ge=0)
+    implementation: str = _opt("auto", "AdamW update outside the graph; auto = fused on CUDA, single_tensor on CPU",
+                               choices=("auto", "single_tensor", "foreach", "fused"))
 
 
 @dataclass

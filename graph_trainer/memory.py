@@ -12,6 +12,8 @@ Three sources, one front (`MemoryMonitor`):
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import resource
 import sys
 import weakref
@@ -30,6 +32,51 @@ GIB = 1024**3
 def to_gib(nbytes: int | float | None) -> float | None:
     """Bytes -> GiB (1024**3); None stays None."""
     return None if nbytes is None else nbytes / GIB
+
+
+# ---------------------------------------------------------------------------
+# What the CUDA caching allocator counts (used by the static estimate; pure functions, no CUDA needed)
+
+CUDA_BLOCK_BYTES = 512  # c10's kMinBlockSize: every allocation is rounded up to a multiple of it
+CUBLAS_WORKSPACE_SM90_BYTES = 4096 * 8 * 1024  # torch's default on Hopper (":4096:8")
+CUBLAS_WORKSPACE_DEFAULT_BYTES = 4096 * 2 * 1024 + 16 * 8 * 1024  # elsewhere (":4096:2:16:8")
+
+
+def allocated_bytes(nbytes: int, device_type: str) -> int:
+    """Bytes one allocation of `nbytes` occupies in the device's allocator.
+
+    CUDA's caching allocator rounds each request up to a multiple of 512 bytes
+    (its active-memory counters count the rounded size; a 0-byte tensor takes no
+    block). Large requests come from 2 MiB-rounded segments, but the block
+    handed out is still the 512-rounded request unless the free remainder is
+    under 1 MiB, which depends on the allocation history and is not modelled.
+    CPU (and meta/fake) sizes are counted as requested.
+    """
+    if device_type != "cuda" or nbytes == 0:
+        return nbytes
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+
+
+def cublas_workspace_bytes(config: str | None, compute_capability: tuple[int, int] | None) -> int:
+    """The cuBLAS workspace torch allocates (through the caching allocator) for a stream's first matmul.
+
+    `config` is CUBLAS_WORKSPACE_CONFIG (":SIZE_KiB:COUNT" pairs, e.g. ":4096:8" =
+    32 MiB; set without a pair it means 0, as in torch). Unset, torch uses 32 MiB on
+    sm90 (H100/H200) and 8.125 MiB elsewhere. Unknown capability (planning without a GPU) is taken as sm90, the GPUs this
+    project's big configs target. It stays allocated for the process's life, so
+    it counts in every step's active peak.
+    """
+    if config is not None:  # parsed as torch does: every ":SIZE:COUNT" match, nothing else
+        return sum(int(size) * 1024 * int(count) for size, count in re.findall(r":([0-9]+):([0-9]+)", config))
+    if compute_capability is None or compute_capability == (9, 0):
+        return CUBLAS_WORKSPACE_SM90_BYTES
+    return CUBLAS_WORKSPACE_DEFAULT_BYTES
+
+
+def process_cublas_workspace_bytes(device: torch.device) -> int:
+    """`cublas_workspace_bytes` for this process's environment and `device` (sm90 assumed without CUDA)."""
+    capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+    return cublas_workspace_bytes(os.environ.get("CUBLAS_WORKSPACE_CONFIG"), capability)
 
 
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:

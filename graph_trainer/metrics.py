@@ -47,6 +47,7 @@ TB_TAGS: Mapping[str, str] = MappingProxyType(
         "num_ooms": "memory/num_ooms",
         "estimated_peak_bytes": "memory/estimated_peak(GiB)",
         "saved_activation_bytes": "memory/saved_activations(GiB)",
+        "estimate_error_pct": "memory/estimate_error(%)",
         "rss_peak_bytes": "memory/rss_peak(GiB)",
         "trace_count": "trace/count",
         "trace_time_s": "compile/trace_time_s",

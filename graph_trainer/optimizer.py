@@ -14,15 +14,62 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.errors import ConfigError
+from graph_trainer.memory import allocated_bytes
+
+
+# How torch.optim.AdamW runs its update when it runs outside the graph (eager mode, or the
+# traced step without compile.trace_optimizer). Each allocates different scratch on top of
+# params, grads and state, which `eager_step_scratch_bytes` models exactly:
+#   single_tensor  a Python loop over parameters (torch's choice on CPU; GraphAdamW mirrors it)
+#   foreach        torch's default on CUDA: one multi-tensor kernel per op, with a temporary the
+#                  size of *all* parameters (`_foreach_sqrt`); this is what OOMed the 8B run
+#   fused          one kernel per step, in place, no scratch
+ADAMW_IMPLEMENTATIONS = ("single_tensor", "foreach", "fused")
+
+
+def choose_adamw_implementation(requested: str, device: torch.device, *, trace_optimizer: bool) -> str:
+    """The AdamW implementation for a job: `requested` ("auto" or one of ADAMW_IMPLEMENTATIONS).
+
+    "auto" is `fused` on CUDA (no scratch memory and the fastest update) and
+    `single_tensor` on CPU (torch's own choice there, bitwise equal to the update
+    traced into the graph). With `trace_optimizer` the update runs in the graph as
+    the single-tensor algorithm; the torch optimizer only holds the state.
+
+    Raises:
+        ConfigError: an implementation other than single_tensor with trace_optimizer.
+    """
+    if trace_optimizer:
+        if requested not in ("auto", "single_tensor"):
+            raise ConfigError(f"optimizer.implementation = {requested!r} cannot run inside the graph: "
+                              "compile.trace_optimizer traces the single-tensor AdamW update; set "
+                              "optimizer.implementation = 'auto' or compile.trace_optimizer = false")
+        return "single_tensor"
+    if requested == "auto":
+        return "fused" if device.type == "cuda" else "single_tensor"
+    if requested not in ADAMW_IMPLEMENTATIONS:
+        raise ConfigError(f"optimizer.implementation must be auto|{'|'.join(ADAMW_IMPLEMENTATIONS)}, "
+                          f"got {requested!r}")
+    return requested
+
+
+def _implementation_flags(implementation: str) -> dict[str, bool]:
+    return {"single_tensor": {"foreach": False, "fused": False},
+            "foreach": {"foreach": True, "fused": False},
+            "fused": {"foreach": False, "fused": True}}[implementation]
 
 
 def build_optimizer(model: nn.Module, *, name: str, lr: float, betas: tuple[float, float],
-                    eps: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW over every trainable parameter (one group, decoupled weight decay)."""
+                    eps: float, weight_decay: float, implementation: str = "single_tensor") -> torch.optim.AdamW:
+    """AdamW over every trainable parameter (one group, decoupled weight decay).
+
+    `implementation` (see ADAMW_IMPLEMENTATIONS) is passed to torch explicitly, so
+    the update that runs is the one whose memory the planner models.
+    """
     if name.lower() != "adamw":
         raise ConfigError(f"optimizer.name: only 'AdamW' is supported, got {name!r}")
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                             **_implementation_flags(implementation))
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_type: str,
@@ -68,27 +115,95 @@ def init_adamw_state(optimizer: torch.optim.AdamW, p: torch.Tensor) -> dict:
     """`p`'s AdamW state, created as torch.optim.AdamW would lazily create it on its first step.
 
     Creating it up front keeps the first step's memory like every later one, so the
-    preflight's prediction (which counts optimizer state) holds from step 1.
+    preflight's prediction (which counts optimizer state) holds from step 1. As in
+    torch, the step counter lives on the CPU, except for fused/capturable groups,
+    whose kernels read it on the parameter's device (in float32).
     """
     state = optimizer.state[p]
     if not state:
-        step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        state["step"] = torch.tensor(0.0, dtype=step_dtype)
+        group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+        if group.get("fused") or group.get("capturable"):
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        else:
+            step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            state["step"] = torch.tensor(0.0, dtype=step_dtype)
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return state
 
 
-def eager_step_scratch_bytes(optimizer: torch.optim.AdamW) -> int:
-    """Most bytes `torch.optim.AdamW.step()` (single-tensor path, as on CPU) holds beyond its inputs.
+def adamw_implementation(group: dict) -> str:
+    """Which update `optimizer.step()` runs for `group`: fused, foreach or single_tensor.
 
-    For parameter i it builds `denom = (exp_avg_sq.sqrt() / c).add_(eps)`: two
-    temporaries of p_i's size, while the previous parameter's `denom` is still
-    bound to the loop variable; every other update is in place. So the scratch
-    peaks at max_i(size(p_{i-1}) + 2 * size(p_i)).
+    Reads the group's flags; an unset `foreach` (None) is resolved as torch does
+    (foreach when every parameter is a plain CUDA tensor).
     """
-    sizes = [p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"]]
-    return max((prev + 2 * cur for prev, cur in zip([0, *sizes], sizes)), default=0)
+    if group.get("fused"):
+        return "fused"
+    foreach = group.get("foreach")
+    if foreach is None:
+        from torch.optim.optimizer import _default_to_fused_or_foreach  # private: what step() itself calls
+
+        _, foreach = _default_to_fused_or_foreach(list(group["params"]), differentiable=False, use_fused=False)
+    return "foreach" if foreach else "single_tensor"
+
+
+def adamw_state_bytes(optimizer: torch.optim.AdamW, device: torch.device) -> int:
+    """Bytes of `optimizer`'s state held in `device`'s memory (as its allocator counts them).
+
+    exp_avg and exp_avg_sq always; the 0-d step counters only where they live on
+    that device: on a CPU run, or for fused/capturable groups (elsewhere torch
+    keeps them on the host).
+    """
+    total = 0
+    for state in optimizer.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor) and (device.type == "cpu" or t.device.type != "cpu"):
+                total += allocated_bytes(t.untyped_storage().nbytes(), device.type)
+    return total
+
+
+def eager_step_scratch_bytes(optimizer: torch.optim.AdamW, device: torch.device | None = None) -> int:
+    """Most bytes `torch.optim.AdamW.step()` holds beyond params, grads and state (its temporaries).
+
+    Per parameter group (the temporaries die when torch's update function returns), by the
+    update torch runs (torch 2.13's `torch/optim/adam.py`):
+
+    - single_tensor: for parameter i it builds `denom = (exp_avg_sq.sqrt() / c).add_(eps)`, two
+      temporaries of p_i's size, while the previous parameter's `denom` is still bound to
+      the loop variable; every other op is in place: max_i(size(p_{i-1}) + 2 * size(p_i)).
+    - foreach: per (device, dtype) bucket, `_foreach_sqrt(exp_avg_sqs)` makes one temporary
+      per parameter, all alive at once, while the previous bucket's list is still bound:
+      max_b(size(bucket_{b-1}) + size(bucket_b)); with one bucket, the size of all parameters.
+    - fused: every op is in place: 0.
+
+    Measured against `LiveTensorTracker` on CPU for all three (tests/test_optimizer.py);
+    the CUDA kernels allocate the same tensors. `device` (default: the parameters')
+    decides how each temporary is rounded by the allocator (`allocated_bytes`).
+
+    Raises:
+        ValueError: for capturable or differentiable groups, whose extra temporaries are not modelled.
+    """
+    peak = 0
+    for group in optimizer.param_groups:
+        if group.get("capturable") or group.get("differentiable"):
+            raise ValueError("eager_step_scratch_bytes does not model capturable or differentiable AdamW")
+        params = list(group["params"])
+        implementation = adamw_implementation(group)
+        if implementation == "fused" or not params:
+            continue
+        device_type = (device or params[0].device).type
+        if implementation == "single_tensor":
+            sizes = [allocated_bytes(p.numel() * p.element_size(), device_type) for p in params]
+            peak = max(peak, max((prev + 2 * cur for prev, cur in zip([0, *sizes], sizes)), default=0))
+            continue
+        buckets: dict[tuple, int] = {}  # insertion order = the order torch groups them in
+        for p in params:
+            key = (p.device, p.dtype)
+            buckets[key] = buckets.get(key, 0) + allocated_bytes(p.numel() * p.element_size(), device_type)
+        sizes = list(buckets.values())
+        peak = max(peak, max((prev + cur for prev, cur in zip([0, *sizes], sizes)), default=0))
+    return peak
 
 
 def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:

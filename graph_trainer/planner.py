@@ -1,10 +1,13 @@
 """Predicting a step's memory and FLOPs before anything is allocated: the preflight and `--dry-run`.
 
 The model is built on the meta device and the whole step (forward, loss,
-backward, clipping and the AdamW update) is traced on fake tensors for the
-target device, then run through the same pass pipeline the trainer uses; the
-static estimate of the final graph is the prediction. Nothing the size of a
-parameter is ever allocated, so an 8B plan fits in a laptop's memory.
+backward, clipping and, with `compile.trace_optimizer`, the AdamW update) is
+traced on fake tensors for the target device, then run through the same pass
+pipeline the trainer uses; the static estimate of the final graph is the
+prediction. When the update runs outside the graph (the default), the plan adds
+what it costs: the optimizer state alive throughout, and after the graph the
+scratch of the AdamW implementation the run will use (`EagerUpdate`). Nothing the
+size of a parameter is ever allocated, so an 8B plan fits in a laptop's memory.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from graph_trainer.device import resolve_device
 from graph_trainer.errors import UserError
 from graph_trainer.log import quiet
 from graph_trainer.memory import to_gib
-from graph_trainer.optimizer import GraphAdamW, build_optimizer
+from graph_trainer.optimizer import (GraphAdamW, adamw_state_bytes, build_optimizer, choose_adamw_implementation,
+                                     eager_step_scratch_bytes, init_adamw_state)
 from graph_trainer.passes import build_pipeline
 from graph_trainer.passes.graph_utils import op_flops
 from graph_trainer.tracer.capture import trace_step
@@ -44,6 +48,47 @@ class StepPlan:
     flops: int
     num_params: int
     trace_time_s: float
+    optimizer: str = "in graph"  # where the AdamW update runs: "in graph" or its eager implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerUpdate:
+    """`torch.optim.AdamW.step()` run after the graph: its implementation, the state it keeps
+    alive through the whole step, and the scratch its update allocates."""
+
+    implementation: str
+    state_bytes: int
+    scratch_bytes: int
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.AdamW, implementation: str, device: torch.device) -> EagerUpdate:
+        return cls(implementation, adamw_state_bytes(optimizer, device),
+                   eager_step_scratch_bytes(optimizer, device))
+
+
+def whole_step_peak(estimate, update: EagerUpdate | None) -> tuple[int, dict[str, int], bool]:
+    """(peak bytes, bytes by category at the peak, whether the peak is in the eager update) of a step.
+
+    `estimate` is the graph's `MemoryEstimate`; with `update` None the update is in
+    the graph. Otherwise the optimizer state is alive throughout, and the update
+    runs after the graph on what the graph leaves alive (params, batch, grads)
+    plus its scratch.
+    """
+    if update is None:
+        return estimate.peak_bytes, dict(estimate.peak_bytes_by_category), False
+    after_graph = sum(estimate.final_bytes_by_category.values()) + update.scratch_bytes
+    in_update = after_graph > estimate.peak_bytes
+    if in_update:
+        by_category = {**estimate.final_bytes_by_category, "optimizer_scratch": update.scratch_bytes}
+    else:
+        by_category = dict(estimate.peak_bytes_by_category)
+    by_category["optimizer_state"] = by_category.get("optimizer_state", 0) + update.state_bytes
+    return max(estimate.peak_bytes, after_graph) + update.state_bytes, by_category, in_update
+
+
+def optimizer_in_graph(cfg: JobConfig) -> bool:
+    """Whether the job traces the AdamW update into the step graph."""
+    return cfg.compile.mode == "trace" and cfg.compile.trace_optimizer
 
 
 def meta_model(cfg: JobConfig) -> nn.Module:
@@ -60,23 +105,36 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
     batch = {"input": torch.empty(b, s, dtype=torch.long, device="meta"),
              "labels": torch.empty(b, s, dtype=torch.long, device="meta")}
     o = cfg.optimizer
-    optimizer = GraphAdamW(build_optimizer(model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay))
+    in_graph = optimizer_in_graph(cfg)
+    implementation = choose_adamw_implementation(o.implementation, device, trace_optimizer=in_graph)
+    torch_optimizer = build_optimizer(model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                      weight_decay=o.weight_decay, implementation=implementation)
     kwargs = {"loss_fn": loss_fn} if loss_fn is not None else {}
     start = time.perf_counter()
-    traced = trace_step(model, batch, max_norm=cfg.training.max_norm, optimizer=optimizer, device=device,
-                        **kwargs)
+    traced = trace_step(model, batch, max_norm=cfg.training.max_norm,
+                        optimizer=GraphAdamW(torch_optimizer) if in_graph else None, device=device, **kwargs)
     plan_cfg = copy.deepcopy(cfg)
     plan_cfg.compile.dump_graphs = False
     with quiet():  # a plan, not the step that runs: its pass timings would only repeat the trainer's
         traced = build_pipeline(plan_cfg, dump_dir=None)(traced)
     elapsed = time.perf_counter() - start
     est = traced.memory_estimate
-    where = f"{est.peak_node} ({est.peak_op})" + (f" in {est.peak_module_fqn}" if est.peak_module_fqn else "")
-    return StepPlan(ac_mode=cfg.activation_checkpoint.mode, peak_bytes=est.peak_bytes,
-                    saved_bytes=est.saved_bytes, peak_by_category=dict(est.peak_bytes_by_category),
+    update = None
+    if not in_graph:
+        for group in torch_optimizer.param_groups:
+            for p in group["params"]:
+                init_adamw_state(torch_optimizer, p)
+        update = EagerUpdate.of(torch_optimizer, implementation, device)
+    peak, by_category, in_update = whole_step_peak(est, update)
+    if in_update:
+        where = f"the eager AdamW update ({implementation})"
+    else:
+        where = f"{est.peak_node} ({est.peak_op})" + (f" in {est.peak_module_fqn}" if est.peak_module_fqn else "")
+    return StepPlan(ac_mode=cfg.activation_checkpoint.mode, peak_bytes=peak,
+                    saved_bytes=est.saved_bytes, peak_by_category=by_category,
                     peak_where=where, flops=sum(op_flops(n) for n in traced.gm.graph.nodes),
-                    num_params=num_params(model), trace_time_s=elapsed)
+                    num_params=num_params(model), trace_time_s=elapsed,
+                    optimizer="in graph" if in_graph else implementation)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -142,9 +200,12 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
     """Print, for each AC mode, the predicted peak, saved activations, parameters and FLOPs per step."""
     device = device or resolve_device(cfg.training.device)
     model = meta_model(cfg)
+    in_graph = optimizer_in_graph(cfg)
+    update = "in the graph" if in_graph else "eager, " + choose_adamw_implementation(
+        cfg.optimizer.implementation, device, trace_optimizer=False)
     print_fn(f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {cfg.training.local_batch_size} x "
              f"seq {cfg.training.seq_len}, device {device.type}, fake tensors only "
-             "(AdamW update and clipping included)")
+             f"(clipping and the AdamW update included: {update})")
     print_fn(f"{'ac mode':10} {'peak GiB':>9} {'saved GiB':>10} {'params':>15} {'TFLOP/step':>11} "
              f"{'plan s':>7}  peak at")
     for mode in AC_MODES:

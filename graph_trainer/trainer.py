@@ -31,9 +31,9 @@ from graph_trainer.loss import lm_loss
 from graph_trainer.memory import MemoryMonitor, to_gib
 from graph_trainer.fsutil import atomic_write_text
 from graph_trainer.metrics import SUMMARY_FILE, TB_SUBDIR, MetricsLogger
-from graph_trainer.optimizer import (GraphAdamW, build_lr_scheduler, build_optimizer, eager_step_scratch_bytes,
+from graph_trainer.optimizer import (GraphAdamW, build_lr_scheduler, build_optimizer, choose_adamw_implementation,
                                      init_adamw_state, resync_lr)
-from graph_trainer.planner import preflight
+from graph_trainer.planner import EagerUpdate, optimizer_in_graph, preflight, whole_step_peak
 from graph_trainer.run_folder import CONFIG_FILE, RunFolder, inspect
 from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.tracer.executor import GraphStep
@@ -136,8 +136,11 @@ class Trainer:
                  f"mode {cfg.compile.mode}")
 
         o = cfg.optimizer
+        # Chosen explicitly per device (fused on CUDA, single-tensor on CPU): the preflight modelled this one.
+        implementation = choose_adamw_implementation(o.implementation, self.device,
+                                                     trace_optimizer=optimizer_in_graph(cfg))
         self.optimizer = build_optimizer(self.model, name=o.name, lr=o.lr, betas=tuple(o.betas),
-                                         eps=o.eps, weight_decay=o.weight_decay)
+                                         eps=o.eps, weight_decay=o.weight_decay, implementation=implementation)
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 init_adamw_state(self.optimizer, p)
@@ -146,8 +149,8 @@ class Trainer:
                                             total_steps=cfg.training.steps, decay_type=s.decay_type,
                                             min_lr_factor=s.min_lr_factor)
         self.step_fn, self.graph_step = self._build_step()
-        self._state_bytes_outside_graph = 0 if cfg.compile.trace_optimizer else sum(
-            t.untyped_storage().nbytes() for st in self.optimizer.state.values() for t in st.values())
+        self._eager_update = None if optimizer_in_graph(cfg) else EagerUpdate.of(self.optimizer, implementation,
+                                                                                 self.device)
         self.memory = MemoryMonitor(self.device, track=cfg.metrics.track_memory)
         self.checkpointer = CheckpointManager(self.run_folder.checkpoint_folder,
                                               enable=cfg.checkpoint.enable and rank == 0,
@@ -255,18 +258,15 @@ class Trainer:
             if estimate is not None:
                 record["estimated_peak_bytes"] = self._estimated_step_peak(estimate)
                 record["saved_activation_bytes"] = estimate.saved_bytes
+                if record.get("peak_active_bytes"):
+                    # (estimate - measured) / measured: 0 on CPU; on CUDA the allocator's active peak.
+                    record["estimate_error_pct"] = (100 * (record["estimated_peak_bytes"] - record["peak_active_bytes"])
+                                                    / record["peak_active_bytes"])
         return record
 
     def _estimated_step_peak(self, estimate) -> int:
-        """The graph's estimated peak, widened to the whole step when the optimizer runs outside the graph.
-
-        Then the optimizer state is alive throughout, and the eager update runs
-        after the graph on its live set (params, batch, grads) plus its scratch.
-        """
-        if self.cfg.compile.trace_optimizer:
-            return estimate.peak_bytes
-        after_graph = sum(estimate.final_bytes_by_category.values()) + eager_step_scratch_bytes(self.optimizer)
-        return max(estimate.peak_bytes, after_graph) + self._state_bytes_outside_graph
+        """The graph's estimated peak, widened to the whole step when the optimizer runs outside the graph."""
+        return whole_step_peak(estimate, self._eager_update)[0]
 
     def train(self) -> TrainResult:
         """Run the loop to `training.steps`; checkpoints, logs, and stops on a non-finite loss."""

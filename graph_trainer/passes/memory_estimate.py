@@ -20,6 +20,13 @@ caller and the module keep them. Each node's peak includes its inputs and its
 outputs together (the op's outputs exist before its inputs can be freed).
 Scratch memory inside one kernel is not modelled.
 
+A graph whose tensors live on a CUDA device is counted as its caching allocator
+counts active memory (`graph_trainer.memory.allocated_bytes`): each storage
+rounded up to 512 bytes, host (CPU) tensors such as per-step scalars not at all,
+and, when the graph has a matmul, the cuBLAS workspace (category "workspace")
+live throughout. These CUDA rules are derived from torch's allocator and cuBLAS
+handle code, not yet measured against a GPU by this project.
+
 Run under `torch.no_grad()` with the inputs alive, the graph's live tensor bytes
 measured by `graph_trainer.memory.LiveTensorTracker` equal this estimate to the
 byte, after every op.
@@ -36,7 +43,8 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_iter
 
-from graph_trainer.memory import to_gib
+from graph_trainer.memory import allocated_bytes, process_cublas_workspace_bytes, to_gib
+from graph_trainer.passes.graph_utils import is_matmul
 from graph_trainer.tracer import node_meta
 
 INPUT = "input"
@@ -44,6 +52,7 @@ CONSTANT = "constant"
 GRADIENT = "gradient"
 OUTPUT = "output"
 ACTIVATION = "activation"
+WORKSPACE = "workspace"
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,7 @@ def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
             f"input_categories has {len(input_categories)} entries for {len(placeholders)} graph inputs"
         )
     in_cat = dict(zip(placeholders, input_categories or [INPUT] * len(placeholders)))
+    device_type = graph_device_type(gm)
     output_node = next(n for n in reversed(nodes) if n.op == "output")
     outputs = {a for a in tree_iter(output_node.args) if isinstance(a, torch.fx.Node)}
 
@@ -167,7 +177,10 @@ def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
             aid = mine.get(key, reachable.get(key))
             if aid is None:
                 aid = len(storages)
-                st = _Storage(_int(t.untyped_storage().nbytes()), -1 if is_input else i, node_dies[n], n, t)
+                nbytes = _int(t.untyped_storage().nbytes())
+                # On a CUDA graph, host tensors (per-step scalars) take no device memory.
+                nbytes = 0 if device_type == "cuda" and t.device.type == "cpu" else allocated_bytes(nbytes, device_type)
+                st = _Storage(nbytes, -1 if is_input else i, node_dies[n], n, t)
                 if n.op == "placeholder":
                     st.category = in_cat[n]
                 elif n.op == "get_attr":
@@ -188,6 +201,18 @@ def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
     return nodes, storages
 
 
+def graph_device_type(gm: torch.fx.GraphModule) -> str:
+    """'cuda' when any graph input lives on a CUDA device, else the first input's device type ('cpu')."""
+    types = [t.device.type for n in gm.graph.nodes if n.op == "placeholder" for t in _tensors(n.meta.get("val"))]
+    return "cuda" if "cuda" in types else (types[0] if types else "cpu")
+
+
+def _workspace_bytes(gm: torch.fx.GraphModule) -> int:
+    if graph_device_type(gm) != "cuda" or not any(is_matmul(n.target) for n in gm.graph.nodes):
+        return 0
+    return process_cublas_workspace_bytes(torch.device("cuda"))
+
+
 def estimate_peak_memory(
     gm: torch.fx.GraphModule, *, input_categories: list[str] | None = None
 ) -> MemoryEstimate:
@@ -202,7 +227,8 @@ def estimate_peak_memory(
     n_nodes = len(nodes)
     # Sweep: +bytes at birth, -bytes after death.
     delta = [0] * (n_nodes + 1)
-    input_bytes = 0
+    workspace = _workspace_bytes(gm)
+    input_bytes = workspace
     for st in storages:
         if st.born < 0:
             input_bytes += st.nbytes
@@ -219,6 +245,8 @@ def estimate_peak_memory(
     peak_node = nodes[peak_idx]
     by_cat: dict[str, int] = defaultdict(int)
     final_by_cat: dict[str, int] = defaultdict(int)
+    if workspace:
+        by_cat[WORKSPACE] = final_by_cat[WORKSPACE] = workspace
     for st in storages:
         if st.born <= peak_idx <= st.dies:
             by_cat[st.category] += st.nbytes
