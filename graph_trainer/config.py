@@ -73,6 +73,8 @@ class TrainingConfig:
     dtype: str = _opt("auto", "parameter/compute dtype; auto = float32 on CPU, bfloat16 on CUDA",
                       choices=("auto", "float32", "bfloat16"))
     device: str = _opt("auto", "device to train on; auto = cuda when available", choices=("auto", "cpu", "cuda"))
+    loss_chunk_size: int = _opt(0, "tokens per chunk of the output projection + loss (logits recomputed in the "
+                                    "backward); 0 = all tokens at once", ge=0)
 
 
 @dataclass

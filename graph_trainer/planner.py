@@ -24,6 +24,7 @@ from graph_trainer.config import JobConfig
 from graph_trainer.device import resolve_device
 from graph_trainer.errors import UserError
 from graph_trainer.log import quiet
+from graph_trainer.loss import build_lm_loss
 from graph_trainer.memory import to_gib
 from graph_trainer.optimizer import (GraphAdamW, adamw_state_bytes, build_optimizer, choose_adamw_implementation,
                                      eager_step_scratch_bytes, init_adamw_state)
@@ -109,10 +110,10 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
     implementation = choose_adamw_implementation(o.implementation, device, trace_optimizer=in_graph)
     torch_optimizer = build_optimizer(model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                       weight_decay=o.weight_decay, implementation=implementation)
-    kwargs = {"loss_fn": loss_fn} if loss_fn is not None else {}
+    loss_fn = loss_fn if loss_fn is not None else build_lm_loss(cfg.training.loss_chunk_size)
     start = time.perf_counter()
-    traced = trace_step(model, batch, max_norm=cfg.training.max_norm,
-                        optimizer=GraphAdamW(torch_optimizer) if in_graph else None, device=device, **kwargs)
+    traced = trace_step(model, batch, max_norm=cfg.training.max_norm, loss_fn=loss_fn,
+                        optimizer=GraphAdamW(torch_optimizer) if in_graph else None, device=device)
     plan_cfg = copy.deepcopy(cfg)
     plan_cfg.compile.dump_graphs = False
     with quiet():  # a plan, not the step that runs: its pass timings would only repeat the trainer's

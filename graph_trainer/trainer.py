@@ -27,7 +27,7 @@ from graph_trainer.distributed import DistInfo, single_process
 from graph_trainer.eager import EagerStep
 from graph_trainer.errors import UserError
 from graph_trainer.log import configure_console, get_logger
-from graph_trainer.loss import lm_loss
+from graph_trainer.loss import build_lm_loss
 from graph_trainer.memory import MemoryMonitor, to_gib
 from graph_trainer.fsutil import atomic_write_text
 from graph_trainer.metrics import SUMMARY_FILE, TB_SUBDIR, MetricsLogger
@@ -59,14 +59,15 @@ class TrainResult:
     records: list[dict[str, Any]]  # every step's metrics record, as logged
 
 
-def autocast_loss(dtype: torch.dtype, device: torch.device):
-    """The loss function, under bf16 autocast when the compute dtype asks for it (fp32 master weights)."""
+def autocast_loss(dtype: torch.dtype, device: torch.device, chunk_size: int = 0):
+    """The LM loss (chunked when `chunk_size` > 0), under bf16 autocast when the compute dtype asks for it."""
+    base = build_lm_loss(chunk_size)
     if dtype == torch.float32:
-        return lm_loss
+        return base
 
     def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
         with torch.autocast(device.type, dtype=dtype):
-            return lm_loss(model, batch)
+            return base(model, batch)
     return loss_fn
 
 
@@ -124,7 +125,8 @@ class Trainer:
                                            rank=rank, world_size=world_size)
         set_determinism(cfg.training.seed, cfg.training.deterministic, self.device)
 
-        plan = preflight(cfg, self.device, loss_fn=autocast_loss(self.dtype, self.device))
+        loss_fn = autocast_loss(self.dtype, self.device, cfg.training.loss_chunk_size)
+        plan = preflight(cfg, self.device, loss_fn=loss_fn)
         logger.info(f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
                  f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)")
         self.model = build_model(cfg, self.device, tokenizer.vocab_size)
@@ -186,7 +188,7 @@ class Trainer:
 
     def _build_step(self):
         cfg = self.cfg
-        loss_fn = autocast_loss(self.dtype, self.device)
+        loss_fn = autocast_loss(self.dtype, self.device, cfg.training.loss_chunk_size)
         if cfg.compile.mode == "eager":
             from graph_trainer.eager_checkpoint import apply_eager_checkpointing
 

@@ -292,11 +292,18 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens LongTensor [B, S] -> logits [B, S, vocab_size] in the model's dtype."""
+        return self.output(self.hidden_states(tokens))
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] -> the normalized last hidden states [B, S, dim] that `output` projects to logits.
+
+        A chunked loss (graph_trainer.loss.chunked_lm_loss) projects them chunk by chunk.
+        """
         cos, sin = self.rope(tokens.shape[1])
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        return self.norm(h)
 
     @torch.no_grad()
     def init_weights(self) -> None:
