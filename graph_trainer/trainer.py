@@ -36,6 +36,7 @@ from graph_trainer.optimizer import (GraphAdamW, build_lr_scheduler, build_optim
 from graph_trainer.planner import EagerUpdate, optimizer_in_graph, preflight, whole_step_peak
 from graph_trainer.run_folder import CONFIG_FILE, RunFolder, inspect
 from graph_trainer.tokenizer import build_tokenizer
+from graph_trainer.tracer.capture import TraceError
 from graph_trainer.tracer.executor import GraphStep
 from models import build_model_args, get_model_spec
 from models.llama3.model import flops_per_token, num_params
@@ -75,6 +76,17 @@ def inspect_run_folder(cfg: JobConfig) -> RunFolder:
     """Check job.dump_folder and checkpoint.folder without writing anything (see `graph_trainer.run_folder`)."""
     return inspect(cfg.job.dump_folder, cfg.checkpoint.folder, resume=cfg.checkpoint.resume,
                    overwrite=cfg.job.overwrite, checkpoint_enable=cfg.checkpoint.enable)
+
+
+@contextlib.contextmanager
+def cli_trace_errors():
+    """Give a trace failure the command line's way out instead of the tracer API's."""
+    try:
+        yield
+    except TraceError as e:
+        if e.fix != TraceError.API_FIX:
+            raise
+        raise TraceError(e.problem, fix="fix the code or run with --compile.mode eager") from e
 
 
 def build_model(cfg: JobConfig, device: torch.device, vocab_needed: int) -> nn.Module:
@@ -126,7 +138,8 @@ class Trainer:
         set_determinism(cfg.training.seed, cfg.training.deterministic, self.device)
 
         loss_fn = autocast_loss(self.dtype, self.device, cfg.training.loss_chunk_size)
-        plan = preflight(cfg, self.device, loss_fn=loss_fn)
+        with cli_trace_errors():
+            plan = preflight(cfg, self.device, loss_fn=loss_fn)
         logger.info(f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
                  f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)")
         self.model = build_model(cfg, self.device, tokenizer.vocab_size)
@@ -240,7 +253,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
         with self.memory.measure_step(self._live_tensors(batch)) as mem:
-            loss, grad_norm = self.step_fn(batch)
+            with cli_trace_errors():
+                loss, grad_norm = self.step_fn(batch)
             if self.graph_step is None or self.graph_step.optimizer is None:
                 self.optimizer.step()
         self.scheduler.step()

@@ -21,6 +21,7 @@ import os
 import time
 import traceback
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable, Protocol
 
 import torch
@@ -45,7 +46,17 @@ GradReduce = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
 class TraceError(UserError):
-    """The step could not be traced; the message names the module, source line and op."""
+    """The step could not be traced; the message names the module, source line and op.
+
+    `problem` is the message without the advice at its end; the advice is in API
+    terms unless the caller (the CLI trainer) passes its own `fix`.
+    """
+
+    API_FIX = "fix the code, or run the step untraced with graph_trainer.eager.EagerStep"
+
+    def __init__(self, problem: str, fix: str | None = API_FIX):
+        super().__init__(f"{problem}; {fix}" if fix else problem)
+        self.problem, self.fix = problem, fix
 
 
 class GraphOptimizer(Protocol):
@@ -94,9 +105,29 @@ class InputLayout:
         return out
 
 
+CONSTANT_LEAF_TYPES = (bool, int, float, str, type(None))
+
+
+def as_pytree(batch: Any) -> Any:
+    """`batch` with any Mapping that is not a dict (e.g. a tokenizer's BatchEncoding) made a dict, recursively."""
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        return {k: as_pytree(v) for k, v in batch.items()}
+    if isinstance(batch, dict):
+        return {k: as_pytree(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(as_pytree(v) for v in batch)
+    return batch
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """The tensor leaves of a batch, in graph-input order (Python constants are baked into the graph)."""
+    return [t for t in pytree.tree_leaves(as_pytree(batch)) if isinstance(t, torch.Tensor)]
+
+
 def batch_signature(batch: Any) -> tuple:
-    """What a graph is specialized on in a batch: per leaf, its path, shape, dtype and device."""
-    leaves, _ = pytree.tree_flatten_with_path(batch)
+    """What a graph is specialized on in a batch: per leaf, its path, shape, dtype and device
+    (for a Python constant, its type and value)."""
+    leaves, _ = pytree.tree_flatten_with_path(as_pytree(batch))
     return tuple(
         (pytree.keystr(path), tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor)
         else (pytree.keystr(path), type(t).__name__, t)
@@ -136,7 +167,7 @@ def check_no_compiled_autograd() -> None:
     if enabled:
         raise TraceError("torch._dynamo compiled autograd is enabled, but graph_trainer already traces "
                          "the backward into the step graph; turn compiled autograd off "
-                         "(torch._dynamo.config.compiled_autograd = False)")
+                         "(torch._dynamo.config.compiled_autograd = False)", fix=None)
 
 
 class _ModuleAnnotator:
@@ -333,8 +364,16 @@ def trace_step(
     buffers = dict(model.named_buffers())
     if optimizer is not None and [id(p) for p in optimizer.params] != [id(p) for p in params.values()]:
         raise TraceError("the traced optimizer must hold exactly the model's parameters, in "
-                         "model.named_parameters() order; build it from model.parameters()")
-    batch_leaves, batch_spec = pytree.tree_flatten(batch)
+                         "model.named_parameters() order; build it from model.parameters()", fix=None)
+    batch = as_pytree(batch)
+    all_leaves, batch_spec = pytree.tree_flatten_with_path(batch)
+    for path, leaf in all_leaves:
+        if not isinstance(leaf, (torch.Tensor, *CONSTANT_LEAF_TYPES)):
+            raise TraceError(f"batch leaf {pytree.keystr(path)} is a {type(leaf).__name__}: a batch may hold "
+                             "tensors and Python bool/int/float/str/None constants (the graph is specialized on "
+                             "the constants' values)", fix="convert it to a tensor or drop it from the batch")
+    all_leaves = [leaf for _, leaf in all_leaves]
+    batch_leaves = [leaf for leaf in all_leaves if isinstance(leaf, torch.Tensor)]
     opt_state = optimizer.state_tensors() if optimizer is not None else []
     scalars = optimizer.host_scalars() if optimizer is not None else []
     layout = InputLayout(tuple(params), tuple(buffers), batch_spec, len(batch_leaves),
@@ -352,7 +391,10 @@ def trace_step(
                 # functional_call's own mechanism, but around loss_fn rather than forward alone;
                 # tie_weights lets tied modules (e.g. the output projection) follow the one name.
                 with torch.nn.utils.stateless._reparametrize_module(model, tensors, tie_weights=True):
-                    loss = loss_fn(model, pytree.tree_unflatten(leaves, layout.batch_spec))
+                    tensor_leaves = iter(leaves)
+                    batch_now = [next(tensor_leaves) if isinstance(leaf, torch.Tensor) else leaf
+                                 for leaf in all_leaves]
+                    loss = loss_fn(model, pytree.tree_unflatten(batch_now, layout.batch_spec))
             _link_backward_to_forward(loss.grad_fn)
             with fx_traceback.annotate({node_meta.PHASE: node_meta.BACKWARD}):
                 grads = list(torch.autograd.grad(loss, p_list))
@@ -403,7 +445,6 @@ def _trace_error(exc: Exception, failure: dict, failure_dir: Path | None) -> Tra
         path = failure_dir / "partial_graph.py"
         path.write_text(failure["graph"])
         msg += f"; partial graph written to {path}"
-    msg += "; fix the code or run with --compile.mode eager"
     return TraceError(msg)
 
 

@@ -21,7 +21,7 @@ from graph_trainer.errors import UserError
 from graph_trainer.log import get_logger
 from graph_trainer.loss import lm_loss
 from graph_trainer.tracer.capture import (GradReduce, GraphOptimizer, LossFn, TracedStep,
-                                          batch_signature, trace_step)
+                                          batch_signature, batch_tensors, trace_step)
 
 Transform = Callable[[TracedStep], TracedStep]
 
@@ -108,7 +108,7 @@ class GraphStep:
 
     def flat_inputs(self, batch: Any) -> list[torch.Tensor]:
         """Graph inputs for this step, gathered from the live model, batch and optimizer."""
-        inputs = [*self._params, *self._buffers, *pytree.tree_leaves(batch)]
+        inputs = [*self._params, *self._buffers, *batch_tensors(batch)]
         if self.optimizer is not None:
             inputs += self.optimizer.state_tensors() + self.optimizer.host_scalars()
         return inputs
