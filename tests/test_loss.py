@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graph_trainer import planner
-from graph_trainer.config import load_config
+from graph_trainer.cli import load_config
 from graph_trainer.eager import EagerStep
 from graph_trainer.errors import UserError
 from graph_trainer.loss import IGNORE_INDEX, build_lm_loss, chunked_lm_loss, lm_loss

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graph_trainer import planner
-from graph_trainer.config import load_config
+from graph_trainer.cli import load_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.memory import LiveTensorTracker
 from graph_trainer.optimizer import (adamw_state_bytes, build_optimizer, choose_adamw_implementation,
