@@ -122,6 +122,9 @@ class CompileConfig:
     dump_graphs: bool = _opt(False, "write the traced graphs (before/after passes) to the dump folder")
     disable_passes: list[str] = _opt([], "graph passes to skip, by registry name")
     log_saved_activations: bool = _opt(False, "log which activations the step graph keeps for backward")
+    backend: str = _opt("none", "none = run the traced graph op by op (bitwise with eager); inductor = compile "
+                        "the final graph with Inductor (faster, not bitwise)", choices=("none", "inductor"))
+    cudagraphs: bool = _opt(False, "CUDA only, with backend inductor: replay the whole step as one CUDA graph")
 
 
 @dataclass

@@ -51,6 +51,7 @@ TB_TAGS: Mapping[str, str] = MappingProxyType(
         "rss_peak_bytes": "memory/rss_peak(GiB)",
         "trace_count": "trace/count",
         "trace_time_s": "compile/trace_time_s",
+        "inductor_time_s": "compile/inductor_time_s",
         "step_time_s": "time/step_s",
     }
 )

@@ -106,6 +106,11 @@ def build_model(cfg: JobConfig, device: torch.device, vocab_needed: int) -> nn.M
     return model
 
 
+def _then(first, second):
+    """Apply `first`, then `second` (the pass pipeline, then the compile stage)."""
+    return lambda traced: second(first(traced))
+
+
 class Trainer:
     """One training job, from a validated `JobConfig`.
 
@@ -201,6 +206,10 @@ class Trainer:
 
     def _build_step(self):
         cfg = self.cfg
+        from graph_trainer.tracer.compiled import check_compile_config
+
+        check_compile_config(cfg.compile.backend, cfg.compile.cudagraphs, cfg.compile.mode, self.device)
+        self.inductor = None
         loss_fn = autocast_loss(self.dtype, self.device, cfg.training.loss_chunk_size)
         if cfg.compile.mode == "eager":
             from graph_trainer.eager_checkpoint import apply_eager_checkpointing
@@ -213,6 +222,12 @@ class Trainer:
         # Every rank traces the same graph; one copy of the dumps is enough.
         dump_dir = self.dump_folder / "graphs" if self.rank == 0 else None
         transform = build_pipeline(cfg, dump_dir=dump_dir)
+        self.inductor = None
+        if cfg.compile.backend == "inductor":
+            from graph_trainer.tracer.compiled import InductorStage
+
+            self.inductor = InductorStage(cudagraphs=cfg.compile.cudagraphs, log=logger.info)
+            transform = _then(transform, self.inductor)
         graph_optimizer = GraphAdamW(self.optimizer) if cfg.compile.trace_optimizer else None
         graph_step = GraphStep(self.model, loss_fn=loss_fn, max_norm=cfg.training.max_norm,
                                optimizer=graph_optimizer, on_shape_change=cfg.compile.on_shape_change,
@@ -270,6 +285,8 @@ class Trainer:
         if self.graph_step is not None:
             record["trace_count"] = self.graph_step.stats.count
             record["trace_time_s"] = self.graph_step.stats.total_time_s
+            if self.inductor is not None:
+                record["inductor_time_s"] = self.inductor.total_time_s
             estimate = self.graph_step.traced.memory_estimate
             if estimate is not None:
                 record["estimated_peak_bytes"] = self._estimated_step_peak(estimate)

@@ -146,11 +146,13 @@ class TracedStep:
     has_optimizer: bool
     # Filled by the pass pipeline: graph_trainer.passes.memory_estimate.MemoryEstimate of the final graph.
     memory_estimate: Any = None
+    # Set by a compile stage (graph_trainer.tracer.compiled): runs instead of `gm`, same inputs and outputs.
+    compiled: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 
     def __call__(self, flat_inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Run the graph under no_grad: autograd must not record the traced backward a second time."""
         with torch.no_grad():
-            out = self.gm(*flat_inputs)
+            out = self.compiled(flat_inputs) if self.compiled is not None else self.gm(*flat_inputs)
         return out[0], out[1], list(out[2:])
 
 
