@@ -287,6 +287,10 @@ class Trainer:
             record["trace_time_s"] = self.graph_step.stats.total_time_s
             if self.inductor is not None:
                 record["inductor_time_s"] = self.inductor.total_time_s
+                if self.inductor.cudagraphs and "peak_reserved_bytes" in record:
+                    # A CUDA-graph replay uses its private pool without allocator calls, so the active
+                    # peak can miss it; the reserved peak includes the pool: report that upper bound.
+                    record["peak_active_bytes"] = record["peak_reserved_bytes"]
             estimate = self.graph_step.traced.memory_estimate
             if estimate is not None:
                 record["estimated_peak_bytes"] = self._estimated_step_peak(estimate)

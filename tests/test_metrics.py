@@ -28,6 +28,7 @@ EXPECTED_TAGS = {
     "memory/rss_peak(GiB)",
     "trace/count",
     "compile/trace_time_s",
+    "compile/inductor_time_s",
     "time/step_s",
 }
 
@@ -56,6 +57,7 @@ def _record(step: int) -> dict:
         "rss_peak_bytes": 5 * GIB,
         "trace_count": 1,
         "trace_time_s": 0.6,
+        "inductor_time_s": 12.5,
     }
 
 

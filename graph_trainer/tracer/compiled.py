@@ -53,7 +53,7 @@ from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from graph_trainer.errors import ConfigError
+from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.tracer.capture import InputLayout, TracedStep
 
 BACKENDS = ("none", "inductor")
@@ -199,8 +199,15 @@ def compile_step_graph(gm: torch.fx.GraphModule, *, static_input_idxs: Sequence[
         stack.enter_context(inductor_config.patch({**INDUCTOR_OPTIONS, **(options or {})}))
         stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(mode)))
         stack.enter_context(V.set_choices_handler(inductor_config.inductor_choices_class()))
-        compiled = compile_fx_inner(functional, fake_inputs, cudagraphs=BoxedBool(cudagraphs),
+        use_cudagraphs = BoxedBool(cudagraphs)
+        compiled = compile_fx_inner(functional, fake_inputs, cudagraphs=use_cudagraphs,
                                     static_input_idxs=list(static_input_idxs))
+    if cudagraphs and not use_cudagraphs:
+        # Inductor turns CUDA graphs off (and says why in its log) for e.g. CPU tensors mutated in the
+        # step or inputs on several devices; running without them silently would misreport the mode.
+        raise UserError("compile.cudagraphs = true, but Inductor could not capture this step as a CUDA "
+                        "graph (run with TORCH_LOGS=cudagraphs for the reason, e.g. a CPU tensor the step "
+                        "updates); set compile.cudagraphs = false")
     _route_cpu_allocations_through_dispatch(compiled)
     return CompiledStep(fn=compiled, compile_time_s=time.perf_counter() - start, cudagraphs=cudagraphs)
 
