@@ -62,7 +62,7 @@ def run_mode(mode: str, ac: str, config: str, overrides: list[str], warmup: int,
     import torch
 
     from benchmarks.common import next_batch
-    from graph_trainer.config import load_config
+    from graph_trainer.cli import load_config
     from graph_trainer.layers import transformer_layers
     from graph_trainer.trainer import Trainer
 

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -226,7 +225,7 @@ class Trainer:
         if cfg.compile.backend == "inductor":
             from graph_trainer.tracer.compiled import InductorStage
 
-            self.inductor = InductorStage(cudagraphs=cfg.compile.cudagraphs, log=logger.info)
+            self.inductor = InductorStage(cudagraphs=cfg.compile.cudagraphs)
             transform = _then(transform, self.inductor)
         graph_optimizer = GraphAdamW(self.optimizer) if cfg.compile.trace_optimizer else None
         graph_step = GraphStep(self.model, loss_fn=loss_fn, max_norm=cfg.training.max_norm,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_trainer.config import load_config
+from graph_trainer.cli import load_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.trainer import Trainer
 from graph_trainer.tracer.compiled import check_compile_config, compile_step_graph, static_input_indices

@@ -55,7 +55,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer.errors import ConfigError, UserError
+from graph_trainer.log import get_logger
 from graph_trainer.tracer.capture import InputLayout, TracedStep
+
+logger = get_logger(__name__)
 
 BACKENDS = ("none", "inductor")
 
@@ -254,16 +257,15 @@ class InductorStage:
     as `compile/inductor_time_s`.
     """
 
-    def __init__(self, *, cudagraphs: bool, log: Callable[[str], None]):
+    def __init__(self, *, cudagraphs: bool):
         self.cudagraphs = cudagraphs
-        self.log = log
         self.total_time_s = 0.0
 
     def __call__(self, traced: TracedStep) -> TracedStep:
         traced.compiled = compile_step_graph(traced.gm, static_input_idxs=static_input_indices(traced.layout),
                                              cudagraphs=self.cudagraphs)
         self.total_time_s += traced.compiled.compile_time_s
-        self.log(f"inductor: compiled the step in {traced.compiled.compile_time_s:.1f} s"
+        logger.info(f"inductor: compiled the step in {traced.compiled.compile_time_s:.1f} s"
                  f"{' with CUDA graphs' if self.cudagraphs else ''}; numerics are not bitwise with eager "
                  "(fused kernels round differently)")
         return traced
