@@ -63,10 +63,23 @@ def _files_below(folder: Path) -> list[Path]:
 
 @dataclass
 class Manifest:
-    """The files a run wrote (absolute paths), stored as JSON in the dump folder."""
+    """The files a run wrote, stored as JSON in the dump folder.
+
+    Files inside the dump folder are recorded relative to it, so a run folder that was
+    copied or moved names its own files, never the original's; only files outside it
+    (a checkpoint folder elsewhere) are recorded as absolute paths.
+    """
 
     path: Path
     files: set[str] = field(default_factory=set)
+
+    def _key(self, path: Path) -> str:
+        p = Path(path).absolute()
+        root = self.path.parent.absolute()
+        return p.relative_to(root).as_posix() if _is_within(p, root) else str(p)
+
+    def _resolve(self, entry: str) -> Path:
+        return Path(entry) if Path(entry).is_absolute() else self.path.parent.absolute() / entry
 
     @classmethod
     def read(cls, dump_folder: Path) -> Manifest | None:
@@ -81,18 +94,18 @@ class Manifest:
 
     def owns(self, path: Path) -> bool:
         """Whether `path` is a recorded file or the temp file of a recorded file (left by a kill)."""
-        p = str(path.absolute())
-        if p == str(self.path.absolute()) or p in self.files:
+        path = Path(path).absolute()
+        if path == self.path.absolute() or self._key(path) in self.files:
             return True
         name = path.name
         if name.startswith(".") and name.endswith(TEMP_SUFFIX):
-            return any(str(path.parent / Path(f).name) == f and name.startswith(f".{Path(f).name}.")
+            return any(self._resolve(f).parent == path.parent and name.startswith(f".{Path(f).name}.")
                        for f in self.files)
         return False
 
     def record(self, path: Path) -> None:
         """Add `path` (call before writing it) and save the manifest atomically if it is new."""
-        p = str(Path(path).absolute())
+        p = self._key(path)
         if p in self.files:
             return
         self.files.add(p)
@@ -102,7 +115,7 @@ class Manifest:
         atomic_write_text(self.path, json.dumps({"schema": _SCHEMA, "files": sorted(self.files)}, indent=1) + "\n")
 
     def existing(self) -> list[Path]:
-        return [Path(f) for f in sorted(self.files) if Path(f).exists()]
+        return [p for p in map(self._resolve, sorted(self.files)) if p.exists()]
 
 
 @dataclass

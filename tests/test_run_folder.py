@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -143,3 +144,20 @@ def test_remove_run_leaves_unrecorded_files_and_non_empty_folders(tmp_path):
     remove_run(manifest)
     assert theirs.is_file() and not ours.exists() and not (tmp_path / "b").exists()
     assert not (tmp_path / MANIFEST_FILE).exists()
+
+
+def test_overwriting_a_copied_run_folder_leaves_the_original_alone(tmp_path):
+    """A manifest names its files relative to its own folder: a copy must not point at the original's."""
+    original = tmp_path / "run1"
+    original.mkdir()
+    manifest = Manifest(original / MANIFEST_FILE)
+    for name in ("summary.json", "checkpoint/step-00000001.pt"):
+        manifest.record(original / name)
+        plant(original / name)
+    shutil.copytree(original, tmp_path / "run2")
+    copy = Manifest.read(tmp_path / "run2")
+    assert copy is not None
+    remove_run(copy)
+    assert (original / "summary.json").exists() and (original / "checkpoint" / "step-00000001.pt").exists()
+    assert not (tmp_path / "run2" / "summary.json").exists()
+    assert not (tmp_path / "run2" / "checkpoint").exists()
