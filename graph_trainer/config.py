@@ -145,7 +145,12 @@ class CheckpointConfig:
 
 @dataclass
 class ParallelismConfig:
-    dp_shard: int = _opt(1, "data-parallel degree (processes)", ge=1)
+    dp_shard: int = _opt(1, "FSDP degree (processes): parameters, gradients and optimizer state sharded", ge=1)
+    fsdp_reshard_after_forward: str = _opt(
+        "default", "dp_shard: re-gather parameters in the backward (always), keep the forward's gather (never), "
+        "or re-gather the layers and keep the root (default)", choices=("default", "always", "never"))
+    dp_replicate: int = _opt(1, "replicated data-parallel degree (processes): full copies, gradients all-reduced",
+                             ge=1)
 
 
 @dataclass

@@ -1,9 +1,14 @@
 """Data parallelism over processes: launch checks, the process group, and gradient averaging.
 
 One process per rank, launched by torchrun (which sets RANK, WORLD_SIZE and
-LOCAL_RANK). Every rank holds the full model and a disjoint slice of the data
-(`graph_trainer.data`); after the backward each gradient is averaged over the
-ranks, so all ranks take the same optimizer step and stay identical.
+LOCAL_RANK); every rank trains on a disjoint slice of the data
+(`graph_trainer.data`). Two ways, named as torchtitan names them:
+- `parallelism.dp_shard = N` is FSDP: parameters, gradients and optimizer
+  state are sharded (`graph_trainer.fsdp`);
+- `parallelism.dp_replicate = N` keeps a full copy on every rank; after the
+  backward each gradient is averaged over the ranks (`GradAverager`), so all
+  ranks take the same optimizer step and stay identical.
+Both at once (HSDP) is refused.
 
 The averaging uses traceable functional collectives
 (`torch.distributed._functional_collectives`): called inside the traced step
@@ -14,9 +19,10 @@ bitwise. The tracer knows nothing of this: it receives a `GradReduce` hook.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -24,6 +30,7 @@ import torch.distributed as dist
 from graph_trainer.config import JobConfig
 from graph_trainer.device import resolve_device
 from graph_trainer.errors import UserError
+from graph_trainer.fsdp import ShardGroup
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -36,14 +43,20 @@ class DistInfo:
     world_size: int
     device: torch.device
     group: dist.ProcessGroup | None = None  # None for a single process
+    sharded: bool = False  # FSDP (dp_shard) rather than replication (dp_replicate)
 
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
     def grad_reduce(self) -> GradAverager | None:
-        """The hook that averages gradients over the ranks, or None for a single process."""
-        return GradAverager(self.group, self.world_size) if self.is_distributed else None
+        """The hook that averages replicated gradients over the ranks; None for one process or FSDP
+        (whose gather's backward reduce-scatters them)."""
+        return GradAverager(self.group, self.world_size) if self.is_distributed and not self.sharded else None
+
+    def shard_group(self) -> ShardGroup | None:
+        """What FSDP shards over (`parallelism.dp_shard` > 1), else None."""
+        return ShardGroup.of(self.group) if self.sharded and self.group is not None else None
 
     def global_average(self, t: torch.Tensor) -> torch.Tensor:
         """`t` averaged over the ranks (a new tensor; `t` itself for a single process). For logging."""
@@ -93,21 +106,35 @@ def _launch_env(env: Mapping[str, str]) -> tuple[int, int, int] | None:
     return rank, world_size, local_rank
 
 
+def data_parallel_degree(cfg: JobConfig) -> tuple[str, int]:
+    """('dp_shard' or 'dp_replicate', degree): the one data-parallel option in use ('dp_shard', 1 when none).
+
+    Raises:
+        UserError: both are above 1 (HSDP, not supported).
+    """
+    shard, replicate = cfg.parallelism.dp_shard, cfg.parallelism.dp_replicate
+    if shard > 1 and replicate > 1:
+        raise UserError(f"parallelism.dp_shard = {shard} with parallelism.dp_replicate = {replicate} (HSDP) is "
+                        "not supported; use one of them: --parallelism.dp_shard N (FSDP) or "
+                        "--parallelism.dp_replicate N (replicated)")
+    return ("dp_replicate", replicate) if replicate > 1 else ("dp_shard", shard)
+
+
 def check_launch(cfg: JobConfig, env: Mapping[str, str] | None = None) -> tuple[int, int, int]:
     """(rank, world_size, local_rank) of this process; raises UserError when the launch does not fit the config."""
     env = os.environ if env is None else env
-    dp = cfg.parallelism.dp_shard
+    option, dp = data_parallel_degree(cfg)
     launched = _launch_env(env)
     if launched is None:
         if dp > 1:
-            raise UserError(f"parallelism.dp_shard = {dp} needs one process per rank; launch with "
+            raise UserError(f"parallelism.{option} = {dp} needs one process per rank; launch with "
                             f"`torchrun --nproc_per_node {dp} -m graph_trainer ...` or set "
-                            "parallelism.dp_shard = 1")
+                            f"parallelism.{option} = 1")
         return 0, 1, 0
     rank, world_size, local_rank = launched
     if world_size != dp:
-        raise UserError(f"WORLD_SIZE = {world_size} (processes launched) but parallelism.dp_shard = {dp}; "
-                        f"pass --parallelism.dp_shard {world_size} or launch with "
+        raise UserError(f"WORLD_SIZE = {world_size} (processes launched) but parallelism.{option} = {dp}; "
+                        f"pass --parallelism.{option} {world_size} or launch with "
                         f"`torchrun --nproc_per_node {dp}`")
     return rank, world_size, local_rank
 
@@ -123,7 +150,7 @@ def single_process(cfg: JobConfig) -> DistInfo:
 
 
 def init_distributed(cfg: JobConfig) -> DistInfo:
-    """Check the launch against `parallelism.dp_shard`, and for several ranks join the process group.
+    """Check the launch against `parallelism.dp_shard` / `dp_replicate`, and for several ranks join the process group.
 
     gloo on CPU, nccl on CUDA (device cuda:LOCAL_RANK). Pair with `destroy`.
     """
@@ -132,8 +159,8 @@ def init_distributed(cfg: JobConfig) -> DistInfo:
     if world_size == 1:
         return DistInfo(0, 1, device)
     if not dist.is_available():
-        raise UserError("parallelism.dp_shard > 1 needs torch.distributed, which this torch build lacks; "
-                        "install a torch build with distributed support or set parallelism.dp_shard = 1")
+        raise UserError("data parallelism needs torch.distributed, which this torch build lacks; install a "
+                        "torch build with distributed support or set parallelism.dp_shard/dp_replicate = 1")
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise UserError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA devices; "
@@ -144,12 +171,34 @@ def init_distributed(cfg: JobConfig) -> DistInfo:
     else:
         if not dist.is_gloo_available():
             raise UserError("data parallelism on CPU needs the gloo backend, which this torch build lacks; "
-                            "install a torch build with gloo or set parallelism.dp_shard = 1")
+                            "install a torch build with gloo or set parallelism.dp_shard/dp_replicate = 1")
         backend = "gloo"
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
-    return DistInfo(rank, world_size, device, dist.group.WORLD)
+    return DistInfo(rank, world_size, device, dist.group.WORLD, sharded=data_parallel_degree(cfg)[0] == "dp_shard")
+
+
+@contextlib.contextmanager
+def planning_shard_group(cfg: JobConfig) -> Iterator[ShardGroup | None]:
+    """Rank 0 of a `parallelism.dp_shard` job for planning (--dry-run): a fake process group of that many
+    ranks inside this one process, which traces collectives but never communicates. None without dp_shard."""
+    option, n = data_parallel_degree(cfg)
+    if option != "dp_shard" or n == 1:
+        yield None
+        return
+    if dist.is_initialized():
+        raise UserError("--dry-run plans one rank by itself; run it without torchrun")
+    try:  # private, but it is torch's own fake backend (registers "fake" on import)
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:  # pragma: no cover - torch without its testing package
+        raise UserError(f"--dry-run with parallelism.dp_shard > 1 needs torch's fake process group ({e}); "
+                        "plan with parallelism.dp_shard = 1") from None
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    try:
+        yield ShardGroup.of(dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
 
 
 def destroy(info: DistInfo) -> None:
@@ -158,4 +207,5 @@ def destroy(info: DistInfo) -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["DistInfo", "GradAverager", "check_launch", "single_process", "init_distributed", "destroy"]
+__all__ = ["DistInfo", "GradAverager", "check_launch", "data_parallel_degree", "single_process", "init_distributed", "planning_shard_group",
+           "destroy"]

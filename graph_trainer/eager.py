@@ -15,18 +15,19 @@ import torch.nn as nn
 
 from graph_trainer.loss import lm_loss
 from graph_trainer.optimizer import clip_grads_
-from graph_trainer.tracer.capture import GradReduce, LossFn
+from graph_trainer.tracer.capture import GradReduce, LossFn, NormReduce
 
 
 class EagerStep:
     """forward + loss + backward [+ grad_reduce] + clipping; the optimizer update stays with the caller."""
 
     def __init__(self, model: nn.Module, *, loss_fn: LossFn = lm_loss, max_norm: float = 0.0,
-                 grad_reduce: GradReduce | None = None):
+                 grad_reduce: GradReduce | None = None, norm_reduce: NormReduce | None = None):
         self.model = model
         self.loss_fn = loss_fn
         self.max_norm = max_norm
         self.grad_reduce = grad_reduce
+        self.norm_reduce = norm_reduce
         self._params = [p for p in model.parameters() if p.requires_grad]
 
     def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,5 +41,5 @@ class EagerStep:
                 # Before clipping, as in the traced step: the norm is of the averaged gradients.
                 for p, g in zip(self._params, self.grad_reduce([p.grad for p in self._params])):
                     p.grad = g
-            grad_norm = clip_grads_([p.grad for p in self._params], self.max_norm)
+            grad_norm = clip_grads_([p.grad for p in self._params], self.max_norm, self.norm_reduce)
         return loss.detach(), grad_norm

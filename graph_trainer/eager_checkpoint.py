@@ -23,6 +23,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 
 from graph_trainer.config import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError
+from graph_trainer.fsdp import layer_forward
 from graph_trainer.layers import transformer_layers
 from graph_trainer.passes.activation_checkpoint import OpPattern, parse_overrides
 from graph_trainer.passes.graph_utils import is_attention, is_matmul
@@ -93,7 +94,8 @@ def apply_eager_checkpointing(model: nn.Module, ac: ActivationCheckpointConfig) 
     context_fn = _policy_factory(selective_op, save, recompute) if selective_op or save or recompute else None
     for fqn in chosen:
         layer = model.get_submodule(fqn)
-        # The class's forward, bound: wrapping twice would nest checkpoints.
-        forward = type(layer).forward.__get__(layer)
+        # The class's forward, bound (wrapping twice would nest checkpoints), or FSDP's gathering
+        # forward around it, so that the recompute gathers the parameters again.
+        forward = layer_forward(layer)
         layer.forward = functools.partial(_checkpointed_forward, forward, context_fn)
     return chosen

@@ -9,6 +9,7 @@ do not care which mode ran) and reproduces its single-tensor update bit for bit.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -206,8 +207,12 @@ def eager_step_scratch_bytes(optimizer: torch.optim.AdamW, device: torch.device 
     return peak
 
 
-def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grads_(grads: list[torch.Tensor], max_norm: float,
+                norm_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Scale `grads` in place so their global L2 norm is at most `max_norm`; returns the norm before clipping.
+
+    With sharded gradients, `norm_reduce` maps this rank's squared norm to the
+    global one (the sum over ranks), so every rank clips by the same factor.
 
     The eager step and the traced step both call this very function, so the two
     run the same ops in the same order (torch's `clip_grad_norm_` would pick a
@@ -215,6 +220,8 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """
     norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
     total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    if norm_reduce is not None:
+        total_norm = torch.sqrt(norm_reduce(total_norm * total_norm))
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for g in grads:

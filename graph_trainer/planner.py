@@ -24,6 +24,7 @@ from graph_trainer.config import JobConfig
 from graph_trainer.device import resolve_device
 from graph_trainer.errors import UserError
 from graph_trainer.log import quiet
+from graph_trainer.fsdp import FSDP, ShardGroup, fully_shard_model
 from graph_trainer.loss import build_lm_loss
 from graph_trainer.memory import to_gib
 from graph_trainer.optimizer import (GraphAdamW, adamw_state_bytes, build_optimizer, choose_adamw_implementation,
@@ -100,8 +101,11 @@ def meta_model(cfg: JobConfig) -> nn.Module:
 
 
 def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
-              loss_fn: Callable | None = None) -> StepPlan:
-    """Trace `model` (meta) for `device` with cfg's AC mode, apply the pipeline, and read the estimate."""
+              loss_fn: Callable | None = None, fsdp: FSDP | None = None) -> StepPlan:
+    """Trace `model` (meta) for `device` with cfg's AC mode, apply the pipeline, and read the estimate.
+
+    With `fsdp` (the model sharded by `fully_shard_model`) the plan is one rank's.
+    """
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
     batch = {"input": torch.empty(b, s, dtype=torch.long, device="meta"),
              "labels": torch.empty(b, s, dtype=torch.long, device="meta")}
@@ -111,9 +115,12 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
     torch_optimizer = build_optimizer(model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                       weight_decay=o.weight_decay, implementation=implementation)
     loss_fn = loss_fn if loss_fn is not None else build_lm_loss(cfg.training.loss_chunk_size)
+    if fsdp is not None:
+        loss_fn = fsdp.wrap_loss(loss_fn)
     start = time.perf_counter()
     traced = trace_step(model, batch, max_norm=cfg.training.max_norm, loss_fn=loss_fn,
-                        optimizer=GraphAdamW(torch_optimizer) if in_graph else None, device=device)
+                        optimizer=GraphAdamW(torch_optimizer) if in_graph else None, device=device,
+                        norm_reduce=fsdp.norm_reduce if fsdp is not None else None)
     plan_cfg = copy.deepcopy(cfg)
     plan_cfg.compile.dump_graphs = False
     with quiet():  # a plan, not the step that runs: its pass timings would only repeat the trainer's
@@ -134,7 +141,7 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
     return StepPlan(ac_mode=cfg.activation_checkpoint.mode, peak_bytes=peak,
                     saved_bytes=est.saved_bytes, peak_by_category=by_category,
                     peak_where=where, flops=sum(op_flops(n) for n in traced.gm.graph.nodes),
-                    num_params=num_params(model), trace_time_s=elapsed,
+                    num_params=fsdp.num_params() if fsdp is not None else num_params(model), trace_time_s=elapsed,
                     optimizer="in graph" if in_graph else implementation)
 
 
@@ -156,15 +163,19 @@ def _with_mode(cfg: JobConfig, mode: str) -> JobConfig:
     return other
 
 
-def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None = None) -> StepPlan:
+def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None = None,
+              shard_group: ShardGroup | None = None) -> StepPlan:
     """Refuse (UserError, exit 2) a job whose predicted step peak exceeds the device's free memory.
+
+    With `shard_group` (FSDP) the plan is this rank's.
 
     The message gives predicted vs available, the biggest contributors at the
     peak, and what would fit: a smaller batch (activations scale with it) or
     another activation-checkpointing mode.
     """
     model = meta_model(cfg)
-    plan = plan_step(cfg, model, device, loss_fn=loss_fn)
+    fsdp = fully_shard_model(model, shard_group) if shard_group is not None else None
+    plan = plan_step(cfg, model, device, loss_fn=loss_fn, fsdp=fsdp)
     available = available_bytes(device)
     if plan.peak_bytes <= available:
         return plan
@@ -182,7 +193,7 @@ def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None 
             if mode == cfg.activation_checkpoint.mode:
                 continue
             try:
-                other = plan_step(_with_mode(cfg, mode), model, device, loss_fn=loss_fn)
+                other = plan_step(_with_mode(cfg, mode), model, device, loss_fn=loss_fn, fsdp=fsdp)
             except UserError:  # e.g. the default budget is infeasible for this shape
                 continue
             if other.peak_bytes <= available:
@@ -198,23 +209,31 @@ def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None 
 
 
 def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Callable[[str], None] = print) -> None:
-    """Print, for each AC mode, the predicted peak, saved activations, parameters and FLOPs per step."""
+    """Print, for each AC mode, the predicted peak, saved activations, parameters and FLOPs per step.
+
+    With `parallelism.dp_shard` = N the plan is one rank's of N (FSDP), traced on a fake process group.
+    """
+    from graph_trainer.distributed import planning_shard_group
+
     device = device or resolve_device(cfg.training.device)
-    model = meta_model(cfg)
-    in_graph = optimizer_in_graph(cfg)
-    update = "in the graph" if in_graph else "eager, " + choose_adamw_implementation(
-        cfg.optimizer.implementation, device, trace_optimizer=False)
-    print_fn(f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {cfg.training.local_batch_size} x "
-             f"seq {cfg.training.seq_len}, device {device.type}, fake tensors only "
-             f"(clipping and the AdamW update included: {update})")
-    print_fn(f"{'ac mode':10} {'peak GiB':>9} {'saved GiB':>10} {'params':>15} {'TFLOP/step':>11} "
-             f"{'plan s':>7}  peak at")
-    for mode in AC_MODES:
-        try:
-            plan = plan_step(_with_mode(cfg, mode), model, device)
-        except UserError as e:
-            print_fn(f"{mode:10} not plannable: {e}")
-            continue
-        print_fn(f"{mode:10} {to_gib(plan.peak_bytes):9.2f} {to_gib(plan.saved_bytes):10.2f} "
-                 f"{plan.num_params:15,} {plan.flops / 1e12:11.2f} {plan.trace_time_s:7.1f}  {plan.peak_where}")
+    with planning_shard_group(cfg) as group:
+        model = meta_model(cfg)
+        fsdp = fully_shard_model(model, group) if group is not None else None
+        in_graph = optimizer_in_graph(cfg)
+        update = "in the graph" if in_graph else "eager, " + choose_adamw_implementation(
+            cfg.optimizer.implementation, device, trace_optimizer=False)
+        per_rank = f", one rank of {group.world_size} (FSDP, dp_shard)" if group is not None else ""
+        print_fn(f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {cfg.training.local_batch_size} x "
+                 f"seq {cfg.training.seq_len}, device {device.type}{per_rank}, fake tensors only "
+                 f"(clipping and the AdamW update included: {update})")
+        print_fn(f"{'ac mode':10} {'peak GiB':>9} {'saved GiB':>10} {'params':>15} {'TFLOP/step':>11} "
+                 f"{'plan s':>7}  peak at")
+        for mode in AC_MODES:
+            try:
+                plan = plan_step(_with_mode(cfg, mode), model, device, fsdp=fsdp)
+            except UserError as e:
+                print_fn(f"{mode:10} not plannable: {e}")
+                continue
+            print_fn(f"{mode:10} {to_gib(plan.peak_bytes):9.2f} {to_gib(plan.saved_bytes):10.2f} "
+                     f"{plan.num_params:15,} {plan.flops / 1e12:11.2f} {plan.trace_time_s:7.1f}  {plan.peak_where}")
     print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")

@@ -24,6 +24,7 @@ from graph_trainer.device import peak_flops, resolve_dtype, set_determinism
 from graph_trainer.digest import tensors_digest
 from graph_trainer.distributed import DistInfo, single_process
 from graph_trainer.eager import EagerStep
+from graph_trainer.fsdp import fully_shard_model
 from graph_trainer.errors import UserError
 from graph_trainer.log import configure_console, get_logger
 from graph_trainer.loss import build_lm_loss
@@ -132,6 +133,10 @@ class Trainer:
         self.dtype = resolve_dtype(cfg.training.dtype, self.device)
         # Everything is validated before the first write: folders (read only), data, tokenizer, preflight,
         # model and checkpoint. Only then is a replaced run's folder cleared (`_prepare_run_folder`).
+        if self.dist.shard_group() is not None and (cfg.checkpoint.enable or cfg.checkpoint.resume):
+            # Each rank holds different shards: rank 0's file alone would lose the others' (DCP not wired yet).
+            raise UserError("checkpoints of a parallelism.dp_shard (FSDP) job are not supported yet; set "
+                            "--checkpoint.enable false, or use --parallelism.dp_replicate N to checkpoint")
         self.run_folder = inspect_run_folder(cfg)
         self.dump_folder = self.run_folder.dump_folder
         tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -143,13 +148,16 @@ class Trainer:
 
         loss_fn = autocast_loss(self.dtype, self.device, cfg.training.loss_chunk_size)
         with cli_trace_errors():
-            plan = preflight(cfg, self.device, loss_fn=loss_fn)
+            plan = preflight(cfg, self.device, loss_fn=loss_fn, shard_group=self.dist.shard_group())
         logger.info(f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
                  f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)")
         self.model = build_model(cfg, self.device, tokenizer.vocab_size)
         self.model.train()
         self.model_args = self.model.args
         self.num_params = num_params(self.model)
+        # FSDP: from here on the model's parameters are this rank's shards (same names, fewer rows).
+        shard_group = self.dist.shard_group()
+        self.fsdp = fully_shard_model(self.model, shard_group) if shard_group is not None else None
         logger.info(f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
                  f"device {self.device}, compute dtype {str(self.dtype).removeprefix('torch.')}, "
                  f"mode {cfg.compile.mode}")
@@ -210,12 +218,15 @@ class Trainer:
         check_compile_config(cfg.compile.backend, cfg.compile.cudagraphs, cfg.compile.mode, self.device)
         self.inductor = None
         loss_fn = autocast_loss(self.dtype, self.device, cfg.training.loss_chunk_size)
+        norm_reduce = None
+        if self.fsdp is not None:
+            loss_fn, norm_reduce = self.fsdp.wrap_loss(loss_fn), self.fsdp.norm_reduce
         if cfg.compile.mode == "eager":
             from graph_trainer.eager_checkpoint import apply_eager_checkpointing
 
             apply_eager_checkpointing(self.model, cfg.activation_checkpoint)
             return EagerStep(self.model, loss_fn=loss_fn, max_norm=cfg.training.max_norm,
-                             grad_reduce=self.dist.grad_reduce()), None
+                             grad_reduce=self.dist.grad_reduce(), norm_reduce=norm_reduce), None
         from graph_trainer.passes import build_pipeline
 
         # Every rank traces the same graph; one copy of the dumps is enough.
@@ -232,7 +243,7 @@ class Trainer:
                                optimizer=graph_optimizer, on_shape_change=cfg.compile.on_shape_change,
                                transform=transform, device=self.device,
                                failure_dir=self.dump_folder / "graphs",
-                               grad_reduce=self.dist.grad_reduce())
+                               grad_reduce=self.dist.grad_reduce(), norm_reduce=norm_reduce)
         return graph_step, graph_step
 
     def _resume(self) -> None:

@@ -63,7 +63,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     info = None
     try:
         for name, overrides in RUNS.items():
-            cfg, _ = load_config([*TINY, *overrides, "--parallelism.dp_shard", str(WORLD),
+            cfg, _ = load_config([*TINY, *overrides, "--parallelism.dp_replicate", str(WORLD),
                                   "--job.dump_folder", f"{out}/{name}"])
             info = info or init_distributed(cfg)
             trainer = Trainer(cfg, dist=info)
@@ -129,7 +129,7 @@ def test_torchrun_two_ranks_close_to_one_process_with_the_global_batch(tmp_path)
     """CLI under torchrun, 2 x batch 2, vs in-process 1 x batch 4: same losses up to summation order."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc_per_node", str(WORLD), "-m", "graph_trainer", *TINY, "--parallelism.dp_shard", str(WORLD),
+           "--nproc_per_node", str(WORLD), "-m", "graph_trainer", *TINY, "--parallelism.dp_replicate", str(WORLD),
            "--metrics.track_memory", "true", "--job.dump_folder", str(tmp_path / "dp2")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -182,3 +182,32 @@ def test_trainer_without_process_group_refuses_dp_shard(tmp_path):
     cfg, _ = load_config([*TINY, "--parallelism.dp_shard", "2", "--job.dump_folder", str(tmp_path)])
     with pytest.raises(UserError, match="torchrun --nproc_per_node 2"):
         Trainer(cfg)
+
+
+def test_dp_replicate_without_torchrun_exits_2_naming_torchrun(tmp_path):
+    proc = _cli(tmp_path, {}, "--parallelism.dp_replicate", "2")
+    assert proc.returncode == 2
+    assert "error: parallelism.dp_replicate = 2 needs one process per rank" in proc.stderr
+    assert "torchrun --nproc_per_node 2 -m graph_trainer" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_dp_shard_with_dp_replicate_is_refused_as_hsdp():
+    cfg, _ = load_config([*TINY, "--parallelism.dp_shard", "2", "--parallelism.dp_replicate", "2"])
+    with pytest.raises(UserError, match=r"\(HSDP\) is not supported; use one of them"):
+        check_launch(cfg, {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"})
+
+
+def test_torchrun_world_size_not_dp_shard_exits_2_on_every_rank(tmp_path):
+    """A bad launch under torchrun: every rank says why and exits 2 before joining a process group (no hang)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc_per_node", str(WORLD), "-m", "graph_trainer", *TINY, "--parallelism.dp_shard", "4",
+           "--job.dump_folder", str(tmp_path / "bad")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode != 0
+    line = "error: WORLD_SIZE = 2 (processes launched) but parallelism.dp_shard = 4; pass --parallelism.dp_shard 2"
+    assert proc.stderr.count(line) == WORLD, proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr
+    # torchrun reports the failed ranks with its own traceback; none may come from our code.
+    assert not [ln for ln in proc.stderr.splitlines() if ln.strip().startswith("File") and "graph_trainer" in ln]

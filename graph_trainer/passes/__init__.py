@@ -6,11 +6,12 @@ Fixed order (each may be turned off with `compile.disable_passes`):
 2. `remove_noops`          drop detach/alias/same-shape views/t(t(x))               bitwise
 3. `activation_checkpoint` tag save/recompute (mode selective or full)             bitwise
 4. `memory_budget`         tag save/recompute to fit a memory budget (mode budget) bitwise
-5. `remat`                 duplicate recomputed ops into the backward               bitwise
+5. `fsdp_gather`           tag re-gather/keep of FSDP parameter gathers (dp_shard)  bitwise
+6. `remat`                 duplicate recomputed ops into the backward               bitwise
 
 Then the memory estimate of the final graph fills `TracedStep.memory_estimate`.
-Save/recompute is decided once (3 or 4) and made final by 5; nothing after
-`remat` re-decides it.
+Save/recompute is decided once (3 or 4, and 5 for gathered parameters) and made
+final by 6; nothing after `remat` re-decides it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from graph_trainer.log import get_logger
 from graph_trainer.passes.activation_checkpoint import parse_overrides, tag_activation_checkpoint
 from graph_trainer.passes.budget import tag_memory_budget
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
+from graph_trainer.passes.fsdp_gather import tag_fsdp_gathers
 from graph_trainer.passes.pipeline import GraphPass, PassContext, Pipeline, check_disabled
 from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer.capture import TracedStep
@@ -39,6 +41,15 @@ def _always(cfg: JobConfig) -> bool:
     return True
 
 
+def _sharded(cfg: JobConfig) -> bool:
+    return cfg.parallelism.dp_shard > 1
+
+
+def _remat_needed(cfg: JobConfig) -> bool:
+    return _ac_mode("selective", "full", "budget")(cfg) or (
+        _sharded(cfg) and cfg.parallelism.fsdp_reshard_after_forward != "never")
+
+
 REGISTRY: tuple[GraphPass, ...] = (
     GraphPass("dce", lambda gm, ctx: dead_code_elimination(gm), True, _always,
               "dead-code elimination; in-place and random ops survive"),
@@ -52,7 +63,9 @@ REGISTRY: tuple[GraphPass, ...] = (
               lambda gm, ctx: tag_memory_budget(gm, ctx.cfg.activation_checkpoint,
                                                 input_categories=ctx.input_categories),
               True, _ac_mode("budget"), "tag save/recompute to fit activation_checkpoint.memory_budget"),
-    GraphPass("remat", lambda gm, ctx: rematerialize(gm), True, _ac_mode("selective", "full", "budget"),
+    GraphPass("fsdp_gather", lambda gm, ctx: tag_fsdp_gathers(gm, ctx.cfg.parallelism.fsdp_reshard_after_forward),
+              True, _sharded, "tag re-gather (recompute) or keep (save) of each FSDP unit's parameter gather"),
+    GraphPass("remat", lambda gm, ctx: rematerialize(gm), True, _remat_needed,
               "duplicate recomputed forward ops just before their first backward use"),
 )
 

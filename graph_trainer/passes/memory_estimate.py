@@ -104,6 +104,32 @@ class _Storage:
     category: str = ACTIVATION
 
 
+_WAIT_TENSOR = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+_WAIT_TENSOR = getattr(_WAIT_TENSOR, "default", None)
+
+
+def _returned_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input a collective op hands back as its output, or None.
+
+    The fake values of `_c10d_functional` ops are fresh tensors even where the
+    op returns an input: `wait_tensor` returns the tensor the collective filled,
+    and the `_out` variants return `out`. Without this they would count twice.
+    """
+    if node.target is _WAIT_TENSOR:
+        return node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.name.startswith("_c10d_functional::") or not schema.returns:
+        return None
+    alias = schema.returns[0].alias_info
+    if alias is None:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.before_set == alias.before_set:
+            value = node.kwargs.get(arg.name) if arg.kwarg_only else node.args[i]
+            return value if isinstance(value, torch.fx.Node) else None
+    return None
+
+
 def _int(x: Any) -> int:
     """A size as an int, using the trace-time hint for a symbolic one."""
     if isinstance(x, torch.SymInt):
@@ -172,9 +198,12 @@ def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
                 reachable.update(allocs_of[inp])
         mine = allocs_of[n] = {}
         last_use = max((index[u] for u in n.users if u.op != "output"), default=i)
+        returned = _returned_input(n)
         for t in _tensors(n.meta["val"]):
             key = _storage_key(t)
             aid = mine.get(key, reachable.get(key))
+            if aid is None and returned is not None:
+                aid = next(iter(allocs_of[returned].values()))
             if aid is None:
                 aid = len(storages)
                 nbytes = _int(t.untyped_storage().nbytes())

@@ -43,6 +43,9 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 # Maps the raw gradients to the ones clipped and applied, e.g. averaged over data-parallel
 # ranks with traceable collectives (graph_trainer.distributed.GradAverager).
 GradReduce = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+# Maps this process's squared gradient norm to the global one when gradients are sharded
+# (graph_trainer.fsdp.FSDP.norm_reduce); see graph_trainer.optimizer.clip_grads_.
+NormReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class TraceError(UserError):
@@ -340,6 +343,7 @@ def trace_step(
     device: torch.device | str | None = None,
     failure_dir: Path | None = None,
     grad_reduce: GradReduce | None = None,
+    norm_reduce: NormReduce | None = None,
 ) -> TracedStep:
     """Trace one whole training step of `model` on a batch shaped like `batch`.
 
@@ -356,6 +360,7 @@ def trace_step(
         grad_reduce: applied to the gradients right after `autograd.grad`, before
             clipping; its ops are traced into the graph in the backward phase
             (e.g. the data-parallel all-reduce).
+        norm_reduce: makes the clipping norm global when gradients are sharded (see `NormReduce`).
 
     Raises:
         TraceError: with the module FQN, source line and op that could not be traced.
@@ -403,7 +408,7 @@ def trace_step(
                 if grad_reduce is not None:
                     grads = list(grad_reduce(grads))
             with fx_traceback.annotate({node_meta.PHASE: node_meta.OPTIMIZER}), torch.no_grad():
-                grad_norm = clip_grads_(grads, max_norm)
+                grad_norm = clip_grads_(grads, max_norm, norm_reduce)
                 if optimizer is not None:
                     optimizer.update_(p_list, grads, state, host)
             return [loss, grad_norm, *grads]
@@ -450,5 +455,5 @@ def _trace_error(exc: Exception, failure: dict, failure_dir: Path | None) -> Tra
     return TraceError(msg)
 
 
-__all__ = ["TraceError", "TracedStep", "InputLayout", "GraphOptimizer", "GradReduce", "trace_step",
+__all__ = ["TraceError", "TracedStep", "InputLayout", "GraphOptimizer", "GradReduce", "NormReduce", "trace_step",
            "batch_signature", "check_no_compiled_autograd"]

@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from graph_trainer.errors import UserError
 from graph_trainer.log import get_logger
 from graph_trainer.loss import lm_loss
-from graph_trainer.tracer.capture import (GradReduce, GraphOptimizer, LossFn, TracedStep,
+from graph_trainer.tracer.capture import (GradReduce, GraphOptimizer, LossFn, NormReduce, TracedStep,
                                           batch_signature, batch_tensors, trace_step)
 
 Transform = Callable[[TracedStep], TracedStep]
@@ -63,12 +63,14 @@ class GraphStep:
         device: device to trace for (default: the parameters').
         failure_dir: where a failing trace leaves its partial graph.
         grad_reduce: traced into the graph between the backward and clipping (see `trace_step`).
+        norm_reduce: makes the clipping norm global for sharded gradients (see `trace_step`).
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: LossFn = lm_loss, max_norm: float = 0.0,
                  optimizer: GraphOptimizer | None = None, on_shape_change: str = "retrace",
                  transform: Transform | None = None, device: torch.device | None = None,
-                 failure_dir: Path | None = None, grad_reduce: GradReduce | None = None):
+                 failure_dir: Path | None = None, grad_reduce: GradReduce | None = None,
+                 norm_reduce: NormReduce | None = None):
         if on_shape_change not in ("retrace", "error"):
             raise UserError(f"compile.on_shape_change: expected retrace|error, got {on_shape_change!r}")
         self.model = model
@@ -80,6 +82,7 @@ class GraphStep:
         self.device = device
         self.failure_dir = failure_dir
         self.grad_reduce = grad_reduce
+        self.norm_reduce = norm_reduce
         self.stats = TraceStats()
         self.traced: TracedStep | None = None
         self._params = [p for _, p in model.named_parameters()]
@@ -99,7 +102,8 @@ class GraphStep:
             self.stats.reasons.append(reason)
         traced = trace_step(self.model, batch, loss_fn=self.loss_fn, max_norm=self.max_norm,
                             optimizer=self.optimizer, device=self.device,
-                            failure_dir=self.failure_dir, grad_reduce=self.grad_reduce)
+                            failure_dir=self.failure_dir, grad_reduce=self.grad_reduce,
+                            norm_reduce=self.norm_reduce)
         self.stats.count += 1
         self.stats.last_time_s = traced.trace_time_s
         self.stats.total_time_s += traced.trace_time_s

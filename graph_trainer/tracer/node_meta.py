@@ -19,6 +19,7 @@ MODULE_FQN = "module_fqn"
 LAYER_ID = "layer_id"
 RANDOM = "random"  # True on ops that draw from an RNG: they must run exactly once
 REMATERIALIZED = "rematerialized"  # True on the backward copy of a recomputed forward op (passes.remat)
+FSDP_UNIT = "fsdp_unit"  # name of the FSDP unit whose parameter all-gather made the node (graph_trainer.fsdp)
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -61,6 +62,11 @@ def is_forward(node: torch.fx.Node) -> bool:
 def is_rematerialized(node: torch.fx.Node) -> bool:
     """True for a forward op copied into the backward by rematerialization."""
     return bool(node.meta.get(CUSTOM, {}).get(REMATERIALIZED))
+
+
+def fsdp_unit(node: torch.fx.Node) -> str | None:
+    """The FSDP unit ('' for the root, else a layer FQN) whose parameter gather made the node, or None."""
+    return node.meta.get(CUSTOM, {}).get(FSDP_UNIT)
 
 
 def is_random(node: torch.fx.Node) -> bool:

@@ -1,0 +1,272 @@
+"""Fully sharded data parallelism (`parallelism.dp_shard`): parameters, gradients and AdamW state sharded.
+
+Layout: plain local shards with explicit collectives, not DTensor. Every
+parameter is cut along dim 0 into `world_size` equal row blocks (zero rows pad
+the last ones when dim 0 does not divide) and each rank keeps its block as the
+module's own `nn.Parameter`, under the parameter's usual name. The optimizer,
+the gradient clip and the memory tracker therefore see only local shards, and
+the traced graph takes them as inputs. Plain tensors keep the step graph one
+flat ATen graph: each collective is a `_c10d_functional` node a pass can see,
+count and move, with no tensor subclass for make_fx to desugar.
+
+Units: each transformer layer is one unit, and everything else (embeddings,
+final norm, output projection, tied weights) is the root unit. A unit's shards
+are concatenated into one flat buffer and all-gathered at once (one collective
+per unit), then cut back into full parameters that are put in the modules'
+parameter slots for the duration of the unit's forward:
+- a layer gathers inside its own `forward` (wrapped on the instance, so eager
+  `torch.utils.checkpoint` recomputes it together with its gather);
+- the root gathers around the whole loss function, since a chunked loss reads
+  `model.output.weight` outside `model.forward`.
+The gather is `AllGather`, whose backward is one reduce-scatter per unit
+(sum, then divided by the world size: the mean gradient, as the replicated
+path's all-reduce), so the gradients come out sharded like the parameters.
+The padding rows get zero gradients, so AdamW keeps them zero.
+
+In the traced graph the gather's nodes carry `custom["fsdp_unit"]` (and no
+layer id, so activation checkpointing leaves them alone); the `fsdp_gather`
+pass then decides, per unit, whether the backward re-gathers or keeps them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+
+from graph_trainer.layers import transformer_layers
+from graph_trainer.tracer import node_meta
+
+c10d = torch.ops._c10d_functional
+ROOT = ""  # the root unit's name
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardGroup:
+    """The ranks a model is sharded over: this rank's index, their number and the process group's name."""
+
+    rank: int
+    world_size: int
+    group_name: str
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> ShardGroup:
+        return cls(dist.get_rank(group), dist.get_world_size(group), group.group_name)
+
+
+class AllGather(torch.autograd.Function):
+    """All-gather of a unit's shards into one flat buffer (forward); the mean gradient, reduce-scattered (backward).
+
+    Forward: the shards are concatenated straight into this rank's slot of the
+    output buffer and gathered in place, so there is no separate send buffer:
+    a send buffer would be freed by gloo's worker thread at an unknowable moment
+    after the wait, and the measured peak could no longer equal the estimate.
+    Backward: one reduce-scatter (sum) of the flat gradient, divided by the
+    world size in place; the shards' gradients are views of its output.
+    Both directions call the `_c10d_functional` ops and wait on them explicitly,
+    so eagerly they run the very ops a trace records as graph nodes.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, group: ShardGroup, reduce_dtype: torch.dtype | None, param_dtype: torch.dtype | None,
+                *shards: torch.Tensor) -> torch.Tensor:
+        ctx.group, ctx.reduce_dtype = group, reduce_dtype
+        ctx.shapes = [s.shape for s in shards]
+        ctx.dtype = shards[0].dtype
+        numel = sum(s.numel() for s in shards)
+        dtype = param_dtype or shards[0].dtype
+        out = shards[0].new_empty(group.world_size * numel, dtype=dtype)
+        mine = out[group.rank * numel:(group.rank + 1) * numel]
+        torch.cat([s.reshape(-1).to(dtype) for s in shards], out=mine)
+        out = c10d.all_gather_into_tensor_out(mine, group.world_size, group.group_name, out=out)
+        return c10d.wait_tensor(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        g: ShardGroup = ctx.group
+        grad = grad.contiguous().to(ctx.reduce_dtype or ctx.dtype)
+        shard = c10d.wait_tensor(c10d.reduce_scatter_tensor(grad, "sum", g.world_size, g.group_name))
+        shard = shard.div_(g.world_size).to(ctx.dtype)
+        grads, start = [], 0
+        for shape in ctx.shapes:
+            n = math.prod(shape)
+            grads.append(shard[start:start + n].view(shape))
+            start += n
+        return (None, None, None, *grads)
+
+
+@dataclasses.dataclass
+class Unit:
+    """One all-gather's worth of parameters: the parameters' full shapes and the module slots that hold them."""
+
+    name: str
+    shapes: list[torch.Size]  # full (unpadded) shape of each parameter
+    slots: list[list[tuple[nn.Module, str]]]  # per parameter: every (module, attribute) holding it (tied weights)
+    param_names: list[str]  # per parameter: its name in model.named_parameters()
+
+    def shard_rows(self, world_size: int) -> list[int]:
+        return [math.ceil(s[0] / world_size) for s in self.shapes]
+
+    def current(self) -> list[torch.Tensor]:
+        """The tensors in the unit's slots now: the shards (or the tracer's stand-ins for them)."""
+        return [module._parameters[attr] for (module, attr), *_ in self.slots]
+
+
+def _gather(unit: Unit, group: ShardGroup, shards: list[torch.Tensor], param_dtype: torch.dtype | None,
+            reduce_dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """Full parameters of `unit` from this rank's shards: one all-gather, then each cut back to its shape."""
+    n = group.world_size
+    gathered = AllGather.apply(group, reduce_dtype, param_dtype, *shards).view(n, -1)
+    full = []
+    for piece, shape in zip(gathered.split([s.numel() for s in shards], dim=1), unit.shapes):
+        rows = piece.shape[1] // max(1, math.prod(shape[1:]))
+        full.append(piece.reshape(n * rows, *shape[1:])[:shape[0]])
+    return full
+
+
+class FSDP:
+    """A model's parameters sharded over `group` (see the module docstring); built by `fully_shard_model`."""
+
+    def __init__(self, model: nn.Module, group: ShardGroup, units: list[Unit], *,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+        self.model, self.group, self.units = model, group, units
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self._by_name = {u.name: u for u in units}
+
+    @contextlib.contextmanager
+    def gathered(self, name: str):
+        """Inside: the unit's module slots hold full parameters computed (differentiably) from its shards."""
+        unit = self._by_name[name]
+        shards = unit.current()
+        # The nodes of the gather belong to no layer: the fsdp_gather pass, not activation checkpointing,
+        # decides whether the backward reads them or gathers again.
+        with fx_traceback.annotate({node_meta.FSDP_UNIT: name, node_meta.LAYER_ID: None}):
+            full = _gather(unit, self.group, shards, self.param_dtype, self.reduce_dtype)
+        for slots, t in zip(unit.slots, full):
+            for module, attr in slots:
+                module._parameters[attr] = t
+        try:
+            yield
+        finally:
+            for slots, s in zip(unit.slots, shards):
+                for module, attr in slots:
+                    module._parameters[attr] = s
+
+    def wrap_loss(self, loss_fn: Callable) -> Callable:
+        """`loss_fn` run with the root unit gathered (the layers gather in their own forward)."""
+        if ROOT not in self._by_name:
+            return loss_fn
+
+        @functools.wraps(loss_fn)
+        def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+            with self.gathered(ROOT):
+                return loss_fn(model, batch)
+        return loss
+
+    def norm_reduce(self, sq_norm: torch.Tensor) -> torch.Tensor:
+        """The global squared gradient norm from this rank's: summed over the ranks (a traceable all-reduce)."""
+        g = self.group
+        return c10d.wait_tensor(c10d.all_reduce(sq_norm, "sum", g.group_name))
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered whole (unpadded), by name: for comparisons and exports, not for training."""
+        out = {}
+        with torch.no_grad():
+            for unit in self.units:
+                for name, t in zip(unit.param_names, _gather(unit, self.group, unit.current(), None, None)):
+                    out[name] = t.clone()
+        return out
+
+    def num_params(self) -> int:
+        """Parameters of the whole (unsharded) model."""
+        return sum(math.prod(shape) for u in self.units for shape in u.shapes)
+
+    def shard_numel(self) -> int:
+        """Elements this rank holds (padding included)."""
+        return sum(t.numel() for u in self.units for t in u.current())
+
+
+def _param_slots(module: nn.Module, prefix: str, skip: set[str]) -> dict[int, tuple[nn.Parameter, str,
+                                                                                  list[tuple[nn.Module, str]]]]:
+    """id(param) -> (param, first name, every slot holding it), over `module` minus submodules named in `skip`."""
+    found: dict[int, tuple[nn.Parameter, str, list]] = {}
+    for mod_name, mod in module.named_modules(prefix=prefix, remove_duplicate=False):
+        if any(mod_name == s or mod_name.startswith(s + ".") for s in skip):
+            continue
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            entry = found.setdefault(id(p), (p, f"{mod_name}.{attr}" if mod_name else attr, []))
+            entry[2].append((mod, attr))
+    return found
+
+
+def _shard(p: torch.Tensor, group: ShardGroup) -> nn.Parameter:
+    """This rank's row block of `p` (dim 0), zero-padded to ceil(rows / world_size) rows."""
+    rows = math.ceil(p.shape[0] / group.world_size)
+    start = min(group.rank * rows, p.shape[0])
+    block = p.detach()[start:start + rows]
+    shard = torch.zeros((rows, *p.shape[1:]), dtype=p.dtype, device=p.device)
+    if shard.device.type != "meta":
+        shard[:block.shape[0]].copy_(block)
+    return nn.Parameter(shard, requires_grad=p.requires_grad)
+
+
+def fully_shard_model(model: nn.Module, group: ShardGroup, *, param_dtype: torch.dtype | None = None,
+                      reduce_dtype: torch.dtype | None = None) -> FSDP:
+    """Replace every parameter of `model` by this rank's shard, in place, and install the gathers.
+
+    Every rank must call it on an identically initialized model. Parameter names
+    and order (`model.named_parameters()`) are unchanged; only shapes change.
+
+    Raises:
+        ValueError: a 0-dimensional parameter (it has no dim 0 to shard).
+    """
+    layers = list(transformer_layers(model))
+    groups = [(name, model.get_submodule(name), set()) for name in layers] + [(ROOT, model, set(layers))]
+    units = []
+    for name, module, skip in groups:
+        found = _param_slots(module, name, skip)
+        if not found:
+            continue
+        shapes, slots, names = [], [], []
+        for p, pname, where in found.values():
+            if p.dim() == 0:
+                raise ValueError(f"parameter {pname} is 0-dimensional; FSDP shards dim 0")
+            shard = _shard(p, group)
+            for mod, attr in where:
+                mod._parameters[attr] = shard
+            shapes.append(p.shape)
+            slots.append(where)
+            names.append(pname)
+        units.append(Unit(name, shapes, slots, names))
+    fsdp = FSDP(model, group, units, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for name in layers:
+        if name in fsdp._by_name:
+            layer = model.get_submodule(name)
+            layer.forward = functools.partial(_gathered_forward, fsdp, name, type(layer).forward.__get__(layer))
+            layer.forward.fsdp_inner = type(layer).forward.__get__(layer)  # what eager checkpointing must wrap
+    return fsdp
+
+
+def _gathered_forward(fsdp: FSDP, name: str, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    with fsdp.gathered(name):
+        return forward(*args, **kwargs)
+
+
+def layer_forward(layer: nn.Module) -> Callable:
+    """The forward eager activation checkpointing should wrap: the FSDP-gathering one when the layer has it."""
+    own = layer.__dict__.get("forward")
+    if own is not None and hasattr(own, "fsdp_inner"):
+        return own
+    return type(layer).forward.__get__(layer)
+
+
+__all__ = ["AllGather", "FSDP", "ShardGroup", "Unit", "fully_shard_model", "layer_forward", "ROOT"]

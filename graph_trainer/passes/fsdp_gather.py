@@ -1,0 +1,64 @@
+"""FSDP gather policy: per unit, the backward either re-gathers its parameters or keeps the forward's gather.
+
+Reads `custom["fsdp_unit"]` (written by `graph_trainer.fsdp` on the nodes of
+each unit's all-gather and of the cuts that turn it back into parameters) and
+the tracer's `phase`. Writes torch's `node.meta["recompute"]` on those forward
+nodes, once:
+- re-gather (FSDP's reshard-after-forward): `MUST_RECOMPUTE`, together with
+  every view of a gathered parameter (`t`, `view`, ...) so that no forward
+  view keeps the gathered storage alive; `remat` then copies the all-gather
+  (and its wait and cuts) just before the first backward use;
+- keep: `MUST_SAVE`, so the backward reads the forward's full parameters.
+The gather nodes carry no layer id, so activation checkpointing never tags
+them, and `remat` acts on tags without re-deciding them: the collective counts
+of the final graph follow this pass (tests/test_fsdp.py counts them).
+
+Policies (`parallelism.fsdp_reshard_after_forward`, torchtitan's names):
+`default` re-gathers the layers and keeps the root unit (embeddings, final
+norm, output projection: the backward needs them first, right away),
+`always` re-gathers every unit, `never` keeps every unit.
+
+The graph's ops are unchanged, so the pass preserves numerics bitwise; the
+re-gathered values are the same bytes gathered again.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from graph_trainer.passes.graph_utils import is_view
+from graph_trainer.tracer import node_meta
+
+POLICIES = ("default", "always", "never")
+ROOT = ""  # graph_trainer.fsdp.ROOT (not imported: passes read metadata, not the FSDP machinery)
+
+
+def regathers(policy: str, unit: str) -> bool:
+    """Whether `policy` makes the backward gather `unit` again."""
+    return policy == "always" or (policy == "default" and unit != ROOT)
+
+
+def tag_fsdp_gathers(gm: torch.fx.GraphModule, policy: str) -> torch.fx.GraphModule:
+    """Tag each FSDP unit's forward gather nodes save or recompute per `policy` (see the module docstring)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown FSDP gather policy {policy!r}; expected one of {POLICIES}")
+    regathered: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if not node_meta.is_forward(node):
+            continue
+        unit = node_meta.fsdp_unit(node)
+        if unit is not None:
+            again = regathers(policy, unit)
+            node.meta[node_meta.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE if again else CheckpointPolicy.MUST_SAVE
+            node.meta[node_meta.AC_GRAPH_ID] = 0
+            if again:
+                regathered.add(node)
+        elif is_view(node) and any(a in regathered for a in node.all_input_nodes):
+            node.meta[node_meta.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta.setdefault(node_meta.AC_GRAPH_ID, 0)
+            regathered.add(node)
+    return gm
+
+
+__all__ = ["POLICIES", "regathers", "tag_fsdp_gathers"]
