@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from graph_trainer.layers import transformer_layers
 from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.capture import TraceError, TracedStep
 
 c10d = torch.ops._c10d_functional
 ROOT = ""  # the root unit's name
@@ -256,6 +257,30 @@ def fully_shard_model(model: nn.Module, group: ShardGroup, *, param_dtype: torch
     return fsdp
 
 
+def check_gathered(traced: TracedStep) -> TracedStep:
+    """`traced` unchanged if every read of a parameter in it goes through the parameter's gather.
+
+    The graph's parameter inputs are this rank's shards. Outside the optimizer
+    update, only the FSDP gather may read them; any other read computes on a
+    shard where the full parameter was meant (e.g. a regularizer on a layer's
+    weight written outside that layer's forward), which would be silently wrong.
+
+    Raises:
+        TraceError: naming the parameter, the op and the module that read it.
+    """
+    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    for name, node in zip(traced.layout.param_names, placeholders):
+        for user in node.users:
+            if node_meta.fsdp_unit(user) is None and node_meta.phase(user) != node_meta.OPTIMIZER:
+                where = node_meta.module_fqn(user) or "the loss function (outside model.forward)"
+                raise TraceError(
+                    f"parameter {name} is read un-gathered (this rank's shard, {list(node.meta['val'].shape)}) "
+                    f"by {user.target} in {where}: with parallelism.dp_shard a parameter is whole only inside its "
+                    "own layer's forward (layer parameters) or the loss function (the others)",
+                    fix="compute with it there, or use --parallelism.dp_replicate")
+    return traced
+
+
 def _gathered_forward(fsdp: FSDP, name: str, forward: Callable, *args: Any, **kwargs: Any) -> Any:
     with fsdp.gathered(name):
         return forward(*args, **kwargs)
@@ -269,4 +294,4 @@ def layer_forward(layer: nn.Module) -> Callable:
     return type(layer).forward.__get__(layer)
 
 
-__all__ = ["AllGather", "FSDP", "ShardGroup", "Unit", "fully_shard_model", "layer_forward", "ROOT"]
+__all__ = ["AllGather", "FSDP", "ShardGroup", "Unit", "check_gathered", "fully_shard_model", "layer_forward", "ROOT"]

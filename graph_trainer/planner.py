@@ -24,7 +24,7 @@ from graph_trainer.config import JobConfig
 from graph_trainer.device import resolve_device
 from graph_trainer.errors import UserError
 from graph_trainer.log import quiet
-from graph_trainer.fsdp import FSDP, ShardGroup, fully_shard_model
+from graph_trainer.fsdp import FSDP, ShardGroup, check_gathered, fully_shard_model
 from graph_trainer.loss import build_lm_loss
 from graph_trainer.memory import to_gib
 from graph_trainer.optimizer import (GraphAdamW, adamw_state_bytes, build_optimizer, choose_adamw_implementation,
@@ -123,6 +123,8 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
                         norm_reduce=fsdp.norm_reduce if fsdp is not None else None)
     plan_cfg = copy.deepcopy(cfg)
     plan_cfg.compile.dump_graphs = False
+    if fsdp is not None:
+        traced = check_gathered(traced)
     with quiet():  # a plan, not the step that runs: its pass timings would only repeat the trainer's
         traced = build_pipeline(plan_cfg, dump_dir=None)(traced)
     elapsed = time.perf_counter() - start

@@ -24,7 +24,7 @@ from graph_trainer.device import peak_flops, resolve_dtype, set_determinism
 from graph_trainer.digest import tensors_digest
 from graph_trainer.distributed import DistInfo, single_process
 from graph_trainer.eager import EagerStep
-from graph_trainer.fsdp import fully_shard_model
+from graph_trainer.fsdp import check_gathered, fully_shard_model
 from graph_trainer.errors import UserError
 from graph_trainer.log import configure_console, get_logger
 from graph_trainer.loss import build_lm_loss
@@ -232,6 +232,8 @@ class Trainer:
         # Every rank traces the same graph; one copy of the dumps is enough.
         dump_dir = self.dump_folder / "graphs" if self.rank == 0 else None
         transform = build_pipeline(cfg, dump_dir=dump_dir)
+        if self.fsdp is not None:
+            transform = _then(check_gathered, transform)  # before any pass: the graph as traced
         self.inductor = None
         if cfg.compile.backend == "inductor":
             from graph_trainer.tracer.compiled import InductorStage

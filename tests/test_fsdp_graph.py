@@ -1,0 +1,132 @@
+"""FSDP's step graph, traced for one rank of 2 on torch's fake process group (one process, no communication).
+
+Claims tested: one all-gather per unit in the forward and one reduce-scatter per unit in the backward, and
+the backward's re-gathers follow `parallelism.fsdp_reshard_after_forward` in every AC mode, after remat; a
+tied model gathers its shared weight once and reads no shard anywhere but in a gather; a parameter read
+outside its gather stops the trace with an error naming it; `--dry-run --parallelism.dp_shard N` plans one
+rank of N without launching N processes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from graph_trainer.cli import load_config
+from graph_trainer.distributed import planning_shard_group
+from graph_trainer.fsdp import check_gathered, fully_shard_model
+from graph_trainer.loss import lm_loss
+from graph_trainer.passes import build_pipeline
+from graph_trainer.planner import meta_model
+from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.capture import TraceError, trace_step
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = 2
+UNITS = LAYERS + 1
+TINY = ["--config", "llama3_debug", "--model.n_layers", str(LAYERS), "--model.dim", "64", "--model.n_heads", "4",
+        "--model.n_kv_heads", "2", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.max_norm", "1.0", "--parallelism.dp_shard", "2"]
+GATHER = "_c10d_functional.all_gather_into_tensor_out.default"
+REDUCE_SCATTER = "_c10d_functional.reduce_scatter_tensor.default"
+ALL_REDUCE = "_c10d_functional.all_reduce.default"
+
+
+@pytest.fixture(scope="module")
+def group():
+    cfg, _ = load_config(TINY)
+    with planning_shard_group(cfg) as g:
+        yield g
+
+
+def _trace(group, *args: str, loss_fn=lm_loss):
+    cfg, _ = load_config([*TINY, *args])
+    model = meta_model(cfg)
+    fsdp = fully_shard_model(model, group)
+    b, s = cfg.training.local_batch_size, cfg.training.seq_len
+    batch = {"input": torch.zeros(b, s, dtype=torch.long), "labels": torch.zeros(b, s, dtype=torch.long)}
+    traced = trace_step(model, batch, loss_fn=fsdp.wrap_loss(loss_fn), max_norm=cfg.training.max_norm,
+                        device="cpu", norm_reduce=fsdp.norm_reduce)
+    return cfg, fsdp, traced
+
+
+def _collectives(gm: torch.fx.GraphModule) -> Counter:
+    """(op, phase, re-gathered by remat) -> count."""
+    return Counter((str(n.target), node_meta.phase(n), node_meta.is_rematerialized(n))
+                   for n in gm.graph.nodes if "_c10d_functional" in str(n.target) and "wait" not in str(n.target))
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full", "budget"])
+@pytest.mark.parametrize("policy,regathered", [("default", LAYERS), ("always", UNITS), ("never", 0)])
+def test_final_graph_gathers_per_policy(group, mode, policy, regathered):
+    cfg, _, traced = _trace(group, "--activation_checkpoint.mode", mode, "--activation_checkpoint.memory_budget", "0.8",
+                            "--parallelism.fsdp_reshard_after_forward", policy)
+    gm = build_pipeline(cfg, dump_dir=None)(check_gathered(traced)).gm
+    assert _collectives(gm) == Counter({
+        (GATHER, node_meta.FORWARD, False): UNITS,
+        (REDUCE_SCATTER, node_meta.BACKWARD, False): UNITS,
+        (ALL_REDUCE, node_meta.OPTIMIZER, False): 1,  # the global gradient norm
+        **({(GATHER, node_meta.FORWARD, True): regathered} if regathered else {}),
+    })
+    waits = sum(1 for n in gm.graph.nodes if str(n.target) == "_c10d_functional.wait_tensor.default")
+    assert waits == 2 * UNITS + 1 + regathered
+    # A re-gathered unit's forward gather is dead before the backward: nothing saved reads it.
+    regathered_units = {node_meta.fsdp_unit(n) for n in gm.graph.nodes if node_meta.is_rematerialized(n)
+                        and node_meta.fsdp_unit(n) is not None}
+    assert len(regathered_units) == regathered
+
+
+def test_prefers_regathering_layers_for_memory(group):
+    peaks = {}
+    for policy in ("always", "never"):
+        cfg, _, traced = _trace(group, "--parallelism.fsdp_reshard_after_forward", policy)
+        peaks[policy] = build_pipeline(cfg, dump_dir=None)(traced).memory_estimate.peak_bytes
+    assert peaks["always"] < peaks["never"]
+
+
+def test_tied_model_gathers_the_shared_weight_once_and_reads_no_shard(group):
+    cfg, fsdp, traced = _trace(group, "--model.tie_embeddings", "true")
+    root = next(u for u in fsdp.units if u.name == "")
+    tied = next(slots for slots in root.slots if len(slots) == 2)
+    assert {attr for _, attr in tied} == {"weight"}  # tok_embeddings.weight and output.weight: one parameter
+    assert check_gathered(traced) is traced
+    gathers = [n for n in traced.gm.graph.nodes if str(n.target) == GATHER]
+    assert sorted(node_meta.fsdp_unit(n) for n in gathers) == sorted(u.name for u in fsdp.units)
+    assert len(gathers) == UNITS
+
+
+def test_reading_a_parameter_outside_its_gather_names_it(group):
+    def loss_with_regularizer(model, batch):
+        # A layer weight used outside its layer's forward: here it is only this rank's shard.
+        return lm_loss(model, batch) + 1e-4 * model.layers[0].feed_forward.w1.weight.square().sum()
+
+    _, _, traced = _trace(group, loss_fn=loss_with_regularizer)
+    with pytest.raises(TraceError, match=r"parameter layers\.0\.feed_forward\.w1\.weight is read un-gathered"):
+        check_gathered(traced)
+
+
+def test_dry_run_plans_one_rank_of_n_without_launching_them(tmp_path):
+    def dry_run(*args: str) -> str:
+        # The debug model's 6 layers at a tiny batch: its state (~0.08 GiB) dominates the plan.
+        proc = subprocess.run([sys.executable, "-m", "graph_trainer", "--config", "llama3_debug", "--training.seq_len",
+                               "32", "--training.local_batch_size", "1", "--dry-run", *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    def none_peak(out: str) -> float:
+        return float(next(line.split()[1] for line in out.splitlines() if line.startswith("none ")))
+
+    sharded = dry_run("--parallelism.dp_shard", "4")
+    assert "one rank of 4 (FSDP, dp_shard)" in sharded
+    assert all(any(line.startswith(mode + " ") for line in sharded.splitlines())
+               for mode in ("none", "selective", "full", "budget"))
+    assert none_peak(sharded) < none_peak(dry_run())
