@@ -40,9 +40,9 @@ import torch.fx
 from graph_trainer.config import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError
 from graph_trainer.log import get_logger
+from graph_trainer.op_patterns import parse_overrides
 from graph_trainer.passes.activation_checkpoint import (RECOMPUTE, SAVE, Decisions, StepStructure,
-                                                        analyze, apply_overrides, finalize, parse_overrides,
-                                                        write_tags)
+                                                        analyze, apply_overrides, finalize, write_tags)
 from graph_trainer.passes.graph_utils import is_view, op_flops, storage_keys, tensors
 from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.passes.remat import peak_after_remat
@@ -120,7 +120,7 @@ def tag_memory_budget(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, 
     as_fraction = ac.memory_budget <= 1
     target = no_ac.input_bytes + (ac.memory_budget * activations if as_fraction else ac.memory_budget * GIB)
 
-    save, recompute = parse_overrides(ac)
+    save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
     pinned_decisions = apply_overrides(structure, {}, save, recompute)
     candidates, free = rank_candidates(structure, set(pinned_decisions), _backward_storages(gm))
 

@@ -6,7 +6,6 @@ which only replaces `meta["val"]` on nodes that share it with an earlier node.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import operator
 from typing import Any, Iterable
@@ -147,12 +146,6 @@ def refresh_duplicated_values(graph: torch.fx.Graph) -> None:
                 new_val = node.target(*args, **kwargs)
         node.meta["val"] = new_val
         seen.add(id(new_val))
-
-
-def fqn_matches(fqn: str, pattern: str) -> bool:
-    """True when the module FQN or one of its parents matches the glob ('layers.*.attention' matches 'layers.0.attention.wq')."""
-    parts = fqn.split(".") if fqn else []
-    return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
 
 
 def layer_forward_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
