@@ -36,6 +36,7 @@ if str(REPO_ROOT) not in sys.path:  # so `tests.integration` imports from any cw
     sys.path.insert(0, str(REPO_ROOT))
 
 from graph_trainer.errors import did_you_mean  # noqa: E402
+from graph_trainer.units import MIB_PER_GIB  # noqa: E402
 from tests.integration.checks import FAILED, PASSED, SKIPPED, RunOutcome, Verdict, check_test  # noqa: E402
 from tests.integration.collect import collect_run  # noqa: E402
 from tests.integration.png_chart import write_bar_chart  # noqa: E402
@@ -46,7 +47,6 @@ RESULTS_FILE = "results.json"
 CHART_FILE = "peak_memory.png"
 LOGS_DIR = "logs"
 STDERR_TAIL_LINES = 25
-MIB = 1024.0  # GiB -> MiB
 
 
 class UsageError(Exception):
@@ -245,8 +245,8 @@ def table_rows(runs: list[TestRun]) -> list[tuple[str, ...]]:
             r.test.name, r.verdict.status if r.verdict else "?",
             str(len(m.tb_steps)) if has else "-",
             _fmt(m.final_loss if has else None, ".4f"),
-            _fmt(m.peak_active_gib * MIB if has and m.peak_active_gib is not None else None, ".2f"),
-            _fmt(m.estimated_peak_gib * MIB if has and m.estimated_peak_gib is not None else None, ".2f"),
+            _fmt(m.peak_active_gib * MIB_PER_GIB if has and m.peak_active_gib is not None else None, ".2f"),
+            _fmt(m.estimated_peak_gib * MIB_PER_GIB if has and m.estimated_peak_gib is not None else None, ".2f"),
             _fmt(m.tokens_per_s if has else None, ",.0f"),
             _fmt(m.trace_time_s if has else None, ".2f"),
             _fmt(r.outcome.wall_time_s if not r.outcome.skip_reason else None, ".1f"),
@@ -301,7 +301,7 @@ def write_chart(out: Path, runs: list[TestRun]) -> Path | None:
     active = [r.outcome.metrics.peak_active_gib for r in with_mem]
     estimated = [r.outcome.metrics.estimated_peak_gib for r in with_mem]
     top = max(v for v in active + estimated if v is not None)
-    scale, unit = (1.0, "GiB") if top >= 1.0 else (MIB, "MiB")
+    scale, unit = (1.0, "GiB") if top >= 1.0 else (MIB_PER_GIB, "MiB")
     series = {"peak active": [None if v is None else v * scale for v in active]}
     if any(v is not None for v in estimated):
         series["estimated"] = [None if v is None else v * scale for v in estimated]

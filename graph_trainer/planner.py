@@ -25,7 +25,7 @@ from graph_trainer.device import resolve_device
 from graph_trainer.errors import UserError
 from graph_trainer.log import quiet
 from graph_trainer.loss import build_lm_loss
-from graph_trainer.memory import to_gib
+from graph_trainer.units import KIB, to_gib
 from graph_trainer.optimizer import (GraphAdamW, adamw_state_bytes, build_optimizer, choose_adamw_implementation,
                                      eager_step_scratch_bytes, init_adamw_state)
 from graph_trainer.passes import build_pipeline
@@ -145,7 +145,7 @@ def available_bytes(device: torch.device) -> int:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                return int(line.split()[1]) * KIB
     raise UserError("cannot read available memory from /proc/meminfo")
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-GIB = 1024**3
+KIB = 1024
 MIB = 1024**2
+GIB = 1024**3
 MIB_PER_GIB = GIB // MIB
 
 

@@ -26,8 +26,7 @@ from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_ten
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep
 from graph_trainer.tracer.summary import graph_summary
-
-MIB = 1024**2
+from graph_trainer.units import MIB
 
 logger = get_logger(__name__)
 
