@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -51,7 +52,15 @@ def test_wheel_installed_in_a_fresh_venv_trains_a_shipped_config_from_another_fo
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, REPO],
+    # Built from a copy: setuptools leaves build/ and *.egg-info in the source tree, and a stale
+    # build/ could put deleted modules into a later wheel.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    for name in ("graph_trainer", "models", "configs"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, src],
          env=env, cwd=tmp_path)
     (wheel,) = wheels.glob("graph_trainer-*.whl")
     _run([sys.executable, "-m", "venv", "--without-pip", venv], env=env)
