@@ -26,7 +26,7 @@ from graph_trainer.errors import UserError
 from graph_trainer.log import quiet
 from graph_trainer.fsdp import FSDP, ShardGroup, check_gathered, fully_shard_model
 from graph_trainer.loss import build_lm_loss
-from graph_trainer.memory import to_gib
+from graph_trainer.units import KIB, to_gib
 from graph_trainer.optimizer import (GraphAdamW, adamw_state_bytes, build_optimizer, choose_adamw_implementation,
                                      eager_step_scratch_bytes, init_adamw_state)
 from graph_trainer.passes import build_pipeline
@@ -117,16 +117,15 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
     loss_fn = loss_fn if loss_fn is not None else build_lm_loss(cfg.training.loss_chunk_size)
     if fsdp is not None:
         loss_fn = fsdp.wrap_loss(loss_fn)
+    pipeline = build_pipeline(cfg, dump_dir=None)  # validates the passes before the (long) trace
     start = time.perf_counter()
     traced = trace_step(model, batch, max_norm=cfg.training.max_norm, loss_fn=loss_fn,
                         optimizer=GraphAdamW(torch_optimizer) if in_graph else None, device=device,
                         norm_reduce=fsdp.norm_reduce if fsdp is not None else None)
-    plan_cfg = copy.deepcopy(cfg)
-    plan_cfg.compile.dump_graphs = False
     if fsdp is not None:
         traced = check_gathered(traced)
     with quiet():  # a plan, not the step that runs: its pass timings would only repeat the trainer's
-        traced = build_pipeline(plan_cfg, dump_dir=None)(traced)
+        traced = pipeline(traced)
     elapsed = time.perf_counter() - start
     est = traced.memory_estimate
     update = None
@@ -155,7 +154,7 @@ def available_bytes(device: torch.device) -> int:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                return int(line.split()[1]) * KIB
     raise UserError("cannot read available memory from /proc/meminfo")
 
 
