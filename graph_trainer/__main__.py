@@ -33,10 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         from graph_trainer.trainer import Trainer
 
         dist = init_distributed(cfg)  # one rank of torchrun's launch, or the only process
+        finished = False
         try:
             Trainer(cfg, dist=dist).train()
+            finished = True
         finally:
-            destroy(dist)
+            destroy(dist, wait_for_all=finished)
         return 0
     except UserError as e:
         message = " ".join(str(e).split("\n"))

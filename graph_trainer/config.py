@@ -149,6 +149,8 @@ class ParallelismConfig:
     fsdp_reshard_after_forward: str = _opt(
         "default", "dp_shard: re-gather parameters in the backward (always), keep the forward's gather (never), "
         "or re-gather the layers and keep the root (default)", choices=("default", "always", "never"))
+    fsdp_prefetch: bool = _opt(False, "dp_shard: issue each layer's all-gather while the previous layer "
+                               "computes (overlap; one more layer's parameters alive)")
     dp_replicate: int = _opt(1, "replicated data-parallel degree (processes): full copies, gradients all-reduced",
                              ge=1)
 

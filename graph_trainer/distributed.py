@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
+import gc
 import os
 from collections.abc import Iterator, Mapping
 
@@ -201,10 +203,29 @@ def planning_shard_group(cfg: JobConfig) -> Iterator[ShardGroup | None]:
         dist.destroy_process_group()
 
 
-def destroy(info: DistInfo) -> None:
-    """Leave the process group `init_distributed` joined (no-op for a single process)."""
-    if info.is_distributed and dist.is_initialized():
+def destroy(info: DistInfo, *, wait_for_all: bool = False, timeout_s: float = 120.0) -> None:
+    """Leave the process group `init_distributed` joined (no-op for a single process).
+
+    With `wait_for_all` (a run that ended normally) every rank first meets the
+    others, so none tears its connections down while a peer is still in a
+    collective; on gloo the barrier is a monitored one, which fails after
+    `timeout_s` instead of hanging when a peer died. Afterwards the garbage that
+    still holds the group or collective buffers is collected while the
+    interpreter is fully alive: gloo's worker threads release their last
+    references late, and a release during interpreter shutdown aborts the
+    process (SIGABRT, "terminate called without an active exception").
+    """
+    if not (info.is_distributed and dist.is_initialized()):
+        return
+    try:
+        if wait_for_all:
+            if dist.get_backend(info.group) == "gloo":
+                dist.monitored_barrier(info.group, timeout=datetime.timedelta(seconds=timeout_s))
+            else:
+                dist.barrier(info.group)
+    finally:
         dist.destroy_process_group()
+        gc.collect()
 
 
 __all__ = ["DistInfo", "GradAverager", "check_launch", "data_parallel_degree", "single_process", "init_distributed", "planning_shard_group",

@@ -137,3 +137,17 @@ def test_dry_run_plans_one_rank_of_n_without_launching_them(tmp_path):
     assert all(any(line.startswith(mode + " ") for line in sharded.splitlines())
                for mode in ("none", "selective", "full", "budget"))
     assert none_peak(sharded) < none_peak(dry_run())
+
+
+def test_prefetch_issues_each_gather_right_after_the_previous_wait(group):
+    cfg, _, traced = _trace(group, "--parallelism.fsdp_prefetch", "true")
+    gm = build_pipeline(cfg, dump_dir=None)(traced).gm
+    nodes = list(gm.graph.nodes)
+    for rematerialized in (False, True):
+        gathers = [n for n in nodes if str(n.target) == GATHER and node_meta.is_rematerialized(n) == rematerialized]
+        assert len(gathers) == (LAYERS if rematerialized else UNITS)
+        for previous, gather in zip(gathers, gathers[1:]):
+            wait = next(u for u in previous.users if "wait_tensor" in str(u.target))
+            between = nodes[nodes.index(wait) + 1:nodes.index(gather)]
+            # Only the gather's own buffer preparation sits between: no compute of the previous unit.
+            assert all(node_meta.fsdp_unit(n) == node_meta.fsdp_unit(gather) for n in between), between

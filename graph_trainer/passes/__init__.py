@@ -9,6 +9,8 @@ Fixed order (each may be turned off with `compile.disable_passes`):
 4. `fsdp_gather`    tag re-gather/keep of each FSDP unit's parameter gather
                     (parallelism.dp_shard > 1 only)                                 bitwise
 5. `remat`          duplicate recomputed ops into the backward                     bitwise
+6. `fsdp_prefetch`  issue each FSDP all-gather right after the previous one's wait
+                    (parallelism.fsdp_prefetch)                                     bitwise
 
 Then the memory estimate of the final graph fills `TracedStep.memory_estimate`.
 Save/recompute is decided once (3, and 4 for gathered parameters, which 3 never
@@ -31,6 +33,7 @@ from graph_trainer.log import get_logger
 from graph_trainer.op_patterns import parse_overrides
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
 from graph_trainer.passes.fsdp_gather import POLICIES as FSDP_GATHER_POLICIES, tag_fsdp_gathers
+from graph_trainer.passes.fsdp_prefetch import prefetch_fsdp_gathers
 from graph_trainer.passes.memory_policy import MODES, memory_policy
 from graph_trainer.passes.pipeline import GraphPass, PassContext, Pipeline, check_disabled
 from graph_trainer.passes.remat import rematerialize
@@ -62,6 +65,8 @@ REGISTRY: tuple[GraphPass, ...] = (
               "tag re-gather (recompute) or keep (save) of each FSDP unit's parameter gather"),
     GraphPass("remat", lambda gm, ctx: rematerialize(gm), True, _policy_asked,
               "duplicate recomputed forward ops just before their first backward use"),
+    GraphPass("fsdp_prefetch", lambda gm, ctx: prefetch_fsdp_gathers(gm), True, _only_with_fsdp,
+              "issue each FSDP all-gather right after the previous one's wait (overlaps communication)"),
 )
 
 
@@ -72,12 +77,13 @@ def available_passes() -> list[str]:
 
 def pipeline_for(ac: ActivationCheckpointConfig, *, disable_passes: Sequence[str] = (),
                  dump_dir: Path | None = None, log_saved_activations: bool = False,
-                 fsdp_gather: str | None = None) -> Pipeline:
+                 fsdp_gather: str | None = None, fsdp_prefetch: bool = False) -> Pipeline:
     """The pipeline for an activation-checkpointing section: enabled passes in registry order, minus `disable_passes`.
 
     Validates before anything is traced. `fsdp_gather` is the FSDP gather policy
     (`parallelism.fsdp_reshard_after_forward`) of a sharded step, None otherwise:
-    it turns on `fsdp_gather`, and `remat` when the backward re-gathers.
+    it turns on `fsdp_gather`, and `remat` when the backward re-gathers;
+    `fsdp_prefetch` then turns on `fsdp_prefetch`.
 
     Raises:
         ConfigError: an unknown or renamed name in `disable_passes`, a policy pass
@@ -103,6 +109,7 @@ def pipeline_for(ac: ActivationCheckpointConfig, *, disable_passes: Sequence[str
             raise ConfigError(f"parallelism.fsdp_reshard_after_forward must be one of "
                               f"{'|'.join(FSDP_GATHER_POLICIES)}, got {fsdp_gather!r}")
         wanted |= {"fsdp_gather"} | ({"remat"} if fsdp_gather != "never" else set())
+        wanted |= {"fsdp_prefetch"} if fsdp_prefetch else set()
     passes = [_bound(p, fsdp_gather) for p in REGISTRY if p.name in wanted and p.name not in disable_passes]
     return Pipeline(passes, ac, dump_dir=dump_dir, log_saved_activations=log_saved_activations)
 
@@ -124,7 +131,8 @@ def build_pipeline(cfg: JobConfig, *, dump_dir: Path | None) -> Pipeline:
     return pipeline_for(cfg.activation_checkpoint, disable_passes=c.disable_passes,
                         dump_dir=dump_dir if c.dump_graphs else None,
                         log_saved_activations=c.log_saved_activations,
-                        fsdp_gather=cfg.parallelism.fsdp_reshard_after_forward if sharded else None)
+                        fsdp_gather=cfg.parallelism.fsdp_reshard_after_forward if sharded else None,
+                        fsdp_prefetch=sharded and cfg.parallelism.fsdp_prefetch)
 
 
 def memory_policy_transform(mode: str = "selective", *, selective_ac_option: str | int = "op",

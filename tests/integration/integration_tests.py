@@ -150,11 +150,19 @@ def _distributed_tests() -> list[IntegrationTest]:
         IntegrationTest(
             name="dp_shard_2", runs=(TINY + _steps(TINY_STEPS) + ("--parallelism.dp_shard", "2"),), suites=FULL, nproc=2,
             requires=("distributed",),
+            # The all-gathers and reduce-scatters are inside the step graph; the estimate counts their buffers.
+            expect=Expect(steps=TINY_STEPS, trace_count=1, loss_close_to=("dp_reference", 1e-4),
+                          estimate_matches_measured=True),
+            description="torchrun 2 ranks x batch 2, FSDP (sharded parameters, gathers and reduce-scatters inside "
+                        "the step graph): same losses as one process x batch 4 (to rtol 1e-4), estimate == measured"),
+        IntegrationTest(
+            name="dp_replicate_2", runs=(TINY + _steps(TINY_STEPS) + ("--parallelism.dp_replicate", "2"),),
+            suites=FULL, nproc=2, requires=("distributed",),
             # The all-reduce is inside the step graph; its outputs are counted by the estimate too.
             expect=Expect(steps=TINY_STEPS, trace_count=1, loss_close_to=("dp_reference", 1e-4),
                           estimate_matches_measured=True),
-            description="torchrun 2 ranks x batch 2, gradient all-reduce inside the step graph: same losses "
-                        "as one process x batch 4 (to rtol 1e-4), estimate == measured"),
+            description="torchrun 2 ranks x batch 2, replicated, gradient all-reduce inside the step graph: same "
+                        "losses as one process x batch 4 (to rtol 1e-4), estimate == measured"),
     ]
 
 

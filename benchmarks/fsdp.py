@@ -1,0 +1,62 @@
+"""FSDP vs replication vs one process on this machine: per-rank peak (measured and estimated) and step time.
+
+    python benchmarks/fsdp.py [--ranks 2 4] [--steps 6] [--out outputs/bench_fsdp]
+
+Each configuration is a real CLI run (torchrun for several ranks, gloo on CPU) on the debug model at a
+small batch; the figures are rank 0's from its summary.json (the tests check every rank's estimate).
+Step time is the median over the steps after the first (which traces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = ["--config", "llama3_debug", "--training.seq_len", "256", "--training.local_batch_size", "2",
+         "--metrics.enable_tensorboard", "false", "--training.deterministic", "true"]
+
+
+def run(out: Path, ranks: int, option: str | None, steps: int) -> dict:
+    """One CLI run; returns rank 0's summary.json."""
+    folder = out / (f"{option}_{ranks}" if option else "one_process")
+    args = [*MODEL, "--training.steps", str(steps), "--job.dump_folder", str(folder), "--job.overwrite", "true"]
+    if option:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+               "--nproc_per_node", str(ranks), "-m", "graph_trainer", *args, f"--parallelism.{option}", str(ranks)]
+    else:
+        cmd = [sys.executable, "-m", "graph_trainer", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
+    return json.loads((folder / "summary.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_fsdp")
+    a = parser.parse_args()
+    rows = [("one process", run(a.out, 1, None, a.steps))]
+    for n in a.ranks:
+        rows += [(f"dp_shard {n} (FSDP)", run(a.out, n, "dp_shard", a.steps)),
+                 (f"dp_replicate {n}", run(a.out, n, "dp_replicate", a.steps))]
+    base = statistics.median(s["step_time_s"] for s in rows[0][1]["steps"][1:])
+    print(f"{'run':22} {'measured MiB':>13} {'estimate MiB':>13} {'equal':>6} {'step s':>7} {'vs 1 proc':>9}")
+    for name, summary in rows:
+        steps = summary["steps"]
+        measured = max(s["peak_active_bytes"] for s in steps)
+        estimated = max(s["estimated_peak_bytes"] for s in steps)
+        equal = all(s["peak_active_bytes"] == s["estimated_peak_bytes"] for s in steps)
+        step = statistics.median(s["step_time_s"] for s in steps[1:])
+        print(f"{name:22} {measured / 2**20:13.2f} {estimated / 2**20:13.2f} {str(equal):>6} {step:7.3f} "
+              f"{step / base:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
