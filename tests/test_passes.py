@@ -85,7 +85,7 @@ def test_pipeline_runs_in_order_logs_and_dumps_each_pass(tmp_path, caplog):
     model, batch = _model_and_batch()
     cfg = _cfg("--compile.dump_graphs", "true", "--activation_checkpoint.mode", "full",
                "--compile.log_saved_activations", "true")
-    traced = build_pipeline(cfg, dump_dir=tmp_path)(trace_step(model, batch))
+    result = build_pipeline(cfg, dump_dir=tmp_path)(trace_step(model, batch))
     ran = [line.split(":")[0].removeprefix("pass ") for line in caplog.messages if line.startswith("pass ")]
     assert ran == ["dce", "remove_noops", "memory_policy", "remat"]
     assert [n for n in available_passes() if n in ran] == ran  # registry order
@@ -94,7 +94,8 @@ def test_pipeline_runs_in_order_logs_and_dumps_each_pass(tmp_path, caplog):
                       "03_after_memory_policy.py", "04_after_remat.py", "saved_tensors.txt",
                       "summary.txt"]
     assert "_recomputed" in (tmp_path / "trace_1" / "04_after_remat.py").read_text()
-    assert traced.memory_estimate is not None and traced.memory_estimate.peak_bytes > 0
+    assert result.memory_estimate is not None and result.memory_estimate.peak_bytes > 0
+    assert any(node_meta.is_rematerialized(n) for n in result.traced.gm.graph.nodes)
     assert any(line.startswith("saved activations:") and "per layer" in line for line in caplog.messages)
 
     caplog.clear()
