@@ -28,7 +28,7 @@ from graph_trainer.log import quiet
 from graph_trainer.loss import build_lm_loss
 from graph_trainer.optimizer import EagerUpdate, GraphAdamW, whole_step_peak
 from graph_trainer.passes import build_pipeline
-from graph_trainer.passes.graph_utils import op_flops
+from graph_trainer.passes.graph_utils import node_flops
 from graph_trainer.tracer.capture import trace_step
 from graph_trainer.units import KIB, to_gib
 from models.llama3.model import num_params
@@ -82,7 +82,7 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
         where = f"{est.peak_node} ({est.peak_op})" + (f" in {est.peak_module_fqn}" if est.peak_module_fqn else "")
     return StepPlan(ac_mode=cfg.activation_checkpoint.mode, peak_bytes=peak,
                     saved_bytes=est.saved_bytes, peak_by_category=by_category,
-                    peak_where=where, flops=sum(op_flops(n) for n in result.traced.gm.graph.nodes),
+                    peak_where=where, flops=sum(node_flops(n) for n in result.traced.gm.graph.nodes),
                     num_params=num_params(model), trace_time_s=elapsed,
                     optimizer="in graph" if in_graph else implementation)
 

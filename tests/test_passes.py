@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from graph_trainer.cli import load_config
 from graph_trainer.errors import ConfigError
@@ -17,7 +18,7 @@ from graph_trainer.passes import available_passes, build_pipeline, memory_policy
 from graph_trainer.op_patterns import parse_op_pattern
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
-from graph_trainer.passes.graph_utils import is_mutating
+from graph_trainer.passes.graph_utils import is_attention, is_mutating, node_flops, packet
 from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer import GraphStep
@@ -149,3 +150,15 @@ def test_memory_policy_transform_gives_a_users_step_the_policy_bitwise(mode):
 def test_memory_policy_transform_refuses_an_unknown_mode():
     with pytest.raises(ConfigError, match="activation_checkpoint.mode must be one of none|selective|full|budget"):
         memory_policy_transform("sometimes")
+
+
+def test_node_flops_are_what_flop_counter_mode_counts():
+    model, batch = _model_and_batch(dropout=0.0)
+    gm = trace_step(model, batch).gm
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        gm(*model.parameters(), *model.buffers(), *batch.values())
+    counted = sum(node_flops(n) for n in gm.graph.nodes if packet(n) in flop_registry)
+    assert counted == counter.get_total_flops() > 0
+    # CPU attention, which torch does not count, is counted with the formula of the same math on CUDA.
+    attention = [n for n in gm.graph.nodes if is_attention(n.target)]
+    assert attention and all(node_flops(n) > 0 for n in attention)
