@@ -20,18 +20,17 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from graph_trainer.builder import adamw_implementation_for, build_job_optimizer, build_model, optimizer_in_graph
 from graph_trainer.config import JobConfig
 from graph_trainer.device import resolve_device
 from graph_trainer.errors import UserError
 from graph_trainer.log import quiet
 from graph_trainer.loss import build_lm_loss
-from graph_trainer.memory import to_gib
-from graph_trainer.optimizer import (GraphAdamW, adamw_state_bytes, build_optimizer, choose_adamw_implementation,
-                                     eager_step_scratch_bytes, init_adamw_state)
+from graph_trainer.optimizer import EagerUpdate, GraphAdamW, whole_step_peak
 from graph_trainer.passes import build_pipeline
-from graph_trainer.passes.graph_utils import op_flops
+from graph_trainer.passes.graph_utils import node_flops
 from graph_trainer.tracer.capture import trace_step
-from models import build_model_args, get_model_spec
+from graph_trainer.units import KIB, to_gib
 from models.llama3.model import num_params
 
 AC_MODES = ("none", "selective", "full", "budget")
@@ -52,51 +51,9 @@ class StepPlan:
     optimizer: str = "in graph"  # where the AdamW update runs: "in graph" or its eager implementation
 
 
-@dataclasses.dataclass(frozen=True)
-class EagerUpdate:
-    """`torch.optim.AdamW.step()` run after the graph: its implementation, the state it keeps
-    alive through the whole step, and the scratch its update allocates."""
-
-    implementation: str
-    state_bytes: int
-    scratch_bytes: int
-
-    @classmethod
-    def of(cls, optimizer: torch.optim.AdamW, implementation: str, device: torch.device) -> EagerUpdate:
-        return cls(implementation, adamw_state_bytes(optimizer, device),
-                   eager_step_scratch_bytes(optimizer, device))
-
-
-def whole_step_peak(estimate, update: EagerUpdate | None) -> tuple[int, dict[str, int], bool]:
-    """(peak bytes, bytes by category at the peak, whether the peak is in the eager update) of a step.
-
-    `estimate` is the graph's `MemoryEstimate`; with `update` None the update is in
-    the graph. Otherwise the optimizer state is alive throughout, and the update
-    runs after the graph on what the graph leaves alive (params, batch, grads)
-    plus its scratch.
-    """
-    if update is None:
-        return estimate.peak_bytes, dict(estimate.peak_bytes_by_category), False
-    after_graph = sum(estimate.final_bytes_by_category.values()) + update.scratch_bytes
-    in_update = after_graph > estimate.peak_bytes
-    if in_update:
-        by_category = {**estimate.final_bytes_by_category, "optimizer_scratch": update.scratch_bytes}
-    else:
-        by_category = dict(estimate.peak_bytes_by_category)
-    by_category["optimizer_state"] = by_category.get("optimizer_state", 0) + update.state_bytes
-    return max(estimate.peak_bytes, after_graph) + update.state_bytes, by_category, in_update
-
-
-def optimizer_in_graph(cfg: JobConfig) -> bool:
-    """Whether the job traces the AdamW update into the step graph."""
-    return cfg.compile.mode == "trace" and cfg.compile.trace_optimizer
-
-
 def meta_model(cfg: JobConfig) -> nn.Module:
     """The configured model on the meta device: shapes only, no memory."""
-    args = build_model_args(cfg.model.name, cfg.model.flavor, cfg.model.overrides())
-    with torch.device("meta"):
-        return get_model_spec(cfg.model.name).model_cls(args)
+    return build_model(cfg, None)
 
 
 def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
@@ -105,27 +62,19 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
     batch = {"input": torch.empty(b, s, dtype=torch.long, device="meta"),
              "labels": torch.empty(b, s, dtype=torch.long, device="meta")}
-    o = cfg.optimizer
     in_graph = optimizer_in_graph(cfg)
-    implementation = choose_adamw_implementation(o.implementation, device, trace_optimizer=in_graph)
-    torch_optimizer = build_optimizer(model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                      weight_decay=o.weight_decay, implementation=implementation)
+    implementation = adamw_implementation_for(cfg, device)
+    torch_optimizer = build_job_optimizer(cfg, model, device)  # the trainer's, state included
     loss_fn = loss_fn if loss_fn is not None else build_lm_loss(cfg.training.loss_chunk_size)
+    pipeline = build_pipeline(cfg, dump_dir=None)  # validates the passes before the (long) trace
     start = time.perf_counter()
     traced = trace_step(model, batch, max_norm=cfg.training.max_norm, loss_fn=loss_fn,
                         optimizer=GraphAdamW(torch_optimizer) if in_graph else None, device=device)
-    plan_cfg = copy.deepcopy(cfg)
-    plan_cfg.compile.dump_graphs = False
     with quiet():  # a plan, not the step that runs: its pass timings would only repeat the trainer's
-        traced = build_pipeline(plan_cfg, dump_dir=None)(traced)
+        result = pipeline(traced)
     elapsed = time.perf_counter() - start
-    est = traced.memory_estimate
-    update = None
-    if not in_graph:
-        for group in torch_optimizer.param_groups:
-            for p in group["params"]:
-                init_adamw_state(torch_optimizer, p)
-        update = EagerUpdate.of(torch_optimizer, implementation, device)
+    est = result.memory_estimate
+    update = None if in_graph else EagerUpdate.of(torch_optimizer, implementation, device)
     peak, by_category, in_update = whole_step_peak(est, update)
     if in_update:
         where = f"the eager AdamW update ({implementation})"
@@ -133,7 +82,7 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
         where = f"{est.peak_node} ({est.peak_op})" + (f" in {est.peak_module_fqn}" if est.peak_module_fqn else "")
     return StepPlan(ac_mode=cfg.activation_checkpoint.mode, peak_bytes=peak,
                     saved_bytes=est.saved_bytes, peak_by_category=by_category,
-                    peak_where=where, flops=sum(op_flops(n) for n in traced.gm.graph.nodes),
+                    peak_where=where, flops=sum(node_flops(n) for n in result.traced.gm.graph.nodes),
                     num_params=num_params(model), trace_time_s=elapsed,
                     optimizer="in graph" if in_graph else implementation)
 
@@ -146,7 +95,7 @@ def available_bytes(device: torch.device) -> int:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                return int(line.split()[1]) * KIB
     raise UserError("cannot read available memory from /proc/meminfo")
 
 
@@ -202,8 +151,7 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
     device = device or resolve_device(cfg.training.device)
     model = meta_model(cfg)
     in_graph = optimizer_in_graph(cfg)
-    update = "in the graph" if in_graph else "eager, " + choose_adamw_implementation(
-        cfg.optimizer.implementation, device, trace_optimizer=False)
+    update = "in the graph" if in_graph else "eager, " + adamw_implementation_for(cfg, device)
     print_fn(f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {cfg.training.local_batch_size} x "
              f"seq {cfg.training.seq_len}, device {device.type}, fake tensors only "
              f"(clipping and the AdamW update included: {update})")

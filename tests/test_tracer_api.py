@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from graph_trainer.tracer.capture import TraceError, trace_step
 from graph_trainer.tracer.executor import GraphStep
-from graph_trainer.trainer import cli_trace_errors
+from graph_trainer.builder import cli_trace_errors
 
 
 class ReadsAValue(nn.Module):
