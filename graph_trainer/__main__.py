@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, opts = load_config(argv)
         if opts.help:
-            print(help_text(), end="")
+            print(help_text(opts.config), end="")
             return 0
         if opts.print_config:
             print(config_to_toml(cfg), end="")

@@ -96,9 +96,8 @@ class Manifest:
         if _is_within(path, self._root):
             return True
         name = path.name
-        checkpoint_like = _CKPT_RE.match(name) or (name.startswith(".step-") and name.endswith(TEMP_SUFFIX))
-        return (self.location == str(self._root) and str(path.parent) in self.outside
-                and checkpoint_like is not None)
+        checkpoint_like = bool(_CKPT_RE.match(name)) or (name.startswith(".step-") and name.endswith(TEMP_SUFFIX))
+        return checkpoint_like and self.location == str(self._root) and str(path.parent) in self.outside
 
     @classmethod
     def read(cls, dump_folder: Path) -> Manifest | None:

@@ -26,8 +26,8 @@ from graph_trainer.digest import tensors_digest
 from graph_trainer.distributed import DistInfo, single_process
 from graph_trainer.divergence import DivergenceGuard, TrainingDiverged
 from graph_trainer.errors import UserError
-from graph_trainer.interrupts import Interrupted, StopRequest
 from graph_trainer.fsutil import atomic_write_text
+from graph_trainer.interrupts import Interrupted, StopRequest
 from graph_trainer.log import configure_console, get_logger
 from graph_trainer.memory import MemoryMonitor
 from graph_trainer.metrics import SUMMARY_FILE, TB_SUBDIR, MetricsLogger
