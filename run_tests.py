@@ -11,7 +11,7 @@ peak active/reserved/estimated memory, throughput, trace time) together with
 summary.json (exact losses and digests), and the test's declared expectations are
 checked; cross-test ones (bitwise-equal loss curves, peak ratios) once every test
 has finished. The runner prints a table, writes `OUTPUT_DIR/results.json` and
-`OUTPUT_DIR/peak_memory.png`, shows the stderr tail of failing runs, and ends with
+`OUTPUT_DIR/peak_memory.png` (with matplotlib, the `plots` extra), shows the stderr tail of failing runs, and ends with
 the line `N passed, N failed[, N skipped]`. Exit status: 0 all passed, 1 a check
 failed, 2 a usage error.
 """
@@ -39,7 +39,6 @@ from graph_trainer.errors import did_you_mean  # noqa: E402
 from graph_trainer.units import MIB_PER_GIB  # noqa: E402
 from tests.integration.checks import FAILED, PASSED, SKIPPED, RunOutcome, Verdict, check_test  # noqa: E402
 from tests.integration.collect import collect_run  # noqa: E402
-from tests.integration.png_chart import write_bar_chart  # noqa: E402
 from tests.integration.spec import SUITES, IntegrationTest, with_dependencies  # noqa: E402
 
 MARKER = ".run_tests_output"   # marks a folder this runner created, so --overwrite may empty it
@@ -47,6 +46,7 @@ RESULTS_FILE = "results.json"
 CHART_FILE = "peak_memory.png"
 LOGS_DIR = "logs"
 STDERR_TAIL_LINES = 25
+CHART_INSTALL_HINT = "pip install 'graph_trainer[plots]'"
 
 
 class UsageError(Exception):
@@ -293,20 +293,54 @@ def write_results(out: Path, runs: list[TestRun], meta: dict) -> Path:
 
 
 def write_chart(out: Path, runs: list[TestRun]) -> Path | None:
-    """OUTPUT_DIR/peak_memory.png: measured (TensorBoard) and estimated peak per test that has one."""
+    """OUTPUT_DIR/peak_memory.png: measured (TensorBoard) and estimated peak per test that has one.
+
+    Returns None when no test logged memory. Raises ImportError when matplotlib (the
+    `plots` extra) is missing; the caller reports that and writes everything else.
+    """
     with_mem = [r for r in runs if r.outcome.metrics is not None and
                 (r.outcome.metrics.peak_active_gib is not None or r.outcome.metrics.estimated_peak_gib is not None)]
     if not with_mem:
         return None
+    # The object API without pyplot: no display and no global backend state; savefig draws with Agg.
+    from matplotlib.figure import Figure
+
     active = [r.outcome.metrics.peak_active_gib for r in with_mem]
     estimated = [r.outcome.metrics.estimated_peak_gib for r in with_mem]
     top = max(v for v in active + estimated if v is not None)
     scale, unit = (1.0, "GiB") if top >= 1.0 else (MIB_PER_GIB, "MiB")
-    series = {"peak active": [None if v is None else v * scale for v in active]}
+    series = {"peak active": active}
     if any(v is not None for v in estimated):
-        series["estimated"] = [None if v is None else v * scale for v in estimated]
-    return write_bar_chart(out / CHART_FILE, f"Peak memory per test ({unit}, from TensorBoard)",
-                           [r.test.name for r in with_mem], series, unit)
+        series["estimated"] = estimated
+    names = [r.test.name for r in with_mem]
+    height = 0.8 / len(series)
+    fig = Figure(figsize=(8, 1.2 + 0.35 * len(names) * len(series)), layout="constrained")
+    ax = fig.add_subplot()
+    for k, (label, values) in enumerate(series.items()):
+        ys = [i + k * height for i in range(len(names))]
+        widths = [0.0 if v is None else v * scale for v in values]
+        bars = ax.barh(ys, widths, height=height, label=label)
+        ax.bar_label(bars, labels=["" if v is None else f"{v * scale:.2f}" for v in values], padding=2,
+                     fontsize=8)
+    ax.set_yticks([i + height * (len(series) - 1) / 2 for i in range(len(names))], names)
+    ax.invert_yaxis()  # first test on top, as in the table
+    ax.set_xlabel(unit)
+    ax.set_title(f"Peak memory per test ({unit}, from TensorBoard)")
+    ax.legend(loc="lower right")
+    path = out / CHART_FILE
+    fig.savefig(path, format="png")
+    return path
+
+
+def chart_line(out: Path, runs: list[TestRun]) -> tuple[str, str | None]:
+    """Write the chart if possible: (the report's `chart:` line, the file name or None)."""
+    try:
+        chart = write_chart(out, runs)
+    except ImportError:
+        return f"chart: not written, matplotlib is missing ({CHART_INSTALL_HINT} draws it)", None
+    if chart is None:
+        return "chart: none (no test logged peak memory)", None
+    return f"chart: {chart}", chart.name
 
 
 def stderr_tail(text: str, lines: int = STDERR_TAIL_LINES) -> str:
@@ -332,10 +366,10 @@ def report(out: Path, runs: list[TestRun], meta: dict) -> int:
         print(f"  $ {shlex.join(r.commands[len(r.outcome.exit_codes) - 1] if r.outcome.exit_codes else r.commands[0])}")
         print(f"  stderr (last {STDERR_TAIL_LINES} lines, full log in {out / LOGS_DIR}):")
         print(stderr_tail(r.outcome.stderr))
-    chart = write_chart(out, runs)
-    results = write_results(out, runs, {**meta, "chart": chart.name if chart else None})
+    chart_text, chart_name = chart_line(out, runs)
+    results = write_results(out, runs, {**meta, "chart": chart_name})
     print(f"\nresults: {results}")
-    print(f"chart: {chart}" if chart else "chart: none (no test logged peak memory)")
+    print(chart_text)
     print(f"wall time: {meta['wall_time_s']:.1f} s")
     print(counts_line(runs))
     return 1 if any(r.verdict.status == FAILED for r in runs) else 0

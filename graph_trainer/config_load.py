@@ -20,8 +20,11 @@ from graph_trainer.config import JobConfig, section_fields, sections
 from graph_trainer.config_values import check_limits, coerce, value_desc
 from graph_trainer.errors import ConfigError, did_you_mean
 
-# Located relative to this file, so `--config llama3_debug` works from any cwd.
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Located relative to this file, so `--config llama3_debug` works from any cwd: an installed
+# wheel carries them as package data (graph_trainer/configs/, see pyproject.toml), a source
+# checkout (editable install, PYTHONPATH) has them at the repository's top level.
+_INSTALLED_CONFIGS = Path(__file__).resolve().parent / "configs"
+CONFIGS_DIR = _INSTALLED_CONFIGS if _INSTALLED_CONFIGS.is_dir() else Path(__file__).resolve().parent.parent / "configs"
 
 
 def apply_toml(cfg: JobConfig, data: dict[str, Any], where: str) -> None:
@@ -142,7 +145,7 @@ def resolve_model_args(cfg: JobConfig) -> Any:
 
 
 def shipped_configs() -> list[str]:
-    """Names (without .toml) of the configs shipped in the repository's configs/ folder."""
+    """Names (without .toml) of the shipped configs (the repository's configs/ folder)."""
     return sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
 
 

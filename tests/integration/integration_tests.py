@@ -26,7 +26,7 @@ TINY_STEPS = 5
 # dominate, so the AC peak comparisons mean something (and budgets >= ~0.5 are feasible).
 SMALL = ("--config", "llama3_debug.toml", "--model.n_layers", "2", "--training.seq_len", "256",
          "--training.local_batch_size", "4", "--training.deterministic", "true")
-# The shipped debug model (6 layers, seq 256, batch 4).
+# The shipped debug model as configured (6 layers, seq 512, batch 16).
 DEBUG = ("--config", "llama3_debug.toml", "--training.deterministic", "true")
 DEBUG_STEPS = 10
 

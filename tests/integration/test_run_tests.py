@@ -1,4 +1,4 @@
-"""Tests of the integration runner itself: expectation checks, reading runs back, the PNG chart, the CLI.
+"""Tests of the integration runner itself: expectation checks, reading runs back, the chart, the CLI.
 
 Everything but the last test works on made-up outcomes or on a dump folder written
 by the trainer's own `MetricsLogger`, so no training runs. The last one runs
@@ -7,12 +7,11 @@ by the trainer's own `MetricsLogger`, so no training runs. The last one runs
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
-import struct
 import subprocess
 import sys
-import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +21,6 @@ import run_tests
 from tests.integration.checks import FAILED, PASSED, SKIPPED, RunOutcome, as_float32, check_test
 from tests.integration.collect import RunMetrics, collect_run
 from tests.integration.integration_tests import TESTS
-from tests.integration.png_chart import FONT, bar_chart_png
 from tests.integration.spec import Expect, IntegrationTest, PeakRatio, validate_tests, with_dependencies
 
 REPO = Path(run_tests.__file__).resolve().parent
@@ -325,44 +323,47 @@ def test_declared_invocations_parse_as_the_trainer_expects(t, tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# PNG chart
+# Peak-memory chart (matplotlib, the `plots` extra)
 # ---------------------------------------------------------------------------
 
 
-def _decode_png(data: bytes) -> tuple[int, int, bytes]:
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
-        assert crc == zlib.crc32(kind + body), kind
-        chunks[kind] = chunks.get(kind, b"") + body
-        pos += 12 + length
-    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, color) == (8, 2)
-    return width, height, zlib.decompress(chunks[b"IDAT"])
+def _runs_with_memory() -> list[run_tests.TestRun]:
+    full = metrics(LOSSES, peak_gib=0.012)
+    full.estimated_peak_gib = 0.012
+    return [run_tests.TestRun(decl("eager"), ok(metrics(LOSSES, peak_gib=0.03)), []),
+            run_tests.TestRun(decl("trace_full"), ok(full), [])]
 
 
-def test_png_chart_is_a_valid_png_with_bars_in_the_series_colors():
-    data = bar_chart_png("peak", ["eager", "trace_full"], {"peak active": [30.0, 12.0], "estimated": [None, 12.0]},
-                         "MiB")
-    width, height, raw = _decode_png(data)
-    assert len(raw) == height * (1 + 3 * width)
-    rows = [raw[y * (1 + 3 * width) + 1:(y + 1) * (1 + 3 * width)] for y in range(height)]
-    assert all(raw[y * (1 + 3 * width)] == 0 for y in range(height))  # filter byte "none"
-    blue, orange = bytes((66, 133, 244)), bytes((244, 160, 0))
-    blue_rows = [r for r in rows if blue * 50 in r]
-    assert blue_rows, "no bar drawn"
-    # The eager bar (the largest value) is the longest blue run.
-    longest = max(max(len(run) for run in r.split(b"\xff\xff\xff")) for r in blue_rows)
-    assert longest >= 3 * 480 - 3
-    assert any(orange * 50 in r for r in rows)
+def test_chart_is_a_png_matplotlib_reads_back(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    line, name = run_tests.chart_line(tmp_path, _runs_with_memory())
+    assert name == run_tests.CHART_FILE and line == f"chart: {tmp_path / run_tests.CHART_FILE}"
+    pixels = matplotlib.image.imread(tmp_path / run_tests.CHART_FILE)  # PIL decodes it
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+    colors = {tuple(round(c * 255) for c in p[:3]) for p in pixels.reshape(-1, pixels.shape[2]).tolist()}
+    # Both series are drawn, in matplotlib's first two cycle colors (C0 blue, C1 orange).
+    assert {(0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)} <= colors
 
 
-def test_font_covers_test_names():
-    for t in TESTS:
-        assert set(t.name.upper()) <= set(FONT), t.name
+def test_without_matplotlib_the_runner_says_how_to_get_the_chart_and_writes_the_rest(tmp_path, capsys,
+                                                                                     monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # `import` of it raises ImportError
+    runs = _runs_with_memory()
+    for r in runs:
+        r.verdict = check(r.test, r.outcome)
+    assert run_tests.report(tmp_path, runs, {"wall_time_s": 1.0}) == 0
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    assert "chart: not written, matplotlib is missing (pip install 'graph_trainer[plots]' draws it)" in lines
+    assert lines[-1] == "2 passed, 0 failed"
+    assert json.loads((tmp_path / "results.json").read_text())["chart"] is None
+    assert not (tmp_path / run_tests.CHART_FILE).exists()
+
+
+def test_no_chart_when_no_test_logged_memory(tmp_path):
+    runs = [run_tests.TestRun(decl("a"), ok(metrics(LOSSES, peak_gib=None)), [])]
+    assert run_tests.chart_line(tmp_path, runs) == ("chart: none (no test logged peak memory)", None)
 
 
 # ---------------------------------------------------------------------------
@@ -449,4 +450,5 @@ def test_run_tests_end_to_end_on_one_tiny_training_run(tmp_path):
     m = result["metrics"]
     assert m["steps"] == m["tb_steps"] == [1, 2, 3, 4, 5, 6]
     assert m["peak_active_gib"] > 0 and m["tokens_per_s"] > 0 and m["trace_count"] == 1
-    assert (out / "peak_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "peak_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
