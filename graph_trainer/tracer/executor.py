@@ -110,17 +110,37 @@ class GraphStep:
         self.grad_reduce = grad_reduce
         self.eager_optimizer = eager_optimizer
         self._eager_update: EagerUpdate | None = None  # its memory, measured on first report
+        self._reusable: tuple[Transformed, str] | None = None  # (a trace made elsewhere, by whom): see reuse_trace
         self.stats = TraceStats()
         self.traced: TracedStep | None = None
         self.memory_estimate: MemoryEstimate | None = None  # of the current graph, when the transform made one
         self._params = [p for _, p in model.named_parameters()]
         self._buffers = [b for _, b in model.named_buffers()]
 
+    def reuse_trace(self, result: Transformed, source: str) -> None:
+        """Run the first batch on `result` instead of tracing, if its signature matches.
+
+        `result` must be this step transformed as this step's own transform would
+        (same model structure, loss, clipping, optimizer placement, gradient reduction
+        and passes): the preflight traces it on the meta model for the same device.
+        It counts as this step's first trace (`stats.count`), so a run traces once.
+        """
+        self._reusable = (result, source)
+
     def ensure_traced(self, batch: Any) -> TracedStep:
         """The graph for `batch`'s signature, tracing (and transforming) it if needed."""
         signature = batch_signature(batch)
         if self.traced is not None and self.traced.signature == signature:
             return self.traced
+        if self._reusable is not None:
+            (result, source), self._reusable = self._reusable, None
+            if result.traced.signature == signature:
+                logger.info(f"the step reuses the trace made by {source} (same batch signature): no new trace")
+                self._count_trace(result.traced)
+                self._install(result)
+                return self.traced
+            logger.info(f"tracing the step: the trace made by {source} does not fit the batch "
+                        f"({describe_change(result.traced.signature, signature)})")
         if self.traced is not None:
             reason = describe_change(self.traced.signature, signature)
             if self.on_shape_change == "error":
@@ -131,16 +151,21 @@ class GraphStep:
         traced = trace_step(self.model, batch, loss_fn=self.loss_fn, max_norm=self.max_norm,
                             optimizer=self.optimizer, device=self.device,
                             failure_dir=self.failure_dir, grad_reduce=self.grad_reduce)
+        self._count_trace(traced)
+        result = self.transform(traced) if self.transform is not None else traced
+        self._install(result if isinstance(result, Transformed) else Transformed(result))
+        return self.traced
+
+    def _count_trace(self, traced: TracedStep) -> None:
         self.stats.count += 1
         self.stats.last_time_s = traced.trace_time_s
         self.stats.total_time_s += traced.trace_time_s
-        result = self.transform(traced) if self.transform is not None else traced
-        if isinstance(result, TracedStep):
-            result = Transformed(result)
+
+    def _install(self, result: Transformed) -> None:
+        """Make `result` the graph that runs."""
         self.traced, self.memory_estimate = result.traced, result.memory_estimate
         if result.compile_time_s is not None:
             self.stats.compile_time_s = (self.stats.compile_time_s or 0.0) + result.compile_time_s
-        return self.traced
 
     def flat_inputs(self, batch: Any) -> list[torch.Tensor]:
         """Graph inputs for this step, gathered from the live model, batch and optimizer."""
