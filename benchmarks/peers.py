@@ -40,7 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-GIB = 1024**3
+from graph_trainer.units import GIB  # noqa: E402
+
 MODES = ("eager", "eager+compile(block)", "eager+compile(model)", "trace", "trace+opt", "trace+inductor",
          "trace+inductor+opt", "trace+inductor+cudagraphs", "trace+inductor+cudagraphs+opt")
 

@@ -1,6 +1,6 @@
 """The eager activation-checkpointing baseline: `torch.utils.checkpoint` around each transformer layer.
 
-The same policies as the graph passes (`graph_trainer.passes.activation_checkpoint`):
+The same policies as the graph passes (`graph_trainer.passes.memory_policy`):
 - full: plain `checkpoint` of every layer (recomputes everything in it);
 - selective "op": `create_selective_checkpoint_contexts` saving matmul and
   attention outputs, recomputing every second matmul of each layer (the
@@ -24,14 +24,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 from graph_trainer.config import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError
 from graph_trainer.layers import transformer_layers
-from graph_trainer.passes.activation_checkpoint import OpPattern, parse_overrides
+from graph_trainer.op_patterns import OpPattern, parse_overrides
 from graph_trainer.passes.graph_utils import is_attention, is_matmul
-
-
-def _op_matches(pattern: OpPattern, func: Any) -> bool:
-    packet = getattr(func, "overloadpacket", None)
-    return (packet is not None and packet._qualified_op_name == pattern.op
-            and (pattern.overload is None or func._overloadname == pattern.overload))
 
 
 def _policy_factory(selective_op: bool, save: list[OpPattern], recompute: list[OpPattern]):
@@ -46,9 +40,9 @@ def _policy_factory(selective_op: bool, save: list[OpPattern], recompute: list[O
             if is_matmul(func):
                 counts[ctx.is_recompute] += 1
                 matmul_save = counts[ctx.is_recompute] % 2 == 1
-            if any(_op_matches(p, func) for p in save):
+            if any(p.matches_op(func) for p in save):
                 return CheckpointPolicy.MUST_SAVE
-            if any(_op_matches(p, func) for p in recompute):
+            if any(p.matches_op(func) for p in recompute):
                 return CheckpointPolicy.PREFER_RECOMPUTE
             if selective_op and (is_attention(func) or (is_matmul(func) and matmul_save)):
                 return CheckpointPolicy.MUST_SAVE
@@ -79,7 +73,7 @@ def apply_eager_checkpointing(model: nn.Module, ac: ActivationCheckpointConfig) 
     if ac.mode == "budget":
         raise ConfigError("activation_checkpoint.mode = 'budget' is graph-only; use --compile.mode trace "
                           "or choose selective/full for eager")
-    save, recompute = parse_overrides(ac)
+    save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
     if any(p.module is not None for p in save + recompute):
         raise ConfigError("module-qualified save_list/recompute_list entries ('<glob>::aten.<op>') are "
                           "graph-only; use --compile.mode trace or plain 'aten.<op>' entries")

@@ -26,20 +26,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_iter
 
-GIB = 1024**3
-
-
-def to_gib(nbytes: int | float | None) -> float | None:
-    """Bytes -> GiB (1024**3); None stays None."""
-    return None if nbytes is None else nbytes / GIB
-
+from graph_trainer.units import KIB
 
 # ---------------------------------------------------------------------------
 # What the CUDA caching allocator counts (used by the static estimate; pure functions, no CUDA needed)
 
 CUDA_BLOCK_BYTES = 512  # c10's kMinBlockSize: every allocation is rounded up to a multiple of it
-CUBLAS_WORKSPACE_SM90_BYTES = 4096 * 8 * 1024  # torch's default on Hopper (":4096:8")
-CUBLAS_WORKSPACE_DEFAULT_BYTES = 4096 * 2 * 1024 + 16 * 8 * 1024  # elsewhere (":4096:2:16:8")
+CUBLAS_WORKSPACE_SM90_BYTES = 4096 * 8 * KIB  # torch's default on Hopper (":4096:8")
+CUBLAS_WORKSPACE_DEFAULT_BYTES = 4096 * 2 * KIB + 16 * 8 * KIB  # elsewhere (":4096:2:16:8")
 
 
 def allocated_bytes(nbytes: int, device_type: str) -> int:
@@ -67,7 +61,7 @@ def cublas_workspace_bytes(config: str | None, compute_capability: tuple[int, in
     it counts in every step's active peak.
     """
     if config is not None:  # parsed as torch does: every ":SIZE:COUNT" match, nothing else
-        return sum(int(size) * 1024 * int(count) for size, count in re.findall(r":([0-9]+):([0-9]+)", config))
+        return sum(int(size) * KIB * int(count) for size, count in re.findall(r":([0-9]+):([0-9]+)", config))
     if compute_capability is None or compute_capability == (9, 0):
         return CUBLAS_WORKSPACE_SM90_BYTES
     return CUBLAS_WORKSPACE_DEFAULT_BYTES
@@ -220,7 +214,7 @@ def reset_peak(device: torch.device | str) -> None:
 def rss_peak_bytes() -> int:
     """The process's resident-set high-water mark since start, in bytes (it never goes down)."""
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(maxrss) if sys.platform == "darwin" else int(maxrss) * 1024  # Linux reports KiB
+    return int(maxrss) if sys.platform == "darwin" else int(maxrss) * KIB  # Linux reports KiB
 
 
 # ---------------------------------------------------------------------------

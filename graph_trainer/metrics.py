@@ -26,11 +26,11 @@ import torch
 
 from graph_trainer.errors import ConfigError
 from graph_trainer.fsutil import atomic_write_text
+from graph_trainer.units import GIB
 
 SCHEMA_VERSION = 1
 SUMMARY_FILE = "summary.json"
 TB_SUBDIR = "tb"
-GIB = 1024**3
 
 # Record key -> TensorBoard tag. The tag names are a public contract.
 TB_TAGS: Mapping[str, str] = MappingProxyType(

@@ -25,7 +25,7 @@ from graph_trainer.device import resolve_device
 from graph_trainer.errors import UserError
 from graph_trainer.log import quiet
 from graph_trainer.loss import build_lm_loss
-from graph_trainer.memory import to_gib
+from graph_trainer.units import KIB, to_gib
 from graph_trainer.optimizer import (GraphAdamW, adamw_state_bytes, build_optimizer, choose_adamw_implementation,
                                      eager_step_scratch_bytes, init_adamw_state)
 from graph_trainer.passes import build_pipeline
@@ -111,13 +111,12 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
     torch_optimizer = build_optimizer(model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                       weight_decay=o.weight_decay, implementation=implementation)
     loss_fn = loss_fn if loss_fn is not None else build_lm_loss(cfg.training.loss_chunk_size)
+    pipeline = build_pipeline(cfg, dump_dir=None)  # validates the passes before the (long) trace
     start = time.perf_counter()
     traced = trace_step(model, batch, max_norm=cfg.training.max_norm, loss_fn=loss_fn,
                         optimizer=GraphAdamW(torch_optimizer) if in_graph else None, device=device)
-    plan_cfg = copy.deepcopy(cfg)
-    plan_cfg.compile.dump_graphs = False
     with quiet():  # a plan, not the step that runs: its pass timings would only repeat the trainer's
-        traced = build_pipeline(plan_cfg, dump_dir=None)(traced)
+        traced = pipeline(traced)
     elapsed = time.perf_counter() - start
     est = traced.memory_estimate
     update = None
@@ -146,7 +145,7 @@ def available_bytes(device: torch.device) -> int:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                return int(line.split()[1]) * KIB
     raise UserError("cannot read available memory from /proc/meminfo")
 
 

@@ -27,7 +27,8 @@ from graph_trainer.eager import EagerStep
 from graph_trainer.errors import UserError
 from graph_trainer.log import configure_console, get_logger
 from graph_trainer.loss import build_lm_loss
-from graph_trainer.memory import MemoryMonitor, to_gib
+from graph_trainer.memory import MemoryMonitor
+from graph_trainer.units import to_gib
 from graph_trainer.fsutil import atomic_write_text
 from graph_trainer.metrics import SUMMARY_FILE, TB_SUBDIR, MetricsLogger
 from graph_trainer.optimizer import (GraphAdamW, build_lr_scheduler, build_optimizer, choose_adamw_implementation,
@@ -94,9 +95,7 @@ def build_model(cfg: JobConfig, device: torch.device, vocab_needed: int) -> nn.M
     if vocab_needed > args.vocab_size:
         raise UserError(f"the tokenizer has {vocab_needed} ids but model.vocab_size is {args.vocab_size}; "
                         "set model.vocab_size >= the tokenizer's vocabulary")
-    if cfg.training.seq_len > args.max_seq_len:
-        raise UserError(f"training.seq_len {cfg.training.seq_len} exceeds the model's max_seq_len "
-                        f"{args.max_seq_len}; lower training.seq_len or raise model.max_seq_len")
+    # training.seq_len <= max_seq_len is checked once, when the config is validated (config_load).
     with torch.device("meta"):
         model = get_model_spec(cfg.model.name).model_cls(args)
     model.to_empty(device=device)

@@ -41,6 +41,12 @@ def test_print_config_resolves_a_shipped_name_from_another_directory(tmp_path):
         (["--training.stpes", "3"], "did you mean '--training.steps'?"),  # fails before torch is imported
         (["--config", "llama3_debug", "--training.seq_len", "100000"], "training.seq_len must be <="),
         (["--config"], "--config: expected one argument"),  # an argparse usage error
+        # Disabling the memory policy while a mode asks for it would silently run without checkpointing.
+        (["--config", "llama3_debug", "--activation_checkpoint.mode", "selective", "--compile.disable_passes",
+          "memory_policy"], "compile.disable_passes has 'memory_policy', but activation_checkpoint.mode = "
+                            "'selective' needs it"),
+        (["--config", "llama3_debug", "--activation_checkpoint.mode", "full", "--compile.disable_passes",
+          "activation_checkpoint"], "pass 'activation_checkpoint' is now part of 'memory_policy'"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, expected):

@@ -12,16 +12,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer.memory import (
-    GIB,
     LiveTensorTracker,
     MemoryMonitor,
     StepMemory,
     cuda_memory_stats,
     reset_peak,
     rss_peak_bytes,
-    to_gib,
 )
 from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_tensors
+from graph_trainer.units import GIB, to_gib
 
 VOCAB, DIM, HEADS = 64, 32, 4
 

@@ -3,6 +3,7 @@ optimizer ops, no-op removal and remat preserving numerics bitwise, remat being 
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -11,12 +12,15 @@ import torch
 from graph_trainer.cli import load_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.optimizer import GraphAdamW, build_optimizer
-from graph_trainer.passes import available_passes, build_pipeline
-from graph_trainer.passes.activation_checkpoint import parse_op_pattern, tag_activation_checkpoint
+from graph_trainer.eager import EagerStep
+from graph_trainer.passes import available_passes, build_pipeline, memory_policy_transform
+from graph_trainer.op_patterns import parse_op_pattern
+from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
 from graph_trainer.passes.graph_utils import is_mutating
 from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer import node_meta
+from graph_trainer.tracer import GraphStep
 from graph_trainer.tracer.capture import trace_step
 from models.llama3.model import ModelArgs, Transformer
 
@@ -44,6 +48,21 @@ def test_unknown_pass_in_disable_passes_lists_the_available_ones():
         build_pipeline(_cfg("--compile.disable_passes", "cse"), dump_dir=None)
 
 
+@pytest.mark.parametrize("mode", ["selective", "full", "budget"])
+@pytest.mark.parametrize("disabled", ["memory_policy", "remat"])
+def test_disabling_the_memory_policy_while_a_mode_asks_for_it_is_a_config_error(mode, disabled):
+    with pytest.raises(ConfigError, match=f"has '{disabled}', but activation_checkpoint.mode = '{mode}' needs it"):
+        build_pipeline(_cfg("--activation_checkpoint.mode", mode, "--compile.disable_passes", disabled),
+                       dump_dir=None)
+    build_pipeline(_cfg("--compile.disable_passes", disabled), dump_dir=None)  # mode none: nothing to disable
+
+
+@pytest.mark.parametrize("old", ["activation_checkpoint", "memory_budget"])
+def test_a_renamed_pass_name_says_its_new_name(old):
+    with pytest.raises(ConfigError, match=f"pass '{old}' is now part of 'memory_policy'"):
+        build_pipeline(_cfg("--compile.disable_passes", old), dump_dir=None)
+
+
 @pytest.mark.parametrize("entry", ["aten.notanop", "aten.mm.nooverload", "layers.*::aten.bogus"])
 def test_bad_override_pattern_is_a_config_error(entry):
     with pytest.raises(ConfigError, match="recompute_list"):
@@ -68,11 +87,11 @@ def test_pipeline_runs_in_order_logs_and_dumps_each_pass(tmp_path, caplog):
                "--compile.log_saved_activations", "true")
     traced = build_pipeline(cfg, dump_dir=tmp_path)(trace_step(model, batch))
     ran = [line.split(":")[0].removeprefix("pass ") for line in caplog.messages if line.startswith("pass ")]
-    assert ran == ["dce", "remove_noops", "activation_checkpoint", "remat"]
+    assert ran == ["dce", "remove_noops", "memory_policy", "remat"]
     assert [n for n in available_passes() if n in ran] == ran  # registry order
     dumped = sorted(p.name for p in (tmp_path / "trace_1").iterdir())
     assert dumped == ["00_traced.py", "01_after_dce.py", "02_after_remove_noops.py",
-                      "03_after_activation_checkpoint.py", "04_after_remat.py", "saved_tensors.txt",
+                      "03_after_memory_policy.py", "04_after_remat.py", "saved_tensors.txt",
                       "summary.txt"]
     assert "_recomputed" in (tmp_path / "trace_1" / "04_after_remat.py").read_text()
     assert traced.memory_estimate is not None and traced.memory_estimate.peak_bytes > 0
@@ -112,3 +131,20 @@ def test_remat_is_bitwise_and_final():
     assert copies and not any(node_meta.is_random(n) for n in copies)
     assert all(torch.equal(a, b) for a, b in zip(expected, _run(gm, inputs)))
     assert rematerialize(gm) is gm  # nothing left to decide
+
+
+@pytest.mark.parametrize("mode", ["selective", "full", "budget"])
+def test_memory_policy_transform_gives_a_users_step_the_policy_bitwise(mode):
+    model, batch = _model_and_batch(dropout=0.0)
+    eager_model = copy.deepcopy(model)
+    step = GraphStep(model, max_norm=1.0, transform=memory_policy_transform(mode, memory_budget=0.9))
+    loss, norm = step(batch)
+    loss_e, norm_e = EagerStep(eager_model, max_norm=1.0)(batch)
+    assert torch.equal(loss, loss_e) and torch.equal(norm, norm_e)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), eager_model.parameters()))
+    assert any(node_meta.is_rematerialized(n) for n in step.traced.gm.graph.nodes)
+
+
+def test_memory_policy_transform_refuses_an_unknown_mode():
+    with pytest.raises(ConfigError, match="activation_checkpoint.mode must be one of none|selective|full|budget"):
+        memory_policy_transform("sometimes")

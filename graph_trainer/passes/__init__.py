@@ -2,28 +2,32 @@
 
 Fixed order (each may be turned off with `compile.disable_passes`):
 
-1. `dce`                   dead-code elimination (keeps in-place and random ops)   bitwise
-2. `remove_noops`          drop detach/alias/same-shape views/t(t(x))               bitwise
-3. `activation_checkpoint` tag save/recompute (mode selective or full)             bitwise
-4. `memory_budget`         tag save/recompute to fit a memory budget (mode budget) bitwise
-5. `remat`                 duplicate recomputed ops into the backward               bitwise
+1. `dce`            dead-code elimination (keeps in-place and random ops)         bitwise
+2. `remove_noops`   drop detach/alias/same-shape views/t(t(x))                     bitwise
+3. `memory_policy`  tag save/recompute (activation_checkpoint.mode selective,
+                    full or budget, plus the save/recompute overrides)            bitwise
+4. `remat`          duplicate recomputed ops into the backward                     bitwise
 
 Then the memory estimate of the final graph fills `TracedStep.memory_estimate`.
-Save/recompute is decided once (3 or 4) and made final by 5; nothing after
-`remat` re-decides it.
+Save/recompute is decided once (3) and made final by 4; nothing after `remat`
+re-decides it. With a mode other than `none`, 3 and 4 cannot be disabled: the
+step would silently run without the policy asked for.
+
+`memory_policy_transform` gives the same pipeline to a user's own model and
+step (`graph_trainer.tracer.GraphStep(model, transform=...)`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
-from graph_trainer.config import JobConfig
+from graph_trainer.config import ActivationCheckpointConfig, JobConfig
 from graph_trainer.errors import ConfigError
 from graph_trainer.log import get_logger
-from graph_trainer.passes.activation_checkpoint import parse_overrides, tag_activation_checkpoint
-from graph_trainer.passes.budget import tag_memory_budget
+from graph_trainer.op_patterns import parse_overrides
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
+from graph_trainer.passes.memory_policy import MODES, memory_policy
 from graph_trainer.passes.pipeline import GraphPass, PassContext, Pipeline, check_disabled
 from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer.capture import TracedStep
@@ -31,12 +35,12 @@ from graph_trainer.tracer.capture import TracedStep
 logger = get_logger(__name__)
 
 
-def _ac_mode(*modes: str) -> Callable[[JobConfig], bool]:
-    return lambda cfg: cfg.activation_checkpoint.mode in modes
-
-
-def _always(cfg: JobConfig) -> bool:
+def _always(ac: ActivationCheckpointConfig) -> bool:
     return True
+
+
+def _policy_asked(ac: ActivationCheckpointConfig) -> bool:
+    return ac.mode != "none"
 
 
 REGISTRY: tuple[GraphPass, ...] = (
@@ -44,15 +48,9 @@ REGISTRY: tuple[GraphPass, ...] = (
               "dead-code elimination; in-place and random ops survive"),
     GraphPass("remove_noops", lambda gm, ctx: remove_noops(gm), True, _always,
               "remove detach/alias, same-shape views and t(t(x))"),
-    GraphPass("activation_checkpoint",
-              lambda gm, ctx: tag_activation_checkpoint(gm, ctx.cfg.activation_checkpoint,
-                                                        input_categories=ctx.input_categories), True,
-              _ac_mode("selective", "full"), "tag save/recompute per op (selective / full)"),
-    GraphPass("memory_budget",
-              lambda gm, ctx: tag_memory_budget(gm, ctx.cfg.activation_checkpoint,
-                                                input_categories=ctx.input_categories),
-              True, _ac_mode("budget"), "tag save/recompute to fit activation_checkpoint.memory_budget"),
-    GraphPass("remat", lambda gm, ctx: rematerialize(gm), True, _ac_mode("selective", "full", "budget"),
+    GraphPass("memory_policy", lambda gm, ctx: memory_policy(gm, ctx.ac, input_categories=ctx.input_categories),
+              True, _policy_asked, "tag save/recompute per op (selective / full / budget, plus overrides)"),
+    GraphPass("remat", lambda gm, ctx: rematerialize(gm), True, _policy_asked,
               "duplicate recomputed forward ops just before their first backward use"),
 )
 
@@ -62,26 +60,80 @@ def available_passes() -> list[str]:
     return [p.name for p in REGISTRY]
 
 
-def build_pipeline(cfg: JobConfig, *, dump_dir: Path | None) -> Callable[[TracedStep], TracedStep]:
-    """The pipeline for `cfg`: enabled passes in registry order, minus `compile.disable_passes`.
+def pipeline_for(ac: ActivationCheckpointConfig, *, disable_passes: Sequence[str] = (),
+                 dump_dir: Path | None = None, log_saved_activations: bool = False) -> Pipeline:
+    """The pipeline for an activation-checkpointing section: enabled passes in registry order, minus `disable_passes`.
 
-    Validates at build time (trainer start-up), before anything is traced.
+    Validates before anything is traced.
 
     Raises:
-        ConfigError: an unknown name in `compile.disable_passes`, an override
-            entry naming no ATen op, or budget mode without the passes it needs.
+        ConfigError: an unknown or renamed name in `disable_passes`, a policy pass
+            disabled while `ac.mode` asks for it, or an override entry naming no ATen op.
     """
-    check_disabled(cfg.compile.disable_passes, list(REGISTRY))
-    parse_overrides(cfg.activation_checkpoint)
-    passes = [p for p in REGISTRY if p.enabled(cfg) and p.name not in cfg.compile.disable_passes]
-    if cfg.activation_checkpoint.mode == "none" and (cfg.activation_checkpoint.save_list
-                                                     or cfg.activation_checkpoint.recompute_list):
+    check_disabled(list(disable_passes), list(REGISTRY))
+    if ac.mode not in MODES:
+        raise ConfigError(f"activation_checkpoint.mode must be one of {'|'.join(MODES)}, got {ac.mode!r}")
+    parse_overrides(ac.save_list, ac.recompute_list)
+    if ac.mode != "none":
+        for name in ("memory_policy", "remat"):
+            if name in disable_passes:
+                raise ConfigError(f"compile.disable_passes has {name!r}, but activation_checkpoint.mode = "
+                                  f"'{ac.mode}' needs it (without it the step would run with no checkpointing); "
+                                  f"remove {name!r} from compile.disable_passes or set "
+                                  "--activation_checkpoint.mode none")
+    elif ac.save_list or ac.recompute_list:
         logger.info("activation_checkpoint.save_list/recompute_list are ignored with "
                     "activation_checkpoint.mode = 'none'")
-    if cfg.activation_checkpoint.mode == "budget" and "remat" in cfg.compile.disable_passes:
-        raise ConfigError("activation_checkpoint.mode = 'budget' needs the 'remat' pass; remove it from "
-                          "compile.disable_passes or choose another activation_checkpoint.mode")
-    return Pipeline(cfg, passes, dump_dir=dump_dir)
+    passes = [p for p in REGISTRY if p.enabled(ac) and p.name not in disable_passes]
+    return Pipeline(passes, ac, dump_dir=dump_dir, log_saved_activations=log_saved_activations)
 
 
-__all__ = ["REGISTRY", "GraphPass", "PassContext", "Pipeline", "available_passes", "build_pipeline"]
+def build_pipeline(cfg: JobConfig, *, dump_dir: Path | None) -> Pipeline:
+    """The pipeline a job's config asks for (`activation_checkpoint` and `compile` sections); see `pipeline_for`.
+
+    Graphs are written under `dump_dir` only with `compile.dump_graphs`.
+    """
+    c = cfg.compile
+    return pipeline_for(cfg.activation_checkpoint, disable_passes=c.disable_passes,
+                        dump_dir=dump_dir if c.dump_graphs else None,
+                        log_saved_activations=c.log_saved_activations)
+
+
+def memory_policy_transform(mode: str = "selective", *, selective_ac_option: str | int = "op",
+                            memory_budget: float = 0.5, save_list: Sequence[str] = (),
+                            recompute_list: Sequence[str] = (), dump_dir: Path | None = None,
+                            ) -> Callable[[TracedStep], TracedStep]:
+    """The pass pipeline with a memory policy, for your own model: pass it as `GraphStep(model, transform=...)`.
+
+    The same passes the trainer runs (clean-up, `memory_policy`, `remat`) and the
+    same memory estimate (`TracedStep.memory_estimate`), without a job config:
+
+        from graph_trainer.passes import memory_policy_transform
+        from graph_trainer.tracer import GraphStep
+
+        step = GraphStep(model, loss_fn=my_loss, transform=memory_policy_transform("selective"))
+        loss, grad_norm = step(batch)
+
+    The policy works per transformer layer: the layers are found as the tracer
+    finds them (`graph_trainer.layers`). Every mode preserves numerics bitwise.
+
+    Args:
+        mode: "none" | "selective" | "full" | "budget" (as `activation_checkpoint.mode`).
+        selective_ac_option: selective only: "op" (save matmul and attention outputs, recompute
+            every second matmul and the rest) or N (checkpoint every N-th layer fully).
+        memory_budget: budget only: <= 1 is a fraction of the no-AC activation memory, > 1 GiB.
+        save_list / recompute_list: op patterns always saved / recomputed, e.g. "aten.mm" or
+            "layers.*.attention::aten.mm" (see `graph_trainer.op_patterns`).
+        dump_dir: write each trace's graph before and after every pass there.
+
+    Raises:
+        ConfigError: an unknown mode or a bad op pattern (before anything is traced).
+    """
+    ac = ActivationCheckpointConfig(mode=mode, selective_ac_option=selective_ac_option,
+                                    memory_budget=memory_budget, save_list=list(save_list),
+                                    recompute_list=list(recompute_list))
+    return pipeline_for(ac, dump_dir=dump_dir)
+
+
+__all__ = ["REGISTRY", "GraphPass", "PassContext", "Pipeline", "available_passes", "build_pipeline",
+           "memory_policy_transform", "pipeline_for"]

@@ -37,8 +37,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 from graph_trainer.config import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError
 from graph_trainer.log import get_logger
-from graph_trainer.passes.graph_utils import (fqn_matches, is_attention, is_matmul, is_mutating,
-                                              layer_forward_nodes, mutated_args, storage_keys)
+from graph_trainer.op_patterns import OpPattern, parse_overrides
+from graph_trainer.passes.graph_utils import (is_attention, is_matmul, is_mutating, layer_forward_nodes,
+                                              mutated_args, storage_keys)
 from graph_trainer.passes.remat import peak_after_remat
 from graph_trainer.tracer import node_meta
 
@@ -46,58 +47,6 @@ logger = get_logger(__name__)
 
 SAVE = CheckpointPolicy.MUST_SAVE
 RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
-
-
-# --------------------------------------------------------------------------- per-op overrides
-
-
-@dataclasses.dataclass(frozen=True)
-class OpPattern:
-    """One `save_list` / `recompute_list` entry: '[<module glob>::]aten.<op>[.<overload>]'."""
-
-    text: str
-    module: str | None
-    op: str  # qualified packet name, e.g. 'aten::mm'
-    overload: str | None
-
-    def matches(self, node: torch.fx.Node) -> bool:
-        target = node.target
-        packet = getattr(target, "overloadpacket", None)
-        if packet is None or packet._qualified_op_name != self.op:
-            return False
-        if self.overload is not None and target._overloadname != self.overload:
-            return False
-        return self.module is None or fqn_matches(node_meta.module_fqn(node), self.module)
-
-
-def parse_op_pattern(text: str, where: str) -> OpPattern:
-    """Parse and check an override entry; the op (and overload) must exist in torch.ops.
-
-    Raises:
-        ConfigError: naming the entry and what is wrong with it.
-    """
-    module, _, op_text = text.rpartition("::")
-    parts = op_text.split(".")
-    if module == "" and "::" in text or len(parts) not in (2, 3) or parts[0] != "aten" or not all(parts):
-        raise ConfigError(f"{where}: {text!r} is not '[<module glob>::]aten.<op>[.<overload>]', "
-                          "e.g. 'aten.mm' or 'layers.*.attention::aten.mm'")
-    packet = getattr(torch.ops.aten, parts[1], None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        raise ConfigError(f"{where}: {text!r} names no ATen op 'aten.{parts[1]}'; "
-                          "use names as they appear in the dumped graph (e.g. aten.mm, aten.silu)")
-    overload = parts[2] if len(parts) == 3 else None
-    if overload is not None and overload not in packet.overloads():
-        raise ConfigError(f"{where}: aten.{parts[1]} has no overload {overload!r}; "
-                          f"choose one of {', '.join(packet.overloads())}")
-    return OpPattern(text, module or None, packet._qualified_op_name, overload)
-
-
-def parse_overrides(ac: ActivationCheckpointConfig) -> tuple[list[OpPattern], list[OpPattern]]:
-    """(save patterns, recompute patterns) from the config, validated."""
-    save = [parse_op_pattern(p, f"activation_checkpoint.save_list[{i}]") for i, p in enumerate(ac.save_list)]
-    recompute = [parse_op_pattern(p, f"activation_checkpoint.recompute_list[{i}]")
-                 for i, p in enumerate(ac.recompute_list)]
-    return save, recompute
 
 
 # --------------------------------------------------------------------------- structure of the step
@@ -247,7 +196,7 @@ def tag_activation_checkpoint(gm: torch.fx.GraphModule, ac: ActivationCheckpoint
     numerics bitwise (metadata only).
     """
     structure = analyze(gm)
-    save, recompute = parse_overrides(ac)
+    save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
     decisions = finalize(structure, apply_overrides(structure, policy_for(ac)(structure), save, recompute))
     if ac.mode == "full":
         attention = [n for n in structure.layer_nodes if is_attention(n.target) and decisions[n] == RECOMPUTE]

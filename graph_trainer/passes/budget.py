@@ -40,15 +40,15 @@ import torch.fx
 from graph_trainer.config import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError
 from graph_trainer.log import get_logger
+from graph_trainer.op_patterns import parse_overrides
 from graph_trainer.passes.activation_checkpoint import (RECOMPUTE, SAVE, Decisions, StepStructure,
-                                                        analyze, apply_overrides, finalize, parse_overrides,
-                                                        write_tags)
-from graph_trainer.passes.graph_utils import is_view, op_flops, storage_keys, tensors
+                                                        analyze, apply_overrides, finalize, write_tags)
+from graph_trainer.passes.graph_utils import is_view, op_flops, storage_key, storage_keys, tensors
 from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.passes.remat import peak_after_remat
 from graph_trainer.tracer import node_meta
+from graph_trainer.units import GIB
 
-GIB = 1024**3
 MAX_PROBES = 48
 
 logger = get_logger(__name__)
@@ -81,7 +81,7 @@ def rank_candidates(structure: StepStructure, pinned: set[torch.fx.Node],
             free.add(n)
         else:
             gains[n] = sum(int(t.untyped_storage().nbytes()) for t in tensors(n.meta.get("val"))
-                           if t.untyped_storage()._cdata in owned & saved_storages)
+                           if storage_key(t) in owned & saved_storages)
 
     def cost(n: torch.fx.Node) -> int:
         total, stack, seen = op_flops(n), [*n.all_input_nodes], set()
@@ -120,7 +120,7 @@ def tag_memory_budget(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, 
     as_fraction = ac.memory_budget <= 1
     target = no_ac.input_bytes + (ac.memory_budget * activations if as_fraction else ac.memory_budget * GIB)
 
-    save, recompute = parse_overrides(ac)
+    save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
     pinned_decisions = apply_overrides(structure, {}, save, recompute)
     candidates, free = rank_candidates(structure, set(pinned_decisions), _backward_storages(gm))
 

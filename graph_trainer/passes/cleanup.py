@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from graph_trainer.passes.graph_utils import storage_key
+
 aten = torch.ops.aten
 
 
@@ -42,7 +44,7 @@ def _noop_source(node: torch.fx.Node) -> torch.fx.Node | None:
     if node.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         # _unsafe_view / reshape may copy; only a same-layout result is an alias of its input.
         same_storage = (isinstance(node.meta.get("val"), torch.Tensor) and isinstance(src.meta.get("val"), torch.Tensor)
-                        and node.meta["val"].untyped_storage()._cdata == src.meta["val"].untyped_storage()._cdata)
+                        and storage_key(node.meta["val"]) == storage_key(src.meta["val"]))
         return src if same_storage and _same_layout(node, src) else None
     if node.target == aten.t.default and src.op == "call_function" and src.target == aten.t.default:
         inner = src.args[0]

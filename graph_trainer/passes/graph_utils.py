@@ -6,10 +6,8 @@ which only replaces `meta["val"]` on nodes that share it with an earlier node.
 
 from __future__ import annotations
 
-import fnmatch
 import math
-import operator
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.fx
@@ -45,8 +43,6 @@ def is_attention(target: Any) -> bool:
     return packet(target) in ATTENTION_OPS
 
 
-def is_getitem(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem
 
 
 def tensors(val: Any) -> list[torch.Tensor]:
@@ -54,14 +50,17 @@ def tensors(val: Any) -> list[torch.Tensor]:
     return [t for t in tree_iter(val) if isinstance(t, torch.Tensor)]
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """A storage's identity: the address of its StorageImpl, shared by all views of it and stable while
+    the tensor (for a node, its fake value) is alive."""
+    return t.untyped_storage()._cdata
+
+
 def storage_keys(node: torch.fx.Node) -> set[int]:
     """Identities of the storages the node's (fake) value lives in."""
-    return {t.untyped_storage()._cdata for t in tensors(node.meta.get("val"))}
+    return {storage_key(t) for t in tensors(node.meta.get("val"))}
 
 
-def output_nbytes(node: torch.fx.Node) -> int:
-    """Bytes of the storages of the node's value."""
-    return sum(int(t.untyped_storage().nbytes()) for t in tensors(node.meta.get("val")))
 
 
 def is_mutating(node: torch.fx.Node) -> bool:
@@ -149,12 +148,6 @@ def refresh_duplicated_values(graph: torch.fx.Graph) -> None:
         seen.add(id(new_val))
 
 
-def fqn_matches(fqn: str, pattern: str) -> bool:
-    """True when the module FQN or one of its parents matches the glob ('layers.*.attention' matches 'layers.0.attention.wq')."""
-    parts = fqn.split(".") if fqn else []
-    return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
-
-
 def layer_forward_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """Forward op nodes inside a transformer layer, in graph order."""
     return [n for n in gm.graph.nodes
@@ -168,6 +161,3 @@ def count_nodes(gm: torch.fx.GraphModule) -> int:
 def node_by_name(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
     return {n.name: n for n in gm.graph.nodes}
 
-
-def iter_ops(gm: torch.fx.GraphModule) -> Iterable[torch.fx.Node]:
-    return (n for n in gm.graph.nodes if n.op == "call_function")

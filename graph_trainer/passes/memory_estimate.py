@@ -43,9 +43,10 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_iter
 
-from graph_trainer.memory import allocated_bytes, process_cublas_workspace_bytes, to_gib
-from graph_trainer.passes.graph_utils import is_matmul
+from graph_trainer.memory import allocated_bytes, process_cublas_workspace_bytes
+from graph_trainer.passes.graph_utils import is_matmul, storage_key, tensors
 from graph_trainer.tracer import node_meta
+from graph_trainer.units import to_gib
 
 INPUT = "input"
 CONSTANT = "constant"
@@ -111,16 +112,6 @@ def _int(x: Any) -> int:
     return int(x)
 
 
-def _tensors(val: Any) -> list[torch.Tensor]:
-    """Tensors inside a node value (a tensor, a tuple/list of them, or None/SymInt for none)."""
-    return [t for t in tree_iter(val) if isinstance(t, torch.Tensor)]
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    # Address of the StorageImpl: shared by all views, stable while the fake value is alive.
-    return t.untyped_storage()._cdata
-
-
 def _op_name(node: torch.fx.Node) -> str:
     return str(node.target) if node.op != "call_function" else getattr(node.target, "__name__", str(node.target))
 
@@ -172,8 +163,8 @@ def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
                 reachable.update(allocs_of[inp])
         mine = allocs_of[n] = {}
         last_use = max((index[u] for u in n.users if u.op != "output"), default=i)
-        for t in _tensors(n.meta["val"]):
-            key = _storage_key(t)
+        for t in tensors(n.meta["val"]):
+            key = storage_key(t)
             aid = mine.get(key, reachable.get(key))
             if aid is None:
                 aid = len(storages)
@@ -203,7 +194,7 @@ def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
 
 def graph_device_type(gm: torch.fx.GraphModule) -> str:
     """'cuda' when any graph input lives on a CUDA device, else the first input's device type ('cpu')."""
-    types = [t.device.type for n in gm.graph.nodes if n.op == "placeholder" for t in _tensors(n.meta.get("val"))]
+    types = [t.device.type for n in gm.graph.nodes if n.op == "placeholder" for t in tensors(n.meta.get("val"))]
     return "cuda" if "cuda" in types else (types[0] if types else "cpu")
 
 

@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch.fx
 
-from graph_trainer.config import JobConfig
-from graph_trainer.errors import ConfigError
+from graph_trainer.config import ActivationCheckpointConfig
+from graph_trainer.errors import ConfigError, did_you_mean
 from graph_trainer.log import get_logger
 from graph_trainer.passes.activation_checkpoint import policy_name
 from graph_trainer.passes.graph_utils import count_nodes, node_by_name
@@ -26,17 +26,16 @@ from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_ten
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep
 from graph_trainer.tracer.summary import graph_summary
-
-MIB = 1024**2
+from graph_trainer.units import MIB
 
 logger = get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class PassContext:
-    """What a pass may read besides the graph: the job config and one memory category per input."""
+    """What a pass may read besides the graph: its config section and one memory category per input."""
 
-    cfg: JobConfig
+    ac: ActivationCheckpointConfig
     input_categories: list[str]
 
 
@@ -47,31 +46,47 @@ class GraphPass:
     name: str
     run: Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
     preserves_numerics_bitwise: bool
-    enabled: Callable[[JobConfig], bool]
+    enabled: Callable[[ActivationCheckpointConfig], bool]
     doc: str
 
 
+# Passes merged into another, by their old name: `compile.disable_passes` names the new one.
+RENAMED = {"activation_checkpoint": "memory_policy", "memory_budget": "memory_policy"}
+
+
 def check_disabled(names: list[str], registry: list[GraphPass]) -> None:
-    """Raise ConfigError for a `compile.disable_passes` entry that names no pass."""
+    """Raise ConfigError for a `compile.disable_passes` entry that names no pass (or a renamed one)."""
     known = [p.name for p in registry]
     for name in names:
+        if name in RENAMED:
+            raise ConfigError(f"compile.disable_passes: pass {name!r} is now part of {RENAMED[name]!r}; "
+                              f"write --compile.disable_passes {RENAMED[name]}")
         if name not in known:
-            raise ConfigError(f"compile.disable_passes: unknown pass {name!r}; available passes: "
-                              f"{', '.join(known)}")
+            raise ConfigError(f"compile.disable_passes: unknown pass {name!r}{did_you_mean(name, known)}; "
+                              f"available passes: {', '.join(known)}")
 
 
 class Pipeline:
-    """Callable TracedStep -> TracedStep running `passes` in order (see module docstring)."""
+    """Callable TracedStep -> TracedStep running `passes` in order (see module docstring).
 
-    def __init__(self, cfg: JobConfig, passes: list[GraphPass], *, dump_dir: Path | None):
-        self.cfg = cfg
+    Args:
+        passes: the passes to run, in order.
+        ac: the activation-checkpointing section the memory-policy pass reads.
+        dump_dir: where each trace's graphs are written (one `trace_<n>` folder each), or None.
+        log_saved_activations: log the tensors kept for the backward after the passes.
+    """
+
+    def __init__(self, passes: list[GraphPass], ac: ActivationCheckpointConfig, *, dump_dir: Path | None = None,
+                 log_saved_activations: bool = False):
         self.passes = passes
-        self.dump_dir = dump_dir if cfg.compile.dump_graphs else None
+        self.ac = ac
+        self.dump_dir = dump_dir
+        self.log_saved_activations = log_saved_activations
         self.runs = 0  # traces transformed so far; names the dump subfolder
 
     def __call__(self, traced: TracedStep) -> TracedStep:
         self.runs += 1
-        ctx = PassContext(self.cfg, traced.layout.categories)
+        ctx = PassContext(self.ac, traced.layout.categories)
         gm = traced.gm
         dump = self.dump_dir / f"trace_{self.runs}" if self.dump_dir is not None else None
         if dump is not None:
@@ -91,7 +106,7 @@ class Pipeline:
         est = traced.memory_estimate
         logger.info(f"memory estimate: peak {est.peak_bytes / MIB:.2f} MiB at {est.peak_node} "
                  f"({est.peak_module_fqn or 'top level'}), saved for backward {est.saved_bytes / MIB:.2f} MiB")
-        if self.cfg.compile.log_saved_activations:
+        if self.log_saved_activations:
             logger.info(saved_activation_report(gm))
         if dump is not None:
             (dump / "summary.txt").write_text(graph_summary(gm) + "\n" + est.summary() + "\n")

@@ -149,7 +149,6 @@ class TracedStep:
     layout: InputLayout
     signature: tuple
     trace_time_s: float
-    has_optimizer: bool
     # Filled by the pass pipeline: graph_trainer.passes.memory_estimate.MemoryEstimate of the final graph.
     memory_estimate: Any = None
     # Set by a compile stage (graph_trainer.tracer.compiled): runs instead of `gm`, same inputs and outputs.
@@ -480,7 +479,7 @@ def trace_step(
     _mark_random_ops(gm.graph)
     gm.recompile()
     return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch),
-                      trace_time_s=trace_time, has_optimizer=optimizer is not None)
+                      trace_time_s=trace_time)
 
 
 def _trace_error(exc: Exception, failure: dict, failure_dir: Path | None) -> TraceError:

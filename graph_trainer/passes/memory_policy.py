@@ -1,0 +1,47 @@
+"""The memory policy: decide, once and on the whole-step graph, which forward values to save or recompute.
+
+One pass for every `activation_checkpoint.mode`:
+- `selective` / `full`: a fixed policy per layer (`activation_checkpoint.tag_activation_checkpoint`);
+- `budget`: save as much as fits `memory_budget` (`budget.tag_memory_budget`);
+- `none`: nothing to decide (the pipeline leaves the pass out);
+and in every mode the per-op `save_list` / `recompute_list` overrides
+(`graph_trainer.op_patterns`) win over the policy.
+
+Reads the tracer's `phase`, `layer_id`, `module_fqn` and `random` tags and the
+fake values in `node.meta["val"]`; writes torch's `node.meta["recompute"]`
+and `node.meta["ac_graph_id"]` on transformer-layer forward ops, nothing else.
+`remat` must run after it to act on the tags. Metadata only: preserves
+numerics bitwise.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from graph_trainer.config import ActivationCheckpointConfig
+from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
+from graph_trainer.passes.budget import tag_memory_budget
+
+MODES = ("none", "selective", "full", "budget")
+
+
+def memory_policy(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, *,
+                  input_categories: list[str] | None = None) -> torch.fx.GraphModule:
+    """Tag `gm`'s layer ops save/recompute as `ac.mode` asks (see module docstring). In place; returns `gm`.
+
+    Args:
+        gm: the traced step (after clean-up), with the tracer's metadata.
+        ac: the activation-checkpointing section (mode, selective option, budget, overrides).
+        input_categories: one memory category per graph input (budget and full mode
+            compare estimated peaks, which need them).
+
+    Raises:
+        ConfigError: an infeasible budget, or a recompute override of an op that is never recomputed.
+    """
+    if ac.mode == "budget":
+        return tag_memory_budget(gm, ac, input_categories=input_categories)
+    if ac.mode in ("selective", "full"):
+        return tag_activation_checkpoint(gm, ac, input_categories=input_categories)
+    if ac.mode == "none":
+        return gm
+    raise ValueError(f"activation_checkpoint.mode must be one of {'|'.join(MODES)}, got {ac.mode!r}")
