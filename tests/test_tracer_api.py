@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.config import ActivationCheckpointConfig
-from graph_trainer.eager import EagerStep
 from graph_trainer.errors import UserError
 from graph_trainer.optimizer import GraphAdamW
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
@@ -19,7 +18,8 @@ from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TraceError, trace_step
 from graph_trainer.tracer.executor import GraphStep
 from graph_trainer.trainer import cli_trace_errors
-from tests.test_tracer import assert_bitwise, deterministic, eager_and_traced, make_batch, tiny_llama  # noqa: F401
+from tests.test_tracer import (assert_bitwise, deterministic, eager_and_graph_adamw, eager_and_traced,  # noqa: F401
+                               make_batch, tiny_llama)
 
 
 class ReadsAValue(nn.Module):
@@ -137,11 +137,7 @@ def test_frozen_parameters_get_no_gradient_and_the_rest_is_bitwise_equal_to_eage
 def test_optimizer_over_trainable_parameters_in_graph_matches_torch_adamw_and_leaves_frozen_alone():
     model_e, model_t = _partly_frozen_llama(), _partly_frozen_llama()
     frozen_before = {n: p.clone() for n, p in model_t.named_parameters() if not p.requires_grad}
-    kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    opt_e = torch.optim.AdamW([p for p in model_e.parameters() if p.requires_grad], **kw)
-    opt_t = torch.optim.AdamW([p for p in model_t.parameters() if p.requires_grad], **kw)
-    eager = EagerStep(model_e, max_norm=1.0)
-    graph = GraphStep(model_t, max_norm=1.0, optimizer=GraphAdamW(opt_t))
+    (opt_e, eager), (_, graph) = eager_and_graph_adamw(model_e, model_t)
     for i in range(3):
         batch = make_batch(96, seed=i)
         loss_e, _ = eager(batch)
