@@ -180,7 +180,7 @@ def check_no_compiled_autograd() -> None:
 # Advice for a model that checkpoints itself: the graph's own memory policy does the same job.
 USE_MEMORY_POLICY = ("turn it off (Hugging Face: model.gradient_checkpointing_disable()) and use graph_trainer's "
                      "memory policy instead: GraphStep(model, transform=graph_trainer.passes."
-                     "memory_policy_transform('full')), or --activation_checkpoint.mode full in the trainer")
+                     "memory_policy_transform('full'))")
 
 
 def check_no_module_checkpointing(model: nn.Module) -> None:
