@@ -74,7 +74,7 @@ def test_final_graph_gathers_per_policy(group, mode, policy):
     regathered = REGATHERED[policy]
     cfg, _, traced = _trace(group, "--activation_checkpoint.mode", mode, "--activation_checkpoint.memory_budget", "0.8",
                             "--parallelism.fsdp_reshard_after_forward", policy)
-    gm = build_pipeline(cfg, dump_dir=None)(check_gathered(traced)).gm
+    gm = build_pipeline(cfg, dump_dir=None)(check_gathered(traced)).traced.gm
     assert _collectives(gm) == Counter({
         (GATHER, node_meta.FORWARD, False): UNITS,
         (REDUCE_SCATTER, node_meta.BACKWARD, False): UNITS,
@@ -141,7 +141,7 @@ def test_dry_run_plans_one_rank_of_n_without_launching_them(tmp_path):
 
 def test_prefetch_issues_each_gather_right_after_the_previous_wait(group):
     cfg, _, traced = _trace(group, "--parallelism.fsdp_prefetch", "true")
-    gm = build_pipeline(cfg, dump_dir=None)(traced).gm
+    gm = build_pipeline(cfg, dump_dir=None)(traced).traced.gm
     nodes = list(gm.graph.nodes)
     for rematerialized in (False, True):
         gathers = [n for n in nodes if str(n.target) == GATHER and node_meta.is_rematerialized(n) == rematerialized]
