@@ -177,7 +177,10 @@ class FSDP:
         return c10d.wait_tensor(c10d.all_reduce(sq_norm, "sum", g.group_name))
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered whole (unpadded), by name: for comparisons and exports, not for training."""
+        """Every parameter gathered whole (unpadded), by name: for comparisons and exports, not for training.
+
+        A collective: every rank of the group must call it.
+        """
         out = {}
         with torch.no_grad():
             for unit in self.units:

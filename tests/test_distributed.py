@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer.cli import load_config
-from graph_trainer.distributed import check_launch, destroy, init_distributed
+from graph_trainer.distributed import check_launch
 from graph_trainer.errors import UserError
 from graph_trainer.tracer import node_meta
 from graph_trainer.trainer import Trainer
+from tests.multiprocess import free_port, spawn_ranks, step_graph_nodes, train_runs
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -49,50 +48,23 @@ COLLECTIVES = ("_c10d_functional.all_reduce.default", "_c10d_functional.wait_ten
 TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out: str) -> None:
-    """One rank: join the group once, then train every run in RUNS and write what the tests compare."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)  # 2 ranks on 2 cores
-    info = None
-    try:
-        for name, overrides in RUNS.items():
-            cfg, _ = load_config([*TINY, *overrides, "--parallelism.dp_replicate", str(WORLD),
-                                  "--job.dump_folder", f"{out}/{name}"])
-            info = info or init_distributed(cfg)
-            trainer = Trainer(cfg, dist=info)
-            result = trainer.train()
-            torch.use_deterministic_algorithms(False)
-            nodes = list(trainer.step_fn.traced.gm.graph.nodes) if hasattr(trainer.step_fn, "traced") else []
-            collectives = [(str(n.target), node_meta.phase(n)) for n in nodes if "c10d" in str(n.target)]
-            record = {"losses": result.losses, "params": result.params_sha256, "grads": result.grads_sha256,
-                      "trace_count": result.trace_count, "collectives": collectives,
-                      "num_params": len(list(trainer.model.parameters()))}
-            Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
-    finally:
-        if info is not None:
-            destroy(info)
+    """One rank: train every run in RUNS and write what the tests compare."""
+    args = [*TINY, "--parallelism.dp_replicate", str(WORLD)]
+    for name, trainer, result in train_runs(rank, WORLD, port, RUNS, args, out):
+        collectives = [(str(n.target), node_meta.phase(n)) for n in step_graph_nodes(trainer)
+                       if "c10d" in str(n.target)]
+        record = {"losses": result.losses, "params": result.params_sha256, "grads": result.grads_sha256,
+                  "trace_count": result.trace_count, "collectives": collectives,
+                  "num_params": len(list(trainer.model.parameters()))}
+        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     """Every run in RUNS trained by 2 spawned ranks: {run: [rank 0 record, rank 1 record]}."""
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("dp2")
-    ctx = mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"2-process training did not finish in {TIMEOUT_S} s")
+    spawn_ranks(_worker, WORLD, (free_port(), str(out)), TIMEOUT_S)
     return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(WORLD)]
             for name in RUNS}
 
@@ -153,10 +125,11 @@ def _cli(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.Complete
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
 
 
-def test_dp_shard_without_torchrun_exits_2_naming_torchrun(tmp_path):
-    proc = _cli(tmp_path, {}, "--parallelism.dp_shard", "2")
+@pytest.mark.parametrize("option", ["dp_shard", "dp_replicate"])
+def test_dp_shard_without_torchrun_exits_2_naming_torchrun(tmp_path, option):
+    proc = _cli(tmp_path, {}, f"--parallelism.{option}", "2")
     assert proc.returncode == 2
-    assert "error: parallelism.dp_shard = 2 needs one process per rank" in proc.stderr
+    assert f"error: parallelism.{option} = 2 needs one process per rank" in proc.stderr
     assert "torchrun --nproc_per_node 2 -m graph_trainer" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -182,14 +155,6 @@ def test_trainer_without_process_group_refuses_dp_shard(tmp_path):
     cfg, _ = load_config([*TINY, "--parallelism.dp_shard", "2", "--job.dump_folder", str(tmp_path)])
     with pytest.raises(UserError, match="torchrun --nproc_per_node 2"):
         Trainer(cfg)
-
-
-def test_dp_replicate_without_torchrun_exits_2_naming_torchrun(tmp_path):
-    proc = _cli(tmp_path, {}, "--parallelism.dp_replicate", "2")
-    assert proc.returncode == 2
-    assert "error: parallelism.dp_replicate = 2 needs one process per rank" in proc.stderr
-    assert "torchrun --nproc_per_node 2 -m graph_trainer" in proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 def test_dp_shard_with_dp_replicate_is_refused_as_hsdp():

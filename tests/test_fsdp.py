@@ -13,9 +13,6 @@ Claims tested:
 from __future__ import annotations
 
 import json
-import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -23,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer.cli import load_config
-from graph_trainer.distributed import destroy, init_distributed
 from graph_trainer.tracer import node_meta
 from graph_trainer.trainer import Trainer
+from tests.multiprocess import free_port, spawn_ranks, step_graph_nodes, train_runs
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -61,12 +58,6 @@ GATHER, REDUCE_SCATTER, ALL_REDUCE = ("_c10d_functional.all_gather_into_tensor_o
                                       "_c10d_functional.all_reduce.default")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _state_bytes(trainer: Trainer) -> int:
     """Parameters + gradients + optimizer state held by this process, in bytes."""
     tensors = [*trainer.model.parameters(), *(p.grad for p in trainer.model.parameters() if p.grad is not None)]
@@ -83,11 +74,11 @@ def _fully_shard_reference(cfg, out: str, rank: int, world: int) -> None:
     from graph_trainer.loss import lm_loss
     from graph_trainer.optimizer import build_lr_scheduler, build_optimizer
     from graph_trainer.tokenizer import build_tokenizer
-    from graph_trainer.trainer import build_model
+    from graph_trainer.builder import build_model
 
     torch.use_deterministic_algorithms(True)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
-    model = build_model(cfg, torch.device("cpu"), tokenizer.vocab_size)
+    model = build_model(cfg, torch.device("cpu"), vocab_needed=tokenizer.vocab_size)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
         fully_shard(layer, mesh=mesh)
@@ -119,49 +110,27 @@ def _fully_shard_reference(cfg, out: str, rank: int, world: int) -> None:
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    """One rank: join the group once, train every run of RUNS_AT[world] (then FSDP2), write what the tests compare."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)  # several ranks on 2 cores
-    info = None
-    try:
-        for name, overrides in RUNS_AT[world].items():
-            cfg, _ = load_config([*TINY, *overrides, "--parallelism.dp_shard", str(world),
-                                  "--job.dump_folder", f"{out}/{name}"])
-            info = info or init_distributed(cfg)
-            trainer = Trainer(cfg, dist=info)
-            result = trainer.train()
-            torch.use_deterministic_algorithms(False)
-            nodes = list(trainer.step_fn.traced.gm.graph.nodes) if hasattr(trainer.step_fn, "traced") else []
-            record = {"losses": result.losses, "params": result.params_sha256, "trace_count": result.trace_count,
-                      "collectives": [(str(n.target), node_meta.phase(n), node_meta.is_rematerialized(n))
-                                      for n in nodes if "c10d" in str(n.target)],
-                      "state_bytes": _state_bytes(trainer),
-                      "peaks": [(r.get("estimated_peak_bytes"), r.get("peak_active_bytes")) for r in result.records]}
-            Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
-            full = trainer.fsdp.full_state()
-            if rank == 0:
-                torch.save(full, Path(out, f"{name}.params.pt"))
-        _fully_shard_reference(cfg, out, rank, world)
-    finally:
-        if info is not None:
-            destroy(info)
+    """One rank: train every run of RUNS_AT[world] (then FSDP2) and write what the tests compare."""
+    args = [*TINY, "--parallelism.dp_shard", str(world)]
+    reference = lambda cfg: _fully_shard_reference(cfg, out, rank, world)  # noqa: E731
+    for name, trainer, result in train_runs(rank, world, port, RUNS_AT[world], args, out, before_leaving=reference):
+        record = {"losses": result.losses, "params": result.params_sha256, "trace_count": result.trace_count,
+                  "collectives": [(str(n.target), node_meta.phase(n), node_meta.is_rematerialized(n))
+                                  for n in step_graph_nodes(trainer) if "c10d" in str(n.target)],
+                  "state_bytes": _state_bytes(trainer),
+                  "peaks": [(r.get("estimated_peak_bytes"), r.get("peak_active_bytes")) for r in result.records]}
+        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
+        full = trainer.fsdp.full_state()
+        if rank == 0:
+            torch.save(full, Path(out, f"{name}.params.pt"))
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def ranks(request, tmp_path_factory) -> tuple[int, Path]:
     """(world size, the folder with the records of every run in RUNS_AT[world], trained by that many ranks)."""
-    import torch.multiprocessing as mp
-
     world = request.param
     out = tmp_path_factory.mktemp(f"fsdp{world}")
-    ctx = mp.spawn(_worker, args=(world, _free_port(), str(out)), nprocs=world, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world}-process FSDP training did not finish in {TIMEOUT_S} s")
+    spawn_ranks(_worker, world, (world, free_port(), str(out)), TIMEOUT_S)
     return world, out
 
 
