@@ -33,7 +33,7 @@ def worker(layers: int, optimizer: str) -> None:
     record = trainer.train_step(next_batch(trainer))
     print("COMPILE_TIME " + json.dumps({"inductor_time_s": record["inductor_time_s"],
                                         "trace_time_s": record["trace_time_s"],
-                                        "nodes": len(trainer.graph_step.traced.gm.graph.nodes)}), flush=True)
+                                        "nodes": len(trainer.step_fn.traced.gm.graph.nodes)}), flush=True)
 
 
 def measure(layers: int, optimizer: str, cache_dir: str) -> dict:

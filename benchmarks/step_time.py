@@ -35,8 +35,8 @@ def main() -> None:
         times = interleaved_step_times(trainers, warmup=args.warmup, steps=args.steps, tracked=("trace+tracked",))
         peaks = {mode: measured_peak(trainers[mode])[0] for mode in ("eager", "trace")}
         eager_t, trace_t = median(times["eager"]), median(times["trace"])
-        rows.append((name, eager_t, trace_t, trace_t / eager_t, trainers["trace"].graph_step.stats.last_time_s,
-                     trainers["trace"].graph_step.stats.count, peaks["eager"], peaks["trace"],
+        rows.append((name, eager_t, trace_t, trace_t / eager_t, trainers["trace"].step_fn.stats.last_time_s,
+                     trainers["trace"].step_fn.stats.count, peaks["eager"], peaks["trace"],
                      peaks["trace"] / peaks["eager"], median(times["trace+tracked"]) / trace_t))
     print(f"\nmedian of {args.steps} steps after {args.warmup} warm-up, eager and traced interleaved")
     print(f"{'config':8} {'eager s':>8} {'traced s':>9} {'ratio':>6} {'trace s':>8} {'traces':>6} "

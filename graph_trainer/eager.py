@@ -3,7 +3,8 @@
 It runs the same loss function, the same gradient reduction (the data-parallel
 average, when given) and the same gradient clipping as the traced step
 (`graph_trainer.loss`, `graph_trainer.optimizer.clip_grads_`), so the two differ
-only in how the step is executed.
+only in how the step is executed. It implements the step protocol
+(`graph_trainer.step.TrainStep`).
 """
 
 from __future__ import annotations
@@ -15,21 +16,30 @@ import torch.nn as nn
 
 from graph_trainer.loss import lm_loss
 from graph_trainer.optimizer import clip_grads_
+from graph_trainer.step import StepOutput, StepReport
 from graph_trainer.tracer.capture import GradReduce, LossFn
 
 
 class EagerStep:
-    """forward + loss + backward [+ grad_reduce] + clipping; the optimizer update stays with the caller."""
+    """forward + loss + backward [+ grad_reduce] + clipping [+ `optimizer.step()`].
+
+    Without `optimizer` the update stays with the caller.
+    """
 
     def __init__(self, model: nn.Module, *, loss_fn: LossFn = lm_loss, max_norm: float = 0.0,
-                 grad_reduce: GradReduce | None = None):
+                 grad_reduce: GradReduce | None = None, optimizer: torch.optim.Optimizer | None = None):
         self.model = model
         self.loss_fn = loss_fn
         self.max_norm = max_norm
         self.grad_reduce = grad_reduce
+        self.optimizer = optimizer
         self._params = [p for p in model.parameters() if p.requires_grad]
 
-    def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def report(self) -> StepReport:
+        """Nothing is traced or estimated; the update (if any) runs eagerly after the backward."""
+        return StepReport(updates_inside=False)
+
+    def __call__(self, batch: Any) -> StepOutput:
         """Run one step; returns (loss, grad_norm) with the clipped grads in `param.grad`."""
         for p in self._params:
             p.grad = None
@@ -41,4 +51,6 @@ class EagerStep:
                 for p, g in zip(self._params, self.grad_reduce([p.grad for p in self._params])):
                     p.grad = g
             grad_norm = clip_grads_([p.grad for p in self._params], self.max_norm)
-        return loss.detach(), grad_norm
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return StepOutput(loss.detach(), grad_norm)

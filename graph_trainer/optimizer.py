@@ -8,7 +8,9 @@ do not care which mode ran) and reproduces its single-tensor update bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -295,3 +297,39 @@ class GraphAdamW:
     def after_step(self) -> None:
         """Tell the LR scheduler an update happened (it watches `optimizer.step`, which the graph bypasses)."""
         self.optimizer._opt_called = True  # the flag torch's LRScheduler reads
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerUpdate:
+    """`torch.optim.AdamW.step()` run after the graph: its implementation, the state it keeps
+    alive through the whole step, and the scratch its update allocates."""
+
+    implementation: str
+    state_bytes: int
+    scratch_bytes: int
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.AdamW, implementation: str, device: torch.device) -> EagerUpdate:
+        """The update `optimizer.step()` runs on `device` (its state must exist: `init_adamw_state`)."""
+        return cls(implementation, adamw_state_bytes(optimizer, device),
+                   eager_step_scratch_bytes(optimizer, device))
+
+
+def whole_step_peak(estimate: Any, update: EagerUpdate | None) -> tuple[int, dict[str, int], bool]:
+    """(peak bytes, bytes by category at the peak, whether the peak is in the eager update) of a step.
+
+    `estimate` is the graph's `MemoryEstimate` (`graph_trainer.passes.memory_estimate`);
+    with `update` None the update is in the graph. Otherwise the optimizer state
+    is alive throughout, and the update runs after the graph on what the graph
+    leaves alive (params, batch, grads) plus its scratch.
+    """
+    if update is None:
+        return estimate.peak_bytes, dict(estimate.peak_bytes_by_category), False
+    after_graph = sum(estimate.final_bytes_by_category.values()) + update.scratch_bytes
+    in_update = after_graph > estimate.peak_bytes
+    if in_update:
+        by_category = {**estimate.final_bytes_by_category, "optimizer_scratch": update.scratch_bytes}
+    else:
+        by_category = dict(estimate.peak_bytes_by_category)
+    by_category["optimizer_state"] = by_category.get("optimizer_state", 0) + update.state_bytes
+    return max(estimate.peak_bytes, after_graph) + update.state_bytes, by_category, in_update

@@ -12,26 +12,27 @@ size of a parameter is ever allocated, so an 8B plan fits in a laptop's memory.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from graph_trainer.builder import (adamw_implementation_for, autocast_loss, build_job_optimizer, build_model,
+                                   optimizer_in_graph)
 from graph_trainer.config import JobConfig
-from graph_trainer.device import resolve_device
+from graph_trainer.device import resolve_device, resolve_dtype
 from graph_trainer.errors import UserError
 from graph_trainer.log import quiet
-from graph_trainer.loss import build_lm_loss
-from graph_trainer.units import KIB, to_gib
-from graph_trainer.optimizer import (GraphAdamW, adamw_state_bytes, build_optimizer, choose_adamw_implementation,
-                                     eager_step_scratch_bytes, init_adamw_state)
+from graph_trainer.optimizer import EagerUpdate, GraphAdamW, whole_step_peak
 from graph_trainer.passes import build_pipeline
-from graph_trainer.passes.graph_utils import op_flops
+from graph_trainer.passes.graph_utils import node_flops
 from graph_trainer.tracer.capture import trace_step
-from models import build_model_args, get_model_spec
+from graph_trainer.units import KIB, to_gib
 from models.llama3.model import num_params
 
 AC_MODES = ("none", "selective", "full", "budget")
@@ -50,81 +51,40 @@ class StepPlan:
     num_params: int
     trace_time_s: float
     optimizer: str = "in graph"  # where the AdamW update runs: "in graph" or its eager implementation
-
-
-@dataclasses.dataclass(frozen=True)
-class EagerUpdate:
-    """`torch.optim.AdamW.step()` run after the graph: its implementation, the state it keeps
-    alive through the whole step, and the scratch its update allocates."""
-
-    implementation: str
-    state_bytes: int
-    scratch_bytes: int
-
-    @classmethod
-    def of(cls, optimizer: torch.optim.AdamW, implementation: str, device: torch.device) -> EagerUpdate:
-        return cls(implementation, adamw_state_bytes(optimizer, device),
-                   eager_step_scratch_bytes(optimizer, device))
-
-
-def whole_step_peak(estimate, update: EagerUpdate | None) -> tuple[int, dict[str, int], bool]:
-    """(peak bytes, bytes by category at the peak, whether the peak is in the eager update) of a step.
-
-    `estimate` is the graph's `MemoryEstimate`; with `update` None the update is in
-    the graph. Otherwise the optimizer state is alive throughout, and the update
-    runs after the graph on what the graph leaves alive (params, batch, grads)
-    plus its scratch.
-    """
-    if update is None:
-        return estimate.peak_bytes, dict(estimate.peak_bytes_by_category), False
-    after_graph = sum(estimate.final_bytes_by_category.values()) + update.scratch_bytes
-    in_update = after_graph > estimate.peak_bytes
-    if in_update:
-        by_category = {**estimate.final_bytes_by_category, "optimizer_scratch": update.scratch_bytes}
-    else:
-        by_category = dict(estimate.peak_bytes_by_category)
-    by_category["optimizer_state"] = by_category.get("optimizer_state", 0) + update.state_bytes
-    return max(estimate.peak_bytes, after_graph) + update.state_bytes, by_category, in_update
-
-
-def optimizer_in_graph(cfg: JobConfig) -> bool:
-    """Whether the job traces the AdamW update into the step graph."""
-    return cfg.compile.mode == "trace" and cfg.compile.trace_optimizer
+    # The planned step's final graph (`graph_trainer.tracer.Transformed`), for the trainer's first step to reuse.
+    step_graph: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def meta_model(cfg: JobConfig) -> nn.Module:
     """The configured model on the meta device: shapes only, no memory."""
-    args = build_model_args(cfg.model.name, cfg.model.flavor, cfg.model.overrides())
-    with torch.device("meta"):
-        return get_model_spec(cfg.model.name).model_cls(args)
+    return build_model(cfg, None)
 
 
 def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
-              loss_fn: Callable | None = None) -> StepPlan:
-    """Trace `model` (meta) for `device` with cfg's AC mode, apply the pipeline, and read the estimate."""
+              loss_fn: Callable | None = None, log_passes: bool = False) -> StepPlan:
+    """Trace `model` (meta) for `device` with cfg's AC mode, apply the pipeline, and read the estimate.
+
+    `log_passes`: log the pipeline's pass timings and estimate (the preflight of the step that runs).
+    """
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
     batch = {"input": torch.empty(b, s, dtype=torch.long, device="meta"),
              "labels": torch.empty(b, s, dtype=torch.long, device="meta")}
-    o = cfg.optimizer
     in_graph = optimizer_in_graph(cfg)
-    implementation = choose_adamw_implementation(o.implementation, device, trace_optimizer=in_graph)
-    torch_optimizer = build_optimizer(model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                      weight_decay=o.weight_decay, implementation=implementation)
-    loss_fn = loss_fn if loss_fn is not None else build_lm_loss(cfg.training.loss_chunk_size)
+    implementation = adamw_implementation_for(cfg, device)
+    torch_optimizer = build_job_optimizer(cfg, model, device)  # the trainer's, state included
+    if loss_fn is None:  # the trainer's loss: chunked as configured, under autocast when training.dtype asks
+        loss_fn = autocast_loss(resolve_dtype(cfg.training.dtype, device), device, cfg.training.loss_chunk_size)
     pipeline = build_pipeline(cfg, dump_dir=None)  # validates the passes before the (long) trace
     start = time.perf_counter()
     traced = trace_step(model, batch, max_norm=cfg.training.max_norm, loss_fn=loss_fn,
                         optimizer=GraphAdamW(torch_optimizer) if in_graph else None, device=device)
-    with quiet():  # a plan, not the step that runs: its pass timings would only repeat the trainer's
-        traced = pipeline(traced)
+    # The trace is of a batch on the meta device; the step's batches live on `device`.
+    traced.signature = tuple((path, shape, dtype, device.type) for path, shape, dtype, _ in traced.signature)
+    with contextlib.nullcontext() if log_passes else quiet():  # other modes' plans would only add noise
+        result = pipeline(traced)
     elapsed = time.perf_counter() - start
-    est = traced.memory_estimate
-    update = None
-    if not in_graph:
-        for group in torch_optimizer.param_groups:
-            for p in group["params"]:
-                init_adamw_state(torch_optimizer, p)
-        update = EagerUpdate.of(torch_optimizer, implementation, device)
+    est = result.memory_estimate
+    update = None if in_graph else EagerUpdate.of(torch_optimizer, implementation, device)
     peak, by_category, in_update = whole_step_peak(est, update)
     if in_update:
         where = f"the eager AdamW update ({implementation})"
@@ -132,9 +92,9 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
         where = f"{est.peak_node} ({est.peak_op})" + (f" in {est.peak_module_fqn}" if est.peak_module_fqn else "")
     return StepPlan(ac_mode=cfg.activation_checkpoint.mode, peak_bytes=peak,
                     saved_bytes=est.saved_bytes, peak_by_category=by_category,
-                    peak_where=where, flops=sum(op_flops(n) for n in traced.gm.graph.nodes),
+                    peak_where=where, flops=sum(node_flops(n) for n in result.traced.gm.graph.nodes),
                     num_params=num_params(model), trace_time_s=elapsed,
-                    optimizer="in graph" if in_graph else implementation)
+                    optimizer="in graph" if in_graph else implementation, step_graph=result)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -163,7 +123,7 @@ def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None 
     another activation-checkpointing mode.
     """
     model = meta_model(cfg)
-    plan = plan_step(cfg, model, device, loss_fn=loss_fn)
+    plan = plan_step(cfg, model, device, loss_fn=loss_fn, log_passes=True)
     available = available_bytes(device)
     if plan.peak_bytes <= available:
         return plan
@@ -201,10 +161,10 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
     device = device or resolve_device(cfg.training.device)
     model = meta_model(cfg)
     in_graph = optimizer_in_graph(cfg)
-    update = "in the graph" if in_graph else "eager, " + choose_adamw_implementation(
-        cfg.optimizer.implementation, device, trace_optimizer=False)
+    update = "in the graph" if in_graph else "eager, " + adamw_implementation_for(cfg, device)
     print_fn(f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {cfg.training.local_batch_size} x "
-             f"seq {cfg.training.seq_len}, device {device.type}, fake tensors only "
+             f"seq {cfg.training.seq_len}, device {device.type}, compute dtype "
+             f"{str(resolve_dtype(cfg.training.dtype, device)).removeprefix('torch.')}, fake tensors only "
              f"(clipping and the AdamW update included: {update})")
     print_fn(f"{'ac mode':10} {'peak GiB':>9} {'saved GiB':>10} {'params':>15} {'TFLOP/step':>11} "
              f"{'plan s':>7}  peak at")

@@ -59,7 +59,7 @@ def test_budget_is_graph_only_in_eager(tmp_path):
 def _measure(trainer: Trainer) -> tuple[int, int, int]:
     """(estimated peak, measured peak, saved bytes) of one traced step, from the live-tensor tracker."""
     batch = next(iter(trainer.dataloader))
-    step = trainer.graph_step
+    step = trainer.step_fn
     traced = step.ensure_traced(batch)
     inputs = step.flat_inputs(batch)
     tracker = LiveTensorTracker()
@@ -71,7 +71,7 @@ def _measure(trainer: Trainer) -> tuple[int, int, int]:
         measured = tracker.peak_bytes
     finally:
         tracker.forget()
-    est = traced.memory_estimate
+    est = step.memory_estimate
     return est.peak_bytes, measured, est.saved_bytes
 
 

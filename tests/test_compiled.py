@@ -64,8 +64,8 @@ def traced_and_compiled():
 
     t = trainer(Path(tempfile.mkdtemp(prefix="gt_compiled_")), "--compile.trace_optimizer", "true")
     batch = {k: v for k, v in next(iter(t.dataloader)).items()}
-    traced = t.graph_step.ensure_traced(batch)
-    inputs = t.graph_step.flat_inputs(batch)
+    traced = t.step_fn.ensure_traced(batch)
+    inputs = t.step_fn.flat_inputs(batch)
     compiled = compile_step_graph(traced.gm, static_input_idxs=static_input_indices(traced.layout))
     yield traced, inputs, compiled
     torch.use_deterministic_algorithms(False)

@@ -69,7 +69,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             trainer = Trainer(cfg, dist=info)
             result = trainer.train()
             torch.use_deterministic_algorithms(False)
-            nodes = list(trainer.graph_step.traced.gm.graph.nodes) if trainer.graph_step else []
+            nodes = list(trainer.step_fn.traced.gm.graph.nodes) if hasattr(trainer.step_fn, "traced") else []
             collectives = [(str(n.target), node_meta.phase(n)) for n in nodes if "c10d" in str(n.target)]
             record = {"losses": result.losses, "params": result.params_sha256, "grads": result.grads_sha256,
                       "trace_count": result.trace_count, "collectives": collectives,

@@ -16,7 +16,7 @@ from graph_trainer import planner
 from graph_trainer.cli import load_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.memory import LiveTensorTracker
-from graph_trainer.optimizer import (adamw_state_bytes, build_optimizer, choose_adamw_implementation,
+from graph_trainer.optimizer import (EagerUpdate, adamw_state_bytes, build_optimizer, choose_adamw_implementation,
                                      eager_step_scratch_bytes, init_adamw_state)
 from tests.integration.trainer_runs import TINY, train
 
@@ -94,12 +94,12 @@ def test_8b_cuda_choice_needs_no_scratch_where_foreach_needed_all_parameters():
     implementation = choose_adamw_implementation(cfg.optimizer.implementation, CUDA, trace_optimizer=False)
     assert implementation == "fused"
 
-    def update(name: str) -> planner.EagerUpdate:
+    def update(name: str) -> EagerUpdate:
         opt = build_optimizer(model, name="AdamW", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                               implementation=name)
         for p in model.parameters():
             init_adamw_state(opt, p)
-        return planner.EagerUpdate.of(opt, name, CUDA)
+        return EagerUpdate.of(opt, name, CUDA)
 
     fused, foreach = update("fused"), update("foreach")
     assert fused.scratch_bytes == 0

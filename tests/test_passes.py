@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from graph_trainer.cli import load_config
 from graph_trainer.errors import ConfigError
@@ -17,7 +18,7 @@ from graph_trainer.passes import available_passes, build_pipeline, memory_policy
 from graph_trainer.op_patterns import parse_op_pattern
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
-from graph_trainer.passes.graph_utils import is_mutating
+from graph_trainer.passes.graph_utils import is_attention, is_mutating, node_flops, packet
 from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer import GraphStep
@@ -85,7 +86,7 @@ def test_pipeline_runs_in_order_logs_and_dumps_each_pass(tmp_path, caplog):
     model, batch = _model_and_batch()
     cfg = _cfg("--compile.dump_graphs", "true", "--activation_checkpoint.mode", "full",
                "--compile.log_saved_activations", "true")
-    traced = build_pipeline(cfg, dump_dir=tmp_path)(trace_step(model, batch))
+    result = build_pipeline(cfg, dump_dir=tmp_path)(trace_step(model, batch))
     ran = [line.split(":")[0].removeprefix("pass ") for line in caplog.messages if line.startswith("pass ")]
     assert ran == ["dce", "remove_noops", "memory_policy", "remat"]
     assert [n for n in available_passes() if n in ran] == ran  # registry order
@@ -94,7 +95,8 @@ def test_pipeline_runs_in_order_logs_and_dumps_each_pass(tmp_path, caplog):
                       "03_after_memory_policy.py", "04_after_remat.py", "saved_tensors.txt",
                       "summary.txt"]
     assert "_recomputed" in (tmp_path / "trace_1" / "04_after_remat.py").read_text()
-    assert traced.memory_estimate is not None and traced.memory_estimate.peak_bytes > 0
+    assert result.memory_estimate is not None and result.memory_estimate.peak_bytes > 0
+    assert any(node_meta.is_rematerialized(n) for n in result.traced.gm.graph.nodes)
     assert any(line.startswith("saved activations:") and "per layer" in line for line in caplog.messages)
 
     caplog.clear()
@@ -148,3 +150,15 @@ def test_memory_policy_transform_gives_a_users_step_the_policy_bitwise(mode):
 def test_memory_policy_transform_refuses_an_unknown_mode():
     with pytest.raises(ConfigError, match="activation_checkpoint.mode must be one of none|selective|full|budget"):
         memory_policy_transform("sometimes")
+
+
+def test_node_flops_are_what_flop_counter_mode_counts():
+    model, batch = _model_and_batch(dropout=0.0)
+    gm = trace_step(model, batch).gm
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        gm(*model.parameters(), *model.buffers(), *batch.values())
+    counted = sum(node_flops(n) for n in gm.graph.nodes if packet(n) in flop_registry)
+    assert counted == counter.get_total_flops() > 0
+    # CPU attention, which torch does not count, is counted with the formula of the same math on CUDA.
+    attention = [n for n in gm.graph.nodes if is_attention(n.target)]
+    assert attention and all(node_flops(n) > 0 for n in attention)

@@ -17,7 +17,7 @@ from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TraceError, trace_step
 from graph_trainer.tracer.executor import GraphStep
-from graph_trainer.trainer import cli_trace_errors
+from graph_trainer.builder import cli_trace_errors
 from tests.test_tracer import (assert_bitwise, deterministic, eager_and_graph_adamw, eager_and_traced,  # noqa: F401
                                make_batch, tiny_llama)
 

@@ -8,7 +8,7 @@ Fixed order (each may be turned off with `compile.disable_passes`):
                     full or budget, plus the save/recompute overrides)            bitwise
 4. `remat`          duplicate recomputed ops into the backward                     bitwise
 
-Then the memory estimate of the final graph fills `TracedStep.memory_estimate`.
+The pipeline returns the final graph with its memory estimate (`Transformed`).
 Save/recompute is decided once (3) and made final by 4; nothing after `remat`
 re-decides it. With a mode other than `none`, 3 and 4 cannot be disabled: the
 step would silently run without the policy asked for.
@@ -31,6 +31,7 @@ from graph_trainer.passes.memory_policy import MODES, memory_policy
 from graph_trainer.passes.pipeline import GraphPass, PassContext, Pipeline, check_disabled
 from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer.capture import TracedStep
+from graph_trainer.tracer.executor import Transformed
 
 logger = get_logger(__name__)
 
@@ -102,11 +103,11 @@ def build_pipeline(cfg: JobConfig, *, dump_dir: Path | None) -> Pipeline:
 def memory_policy_transform(mode: str = "selective", *, selective_ac_option: str | int = "op",
                             memory_budget: float = 0.5, save_list: Sequence[str] = (),
                             recompute_list: Sequence[str] = (), dump_dir: Path | None = None,
-                            ) -> Callable[[TracedStep], TracedStep]:
+                            ) -> Callable[[TracedStep], Transformed]:
     """The pass pipeline with a memory policy, for your own model: pass it as `GraphStep(model, transform=...)`.
 
     The same passes the trainer runs (clean-up, `memory_policy`, `remat`) and the
-    same memory estimate (`TracedStep.memory_estimate`), without a job config:
+    same memory estimate (`GraphStep.memory_estimate`), without a job config:
 
         from graph_trainer.passes import memory_policy_transform
         from graph_trainer.tracer import GraphStep

@@ -15,8 +15,10 @@ Algorithm (greedy order, first fitting prefix):
    their base, and ops whose output the backward does not read are tagged
    recompute for free: they only run again if a recomputed op needs them.
 2. Candidates are ranked once by bytes freed per recompute FLOP (the op's own
-   FLOPs plus those of the free ops feeding it), ties by larger bytes, then
-   graph order. Cheap elementwise ops come first, matmuls last.
+   FLOPs plus those of the free ops feeding it, as `torch.utils.flop_counter`
+   counts them: `graph_utils.node_flops`), ties by larger bytes, then graph
+   order. torch counts matmuls and attention only, so elementwise ops (cost
+   taken as 1 FLOP) come first, largest first, and matmuls last.
 3. Prefix k recomputes the first k candidates. A fixed set of prefixes (at most
    `MAX_PROBES` + 1, evenly spaced, always including 0 and all) is
    rematerialized and its peak estimated exactly (the same estimate that
@@ -43,7 +45,7 @@ from graph_trainer.log import get_logger
 from graph_trainer.op_patterns import parse_overrides
 from graph_trainer.passes.activation_checkpoint import (RECOMPUTE, SAVE, Decisions, StepStructure,
                                                         analyze, apply_overrides, finalize, write_tags)
-from graph_trainer.passes.graph_utils import is_view, op_flops, storage_key, storage_keys, tensors
+from graph_trainer.passes.graph_utils import is_view, node_flops, storage_key, storage_keys, tensors
 from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.passes.remat import peak_after_remat
 from graph_trainer.tracer import node_meta
@@ -84,13 +86,13 @@ def rank_candidates(structure: StepStructure, pinned: set[torch.fx.Node],
                            if storage_key(t) in owned & saved_storages)
 
     def cost(n: torch.fx.Node) -> int:
-        total, stack, seen = op_flops(n), [*n.all_input_nodes], set()
+        total, stack, seen = node_flops(n), [*n.all_input_nodes], set()
         while stack:
             a = stack.pop()
             if a in seen or a not in free or a not in layer_set:
                 continue
             seen.add(a)
-            total += op_flops(a)
+            total += node_flops(a)
             stack.extend(a.all_input_nodes)
         return max(total, 1)
 
@@ -154,7 +156,7 @@ def tag_memory_budget(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, 
                           f"set --activation_checkpoint.memory_budget {needed} or more, or lower the batch size "
                           "or sequence length")
     write_tags(gm, structure, decisions_for(chosen_k))
-    flops = sum(op_flops(n) for n in candidates[:chosen_k])
+    flops = sum(node_flops(n) for n in candidates[:chosen_k])
     logger.info(f"memory_budget: target peak {target / GIB:.4f} GiB; recompute {chosen_k}/{len(candidates)} "
                 f"candidates (~{flops / 1e9:.3f} GFLOP of recompute, not counting free ops)")
     return gm

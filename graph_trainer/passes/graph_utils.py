@@ -6,7 +6,6 @@ which only replaces `meta["val"]` on nodes that share it with an earlier node.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -94,27 +93,39 @@ def is_view(node: torch.fx.Node) -> bool:
     return out <= inputs
 
 
-def _numel(t: torch.Tensor) -> int:
-    return int(math.prod(int(s) for s in t.shape))
+def _flop_formulas() -> dict[Any, Any]:
+    """torch's FLOP formulas by op packet (`torch.utils.flop_counter`, what `FlopCounterMode` counts with),
+    plus CPU attention, which torch does not count, under the formula of the same math's CUDA flash kernel."""
+    from torch.utils.flop_counter import flop_registry  # a public name, though not documented
+
+    formulas = dict(flop_registry)
+    for cpu_op, same_math in ((aten._scaled_dot_product_flash_attention_for_cpu,
+                               aten._scaled_dot_product_flash_attention),
+                              (aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                               aten._scaled_dot_product_flash_attention_backward)):
+        if cpu_op not in formulas and same_math in formulas:
+            formulas[cpu_op] = formulas[same_math]
+    return formulas
 
 
-def op_flops(node: torch.fx.Node) -> int:
-    """Rough FLOPs of one op: 2*m*n*k for matmuls, 4*B*H*S*S*D for attention, the output size otherwise.
+FLOP_FORMULAS = _flop_formulas()
 
-    Only used to rank recompute candidates; views cost 0.
+
+def node_flops(node: torch.fx.Node) -> int:
+    """FLOPs of one op as `torch.utils.flop_counter.FlopCounterMode` counts them, from the node's fake values.
+
+    Matmuls, convolutions and attention (forward and backward) are counted; torch
+    counts no other op (elementwise ops, views, reductions: 0).
     """
-    if node.op != "call_function" or is_view(node):
+    formula = FLOP_FORMULAS.get(packet(node)) if node.op == "call_function" else None
+    if formula is None:
         return 0
-    outs = tensors(node.meta.get("val"))
-    if is_matmul(node.target):
-        a = node.args[1] if packet(node) in (aten.addmm, aten.baddbmm) else node.args[0]
-        k = int(a.meta["val"].shape[-1])
-        return 2 * k * _numel(outs[0])
-    if is_attention(node.target):
-        q = node.args[0].meta["val"]
-        b, h, s, d = (int(x) for x in q.shape)
-        return 4 * b * h * s * s * d
-    return max(1, sum(_numel(t) for t in outs))
+
+    def val(a: Any) -> Any:
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+    return int(formula(*tree_map(val, node.args), **tree_map(val, node.kwargs), out_val=node.meta.get("val")))
+
 
 
 def refresh_duplicated_values(graph: torch.fx.Graph) -> None:

@@ -3,8 +3,8 @@
 The pipeline (not the passes) decides the order. For each enabled pass it logs
 the time and the node-count change, and with `compile.dump_graphs` writes the
 graph's code before and after it. Finally it estimates the step's peak memory
-(`TracedStep.memory_estimate`) and, with `compile.log_saved_activations`,
-prints the tensors kept for the backward.
+and, with `compile.log_saved_activations`, prints the tensors kept for the
+backward. It returns both: `Transformed(traced, memory_estimate)`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from graph_trainer.passes.graph_utils import count_nodes, node_by_name
 from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_tensors
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep
+from graph_trainer.tracer.executor import Transformed
 from graph_trainer.tracer.summary import graph_summary
 from graph_trainer.units import MIB
 
@@ -67,7 +68,7 @@ def check_disabled(names: list[str], registry: list[GraphPass]) -> None:
 
 
 class Pipeline:
-    """Callable TracedStep -> TracedStep running `passes` in order (see module docstring).
+    """Callable TracedStep -> Transformed running `passes` in order (see module docstring).
 
     Args:
         passes: the passes to run, in order.
@@ -84,7 +85,7 @@ class Pipeline:
         self.log_saved_activations = log_saved_activations
         self.runs = 0  # traces transformed so far; names the dump subfolder
 
-    def __call__(self, traced: TracedStep) -> TracedStep:
+    def __call__(self, traced: TracedStep) -> Transformed:
         self.runs += 1
         ctx = PassContext(self.ac, traced.layout.categories)
         gm = traced.gm
@@ -101,9 +102,7 @@ class Pipeline:
             logger.info(f"pass {p.name}: {elapsed * 1000:.1f} ms, ops {before} -> {after} ({after - before:+d})")
             if dump is not None:
                 _dump(gm, dump / f"{i:02d}_after_{p.name}.py")
-        traced.gm = gm
-        traced.memory_estimate = estimate_peak_memory(gm, input_categories=ctx.input_categories)
-        est = traced.memory_estimate
+        est = estimate_peak_memory(gm, input_categories=ctx.input_categories)
         logger.info(f"memory estimate: peak {est.peak_bytes / MIB:.2f} MiB at {est.peak_node} "
                  f"({est.peak_module_fqn or 'top level'}), saved for backward {est.saved_bytes / MIB:.2f} MiB")
         if self.log_saved_activations:
@@ -112,7 +111,7 @@ class Pipeline:
             (dump / "summary.txt").write_text(graph_summary(gm) + "\n" + est.summary() + "\n")
             (dump / "saved_tensors.txt").write_text(saved_activation_report(gm, limit=None) + "\n")
             logger.info(f"graphs written to {dump}")
-        return traced
+        return Transformed(dataclasses.replace(traced, gm=gm), est)
 
 
 def _dump(gm: torch.fx.GraphModule, path: Path) -> None:

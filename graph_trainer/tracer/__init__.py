@@ -9,7 +9,7 @@ contract the graph passes read.
 
 from graph_trainer.tracer.capture import (GradReduce, GraphOptimizer, InputLayout, TraceError, TracedStep,
                                           batch_signature, trace_step)
-from graph_trainer.tracer.executor import GraphStep, TraceStats
+from graph_trainer.tracer.executor import GraphStep, TraceStats, Transformed
 
 __all__ = ["GradReduce", "GraphOptimizer", "GraphStep", "InputLayout", "TraceError", "TraceStats", "TracedStep",
-           "batch_signature", "trace_step"]
+           "Transformed", "batch_signature", "trace_step"]

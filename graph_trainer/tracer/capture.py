@@ -149,8 +149,6 @@ class TracedStep:
     layout: InputLayout
     signature: tuple
     trace_time_s: float
-    # Filled by the pass pipeline: graph_trainer.passes.memory_estimate.MemoryEstimate of the final graph.
-    memory_estimate: Any = None
     # Set by a compile stage (graph_trainer.tracer.compiled): runs instead of `gm`, same inputs and outputs.
     compiled: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 

@@ -56,7 +56,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.log import get_logger
-from graph_trainer.tracer.capture import InputLayout, TracedStep
+from graph_trainer.tracer.capture import InputLayout
+from graph_trainer.tracer.executor import Transformed
 
 logger = get_logger(__name__)
 
@@ -251,8 +252,8 @@ def static_input_indices(layout: InputLayout) -> list[int]:
 class InductorStage:
     """The compile stage run on each final graph (after the pass pipeline): sets `TracedStep.compiled`.
 
-    The graph itself (`traced.gm`) and its memory estimate stay the uncompiled
-    ones: the estimate is the preflight's upper bound, and the graph is what
+    Takes and returns the pipeline's `Transformed`. The graph itself
+    (`traced.gm`) and its memory estimate stay the uncompiled ones: the estimate is the preflight's upper bound, and the graph is what
     passes, dumps and tests read. `total_time_s` (all compiles so far) is logged
     as `compile/inductor_time_s`.
     """
@@ -261,11 +262,13 @@ class InductorStage:
         self.cudagraphs = cudagraphs
         self.total_time_s = 0.0
 
-    def __call__(self, traced: TracedStep) -> TracedStep:
+    def __call__(self, result: Transformed) -> Transformed:
+        traced = result.traced
         traced.compiled = compile_step_graph(traced.gm, static_input_idxs=static_input_indices(traced.layout),
                                              cudagraphs=self.cudagraphs)
         self.total_time_s += traced.compiled.compile_time_s
+        result.compile_time_s = traced.compiled.compile_time_s
         logger.info(f"inductor: compiled the step in {traced.compiled.compile_time_s:.1f} s"
                  f"{' with CUDA graphs' if self.cudagraphs else ''}; numerics are not bitwise with eager "
                  "(fused kernels round differently)")
-        return traced
+        return result

@@ -5,13 +5,17 @@ batch's signature (structure, shapes, dtypes, devices: a tuple compare), traces
 again when it changed (or refuses, with `on_shape_change="error"`), feeds the
 graph from the live model and optimizer, and writes the gradients it returns
 into `param.grad` as eager backward would.
+
+A transform (the pass pipeline, then optionally a compile stage) takes each
+fresh trace and returns a `Transformed`: the step to run and what the transform
+computed about it (the memory estimate of the final graph).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
@@ -20,11 +24,27 @@ import torch.utils._pytree as pytree
 from graph_trainer.errors import UserError
 from graph_trainer.log import get_logger
 from graph_trainer.loss import lm_loss
+from graph_trainer.optimizer import EagerUpdate, adamw_implementation, whole_step_peak
+from graph_trainer.step import StepOutput, StepReport
 from graph_trainer.tracer.capture import (GradReduce, GraphOptimizer, LossFn, TracedStep,
                                           batch_signature, batch_tensors, trace_step,
                                           trainable_parameter_names)
 
-Transform = Callable[[TracedStep], TracedStep]
+if TYPE_CHECKING:
+    from graph_trainer.passes.memory_estimate import MemoryEstimate
+
+
+@dataclasses.dataclass
+class Transformed:
+    """What a transform returns for a fresh trace: the step to run and, if it computed one, its memory estimate."""
+
+    traced: TracedStep
+    memory_estimate: MemoryEstimate | None = None
+    compile_time_s: float | None = None  # set by a compile stage
+
+
+# A transform may also return the TracedStep alone (a user's own rewrite that estimates nothing).
+Transform = Callable[[TracedStep], "Transformed | TracedStep"]
 
 logger = get_logger(__name__)
 
@@ -37,6 +57,7 @@ class TraceStats:
     total_time_s: float = 0.0
     last_time_s: float = 0.0
     reasons: list[str] = dataclasses.field(default_factory=list)
+    compile_time_s: float | None = None  # total, when a compile stage ran
 
 
 def describe_change(old: tuple, new: tuple) -> str:
@@ -54,11 +75,15 @@ def describe_change(old: tuple, new: tuple) -> str:
 class GraphStep:
     """A model's training step as a traced graph, retraced only when the batch signature changes.
 
+    Implements the step protocol (`graph_trainer.step.TrainStep`).
+
     Args:
         model: the live model; its parameters and buffers feed the graph each step.
         loss_fn: forward + loss (default: causal-LM cross-entropy).
         max_norm: gradient clipping inside the graph (<= 0: norm only).
         optimizer: a `GraphOptimizer` to trace the update into the graph, or None.
+        eager_optimizer: a `torch.optim.AdamW` stepped eagerly after the graph instead (its state
+            and scratch count in `report().estimated_peak_bytes`), or None.
         on_shape_change: "retrace" (log the reason and count it) or "error".
         transform: applied to each fresh trace (the pass pipeline).
         device: device to trace for (default: the parameters').
@@ -71,9 +96,11 @@ class GraphStep:
                  optimizer: GraphOptimizer | None = None, on_shape_change: str = "retrace",
                  transform: Transform | None = None, device: torch.device | None = None,
                  failure_dir: Path | None = None, grad_reduce: GradReduce | None = None,
-                 layers: str | None = None):
+                 eager_optimizer: torch.optim.AdamW | None = None, layers: str | None = None):
         if on_shape_change not in ("retrace", "error"):
             raise UserError(f"compile.on_shape_change: expected retrace|error, got {on_shape_change!r}")
+        if optimizer is not None and eager_optimizer is not None:
+            raise ValueError("give the update to the graph (optimizer) or run it after it (eager_optimizer), not both")
         self.model = model
         self.loss_fn = loss_fn
         self.max_norm = max_norm
@@ -84,11 +111,25 @@ class GraphStep:
         self.failure_dir = failure_dir
         self.grad_reduce = grad_reduce
         self.layers = layers
+        self.eager_optimizer = eager_optimizer
+        self._eager_update: EagerUpdate | None = None  # its memory, measured on first report
+        self._reusable: tuple[Transformed, str] | None = None  # (a trace made elsewhere, by whom): see reuse_trace
         self.stats = TraceStats()
         self.traced: TracedStep | None = None
+        self.memory_estimate: MemoryEstimate | None = None  # of the current graph, when the transform made one
         self._params = [p for _, p in model.named_parameters()]
         self._params_by_name = dict(model.named_parameters())
         self._buffers = [b for _, b in model.named_buffers()]
+
+    def reuse_trace(self, result: Transformed, source: str) -> None:
+        """Run the first batch on `result` instead of tracing, if its signature matches.
+
+        `result` must be this step transformed as this step's own transform would
+        (same model structure, loss, clipping, optimizer placement, gradient reduction
+        and passes): the preflight traces it on the meta model for the same device.
+        It counts as this step's first trace (`stats.count`), so a run traces once.
+        """
+        self._reusable = (result, source)
 
     def ensure_traced(self, batch: Any) -> TracedStep:
         """The graph for `batch`'s signature, tracing (and transforming) it if needed."""
@@ -97,6 +138,15 @@ class GraphStep:
         if self.traced is not None and self.traced.signature == signature \
                 and self.traced.layout.grad_names == trainable:
             return self.traced
+        if self._reusable is not None:
+            (result, source), self._reusable = self._reusable, None
+            if result.traced.signature == signature and result.traced.layout.grad_names == trainable:
+                logger.info(f"the step reuses the trace made by {source} (same batch signature): no new trace")
+                self._count_trace(result.traced)
+                self._install(result)
+                return self.traced
+            logger.info(f"tracing the step: the trace made by {source} does not fit the batch "
+                        f"({describe_change(result.traced.signature, signature)})")
         if self.traced is not None:
             reason = describe_change(self.traced.signature, signature) if self.traced.signature != signature \
                 else "the set of parameters with requires_grad=True changed"
@@ -108,11 +158,21 @@ class GraphStep:
         traced = trace_step(self.model, batch, loss_fn=self.loss_fn, max_norm=self.max_norm,
                             optimizer=self.optimizer, device=self.device,
                             failure_dir=self.failure_dir, grad_reduce=self.grad_reduce, layers=self.layers)
+        self._count_trace(traced)
+        result = self.transform(traced) if self.transform is not None else traced
+        self._install(result if isinstance(result, Transformed) else Transformed(result))
+        return self.traced
+
+    def _count_trace(self, traced: TracedStep) -> None:
         self.stats.count += 1
         self.stats.last_time_s = traced.trace_time_s
         self.stats.total_time_s += traced.trace_time_s
-        self.traced = self.transform(traced) if self.transform is not None else traced
-        return self.traced
+
+    def _install(self, result: Transformed) -> None:
+        """Make `result` the graph that runs."""
+        self.traced, self.memory_estimate = result.traced, result.memory_estimate
+        if result.compile_time_s is not None:
+            self.stats.compile_time_s = (self.stats.compile_time_s or 0.0) + result.compile_time_s
 
     def flat_inputs(self, batch: Any) -> list[torch.Tensor]:
         """Graph inputs for this step, gathered from the live model, batch and optimizer."""
@@ -121,7 +181,7 @@ class GraphStep:
             inputs += self.optimizer.state_tensors() + self.optimizer.host_scalars()
         return inputs
 
-    def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, batch: Any) -> StepOutput:
         """Run one training step; returns (loss, grad_norm) and leaves the (clipped) grads in `param.grad`."""
         traced = self.ensure_traced(batch)
         # Frozen parameters get no gradient, and their .grad is left alone, as eager backward does.
@@ -133,4 +193,24 @@ class GraphStep:
             p.grad = g
         if self.optimizer is not None:
             self.optimizer.after_step()
-        return loss, grad_norm
+        if self.eager_optimizer is not None:
+            self.eager_optimizer.step()
+        return StepOutput(loss, grad_norm)
+
+    def report(self) -> StepReport:
+        """Trace stats, and the current graph's estimated peak widened to the eager update when there is one."""
+        s = self.stats
+        out = StepReport(updates_inside=self.optimizer is not None, trace_count=s.count, trace_time_s=s.total_time_s,
+                         retrace_reasons=list(s.reasons), compile_time_s=s.compile_time_s,
+                         cuda_graphs=bool(getattr(self.traced and self.traced.compiled, "cudagraphs", False)))
+        if self.memory_estimate is not None:
+            out.estimated_peak_bytes = whole_step_peak(self.memory_estimate, self._update_cost())[0]
+            out.saved_activation_bytes = self.memory_estimate.saved_bytes
+        return out
+
+    def _update_cost(self) -> EagerUpdate | None:
+        if self.eager_optimizer is not None and self._eager_update is None:
+            device = self.device or self._params[0].device
+            self._eager_update = EagerUpdate.of(self.eager_optimizer,
+                                                adamw_implementation(self.eager_optimizer.param_groups[0]), device)
+        return self._eager_update
