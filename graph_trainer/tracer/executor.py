@@ -110,10 +110,10 @@ class GraphStep:
         self.device = device
         self.failure_dir = failure_dir
         self.grad_reduce = grad_reduce
-        self.layers = layers
         self.eager_optimizer = eager_optimizer
         self._eager_update: EagerUpdate | None = None  # its memory, measured on first report
         self._reusable: tuple[Transformed, str] | None = None  # (a trace made elsewhere, by whom): see reuse_trace
+        self.layers = layers
         self.stats = TraceStats()
         self.traced: TracedStep | None = None
         self.memory_estimate: MemoryEstimate | None = None  # of the current graph, when the transform made one
