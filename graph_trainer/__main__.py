@@ -55,9 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as e:
         return _report(e, EXIT_DIVERGED)
     except KeyboardInterrupt as e:  # graph_trainer.interrupts.Interrupted, or Ctrl-C before the training loop
-        signum = getattr(e, "signum", signal.SIGINT)
+        from graph_trainer.interrupts import exit_code
+
         print(getattr(e, "message", "interrupted"), file=sys.stderr)
-        return 128 + signum
+        return exit_code(getattr(e, "signum", signal.SIGINT))
 
 
 def _report(error: Exception, code: int) -> int:

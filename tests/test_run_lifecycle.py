@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.test_run_folder import REPO, TINY, cli, one_line_error
@@ -157,3 +158,41 @@ def test_a_checkpoint_without_a_stored_config_resumes_with_a_warning(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "stores no config" in resumed.stdout + resumed.stderr
     assert [s["step"] for s in summary(dump)["steps"]] == [1, 2]
+
+
+def _worker_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+    """The pid of torchrun's worker process of `rank`, read from /proc (None until it has started)."""
+    try:
+        children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    except OSError:
+        return None
+    for pid in children:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+@pytest.mark.integration  # a torchrun launch of two ranks
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves(tmp_path):
+    """Ranks agree on the stop (an all-reduced flag): a signal to one rank must neither hang the other
+    in its next collective nor leave the checkpoint without the step they all reached."""
+    dump = tmp_path / "dp2"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
+         "-m", "graph_trainer", *TINY, "--parallelism.dp_shard", "2", *CKPT[:2], "--checkpoint.interval", "1000",
+         "--training.steps", "100000", "--job.dump_folder", str(dump)],
+        cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_step(launcher, 2)
+    rank1 = _worker_pid(launcher, 1)
+    assert rank1 is not None
+    os.kill(rank1, signal.SIGTERM)
+    _, err = launcher.communicate(timeout=120)  # a hang fails here
+    final = summary(dump)["final"]
+    assert final["status"] == "interrupted" and final["signal"] == "SIGTERM", err[-3000:]
+    assert checkpoints(dump) == [f"step-{final['final_step']:08d}.pt"]
+    assert f"interrupted by SIGTERM after step {final['final_step']}; saved " in err
