@@ -92,7 +92,7 @@ def build_job_optimizer(cfg: JobConfig, model: nn.Module, device: torch.device) 
 
 def build_step(cfg: JobConfig, model: nn.Module, optimizer: torch.optim.AdamW, device: torch.device, *,
                loss_fn: LossFn, grad_reduce: GradReduce | None = None, dump_dir: Path | None = None,
-               failure_dir: Path | None = None) -> TrainStep:
+               failure_dir: Path | None = None, planned_graph: Any = None) -> TrainStep:
     """The job's training step: eager (`compile.mode eager`) or traced with the pass pipeline and compile stage.
 
     The step runs the optimizer update itself: in the graph with `compile.trace_optimizer`, else eagerly after it.
@@ -100,6 +100,8 @@ def build_step(cfg: JobConfig, model: nn.Module, optimizer: torch.optim.AdamW, d
     Args:
         dump_dir: where `compile.dump_graphs` writes the graphs (None: nowhere).
         failure_dir: where a failing trace leaves its partial graph.
+        planned_graph: the preflight's final graph of this step (`StepPlan.step_graph`): the first
+            step runs it instead of tracing again when nothing differs between the two (see `_reusable`).
 
     Raises:
         ConfigError: compile options that cannot run together, or a bad pass configuration.
@@ -125,8 +127,17 @@ def build_step(cfg: JobConfig, model: nn.Module, optimizer: torch.optim.AdamW, d
         stage = InductorStage(cudagraphs=cfg.compile.cudagraphs)
         transform = lambda traced: stage(pipeline(traced))  # noqa: E731 (the pipeline, then the compile stage)
     in_graph = optimizer_in_graph(cfg)
-    return GraphStep(model, loss_fn=loss_fn, max_norm=cfg.training.max_norm,
+    step = GraphStep(model, loss_fn=loss_fn, max_norm=cfg.training.max_norm,
                      optimizer=GraphAdamW(optimizer) if in_graph else None,
                      eager_optimizer=None if in_graph else optimizer,
                      on_shape_change=cfg.compile.on_shape_change, transform=transform, device=device,
                      failure_dir=failure_dir, grad_reduce=grad_reduce)
+    if planned_graph is not None and _reusable(cfg, grad_reduce):
+        step.reuse_trace(planned_graph, "the preflight")
+    return step
+
+
+def _reusable(cfg: JobConfig, grad_reduce: GradReduce | None) -> bool:
+    """Whether the preflight's graph is the step's: the preflight traces without the data-parallel gradient
+    reduction, runs no compile stage and writes no graph dumps (the run folder is not ready then)."""
+    return grad_reduce is None and cfg.compile.backend == "none" and not cfg.compile.dump_graphs

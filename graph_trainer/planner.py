@@ -12,20 +12,22 @@ size of a parameter is ever allocated, so an 8B plan fits in a laptop's memory.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from graph_trainer.builder import adamw_implementation_for, build_job_optimizer, build_model, optimizer_in_graph
+from graph_trainer.builder import (adamw_implementation_for, autocast_loss, build_job_optimizer, build_model,
+                                   optimizer_in_graph)
 from graph_trainer.config import JobConfig
-from graph_trainer.device import resolve_device
+from graph_trainer.device import resolve_device, resolve_dtype
 from graph_trainer.errors import UserError
 from graph_trainer.log import quiet
-from graph_trainer.loss import build_lm_loss
 from graph_trainer.optimizer import EagerUpdate, GraphAdamW, whole_step_peak
 from graph_trainer.passes import build_pipeline
 from graph_trainer.passes.graph_utils import node_flops
@@ -49,6 +51,8 @@ class StepPlan:
     num_params: int
     trace_time_s: float
     optimizer: str = "in graph"  # where the AdamW update runs: "in graph" or its eager implementation
+    # The planned step's final graph (`graph_trainer.tracer.Transformed`), for the trainer's first step to reuse.
+    step_graph: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def meta_model(cfg: JobConfig) -> nn.Module:
@@ -57,20 +61,26 @@ def meta_model(cfg: JobConfig) -> nn.Module:
 
 
 def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
-              loss_fn: Callable | None = None) -> StepPlan:
-    """Trace `model` (meta) for `device` with cfg's AC mode, apply the pipeline, and read the estimate."""
+              loss_fn: Callable | None = None, log_passes: bool = False) -> StepPlan:
+    """Trace `model` (meta) for `device` with cfg's AC mode, apply the pipeline, and read the estimate.
+
+    `log_passes`: log the pipeline's pass timings and estimate (the preflight of the step that runs).
+    """
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
     batch = {"input": torch.empty(b, s, dtype=torch.long, device="meta"),
              "labels": torch.empty(b, s, dtype=torch.long, device="meta")}
     in_graph = optimizer_in_graph(cfg)
     implementation = adamw_implementation_for(cfg, device)
     torch_optimizer = build_job_optimizer(cfg, model, device)  # the trainer's, state included
-    loss_fn = loss_fn if loss_fn is not None else build_lm_loss(cfg.training.loss_chunk_size)
+    if loss_fn is None:  # the trainer's loss: chunked as configured, under autocast when training.dtype asks
+        loss_fn = autocast_loss(resolve_dtype(cfg.training.dtype, device), device, cfg.training.loss_chunk_size)
     pipeline = build_pipeline(cfg, dump_dir=None)  # validates the passes before the (long) trace
     start = time.perf_counter()
     traced = trace_step(model, batch, max_norm=cfg.training.max_norm, loss_fn=loss_fn,
                         optimizer=GraphAdamW(torch_optimizer) if in_graph else None, device=device)
-    with quiet():  # a plan, not the step that runs: its pass timings would only repeat the trainer's
+    # The trace is of a batch on the meta device; the step's batches live on `device`.
+    traced.signature = tuple((path, shape, dtype, device.type) for path, shape, dtype, _ in traced.signature)
+    with contextlib.nullcontext() if log_passes else quiet():  # other modes' plans would only add noise
         result = pipeline(traced)
     elapsed = time.perf_counter() - start
     est = result.memory_estimate
@@ -84,7 +94,7 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
                     saved_bytes=est.saved_bytes, peak_by_category=by_category,
                     peak_where=where, flops=sum(node_flops(n) for n in result.traced.gm.graph.nodes),
                     num_params=num_params(model), trace_time_s=elapsed,
-                    optimizer="in graph" if in_graph else implementation)
+                    optimizer="in graph" if in_graph else implementation, step_graph=result)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -113,7 +123,7 @@ def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None 
     another activation-checkpointing mode.
     """
     model = meta_model(cfg)
-    plan = plan_step(cfg, model, device, loss_fn=loss_fn)
+    plan = plan_step(cfg, model, device, loss_fn=loss_fn, log_passes=True)
     available = available_bytes(device)
     if plan.peak_bytes <= available:
         return plan
@@ -153,7 +163,8 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
     in_graph = optimizer_in_graph(cfg)
     update = "in the graph" if in_graph else "eager, " + adamw_implementation_for(cfg, device)
     print_fn(f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {cfg.training.local_batch_size} x "
-             f"seq {cfg.training.seq_len}, device {device.type}, fake tensors only "
+             f"seq {cfg.training.seq_len}, device {device.type}, compute dtype "
+             f"{str(resolve_dtype(cfg.training.dtype, device)).removeprefix('torch.')}, fake tensors only "
              f"(clipping and the AdamW update included: {update})")
     print_fn(f"{'ac mode':10} {'peak GiB':>9} {'saved GiB':>10} {'params':>15} {'TFLOP/step':>11} "
              f"{'plan s':>7}  peak at")

@@ -113,7 +113,7 @@ class Trainer:
         self.step_fn = build_step(cfg, self.model, self.optimizer, self.device, loss_fn=loss_fn,
                                   grad_reduce=self.dist.grad_reduce(),
                                   dump_dir=self.dump_folder / "graphs" if rank == 0 else None,
-                                  failure_dir=self.dump_folder / "graphs")
+                                  failure_dir=self.dump_folder / "graphs", planned_graph=plan.step_graph)
         self.memory = MemoryMonitor(self.device, track=cfg.metrics.track_memory)
         self.checkpointer = CheckpointManager(self.run_folder.checkpoint_folder,
                                               enable=cfg.checkpoint.enable and rank == 0,

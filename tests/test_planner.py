@@ -52,18 +52,29 @@ def test_preflight_refusal_names_sizes_and_what_would_fit(monkeypatch):
 
 
 @pytest.mark.integration
-def test_dry_run_of_8b_is_fast_and_small():
+def test_dry_run_of_8b_is_small_and_traces_once_a_mode():
+    """Bounds what does not depend on the machine's load: the real memory the 8B plan takes and the work it
+    does (one trace a mode). Its wall time is printed, not asserted (it was flaky under load)."""
     start = time.perf_counter()
     proc = _cli("--config", "llama3_8b.toml", "--dry-run", timeout=600)
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     for mode in ("none", "selective", "full", "budget"):
-        assert f"\n{mode} " in out
+        assert out.count(f"\n{mode} ") == 1
     assert "8,030,261,248" in out
     rss_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024**2
     print(f"8B dry run: {elapsed:.1f} s, max RSS {rss_gib:.2f} GiB")
-    assert elapsed < 120 and rss_gib < 2.0
+    assert rss_gib < 2.0
+
+
+def test_dry_run_plans_with_the_configured_compute_dtype():
+    plans = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg, _ = load_config(["--config", "llama3_debug", *SMALL, "--training.dtype", dtype])
+        plans[dtype] = planner.plan_step(cfg, planner.meta_model(cfg), torch.device("cpu"))
+    # bf16 autocast keeps the matmul outputs saved for backward in half the bytes.
+    assert plans["bfloat16"].saved_bytes < plans["float32"].saved_bytes
 
 
 @pytest.mark.integration

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -54,6 +55,24 @@ def test_five_steps_traced_equal_eager_bitwise(tmp_path, mode):
     assert traced.params_sha256 == eager.params_sha256
     assert traced.grads_sha256 == eager.grads_sha256
     assert traced.trace_count == 1
+
+
+@pytest.mark.parametrize("extra, traces", [([], 1), (["--compile.dump_graphs", "true"], 2)], ids=["reused", "dumps"])
+def test_a_run_traces_once_when_the_preflight_trace_fits(tmp_path, monkeypatch, caplog, extra, traces):
+    """The first step runs the preflight's graph; with graph dumps (written only once the run folder is
+    prepared) the step traces again. trace_count counts the traces of the step that runs: 1 either way."""
+    import graph_trainer.planner as planner
+    import graph_trainer.tracer.executor as executor
+
+    calls = []
+    for module in (planner, executor):
+        monkeypatch.setattr(module, "trace_step",
+                            lambda *a, _trace=module.trace_step, **k: calls.append(1) or _trace(*a, **k))
+    caplog.set_level(logging.INFO, logger="graph_trainer")
+    result = run(tmp_path, *extra, steps=2)
+    assert len(calls) == traces and result.trace_count == 1
+    reused = any("reuses the trace made by the preflight" in m for m in caplog.messages)
+    assert reused == (traces == 1)
 
 
 def test_resume_continues_bitwise(tmp_path):
