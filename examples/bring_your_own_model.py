@@ -71,6 +71,8 @@ def main() -> None:
     for i, batch in enumerate(batches(5)):
         loss, grad_norm = step(batch)
         print(f"step {i + 1}: loss {loss.item():.4f}  grad_norm {grad_norm.item():.4f}")
+    plan = step.memory_estimate  # the static estimate of the transformed graph, made before it ran
+    print(f"planned peak {plan.peak_bytes / 2**20:.2f} MiB, saved for backward {plan.saved_bytes / 2**20:.2f} MiB")
     print(f"traced {step.stats.count} time(s)")
 
 

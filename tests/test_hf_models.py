@@ -45,9 +45,12 @@ def hf_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def test_hf_gradient_checkpointing_is_refused_up_front_with_the_memory_policy_as_the_fix():
+@pytest.mark.parametrize("enable", ["gradient_checkpointing_enable", "activation_checkpointing_enable"])
+def test_hf_gradient_checkpointing_is_refused_up_front_with_the_memory_policy_as_the_fix(enable):
     model = tiny_hf_llama()
-    model.gradient_checkpointing_enable()
+    if not hasattr(model, enable):
+        pytest.skip(f"transformers {transformers.__version__} has no {enable}()")
+    getattr(model, enable)()
     with pytest.raises(TraceError) as info:
         trace_step(model, hf_batch(), loss_fn=hf_loss)
     msg = str(info.value)

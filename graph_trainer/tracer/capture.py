@@ -176,7 +176,8 @@ def check_no_compiled_autograd() -> None:
 
 
 # Advice for a model that checkpoints itself: the graph's own memory policy does the same job.
-USE_MEMORY_POLICY = ("turn it off (Hugging Face: model.gradient_checkpointing_disable()) and use graph_trainer's "
+USE_MEMORY_POLICY = ("turn it off (Hugging Face: model.gradient_checkpointing_disable(), or "
+                     "activation_checkpointing_disable() in transformers 5) and use graph_trainer's "
                      "memory policy instead: GraphStep(model, transform=graph_trainer.passes."
                      "memory_policy_transform('full'))")
 
@@ -192,7 +193,7 @@ def check_no_module_checkpointing(model: nn.Module) -> None:
         if getattr(module, "gradient_checkpointing", False) is True:  # the flag transformers sets
             where = f"module '{name}'" if name else f"the model ({type(model).__name__})"
             raise TraceError(f"{where} has gradient checkpointing on (e.g. Hugging Face's "
-                             "gradient_checkpointing_enable()): it re-runs layers with torch.utils.checkpoint "
+                             "gradient_checkpointing_enable() or activation_checkpointing_enable()): it re-runs layers with torch.utils.checkpoint "
                              "during the backward, which a traced step cannot follow", fix=USE_MEMORY_POLICY)
 
 

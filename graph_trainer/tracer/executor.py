@@ -140,7 +140,7 @@ class GraphStep:
             return self.traced
         if self._reusable is not None:
             (result, source), self._reusable = self._reusable, None
-            if result.traced.signature == signature:
+            if result.traced.signature == signature and result.traced.layout.grad_names == trainable:
                 logger.info(f"the step reuses the trace made by {source} (same batch signature): no new trace")
                 self._count_trace(result.traced)
                 self._install(result)
