@@ -1,24 +1,34 @@
 """Command-line entry point: `python -m graph_trainer --config llama3_debug.toml [--section.key VALUE ...]`.
 
-This is the one place where a `UserError` becomes a message and an exit code:
-library code raises, `main` reports.
+This is the one place where errors become a message and an exit code: library
+code raises, `main` reports. Exit codes:
+
+- 0: done (also a resume of a run that is already complete: nothing is written);
+- 2: a mistake in the input (`UserError`): one line naming the cause and the fix;
+- 3: training diverged (`TrainingDiverged`): one line naming the last good checkpoint;
+- 130 / 143: stopped by SIGINT / SIGTERM (128 + the signal) after saving, see `graph_trainer.interrupts`.
 """
 
+import signal
 import sys
 
 from graph_trainer.errors import UserError
 
+EXIT_USER_ERROR = 2
+EXIT_DIVERGED = 3
+
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the process exit code (0 ok, 2 user error, 130 interrupted)."""
+    """Run the command line; return the process exit code (see the module doc)."""
     from graph_trainer.cli import help_text, load_config
     from graph_trainer.config_load import config_to_toml
+    from graph_trainer.divergence import TrainingDiverged
 
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg, opts = load_config(argv)
         if opts.help:
-            print(help_text(), end="")
+            print(help_text(opts.config), end="")
             return 0
         if opts.print_config:
             print(config_to_toml(cfg), end="")
@@ -39,13 +49,23 @@ def main(argv: list[str] | None = None) -> int:
             destroy(dist)
         return 0
     except UserError as e:
-        message = " ".join(str(e).split("\n"))
-        print(f"error: {message}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _report(e, EXIT_USER_ERROR)
+    except TrainingDiverged as e:
+        return _report(e, EXIT_DIVERGED)
+    except KeyboardInterrupt as e:  # graph_trainer.interrupts.Interrupted, or Ctrl-C before the training loop
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(getattr(e, "message", "interrupted"), file=sys.stderr)
+        return 128 + signum
+
+
+def _report(error: Exception, code: int) -> int:
+    message = " ".join(str(error).split("\n"))
+    print(f"error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
+    from graph_trainer.interrupts import unwind_on_sigterm
+
+    unwind_on_sigterm()
     sys.exit(main())

@@ -60,8 +60,10 @@ class CheckpointManager:
     """
 
     def __init__(self, folder: Path, *, enable: bool, interval: int, keep_latest_k: int,
-                 record: Callable[[Path], None] | None = None, owns: Callable[[Path], bool] | None = None) -> None:
-        """`record(path)` is called before a file is written; pruning deletes only files `owns(path)` accepts."""
+                 record: Callable[[Path], None] | None = None, owns: Callable[[Path], bool] | None = None,
+                 forget: Callable[[Path], None] | None = None) -> None:
+        """`record(path)` is called before a file is written; pruning deletes only files `owns(path)` accepts,
+        and calls `forget(path)` after deleting one."""
         if enable and interval < 1:
             raise ConfigError(f"checkpoint.interval must be >= 1, got {interval}; set a positive step count")
         self.folder = Path(folder)
@@ -70,6 +72,7 @@ class CheckpointManager:
         self.keep_latest_k = keep_latest_k
         self.record = record
         self.owns = owns
+        self.forget = forget
 
     def path(self, step: int) -> Path:
         """The checkpoint file for `step` (whether or not it exists)."""
@@ -111,6 +114,8 @@ class CheckpointManager:
             for old in steps[: -self.keep_latest_k]:
                 if self._ours(self.path(old)):
                     self.path(old).unlink(missing_ok=True)
+                    if self.forget is not None:
+                        self.forget(self.path(old))
         # Temp files only outlive their save after a hard kill; by now they are garbage.
         for stale in self.folder.glob(f".step-*{TEMP_SUFFIX}"):
             if self._ours(stale):

@@ -51,12 +51,19 @@ def _metavar(f: dataclasses.Field) -> str:
     return {int: "INT", float: "FLOAT", bool: "BOOL", str: "STR"}[tp]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser, with one `--section.key` option per config field."""
+def build_parser(values: JobConfig | None = None, values_from: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser, with one `--section.key` option per config field.
+
+    The help shows `values` (a config file's, named `values_from`) as each option's
+    default; without them, the built-in defaults.
+    """
+    shown = ("the built-in ones (with --config NAME, that config's)" if values is None
+             else f"{values_from}'s values")
     parser = _Parser(
         prog="python -m graph_trainer",
         usage="%(prog)s [--config NAME_OR_PATH] [--print-config] [--dry-run] [--section.key VALUE ...]",
-        description="Train a Llama-class model with the whole training step captured as one FX graph.",
+        description="Train a Llama-class model with the whole training step captured as one FX graph.\n"
+                    f"Defaults shown below: {shown}.",
         epilog="VALUE is read as a TOML value when it parses as one (numbers, true/false, [lists]), "
                "else as a string. A bool option given without a value means true. Command-line "
                "values override the config file.",
@@ -75,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     for sec_name, sec_cls in sections().items():
         group = parser.add_argument_group(f"[{sec_name}]")
         for name, f in section_fields(sec_cls).items():
-            default = "flavor's value" if f.default is None else repr(
-                f.default_factory() if f.default is dataclasses.MISSING else f.default)
+            value = (f.default_factory() if f.default is dataclasses.MISSING else f.default) if values is None \
+                else getattr(getattr(values, sec_name), name)
+            default = "flavor's value" if value is None else repr(value)
             limits = limits_text(f.metadata)
             extra = f"; {limits}" if limits else ""
             # Only bools may omit the value (`--checkpoint.resume` means true).
@@ -89,9 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def help_text() -> str:
-    """The --help text, generated from the dataclasses."""
-    return build_parser().format_help()
+def help_text(config: str | None = None) -> str:
+    """The --help text, generated from the dataclasses; with `config` (a --config value), its values as defaults."""
+    if config is None:
+        return build_parser().format_help()
+    path = resolve_config_path(config)
+    values = JobConfig()
+    apply_toml(values, load_toml(path), str(path))
+    return build_parser(values, path.name).format_help()
 
 
 def _attach_dash_values(argv: list[str]) -> list[str]:

@@ -15,13 +15,17 @@ Pipeline (everything in memory, nothing cached on disk):
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from graph_trainer.errors import ConfigError, UserError, closest_match
+from graph_trainer.log import get_logger
 from graph_trainer.tokenizer import Tokenizer
+
+logger = get_logger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
 # Synthetic data holds this many batches per rank per epoch: enough to exercise
@@ -65,11 +69,37 @@ def _files_under(root: Path, suffixes: tuple[str, ...], source: str) -> list[Pat
     return files
 
 
+# A file whose sample is more than this fraction undecodable or control characters is not text.
+MAX_NON_TEXT_FRACTION = 0.1
+_SAMPLE_CHARS = 1 << 20
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f\ufffd]")  # control characters (not tab/newlines), U+FFFD
+
+
+def check_text(text: str, where: Path) -> None:
+    """Refuse a file that is mostly not text (a binary given as data.source = text); warn about a few bad bytes.
+
+    Decoding replaced each invalid UTF-8 sequence with U+FFFD. The verdict reads the first
+    1 Mi characters, so it costs little on large corpora.
+    """
+    sample = text[:_SAMPLE_CHARS]
+    bad = sum(1 for _ in _CONTROL.finditer(sample))
+    if sample and bad > MAX_NON_TEXT_FRACTION * len(sample):
+        raise UserError(f"data.path file '{where}' does not look like text: {100 * bad / len(sample):.0f}% of its "
+                        "first characters are invalid UTF-8 or control bytes; point data.path at UTF-8 text "
+                        "(data.source = text) or use data.source = synthetic")
+    replaced = text.count("\ufffd")
+    if replaced:
+        logger.warning(f"data.path file '{where}': {replaced} invalid UTF-8 sequences were replaced by U+FFFD")
+
+
 def text_documents(path: str) -> Iterator[str]:
     """One document per file: `path` itself if it is a file, else every .txt/.md/.rst/.py
-    file below it (recursively, sorted). Undecodable bytes become U+FFFD."""
+    file below it (recursively, sorted). Undecodable bytes become U+FFFD; a file that is
+    mostly not text is refused (`check_text`)."""
     for f in _files_under(_require_path(path, "text"), TEXT_SUFFIXES, "text"):
-        yield f.read_text(encoding="utf-8", errors="replace")
+        text = f.read_text(encoding="utf-8", errors="replace")
+        check_text(text, f)
+        yield text
 
 
 def jsonl_documents(path: str) -> Iterator[str]:

@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from graph_trainer.errors import UserError
+from graph_trainer.log import get_logger
 from graph_trainer.fsutil import TEMP_SUFFIX, atomic_write_text
+
+logger = get_logger(__name__)
 
 MANIFEST_FILE = "run_manifest.json"
 CONFIG_FILE = "config.toml"
@@ -67,19 +70,34 @@ class Manifest:
 
     Files inside the dump folder are recorded relative to it, so a run folder that was
     copied or moved names its own files, never the original's; only files outside it
-    (a checkpoint folder elsewhere) are recorded as absolute paths.
+    (a checkpoint folder elsewhere) are recorded as absolute paths. Those are trusted
+    (owned, removable) only while the manifest is where it was written (`location`),
+    and only as checkpoint files directly in a checkpoint folder it recorded
+    (`outside`): a copied, moved or hand-edited manifest cannot name other files.
     """
 
     path: Path
     files: set[str] = field(default_factory=set)
+    outside: set[str] = field(default_factory=set)  # checkpoint folders outside the dump folder, absolute
+    location: str | None = None  # the dump folder the manifest was written in, absolute
+
+    @property
+    def _root(self) -> Path:
+        return self.path.parent.absolute()
 
     def _key(self, path: Path) -> str:
-        p = Path(path).absolute()
-        root = self.path.parent.absolute()
-        return p.relative_to(root).as_posix() if _is_within(p, root) else str(p)
+        p = Path(os.path.normpath(Path(path).absolute()))
+        return p.relative_to(self._root).as_posix() if _is_within(p, self._root) else str(p)
 
     def _resolve(self, entry: str) -> Path:
-        return Path(entry) if Path(entry).is_absolute() else self.path.parent.absolute() / entry
+        return Path(os.path.normpath(self._root / entry))  # an absolute entry stays itself
+
+    def _trusted(self, path: Path) -> bool:
+        if _is_within(path, self._root):
+            return True
+        name = path.name
+        checkpoint_like = bool(_CKPT_RE.match(name)) or (name.startswith(".step-") and name.endswith(TEMP_SUFFIX))
+        return checkpoint_like and self.location == str(self._root) and str(path.parent) in self.outside
 
     @classmethod
     def read(cls, dump_folder: Path) -> Manifest | None:
@@ -90,12 +108,19 @@ class Manifest:
             return None
         if not isinstance(data, dict) or data.get("schema") != _SCHEMA:
             return None
-        return cls(path, {str(f) for f in data.get("files", []) if isinstance(f, str)})
+        strings = lambda key: {str(f) for f in data.get(key, []) if isinstance(f, str)}  # noqa: E731
+        location = data.get("dump_folder")
+        return cls(path, strings("files"), strings("checkpoint_folders"),
+                   location if isinstance(location, str) else None)
 
     def owns(self, path: Path) -> bool:
         """Whether `path` is a recorded file or the temp file of a recorded file (left by a kill)."""
-        path = Path(path).absolute()
-        if path == self.path.absolute() or self._key(path) in self.files:
+        path = Path(os.path.normpath(Path(path).absolute()))
+        if path == self.path.absolute():
+            return True
+        if not self._trusted(path):
+            return False
+        if self._key(path) in self.files:
             return True
         name = path.name
         if name.startswith(".") and name.endswith(TEMP_SUFFIX):
@@ -109,13 +134,30 @@ class Manifest:
         if p in self.files:
             return
         self.files.add(p)
+        if Path(p).is_absolute():
+            self.outside.add(str(Path(p).parent))
         self.save()
 
+    def forget(self, path: Path) -> None:
+        """Drop `path` (after deleting it), so the manifest does not grow with every pruned checkpoint."""
+        p = self._key(path)
+        if p in self.files:
+            self.files.discard(p)
+            self.save()
+
     def save(self) -> None:
-        atomic_write_text(self.path, json.dumps({"schema": _SCHEMA, "files": sorted(self.files)}, indent=1) + "\n")
+        data = {"schema": _SCHEMA, "files": sorted(self.files), "dump_folder": str(self._root),
+                "checkpoint_folders": sorted(self.outside)}
+        self.location = str(self._root)
+        atomic_write_text(self.path, json.dumps(data, indent=1) + "\n")
 
     def existing(self) -> list[Path]:
-        return [p for p in map(self._resolve, sorted(self.files)) if p.exists()]
+        """The recorded files that exist and are trusted as ours (see the class doc)."""
+        return [p for p in map(self._resolve, sorted(self.files)) if p.exists() and self._trusted(p)]
+
+    def untrusted(self) -> list[Path]:
+        """Recorded files outside the dump folder that are not trusted as ours: kept by `remove_run`."""
+        return [p for p in map(self._resolve, sorted(self.files)) if p.exists() and not self._trusted(p)]
 
 
 @dataclass
@@ -127,6 +169,10 @@ class RunFolder:
     previous: Manifest | None  # the earlier run found there, if any
     replace: bool  # remove the previous run's files in `prepare`
     manifest: Manifest | None = None
+
+    def holds_started_run(self) -> bool:
+        """Whether the dump folder holds a run of ours that got past its start (wrote more than manifest + config)."""
+        return _started(self.previous)
 
     def prepare(self) -> Manifest:
         """Remove the previous run's recorded files when replacing, create the folders, start the manifest.
@@ -140,8 +186,9 @@ class RunFolder:
         except OSError as e:
             raise UserError(f"job.dump_folder '{self.dump_folder}' cannot be created ({e.strerror}); "
                             "choose a folder in a writable place") from None
-        kept = self.previous.files if (self.previous is not None and not self.replace) else set()
-        self.manifest = Manifest(self.dump_folder / MANIFEST_FILE, set(kept))
+        carried = self.previous is not None and not self.replace
+        self.manifest = Manifest(self.dump_folder / MANIFEST_FILE, set(self.previous.files) if carried else set(),
+                                 set(self.previous.outside) if carried else set())
         self.manifest.save()
         return self.manifest
 
@@ -155,7 +202,13 @@ class RunFolder:
 
 
 def remove_run(manifest: Manifest) -> None:
-    """Delete the recorded files of a run (and their temp files), then its folders that became empty."""
+    """Delete the recorded files of a run (and their temp files), then its folders that became empty.
+
+    Files outside the dump folder that the manifest cannot vouch for (see `Manifest`) are kept, with a warning.
+    """
+    for path in manifest.untrusted():
+        logger.warning(f"kept {path}: {manifest.path} names it, but it is outside the run folder and not in a "
+                       "checkpoint folder that run recorded there (a copied, moved or edited manifest?)")
     folders = set()
     for path in manifest.existing():
         path.unlink()
@@ -177,6 +230,10 @@ def _foreign(files: list[Path], manifest: Manifest | None) -> list[Path]:
     return [p for p in files if manifest is None or not manifest.owns(p)]
 
 
+def _started(previous: Manifest | None) -> bool:
+    return previous is not None and any(p.name not in (MANIFEST_FILE, CONFIG_FILE) for p in previous.existing())
+
+
 def inspect(dump_folder: str, checkpoint_folder: str, *, resume: bool, overwrite: bool,
             checkpoint_enable: bool) -> RunFolder:
     """Check the dump and checkpoint folders without writing; decide whether the previous run is replaced.
@@ -192,8 +249,7 @@ def inspect(dump_folder: str, checkpoint_folder: str, *, resume: bool, overwrite
     previous = Manifest.read(dump)
     files = _files_below(dump)
     foreign = _foreign(files, previous)
-    started = previous is not None and any(
-        p.name not in (MANIFEST_FILE, CONFIG_FILE) for p in previous.existing())
+    started = _started(previous)
 
     if checkpoint_enable and not _is_within(ckpt, dump):
         alien = _foreign(_files_below(ckpt), previous)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
+import signal
 import time
 from typing import Any
 
@@ -24,23 +24,22 @@ from graph_trainer.data import build_dataloader
 from graph_trainer.device import peak_flops, resolve_dtype, set_determinism
 from graph_trainer.digest import tensors_digest
 from graph_trainer.distributed import DistInfo, single_process
+from graph_trainer.divergence import DivergenceGuard, TrainingDiverged
 from graph_trainer.errors import UserError
 from graph_trainer.fsutil import atomic_write_text
+from graph_trainer.interrupts import Interrupted, StopRequest
 from graph_trainer.log import configure_console, get_logger
 from graph_trainer.memory import MemoryMonitor
 from graph_trainer.metrics import SUMMARY_FILE, TB_SUBDIR, MetricsLogger
 from graph_trainer.optimizer import build_lr_scheduler, resync_lr
 from graph_trainer.planner import preflight
+from graph_trainer.resume_config import compare_on_resume, load_optimizer_state, stored_config
 from graph_trainer.run_folder import CONFIG_FILE, RunFolder, inspect
 from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.units import to_gib
 from models.llama3.model import flops_per_token, num_params
 
 logger = get_logger(__name__)
-
-
-class TrainingDiverged(UserError):
-    """The loss became NaN or inf; the last good checkpoint is kept."""
 
 
 @dataclasses.dataclass
@@ -123,7 +122,10 @@ class Trainer:
         self.step = 0
         if cfg.checkpoint.resume:
             self._resume()
-        self._prepare_run_folder()
+        # A finished run resumed with the same training.steps has nothing to do: write nothing at all.
+        self.already_complete = cfg.checkpoint.resume and self.step >= cfg.training.steps
+        if not self.already_complete:
+            self._prepare_run_folder()
         self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
         self.peak_flops = peak_flops(self.device, self.dtype)
 
@@ -136,6 +138,7 @@ class Trainer:
         if self.rank == 0:
             manifest = self.run_folder.prepare()
             self.checkpointer.record, self.checkpointer.owns = manifest.record, manifest.owns
+            self.checkpointer.forget = manifest.forget
             for name in (CONFIG_FILE, SUMMARY_FILE):
                 manifest.record(self.dump_folder / name)
             atomic_write_text(self.dump_folder / CONFIG_FILE, config_to_toml(self.cfg))
@@ -151,12 +154,24 @@ class Trainer:
     def _resume(self) -> None:
         latest = self.checkpointer.latest_step()
         if latest is None:
+            if self.run_folder.holds_started_run():
+                # Not "drop --checkpoint.resume": a plain rerun is refused too, and would send the user back here.
+                raise UserError(f"checkpoint.resume is set but the run in {self.dump_folder} saved no checkpoint "
+                                f"in {self.checkpointer.folder}, so there is nothing to resume; pass "
+                                "--job.overwrite true instead of --checkpoint.resume to start it again")
             raise UserError(f"checkpoint.resume is set but {self.checkpointer.folder} holds no checkpoint; "
                             "drop --checkpoint.resume to start a new run")
+        path = self.checkpointer.path(latest)
         state = self.checkpointer.load(latest)
         load_model_state(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["lr_scheduler"])
+        if "config" in state:
+            for change in compare_on_resume(state["config"], self.cfg, path):
+                logger.info(f"resume: {change}")
+        else:
+            logger.warning(f"{path} stores no config (written by an older version): changed options cannot be "
+                           "checked against it; resume with the options it was written with")
+        # This run's config sets the hyperparameters (a new optimizer.lr takes effect); the checkpoint the state.
+        load_optimizer_state(self.optimizer, self.scheduler, state["optimizer"], state["lr_scheduler"])
         resync_lr(self.scheduler)
         self.dataloader.load_state_dict(state["data"])
         restore_rng_state(state["rng"], self.device)
@@ -168,7 +183,7 @@ class Trainer:
         # batches, so rank 0's data position is every rank's (each maps it to its own slice on load).
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "lr_scheduler": self.scheduler.state_dict(), "data": self.dataloader.state_dict(),
-                "rng": capture_rng_state(self.device), "step": self.step}
+                "rng": capture_rng_state(self.device), "step": self.step, "config": stored_config(self.cfg)}
 
     def _live_tensors(self, batch: Any) -> list[torch.Tensor]:
         """Tensors alive when a step starts: what the CPU memory figure counts besides the step's own."""
@@ -205,14 +220,27 @@ class Trainer:
         return record
 
     def train(self) -> TrainResult:
-        """Run the loop to `training.steps`; checkpoints, logs, and stops on a non-finite loss."""
+        """Run the loop to `training.steps`; checkpoints and logs.
+
+        Raises TrainingDiverged when the run blows up (see `graph_trainer.divergence`;
+        nothing is saved for that step) and `Interrupted` after SIGINT/SIGTERM, once
+        the current step finished and (with checkpointing) was saved.
+        """
         cfg = self.cfg
         losses, records = [], []
+        if self.already_complete:
+            logger.info(f"the run in {self.dump_folder} is already complete: its checkpoint is at step {self.step} "
+                        f"and training.steps is {cfg.training.steps}; nothing to do (raise --training.steps "
+                        "to train further)")
+            return self._result(losses, records)
         wall_start = time.perf_counter()
         metrics = MetricsLogger(self.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                 log_freq=cfg.metrics.log_freq, total_steps=cfg.training.steps,
                                 rank=self.rank, config_toml=config_to_toml(cfg))
-        with metrics, self._adopting_files():
+        guard = DivergenceGuard()
+        guard.start(self.model.parameters(), self.step)
+        group = self.dist.group if self.dist.is_distributed else None
+        with metrics, self._adopting_files(), StopRequest() as stop:
             data = iter(self.dataloader)
             while self.step < cfg.training.steps:
                 batch = {k: v.to(self.device, non_blocking=True) for k, v in next(data).items()}
@@ -221,20 +249,28 @@ class Trainer:
                 losses.append(record["loss"])
                 records.append(record)
                 metrics.log_step(self.step, record)
-                if not math.isfinite(record["loss"]):
-                    metrics.set_final({"status": "diverged", "final_step": self.step})
-                    raise TrainingDiverged(self._diverged_message(record["loss"]))
-                if self.checkpointer.should_save(self.step, last_step=self.step == cfg.training.steps):
+                signum = stop.agreed(group, self.device)  # every rank stops after the same step
+                save = cfg.checkpoint.enable and (signum is not None or self.step == cfg.training.steps
+                                                  or self.step % cfg.checkpoint.interval == 0)
+                try:
+                    # Checked on every rank (the values are replicated), so all ranks stop together.
+                    guard.check_step(self.step, record["loss"], record["grad_norm"])
+                    if save:
+                        guard.check_before_save(self.step, record["loss"], self.model.parameters())
+                except TrainingDiverged as e:
+                    metrics.set_final({"status": "diverged", "final_step": self.step, "reason": str(e)})
+                    raise TrainingDiverged(self._diverged_message(str(e))) from None
+                if save and self.checkpointer.enable:
                     self.checkpointer.save(self.step, self._state())
                     self._adopt_new_files()
                 elif len(losses) == 1:
                     self._adopt_new_files()  # the first step opened TensorBoard and dumped the graphs
-            result = TrainResult(
-                losses=losses, final_step=self.step,
-                params_sha256=tensors_digest(self.model.state_dict(keep_vars=False)),
-                grads_sha256=tensors_digest({n: p.grad for n, p in self.model.named_parameters()
-                                             if p.grad is not None}),
-                trace_count=self.step_fn.report().trace_count or 0, records=records)
+                if signum is not None:
+                    message = self._interrupted_message(signum)
+                    metrics.set_final({"status": "interrupted", "final_step": self.step,
+                                       "signal": signal.Signals(signum).name, "message": message})
+                    raise Interrupted(signum, message)
+            result = self._result(losses, records)
             metrics.set_final({"status": "ok", "final_step": self.step,
                                "final_loss": losses[-1] if losses else None,
                                "params_sha256": result.params_sha256, "grads_sha256": result.grads_sha256,
@@ -244,6 +280,13 @@ class Trainer:
                                "wall_time_s": time.perf_counter() - wall_start})
         logger.info(self._results_line())
         return result
+
+    def _result(self, losses: list[float], records: list[dict[str, Any]]) -> TrainResult:
+        return TrainResult(
+            losses=losses, final_step=self.step,
+            params_sha256=tensors_digest(self.model.state_dict(keep_vars=False)),
+            grads_sha256=tensors_digest({n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}),
+            trace_count=self.step_fn.report().trace_count or 0, records=records)
 
     @contextlib.contextmanager
     def _adopting_files(self):
@@ -259,8 +302,22 @@ class Trainer:
         return f"results in {self.dump_folder}: {SUMMARY_FILE}, {CONFIG_FILE}" + (
             f", {TB_SUBDIR}/" if self.cfg.metrics.enable_tensorboard else "") + ckpt
 
-    def _diverged_message(self, loss: float) -> str:
-        kept = self.checkpointer.latest_step()
-        where = f"the last good checkpoint (step {kept}) is kept" if kept is not None else "no checkpoint was saved"
-        return (f"the loss became {loss} at step {self.step}; {where}; lower optimizer.lr, "
-                "raise lr_scheduler.warmup_steps or keep training.max_norm > 0")
+    def _diverged_message(self, reason: str) -> str:
+        kept = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None
+        if kept is None:
+            where = "no checkpoint was saved"
+        else:
+            # Every checkpoint passed the same checks before it was written, so the latest is good.
+            where = (f"nothing was saved for it; the last good checkpoint is {self.checkpointer.path(kept)} "
+                     f"(step {kept}), resume it with --checkpoint.resume and a lower --optimizer.lr")
+        return (f"training diverged: {reason}; {where}; lower optimizer.lr, raise lr_scheduler.warmup_steps "
+                "or keep training.max_norm > 0")
+
+    def _interrupted_message(self, signum: int) -> str:
+        name = signal.Signals(signum).name
+        if not self.cfg.checkpoint.enable:
+            return (f"interrupted by {name} after step {self.step}; checkpointing is off (checkpoint.enable = false), "
+                    "so this run cannot be continued: start it again with --job.overwrite true")
+        again = "the same command again" if self.cfg.checkpoint.resume else "the same command with --checkpoint.resume"
+        return (f"interrupted by {name} after step {self.step}; saved {self.checkpointer.path(self.step)}; "
+                f"to continue, run {again}")

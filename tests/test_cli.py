@@ -28,6 +28,16 @@ def test_help_exits_0_and_lists_options(tmp_path):
     assert "--training.steps" in result.stdout and "--activation_checkpoint.mode" in result.stdout
 
 
+def test_help_with_a_config_shows_its_values_as_defaults(tmp_path):
+    """Issue 8.9: --help ignored --config and showed the built-in defaults as if they were the config's."""
+    result = _run(["--config", "llama3_8b", "--help"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Defaults shown below: llama3_8b.toml's values." in result.stdout
+    assert "peak learning rate (default: 0.0003; > 0)" in result.stdout  # the 8B config's lr, not 8e-4
+    plain = _run(["--help"], tmp_path).stdout
+    assert "Defaults shown below: the built-in ones" in plain and "(default: 0.0008; > 0)" in plain
+
+
 def test_print_config_resolves_a_shipped_name_from_another_directory(tmp_path):
     result = _run(["--config", "llama3_debug", "--training.steps", "7", "--print-config"], tmp_path)
     assert result.returncode == 0, result.stderr

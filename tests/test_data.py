@@ -273,3 +273,20 @@ def test_unknown_source_is_a_config_error_listing_valid_ones():
     expected = r"data\.source \"embeded\".*did you mean \"embedded\".*embedded, jsonl, synthetic, text"
     with pytest.raises(ConfigError, match=expected):
         build_dataloader("embeded", "", BYTE, batch_size=1, seq_len=4, seed=0)
+
+
+def test_a_binary_file_as_text_is_refused_in_one_line_and_a_few_bad_bytes_warn(tmp_path, caplog):
+    """Issue 8.9: a binary file given as data.source = text trained on garbage without a word."""
+    from tests.test_run_folder import cli, one_line_error
+
+    binary = tmp_path / "model.txt"
+    binary.write_bytes(bytes(range(256)) * 200)
+    proc = cli("--training.steps", "1", "--data.source", "text", "--data.path", str(binary),
+               "--job.dump_folder", str(tmp_path / "run"), cwd=tmp_path)
+    one_line_error(proc, f"data.path file '{binary}' does not look like text")
+    assert not (tmp_path / "run").exists()
+    mostly_text = tmp_path / "latin1.txt"
+    mostly_text.write_bytes("caf\u00e9 au lait. ".encode("latin-1") * 300)
+    loader = build_dataloader("text", str(mostly_text), ByteTokenizer(), batch_size=2, seq_len=16, seed=0)
+    assert loader.num_tokens > 0
+    assert "300 invalid UTF-8 sequences were replaced" in caplog.text

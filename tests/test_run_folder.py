@@ -161,3 +161,26 @@ def test_overwriting_a_copied_run_folder_leaves_the_original_alone(tmp_path):
     assert (original / "summary.json").exists() and (original / "checkpoint" / "step-00000001.pt").exists()
     assert not (tmp_path / "run2" / "summary.json").exists()
     assert not (tmp_path / "run2" / "checkpoint").exists()
+
+
+def test_a_copied_or_edited_manifest_deletes_nothing_outside_its_recorded_checkpoint_folder(tmp_path):
+    """Absolute entries (a checkpoint folder outside the dump folder) are checked before deleting: only
+    checkpoint files in a checkpoint folder the run recorded, and only from the manifest's own folder."""
+    outside, original = tmp_path / "ckpts", tmp_path / "run1"
+    original.mkdir()
+    manifest = Manifest(original / MANIFEST_FILE)
+    manifest.save()
+    manifest.record(outside / "step-00000001.pt")
+    ours = plant(outside / "step-00000001.pt")
+    shutil.copytree(original, tmp_path / "run2")
+    remove_run(Manifest.read(tmp_path / "run2"))  # the copy names run1's outside checkpoint
+    assert_survive(ours)
+    decoys = plant(tmp_path / "victim" / "step-00000001.pt", tmp_path / "notes.txt", outside / "notes.txt")
+    data = json.loads((original / MANIFEST_FILE).read_text())
+    data["files"] += [str(p) for p in decoys] + ["../victim/step-00000001.pt"]
+    (original / MANIFEST_FILE).write_text(json.dumps(data))
+    edited = Manifest.read(original)
+    assert not any(edited.owns(p) for p in decoys)
+    remove_run(edited)
+    assert_survive(decoys)
+    assert not (outside / "step-00000001.pt").exists()  # the one file the run did write there is removed

@@ -265,15 +265,21 @@ def test_shape_change_with_error_policy_is_a_user_error():
         step(make_batch(96, seq=8))
 
 
+def eager_and_graph_adamw(model_e: nn.Module, model_t: nn.Module):
+    """(torch AdamW, eager step) for `model_e` and (torch AdamW, graph step with it traced in) for
+    `model_t`, each AdamW over its model's trainable parameters."""
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt_e = torch.optim.AdamW([p for p in model_e.parameters() if p.requires_grad], **kw)
+    opt_t = torch.optim.AdamW([p for p in model_t.parameters() if p.requires_grad], **kw)
+    return (opt_e, EagerStep(model_e, max_norm=1.0)), (opt_t, GraphStep(model_t, max_norm=1.0,
+                                                                          optimizer=GraphAdamW(opt_t)))
+
+
 def test_optimizer_in_graph_matches_torch_adamw_over_five_steps():
     model_e, model_t = tiny_llama(), tiny_llama()
-    kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    opt_e = torch.optim.AdamW(model_e.parameters(), **kw)
-    opt_t = torch.optim.AdamW(model_t.parameters(), **kw)
+    (opt_e, eager), (opt_t, graph) = eager_and_graph_adamw(model_e, model_t)
     sched_e = torch.optim.lr_scheduler.LambdaLR(opt_e, lambda s: (s + 1) / 3)
     sched_t = torch.optim.lr_scheduler.LambdaLR(opt_t, lambda s: (s + 1) / 3)
-    eager = EagerStep(model_e, max_norm=1.0)
-    graph = GraphStep(model_t, max_norm=1.0, optimizer=GraphAdamW(opt_t))
     for i in range(5):
         batch = make_batch(96, seed=i)
         loss_e, _ = eager(batch)

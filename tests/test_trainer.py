@@ -106,15 +106,29 @@ def test_non_empty_dump_folder_is_not_overwritten(tmp_path):
     assert len(json.loads((tmp_path / "summary.json").read_text())["steps"]) == 2
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
-    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--training.max_norm", "0"]
-    with pytest.raises(TrainingDiverged, match="the last good checkpoint"):
-        run(tmp_path, *ckpt, "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", steps=10)
+def test_divergence_saves_no_bad_checkpoint_and_the_last_good_one_resumes_finite(tmp_path):
+    """Issue 8.3: the "last good" checkpoint after lr 1e10 held weights of ~4e9 and gave NaN on any resume."""
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--training.max_norm", "0",
+            "--lr_scheduler.warmup_steps", "0"]
+    run(tmp_path, *ckpt, steps=2)
+    with pytest.raises(TrainingDiverged, match=r"the last good checkpoint is .*step-00000002\.pt \(step 2\)"):
+        run(tmp_path, *ckpt, "--checkpoint.resume", "--optimizer.lr", "1e10", steps=10)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final"]["status"] == "diverged"
-    bad_step = summary["final"]["final_step"]
+    assert summary["final"]["final_step"] == 3  # step 3's update blew up; nothing was saved for it
     saved = sorted(p.name for p in (tmp_path / "checkpoint").glob("step-*.pt"))
-    assert saved and saved[-1] == f"step-{bad_step - 1:08d}.pt"
+    assert saved[-1] == "step-00000002.pt"
+    weights = torch.load(tmp_path / "checkpoint" / saved[-1], weights_only=True)["model"]
+    assert all(bool(w.isfinite().all()) and float(w.abs().max()) < 100 for w in weights.values())
+    resumed = run(tmp_path, *ckpt, "--checkpoint.resume", "--optimizer.lr", "1e-4", steps=4)
+    assert len(resumed.losses) == 2 and all(torch.isfinite(torch.tensor(resumed.losses)))
+
+
+def test_divergence_from_the_first_step_saves_nothing(tmp_path):
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--training.max_norm", "0"]
+    with pytest.raises(TrainingDiverged, match="no checkpoint was saved"):
+        run(tmp_path, *ckpt, "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", steps=10)
+    assert not list((tmp_path / "checkpoint").glob("step-*.pt"))
 
 
 def test_tokenizer_larger_than_model_vocab_is_a_user_error(tmp_path):

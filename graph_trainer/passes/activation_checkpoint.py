@@ -39,11 +39,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from graph_trainer.config import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError
+from graph_trainer.log import get_logger
 from graph_trainer.op_patterns import OpPattern, parse_overrides
 from graph_trainer.passes.graph_utils import (is_attention, is_matmul, is_mutating, layer_forward_nodes,
                                               mutated_args, storage_keys)
 from graph_trainer.passes.remat import peak_after_remat
 from graph_trainer.tracer import node_meta
+
+logger = get_logger(__name__)
 
 SAVE = CheckpointPolicy.MUST_SAVE
 RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
@@ -208,7 +211,26 @@ def tag_activation_checkpoint(gm: torch.fx.GraphModule, ac: ActivationCheckpoint
                 peaks.append(peak_after_remat(gm, input_categories))
             decisions = saved if peaks[0] <= peaks[1] else decisions
     write_tags(gm, structure, decisions)
+    warn_if_nothing_recomputed(gm, ac.mode, structure, decisions)
     return gm
+
+
+def warn_if_nothing_recomputed(gm: torch.fx.GraphModule, mode: str, structure: StepStructure,
+                               decisions: Decisions) -> None:
+    """Warn when a selective/full plan frees no activation: it then saves what mode 'none' saves,
+    which would otherwise go unnoticed (e.g. when the model's transformer layers were not found).
+
+    A recomputed op frees memory only if its output storage is not also held by an op that is
+    not recomputed (a saved view of it, an input it is a view of), so such ops do not count.
+    """
+    kept = {k for n in gm.graph.nodes if decisions.get(n) != RECOMPUTE for k in storage_keys(n)}
+    if any(d == RECOMPUTE and not set(storage_keys(n)) <= kept for n, d in decisions.items()):
+        return
+    why = ("no transformer layers were found in the model" if not structure.layer_nodes
+           else f"every tensor made in the layers ({len(structure.layer_nodes)} ops) stays saved")
+    logger.warning(f"activation_checkpoint.mode = {mode!r} recomputes nothing, so it saves no memory over "
+                   f"'none': {why}; if the model's blocks are elsewhere, name their container "
+                   "(trace_step(..., layers='model.layers'))")
 
 
 def policy_name(node: torch.fx.Node) -> str:

@@ -7,9 +7,10 @@ Parameters, buffers, the batch, optimizer state and per-step host scalars all
 enter as flat graph inputs, so one graph serves every step and passes can
 rewrite it without a pytree calling convention to keep.
 
-Graph outputs: `[loss, grad_norm, *grads]` (grads passed through the optional
-`grad_reduce` hook, e.g. the data-parallel all-reduce, then clipped when max_norm > 0;
-the loss is this process's own).
+Graph outputs: `[loss, grad_norm, *grads]`, one gradient per trainable parameter
+(`requires_grad=True`, in `layout.grad_names` order: frozen parameters enter the graph
+but get no gradient), passed through the optional `grad_reduce` hook (e.g. the
+data-parallel all-reduce), then clipped when max_norm > 0; the loss is this process's own.
 """
 
 from __future__ import annotations
@@ -76,7 +77,11 @@ class GraphOptimizer(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class InputLayout:
-    """How the flat graph inputs are laid out: params, buffers, batch leaves, optimizer state, host scalars."""
+    """How the flat graph inputs are laid out: params, buffers, batch leaves, optimizer state, host scalars.
+
+    `grad_names` are the trainable parameters (a subset of `param_names`, same order):
+    the graph returns one gradient for each, and a traced optimizer updates exactly these.
+    """
 
     param_names: tuple[str, ...]
     buffer_names: tuple[str, ...]
@@ -84,6 +89,7 @@ class InputLayout:
     num_batch: int
     num_opt_state: int
     num_scalars: int
+    grad_names: tuple[str, ...]
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -169,6 +175,27 @@ def check_no_compiled_autograd() -> None:
                          "(torch._dynamo.config.compiled_autograd = False)", fix=None)
 
 
+# Advice for a model that checkpoints itself: the graph's own memory policy does the same job.
+USE_MEMORY_POLICY = ("turn it off (Hugging Face: model.gradient_checkpointing_disable()) and use graph_trainer's "
+                     "memory policy instead: GraphStep(model, transform=graph_trainer.passes."
+                     "memory_policy_transform('full'))")
+
+
+def check_no_module_checkpointing(model: nn.Module) -> None:
+    """Refuse a model that checkpoints its own layers (Hugging Face's `gradient_checkpointing_enable()`).
+
+    `torch.utils.checkpoint` re-runs a layer during the backward, outside the traced
+    parameters (they are swapped back by then), so the trace cannot follow it; the
+    memory policy pass recomputes on the graph instead, bitwise.
+    """
+    for name, module in model.named_modules():
+        if getattr(module, "gradient_checkpointing", False) is True:  # the flag transformers sets
+            where = f"module '{name}'" if name else f"the model ({type(model).__name__})"
+            raise TraceError(f"{where} has gradient checkpointing on (e.g. Hugging Face's "
+                             "gradient_checkpointing_enable()): it re-runs layers with torch.utils.checkpoint "
+                             "during the backward, which a traced step cannot follow", fix=USE_MEMORY_POLICY)
+
+
 class _ModuleAnnotator:
     """Forward hooks that annotate every traced op with its module FQN and layer index.
 
@@ -177,9 +204,9 @@ class _ModuleAnnotator:
     tells which module a failing op was in.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, layers: str | None = None):
         self.model = model
-        self.layers = transformer_layers(model)
+        self.layers = transformer_layers(model, layers)
         self.stack: list[tuple[str, contextlib.AbstractContextManager]] = []
 
     def _layer_of(self, fqn: str) -> int | None:
@@ -302,6 +329,10 @@ def _failed_op(exc: BaseException) -> str | None:
 
 def _explain(exc: BaseException) -> str:
     name = type(exc).__name__
+    checkpoint_py = os.path.join("torch", "utils", "checkpoint.py")
+    if any(frame.filename.endswith(checkpoint_py) for frame in traceback.extract_tb(exc.__traceback__)):
+        return ("the model calls torch.utils.checkpoint, which re-runs code during the backward outside the "
+                f"traced parameters; {USE_MEMORY_POLICY}")
     if "DataDependent" in name or "GuardOnDataDependent" in name:
         return ("the step reads a tensor's value in Python (data-dependent control flow, .item(), "
                 "bool(tensor)), which a trace on fake tensors cannot know")
@@ -318,6 +349,11 @@ def _partial_graph_code() -> str | None:
     if graph is None:
         return None
     return graph.python_code(root_module="self", verbose=True).src
+
+
+def trainable_parameter_names(model: nn.Module) -> tuple[str, ...]:
+    """Names of `model`'s parameters that require grad, in `named_parameters()` order (tied ones once)."""
+    return tuple(name for name, p in model.named_parameters() if p.requires_grad)
 
 
 def _fake_like(mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -337,6 +373,7 @@ def trace_step(
     device: torch.device | str | None = None,
     failure_dir: Path | None = None,
     grad_reduce: GradReduce | None = None,
+    layers: str | None = None,
 ) -> TracedStep:
     """Trace one whole training step of `model` on a batch shaped like `batch`.
 
@@ -353,17 +390,27 @@ def trace_step(
         grad_reduce: applied to the gradients right after `autograd.grad`, before
             clipping; its ops are traced into the graph in the backward phase
             (e.g. the data-parallel all-reduce).
+        layers: FQN of the module whose children are the transformer blocks
+            (e.g. "model.layers"); None guesses it (see `graph_trainer.layers`).
+            Nodes are tagged with their block's index, and activation
+            checkpointing recomputes inside blocks only.
 
     Raises:
         TraceError: with the module FQN, source line and op that could not be traced.
     """
     check_no_compiled_autograd()
+    check_no_module_checkpointing(model)
     device = torch.device(device) if device is not None else None
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    if optimizer is not None and [id(p) for p in optimizer.params] != [id(p) for p in params.values()]:
-        raise TraceError("the traced optimizer must hold exactly the model's parameters, in "
-                         "model.named_parameters() order; build it from model.parameters()", fix=None)
+    grad_names = trainable_parameter_names(model)
+    if not grad_names:
+        raise TraceError("no parameter of the model requires grad, so there is nothing to train",
+                         fix="set requires_grad=True on the parameters to train")
+    if optimizer is not None and [id(p) for p in optimizer.params] != [id(params[n]) for n in grad_names]:
+        raise TraceError("the traced optimizer must hold exactly the model's trainable parameters "
+                         "(requires_grad=True), in model.named_parameters() order; build it from "
+                         "[p for p in model.parameters() if p.requires_grad]", fix=None)
     batch = as_pytree(batch)
     all_leaves, batch_spec = pytree.tree_flatten_with_path(batch)
     for path, leaf in all_leaves:
@@ -376,9 +423,9 @@ def trace_step(
     opt_state = optimizer.state_tensors() if optimizer is not None else []
     scalars = optimizer.host_scalars() if optimizer is not None else []
     layout = InputLayout(tuple(params), tuple(buffers), batch_spec, len(batch_leaves),
-                         len(opt_state), len(scalars))
+                         len(opt_state), len(scalars), grad_names)
 
-    annotator = _ModuleAnnotator(model)
+    annotator = _ModuleAnnotator(model, layers)
     failure: dict[str, Any] = {}
 
     def step(*flat: torch.Tensor) -> list[torch.Tensor]:
@@ -395,14 +442,16 @@ def trace_step(
                                  for leaf in all_leaves]
                     loss = loss_fn(model, pytree.tree_unflatten(batch_now, layout.batch_spec))
             _link_backward_to_forward(loss.grad_fn)
+            by_name = dict(zip(layout.param_names, p_list))
+            trained = [by_name[n] for n in layout.grad_names]
             with fx_traceback.annotate({node_meta.PHASE: node_meta.BACKWARD}):
-                grads = list(torch.autograd.grad(loss, p_list))
+                grads = list(torch.autograd.grad(loss, trained))
                 if grad_reduce is not None:
                     grads = list(grad_reduce(grads))
             with fx_traceback.annotate({node_meta.PHASE: node_meta.OPTIMIZER}), torch.no_grad():
                 grad_norm = clip_grads_(grads, max_norm)
                 if optimizer is not None:
-                    optimizer.update_(p_list, grads, state, host)
+                    optimizer.update_(trained, grads, state, host)
             return [loss, grad_norm, *grads]
         except Exception:
             failure["module"] = annotator.current_module()
@@ -410,7 +459,7 @@ def trace_step(
             raise
 
     fake_mode = FakeTensorMode()
-    fake_inputs = [_fake_like(fake_mode, t, device).requires_grad_(True) for t in params.values()]
+    fake_inputs = [_fake_like(fake_mode, t, device).requires_grad_(t.requires_grad) for t in params.values()]
     fake_inputs += [_fake_like(fake_mode, t, device) for t in buffers.values()]
     fake_inputs += [_fake_like(fake_mode, t, device) for t in batch_leaves]
     fake_inputs += [_fake_like(fake_mode, t, device) for t in opt_state]

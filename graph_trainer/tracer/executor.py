@@ -27,7 +27,8 @@ from graph_trainer.loss import lm_loss
 from graph_trainer.optimizer import EagerUpdate, adamw_implementation, whole_step_peak
 from graph_trainer.step import StepOutput, StepReport
 from graph_trainer.tracer.capture import (GradReduce, GraphOptimizer, LossFn, TracedStep,
-                                          batch_signature, batch_tensors, trace_step)
+                                          batch_signature, batch_tensors, trace_step,
+                                          trainable_parameter_names)
 
 if TYPE_CHECKING:
     from graph_trainer.passes.memory_estimate import MemoryEstimate
@@ -88,13 +89,14 @@ class GraphStep:
         device: device to trace for (default: the parameters').
         failure_dir: where a failing trace leaves its partial graph.
         grad_reduce: traced into the graph between the backward and clipping (see `trace_step`).
+        layers: FQN of the container of the transformer blocks (see `trace_step`); None guesses it.
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: LossFn = lm_loss, max_norm: float = 0.0,
                  optimizer: GraphOptimizer | None = None, on_shape_change: str = "retrace",
                  transform: Transform | None = None, device: torch.device | None = None,
                  failure_dir: Path | None = None, grad_reduce: GradReduce | None = None,
-                 eager_optimizer: torch.optim.AdamW | None = None):
+                 eager_optimizer: torch.optim.AdamW | None = None, layers: str | None = None):
         if on_shape_change not in ("retrace", "error"):
             raise UserError(f"compile.on_shape_change: expected retrace|error, got {on_shape_change!r}")
         if optimizer is not None and eager_optimizer is not None:
@@ -111,10 +113,12 @@ class GraphStep:
         self.eager_optimizer = eager_optimizer
         self._eager_update: EagerUpdate | None = None  # its memory, measured on first report
         self._reusable: tuple[Transformed, str] | None = None  # (a trace made elsewhere, by whom): see reuse_trace
+        self.layers = layers
         self.stats = TraceStats()
         self.traced: TracedStep | None = None
         self.memory_estimate: MemoryEstimate | None = None  # of the current graph, when the transform made one
         self._params = [p for _, p in model.named_parameters()]
+        self._params_by_name = dict(model.named_parameters())
         self._buffers = [b for _, b in model.named_buffers()]
 
     def reuse_trace(self, result: Transformed, source: str) -> None:
@@ -130,7 +134,9 @@ class GraphStep:
     def ensure_traced(self, batch: Any) -> TracedStep:
         """The graph for `batch`'s signature, tracing (and transforming) it if needed."""
         signature = batch_signature(batch)
-        if self.traced is not None and self.traced.signature == signature:
+        trainable = trainable_parameter_names(self.model)
+        if self.traced is not None and self.traced.signature == signature \
+                and self.traced.layout.grad_names == trainable:
             return self.traced
         if self._reusable is not None:
             (result, source), self._reusable = self._reusable, None
@@ -142,7 +148,8 @@ class GraphStep:
             logger.info(f"tracing the step: the trace made by {source} does not fit the batch "
                         f"({describe_change(result.traced.signature, signature)})")
         if self.traced is not None:
-            reason = describe_change(self.traced.signature, signature)
+            reason = describe_change(self.traced.signature, signature) if self.traced.signature != signature \
+                else "the set of parameters with requires_grad=True changed"
             if self.on_shape_change == "error":
                 raise UserError(f"the batch signature changed ({reason}) and compile.on_shape_change = "
                                 "'error'; keep shapes fixed or set compile.on_shape_change = 'retrace'")
@@ -150,7 +157,7 @@ class GraphStep:
             self.stats.reasons.append(reason)
         traced = trace_step(self.model, batch, loss_fn=self.loss_fn, max_norm=self.max_norm,
                             optimizer=self.optimizer, device=self.device,
-                            failure_dir=self.failure_dir, grad_reduce=self.grad_reduce)
+                            failure_dir=self.failure_dir, grad_reduce=self.grad_reduce, layers=self.layers)
         self._count_trace(traced)
         result = self.transform(traced) if self.transform is not None else traced
         self._install(result if isinstance(result, Transformed) else Transformed(result))
@@ -177,10 +184,12 @@ class GraphStep:
     def __call__(self, batch: Any) -> StepOutput:
         """Run one training step; returns (loss, grad_norm) and leaves the (clipped) grads in `param.grad`."""
         traced = self.ensure_traced(batch)
-        for p in self._params:  # as zero_grad(set_to_none=True): last step's grads must not outlive it
+        # Frozen parameters get no gradient, and their .grad is left alone, as eager backward does.
+        trained = [self._params_by_name[n] for n in traced.layout.grad_names]
+        for p in trained:  # as zero_grad(set_to_none=True): last step's grads must not outlive it
             p.grad = None
         loss, grad_norm, grads = traced(self.flat_inputs(batch))
-        for p, g in zip(self._params, grads):
+        for p, g in zip(trained, grads):
             p.grad = g
         if self.optimizer is not None:
             self.optimizer.after_step()

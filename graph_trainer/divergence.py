@@ -1,0 +1,81 @@
+"""Divergence: when a run has blown up, and which states are sane enough to checkpoint.
+
+A checkpoint is only useful if training can continue from it. A step's loss is
+computed *before* its update, so a finite loss says nothing about the weights the
+update just wrote: with `optimizer.lr 1e10` step 1 logs a normal loss and leaves
+weights of ~4e9, and a checkpoint of them gives NaN at once, whatever lr a resume
+uses. So:
+
+- every step (free: the loss and grad norm are read anyway): a non-finite loss or
+  gradient norm means the run diverged;
+- before every save (one pass over the parameters, only then): the parameters must
+  be finite, their norm must not have more than doubled since the last check (the
+  previous save, or the start of this run), and the loss must not have exploded
+  to more than 10x this run's first loss. Healthy training moves the weight norm by
+  a few percent between checkpoints; an update that blows up moves it by orders of
+  magnitude.
+
+A failed check stops the run (`TrainingDiverged`, exit code 3) without saving, so
+every checkpoint on disk passed it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+MAX_NORM_GROWTH = 2.0  # parameter norm at a save / norm at the previous check
+MAX_LOSS_GROWTH = 10.0  # loss at a save / this run's first loss
+
+
+class TrainingDiverged(Exception):
+    """The run blew up (non-finite or exploding values); nothing was saved for the failing step.
+
+    Not a user error: `__main__` reports it in one line with its own exit code, 3.
+    """
+
+
+def parameter_norm(params: Iterable[torch.Tensor]) -> float:
+    """The L2 norm over all parameters (inf or nan when any element is); no copy of any parameter is made."""
+    norms = [torch.linalg.vector_norm(p.detach()).to(torch.float64) for p in params]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
+class DivergenceGuard:
+    """Checks a run's steps and the state before each save (see the module doc).
+
+    `start(params, step)` measures the reference norm (once, at the start of the run);
+    `check_step` runs after every step, `check_before_save` before every save. Both
+    raise TrainingDiverged with the reason; the caller adds what was kept.
+    """
+
+    def __init__(self) -> None:
+        self.ref_norm: float | None = None
+        self.ref_step = 0
+        self.first_loss: float | None = None
+
+    def start(self, params: Iterable[torch.Tensor], step: int) -> None:
+        self.ref_norm, self.ref_step = parameter_norm(params), step
+
+    def check_step(self, step: int, loss: float, grad_norm: float) -> None:
+        if not math.isfinite(loss):
+            raise TrainingDiverged(f"the loss became {loss} at step {step}")
+        if not math.isfinite(grad_norm):
+            raise TrainingDiverged(f"the gradient norm became {grad_norm} at step {step}")
+        if self.first_loss is None:
+            self.first_loss = loss
+
+    def check_before_save(self, step: int, loss: float, params: Iterable[torch.Tensor]) -> None:
+        if self.first_loss is not None and loss > MAX_LOSS_GROWTH * max(self.first_loss, 1.0):
+            raise TrainingDiverged(f"the loss exploded to {loss:.4g} at step {step} "
+                                   f"(this run started at {self.first_loss:.4g})")
+        norm = parameter_norm(params)
+        if not math.isfinite(norm):
+            raise TrainingDiverged(f"the parameters after step {step} are not finite (norm {norm})")
+        if self.ref_norm is not None and norm > MAX_NORM_GROWTH * self.ref_norm:
+            raise TrainingDiverged(f"the parameter norm exploded to {norm:.4g} after step {step} "
+                                   f"(it was {self.ref_norm:.4g} at step {self.ref_step}; "
+                                   f"more than {MAX_NORM_GROWTH:g}x is not a sane update)")
+        self.ref_norm, self.ref_step = norm, step

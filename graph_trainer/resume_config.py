@@ -1,0 +1,98 @@
+"""Resuming with changed options: which changes a checkpoint can take, and the log of what changed.
+
+Every checkpoint stores the resolved config it was written with (`stored_config`).
+On resume, `compare_on_resume` holds it against the current config, option by option:
+
+- refused (one line, exit 2): options that change the data stream or the model's
+  structure. The saved data position counts batches of the saved shape and order
+  (`training.local_batch_size`, `training.seq_len`, `training.seed`, `data.*`,
+  `parallelism.dp_shard`), and the saved weights fit one architecture (`model.*`
+  except the options listed as honoured below).
+- honoured, and logged against the checkpoint's value: everything else, e.g.
+  `optimizer.lr` and the other AdamW hyperparameters, the schedule, `training.steps`,
+  clipping, dropout, AC and compile modes, logging and checkpoint options.
+
+A checkpoint without a stored config (written before this existed) is resumed as
+before, with a warning that nothing could be compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graph_trainer.config import JobConfig
+from graph_trainer.errors import UserError
+
+# section.key -> why a resumed run cannot take a new value.
+_DATA = "the saved data position only fits the saved data, batch shape and order"
+_MODEL = "the saved weights belong to the saved architecture"
+REFUSED: dict[str, str] = {
+    "training.local_batch_size": _DATA, "training.seq_len": _DATA, "training.seed": _DATA,
+    "data.source": _DATA, "data.path": _DATA, "data.tokenizer": _DATA, "parallelism.dp_shard": _DATA,
+    **{f"model.{f.name}": _MODEL for f in dataclasses.fields(JobConfig().model)
+       if f.name not in ("dropout", "rope_theta", "use_rope_scaling", "max_seq_len", "norm_eps")},
+}
+# Options that say how to start, not what to train: their change is expected and not logged.
+_NOT_COMPARED = ("checkpoint.resume", "job.overwrite")
+
+
+def _absolute_path(value: str) -> str:
+    return str(Path(value).expanduser().absolute()) if value and value != "byte" else value
+
+
+def stored_config(cfg: JobConfig) -> dict[str, dict[str, Any]]:
+    """The config to store in a checkpoint: plain values (weights_only-loadable), data paths made absolute."""
+    stored = dataclasses.asdict(cfg)
+    stored["data"]["path"] = _absolute_path(stored["data"]["path"])
+    stored["data"]["tokenizer"] = _absolute_path(stored["data"]["tokenizer"])
+    return stored
+
+
+def _flatten(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, values in config.items() for key, value in values.items()}
+
+
+def _as_flag(key: str, value: Any) -> str:
+    if value is None:
+        return f"no --{key}"
+    if isinstance(value, bool):
+        value = str(value).lower()
+    return f"--{key} {value!r}" if isinstance(value, str) and (not value or " " in value) else f"--{key} {value}"
+
+
+def compare_on_resume(saved: dict[str, dict[str, Any]], cfg: JobConfig, checkpoint: Path) -> list[str]:
+    """Lines naming each honoured change against the checkpoint's config; UserError if any change is refused."""
+    before, now = _flatten(saved), _flatten(stored_config(cfg))
+    if before["data.source"] in ("embedded", "synthetic"):
+        before.pop("data.path", None)  # these sources read no file
+        now.pop("data.path", None)
+    changed = [k for k in now if k not in _NOT_COMPARED and k in before and before[k] != now[k]]
+    refused = [k for k in changed if k in REFUSED]
+    if refused:
+        what = ", ".join(f"{k} {now[k]!r} (checkpoint: {before[k]!r})" for k in refused)
+        fix = " ".join(_as_flag(k, before[k]) for k in refused)
+        raise UserError(f"cannot resume {checkpoint} with changed {what}: {REFUSED[refused[0]]}; "
+                        f"resume with {fix}, or start a new job.dump_folder")
+    return [f"{k}: {before[k]!r} in the checkpoint, {now[k]!r} now (honoured)" for k in changed if k not in REFUSED]
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                         optimizer_state: dict[str, Any], scheduler_state: dict[str, Any]) -> None:
+    """Load the optimizer and schedule state of a checkpoint, keeping this run's hyperparameters.
+
+    torch's `load_state_dict` also restores each group's lr, betas, eps, weight decay,
+    implementation flags and `initial_lr`, and the scheduler's `base_lrs`: a resumed run
+    would silently keep the old `optimizer.lr`. The groups are built from the current
+    config, so their hyperparameters are put back after loading; the moments, step
+    counts and the schedule's position come from the checkpoint.
+    """
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(optimizer_state)
+    for group, values in zip(optimizer.param_groups, hyper):
+        group.update(values)
+    scheduler.load_state_dict(scheduler_state)
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
