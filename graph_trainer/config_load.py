@@ -98,7 +98,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("data.tokenizer must be 'byte' or a path to a tokenizer.json, got ''")
 
     ac = cfg.activation_checkpoint
-    ac.selective_ac_option = _parse_ac_option(ac.selective_ac_option)
+    ac.selective_ac_option = parse_ac_option(ac.selective_ac_option)
     for list_name in ("save_list", "recompute_list"):
         for i, pattern in enumerate(getattr(ac, list_name)):
             if not OP_PATTERN.match(pattern):
@@ -128,7 +128,7 @@ def validate(cfg: JobConfig) -> None:
             f"--training.seq_len or raise --model.max_seq_len")
 
 
-def _parse_ac_option(option: str | int) -> str | int:
+def parse_ac_option(option: str | int) -> str | int:
     """'op' or a positive int; a string of digits (from the command line) becomes an int."""
     if isinstance(option, str) and option.isdigit():
         option = int(option)

@@ -26,7 +26,10 @@ SYNTAX = "'[<module glob>::]aten.<op>[.<overload>]', e.g. 'aten.mm' or 'layers.*
 
 
 def fqn_matches(fqn: str, pattern: str) -> bool:
-    """True when the module FQN or one of its parents matches the glob ('layers.*.attention' matches 'layers.0.attention.wq')."""
+    """True when the module FQN or one of its parents matches the glob.
+
+    'layers.*.attention' matches 'layers.0.attention.wq'.
+    """
     parts = fqn.split(".") if fqn else []
     return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
 

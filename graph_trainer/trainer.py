@@ -312,14 +312,12 @@ class Trainer:
 
     def _diverged_message(self, reason: str) -> str:
         kept = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None
+        fix = "a lower optimizer.lr, more lr_scheduler.warmup_steps or training.max_norm > 0"
         if kept is None:
-            where = "no checkpoint was saved"
-        else:
-            # Every checkpoint passed the same checks before it was written, so the latest is good.
-            where = (f"nothing was saved for it; the last good checkpoint is {self.checkpointer.path(kept)} "
-                     f"(step {kept}), resume it with --checkpoint.resume and a lower --optimizer.lr")
-        return (f"training diverged: {reason}; {where}; lower optimizer.lr, raise lr_scheduler.warmup_steps "
-                "or keep training.max_norm > 0")
+            return f"training diverged: {reason}; no checkpoint was saved; start again with {fix}"
+        # Every checkpoint passed the same checks before it was written, so the latest is good.
+        return (f"training diverged: {reason}; nothing was saved for it; the last good checkpoint is "
+                f"{self.checkpointer.path(kept)} (step {kept}): resume it with --checkpoint.resume and {fix}")
 
     def _interrupted_message(self, signum: int) -> str:
         name = signal.Signals(signum).name

@@ -147,9 +147,14 @@ def test_memory_policy_transform_gives_a_users_step_the_policy_bitwise(mode):
     assert any(node_meta.is_rematerialized(n) for n in step.traced.gm.graph.nodes)
 
 
-def test_memory_policy_transform_refuses_an_unknown_mode():
-    with pytest.raises(ConfigError, match="activation_checkpoint.mode must be one of none|selective|full|budget"):
-        memory_policy_transform("sometimes")
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mode": "sometimes"}, "activation_checkpoint.mode must be one of none|selective|full|budget"),
+    ({"selective_ac_option": "half"}, "selective_ac_option must be 'op' or a positive int"),
+    ({"mode": "budget", "memory_budget": 0}, "memory_budget must be > 0"),
+])
+def test_memory_policy_transform_refuses_bad_arguments_before_tracing(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        memory_policy_transform(**kwargs)
 
 
 def test_node_flops_are_what_flop_counter_mode_counts():

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from graph_trainer.config import ActivationCheckpointConfig, JobConfig
+from graph_trainer.config_load import parse_ac_option
 from graph_trainer.errors import ConfigError
 from graph_trainer.log import get_logger
 from graph_trainer.op_patterns import parse_overrides
@@ -165,9 +166,12 @@ def memory_policy_transform(mode: str = "selective", *, selective_ac_option: str
         dump_dir: write each trace's graph before and after every pass there.
 
     Raises:
-        ConfigError: an unknown mode or a bad op pattern (before anything is traced).
+        ConfigError: an unknown mode, selective option, a budget <= 0 or a bad op pattern (before anything
+            is traced).
     """
-    ac = ActivationCheckpointConfig(mode=mode, selective_ac_option=selective_ac_option,
+    if memory_budget <= 0:
+        raise ConfigError(f"memory_budget must be > 0 (a fraction <= 1 or GiB > 1), got {memory_budget}")
+    ac = ActivationCheckpointConfig(mode=mode, selective_ac_option=parse_ac_option(selective_ac_option),
                                     memory_budget=memory_budget, save_list=list(save_list),
                                     recompute_list=list(recompute_list))
     return pipeline_for(ac, dump_dir=dump_dir)

@@ -1,4 +1,7 @@
-"""Selective activation checkpointing on the whole-step graph: decide, per forward op, save or recompute.
+"""Selective and full activation checkpointing on the whole-step graph: decide, per forward op, save or recompute.
+
+The `selective` and `full` modes of the `memory_policy` pass (`passes/memory_policy.py`),
+and the structural rules its `budget` mode (`passes/budget.py`) keeps too.
 
 Reads (tracer metadata, see `graph_trainer.tracer.node_meta`): `phase`,
 `layer_id`, `module_fqn` and `random` in `node.meta["custom"]`, and

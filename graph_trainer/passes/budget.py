@@ -1,5 +1,7 @@
 """Memory-budget activation checkpointing: save as much as fits, recompute the cheapest bytes first.
 
+The `budget` mode of the `memory_policy` pass (`passes/memory_policy.py`).
+
 Reads and writes the same metadata as `activation_checkpoint` (whose structural
 rules it keeps: layer regions, saved boundaries, random and in-place ops never
 recomputed, per-op overrides pinned). Metadata only: preserves numerics bitwise.

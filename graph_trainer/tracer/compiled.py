@@ -252,21 +252,20 @@ def static_input_indices(layout: InputLayout) -> list[int]:
 class InductorStage:
     """The compile stage run on each final graph (after the pass pipeline): sets `TracedStep.compiled`.
 
-    Takes and returns the pipeline's `Transformed`. The graph itself
-    (`traced.gm`) and its memory estimate stay the uncompiled ones: the estimate is the preflight's upper bound, and the graph is what
-    passes, dumps and tests read. `total_time_s` (all compiles so far) is logged
+    Takes and returns the pipeline's `Transformed` (adding its `compile_time_s`).
+    The graph itself (`traced.gm`) and its memory estimate stay the uncompiled
+    ones: the estimate is the preflight's upper bound, and the graph is what
+    passes, dumps and tests read. `GraphStep` adds up the compile times, logged
     as `compile/inductor_time_s`.
     """
 
     def __init__(self, *, cudagraphs: bool):
         self.cudagraphs = cudagraphs
-        self.total_time_s = 0.0
 
     def __call__(self, result: Transformed) -> Transformed:
         traced = result.traced
         traced.compiled = compile_step_graph(traced.gm, static_input_idxs=static_input_indices(traced.layout),
                                              cudagraphs=self.cudagraphs)
-        self.total_time_s += traced.compiled.compile_time_s
         result.compile_time_s = traced.compiled.compile_time_s
         logger.info(f"inductor: compiled the step in {traced.compiled.compile_time_s:.1f} s"
                  f"{' with CUDA graphs' if self.cudagraphs else ''}; numerics are not bitwise with eager "
