@@ -169,3 +169,19 @@ def test_bf16_autocast_traced_equal_eager(tmp_path):
     assert traced.losses == eager.losses
     assert traced.params_sha256 == eager.params_sha256
     assert traced.losses != run(tmp_path / "fp32", steps=3).losses  # autocast really changed the math
+
+
+def test_divergence_guard_tolerates_healthy_norm_growth_and_stops_a_blow_up():
+    """The parameter-norm bound is wide (10x between saves): a few-fold growth is healthy, orders of magnitude is not."""
+    from graph_trainer.divergence import MAX_NORM_GROWTH, DivergenceGuard, TrainingDiverged
+
+    guard = DivergenceGuard()
+    guard.start([torch.ones(4)], step=0)  # norm 2
+    guard.check_step(1, loss=5.0, grad_norm=1.0)
+    guard.check_before_save(1, loss=5.0, params=[torch.full((4,), 3.0)])  # 3x: healthy, becomes the reference
+    with pytest.raises(TrainingDiverged, match="parameter norm exploded"):
+        guard.check_before_save(2, loss=5.0, params=[torch.full((4,), 3.0 * MAX_NORM_GROWTH * 1.01)])
+    with pytest.raises(TrainingDiverged, match="not finite"):
+        guard.check_before_save(3, loss=5.0, params=[torch.tensor([float("inf")])])
+    with pytest.raises(TrainingDiverged, match="loss exploded"):
+        guard.check_before_save(4, loss=51.0, params=[torch.full((4,), 3.0)])
