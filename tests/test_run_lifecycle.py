@@ -184,7 +184,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves(tmp_
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
-         "-m", "graph_trainer", *TINY, "--parallelism.dp_shard", "2", *CKPT[:2], "--checkpoint.interval", "1000",
+         "-m", "graph_trainer", *TINY, "--parallelism.dp_replicate", "2", *CKPT[:2], "--checkpoint.interval", "1000",
          "--training.steps", "100000", "--job.dump_folder", str(dump)],
         cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for_step(launcher, 2)
