@@ -73,11 +73,14 @@ def process_cublas_workspace_bytes(device: torch.device) -> int:
     return cublas_workspace_bytes(os.environ.get("CUBLAS_WORKSPACE_CONFIG"), capability)
 
 
-def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """The tensor's storage if it holds real memory (not meta, fake, sparse or a wrapper subclass)."""
+def _storage_of(t: torch.Tensor, count_fake: bool = False) -> torch.UntypedStorage | None:
+    """The tensor's storage if it holds real memory (not meta, fake, sparse or a wrapper subclass).
+
+    With `count_fake`, a fake tensor's storage counts as the memory it stands for.
+    """
     if t.device.type == "meta" or t.layout != torch.strided:
         return None
-    if isinstance(t, FakeTensor) or is_traceable_wrapper_subclass(t):
+    if (isinstance(t, FakeTensor) and not count_fake) or is_traceable_wrapper_subclass(t):
         # Fake tensors hold no memory; wrappers (DTensor) hold it in their inner tensors.
         return None
     return t.untyped_storage()
@@ -98,6 +101,10 @@ class LiveTensorTracker(TorchDispatchMode):
     autograd backward (on CPU the engine runs on the calling thread and carries
     the mode along). It does not see scratch memory allocated inside one kernel.
 
+    With `count_fake=True` it counts fake tensors as the memory they stand for:
+    an eager step run on fake tensors then gets the peak the real step would have,
+    without allocating it (`graph_trainer.planner.eager_step_peak`).
+
     Usage:
         tracker = LiveTensorTracker()
         tracker.track_existing(params + buffers + batch)
@@ -106,10 +113,13 @@ class LiveTensorTracker(TorchDispatchMode):
         tracker.peak_bytes
     """
 
-    def __init__(self) -> None:
+    def __init__(self, count_fake: bool = False) -> None:
         super().__init__()
-        # storage key (address of the StorageImpl) -> (nbytes, finalizer)
-        self._live: dict[int, tuple[int, weakref.finalize]] = {}
+        self.count_fake = count_fake
+        # storage key (address of the StorageImpl) -> (nbytes, finalizer, birth: the count of storages seen by then)
+        self._live: dict[int, tuple[int, weakref.finalize, int]] = {}
+        self._births = 0
+        self._peak_birth = 0  # the birth count when the peak was reached
         self.current_bytes = 0
         self.peak_bytes = 0
 
@@ -117,17 +127,29 @@ class LiveTensorTracker(TorchDispatchMode):
         """Count the storages of `tensors` (any pytree of them) as live from now until they are freed."""
         for t in tree_iter(tensors):
             if isinstance(t, torch.Tensor):
-                s = _storage_of(t)
+                s = _storage_of(t, self.count_fake)
                 if s is not None:
                     self._add(s)
 
     def reset(self) -> None:
         """Restart the peak from the bytes live now (storages stay tracked)."""
         self.peak_bytes = self.current_bytes
+        self._peak_birth = self._births
+
+    def bytes_at_peak(self, tensors: Iterable[Any]) -> int:
+        """Bytes of `tensors` (alive now) that were already alive at the peak, each storage once.
+
+        A storage alive now and born before the peak was alive at the peak; e.g. the
+        gradients a step returns, of which only some exist at a mid-backward peak.
+        """
+        keys = {s._cdata for t in tree_iter(tensors) if isinstance(t, torch.Tensor)
+                for s in [_storage_of(t, self.count_fake)] if s is not None}
+        return sum(nbytes for key in keys if key in self._live
+                   for nbytes, _, birth in [self._live[key]] if birth <= self._peak_birth)
 
     def forget(self) -> None:
         """Stop tracking every storage; current and peak go to 0."""
-        for _, fin in self._live.values():
+        for _, fin, _ in self._live.values():
             fin.detach()
         self._live.clear()
         self.current_bytes = 0
@@ -140,14 +162,20 @@ class LiveTensorTracker(TorchDispatchMode):
         if entry is not None:
             if entry[0] != nbytes:  # resized in place (resize_)
                 self.current_bytes += nbytes - entry[0]
-                self._live[key] = (nbytes, entry[1])
-                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+                self._live[key] = (nbytes, *entry[1:])
+                self._update_peak()
             return
         fin = weakref.finalize(s, self._free, key)
         fin.atexit = False
-        self._live[key] = (nbytes, fin)
+        self._births += 1
+        self._live[key] = (nbytes, fin, self._births)
         self.current_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        self._update_peak()
+
+    def _update_peak(self) -> None:
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            self._peak_birth = self._births
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -160,7 +188,7 @@ class LiveTensorTracker(TorchDispatchMode):
         for t in tree_iter(out):
             if not isinstance(t, torch.Tensor):
                 continue
-            s = _storage_of(t)
+            s = _storage_of(t, self.count_fake)
             if s is None:
                 continue
             if s._cdata not in self._live:
@@ -170,7 +198,7 @@ class LiveTensorTracker(TorchDispatchMode):
                     input_keys = {
                         a.untyped_storage()._cdata
                         for a in tree_iter((args, kwargs))
-                        if isinstance(a, torch.Tensor) and _storage_of(a) is not None
+                        if isinstance(a, torch.Tensor) and _storage_of(a, self.count_fake) is not None
                     }
                 if s._cdata in input_keys:
                     continue

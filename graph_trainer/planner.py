@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 from graph_trainer.builder import (adamw_implementation_for, autocast_loss, build_job_optimizer, build_model,
                                    optimizer_in_graph)
 from graph_trainer.config import JobConfig
@@ -29,6 +31,7 @@ from graph_trainer.device import resolve_device, resolve_dtype
 from graph_trainer.errors import UserError
 from graph_trainer.fsdp import FSDP, ShardGroup, check_gathered, fully_shard_model
 from graph_trainer.log import quiet
+from graph_trainer.memory import LiveTensorTracker
 from graph_trainer.optimizer import EagerUpdate, GraphAdamW, whole_step_peak
 from graph_trainer.passes import build_pipeline
 from graph_trainer.passes.graph_utils import node_flops
@@ -103,6 +106,63 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
                     peak_where=where, flops=sum(node_flops(n) for n in result.traced.gm.graph.nodes),
                     num_params=fsdp.num_params() if fsdp is not None else num_params(model), trace_time_s=elapsed,
                     optimizer="in graph" if in_graph else implementation, step_graph=result)
+
+
+@dataclasses.dataclass
+class EagerStepPeak:
+    """The eager step's memory (forward, loss, backward, clipping; no update), from a run on fake tensors."""
+
+    peak_bytes: int  # the step's peak: parameters, batch, gradients made so far and activations
+    end_bytes: int  # alive when the step returns: parameters, batch and gradients
+    activation_bytes: int  # at the peak: everything but parameters, buffers, batch and gradients
+
+
+def _materialize_fake(model: nn.Module, device: torch.device) -> None:
+    """Give a meta model fake tensors on `device` in place; a tensor shared by modules (tied weights) stays shared."""
+    fakes: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for slots, as_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in slots.items():
+                if t is None:
+                    continue
+                if id(t) not in fakes:
+                    fake = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    fakes[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if as_param else fake
+                slots[name] = fakes[id(t)]
+
+
+def eager_step_peak(cfg: JobConfig, device: torch.device) -> EagerStepPeak:
+    """Run cfg's eager step (`compile.mode eager`, with its torch.utils.checkpoint policy) on fake tensors.
+
+    The baseline a graph plan is compared with: the live-tensor tracker counts the
+    fake tensors as the memory they stand for, so this is the eager step's exact
+    CPU peak (checked against a real run in tests/test_planner.py) at the cost of
+    a trace, with nothing allocated. The AdamW update is left out (torch's update
+    cannot run on fake tensors); its state and scratch are the same in both modes.
+    """
+    from graph_trainer.eager import EagerStep
+    from graph_trainer.eager_checkpoint import apply_eager_checkpointing
+
+    b, s = cfg.training.local_batch_size, cfg.training.seq_len
+    loss_fn = autocast_loss(resolve_dtype(cfg.training.dtype, device), device, cfg.training.loss_chunk_size)
+    model = meta_model(cfg)
+    with FakeTensorMode():
+        _materialize_fake(model, device)
+        apply_eager_checkpointing(model, cfg.activation_checkpoint)
+        batch = {"input": torch.zeros(b, s, dtype=torch.long, device=device),
+                 "labels": torch.zeros(b, s, dtype=torch.long, device=device)}
+        step = EagerStep(model, loss_fn=loss_fn, max_norm=cfg.training.max_norm)
+        tracker = LiveTensorTracker(count_fake=True)
+        tracker.track_existing([list(model.parameters()), list(model.buffers()), batch])
+        try:
+            with tracker:
+                step(batch)
+            held = tracker.bytes_at_peak([list(model.parameters()), list(model.buffers()), batch,
+                                          [p.grad for p in model.parameters()]])
+            return EagerStepPeak(peak_bytes=tracker.peak_bytes, end_bytes=tracker.current_bytes,
+                                 activation_bytes=tracker.peak_bytes - held)
+        finally:
+            tracker.forget()
 
 
 def available_bytes(device: torch.device) -> int:

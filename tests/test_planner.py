@@ -84,3 +84,31 @@ def test_preflight_refuses_8b_on_this_machine_with_exit_2(tmp_path):
     assert "Traceback" not in proc.stderr
     assert "the step needs about" in proc.stderr and "GiB available" in proc.stderr
     assert not (tmp_path / "run" / "checkpoint").exists()
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("chunk", ["0", "64"])
+def test_eager_step_peak_on_fake_tensors_equals_the_real_eager_step(mode, chunk):
+    """The eager baseline of the activation-memory comparison is the real eager step's CPU peak, to the byte."""
+    from graph_trainer.builder import autocast_loss, build_model
+    from graph_trainer.eager import EagerStep
+    from graph_trainer.eager_checkpoint import apply_eager_checkpointing
+    from graph_trainer.memory import LiveTensorTracker
+
+    cfg, _ = load_config(["--config", "llama3_debug", *SMALL, "--activation_checkpoint.mode", mode,
+                          "--training.loss_chunk_size", chunk])
+    cpu = torch.device("cpu")
+    planned = planner.eager_step_peak(cfg, cpu)
+
+    model = build_model(cfg, cpu)
+    apply_eager_checkpointing(model, cfg.activation_checkpoint)
+    step = EagerStep(model, loss_fn=autocast_loss(torch.float32, cpu, int(chunk)), max_norm=cfg.training.max_norm)
+    b, s = cfg.training.local_batch_size, cfg.training.seq_len
+    batch = {"input": torch.randint(0, 256, (b, s)), "labels": torch.randint(0, 256, (b, s))}
+    tracker = LiveTensorTracker()
+    tracker.track_existing([list(model.parameters()), list(model.buffers()), batch])
+    with tracker:
+        step(batch)
+    assert (planned.peak_bytes, planned.end_bytes) == (tracker.peak_bytes, tracker.current_bytes)
+    assert planned.activation_bytes > 0
+    tracker.forget()
