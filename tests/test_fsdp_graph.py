@@ -24,7 +24,7 @@ from graph_trainer.cli import load_config
 from graph_trainer.distributed import planning_shard_group
 from graph_trainer.builder import shard_model
 from graph_trainer.fsdp import check_gathered
-from graph_trainer.loss import lm_loss
+from graph_trainer.loss import build_lm_loss, lm_loss
 from graph_trainer.passes import build_pipeline
 from graph_trainer.planner import meta_model
 from graph_trainer.tracer import node_meta
@@ -111,12 +111,13 @@ def test_tied_model_gathers_the_shared_weight_once_and_reads_no_shard(group):
     assert len(gathers) == UNITS
 
 
-def test_reading_a_parameter_outside_its_gather_names_it(group):
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_reading_a_parameter_outside_its_gather_names_it(group, param_dtype):
     def loss_with_regularizer(model, batch):
         # A layer weight used outside its layer's forward: here it is only this rank's shard.
         return lm_loss(model, batch) + 1e-4 * model.layers[0].feed_forward.w1.weight.square().sum()
 
-    _, _, traced = _trace(group, loss_fn=loss_with_regularizer)
+    _, _, traced = _trace(group, "--training.mixed_precision_param", param_dtype, loss_fn=loss_with_regularizer)
     with pytest.raises(TraceError, match=r"parameter layers\.0\.feed_forward\.w1\.weight is read un-gathered"):
         check_gathered(traced)
 
@@ -159,10 +160,10 @@ def test_prefetch_issues_each_gather_right_after_the_previous_wait(group):
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
 
 
-@pytest.mark.parametrize("reduce", ["float32", "bfloat16"])
-def test_bf16_params_gather_in_bf16_and_reduce_in_reduce_dtype(group, reduce):
+@pytest.mark.parametrize("reduce,chunk", [("float32", 0), ("bfloat16", 0), ("float32", 16)])
+def test_bf16_params_gather_in_bf16_and_reduce_in_reduce_dtype(group, reduce, chunk):
     cfg, _, traced = _trace(group, *BF16, "--training.mixed_precision_reduce", reduce,
-                            "--activation_checkpoint.mode", "selective")
+                            "--activation_checkpoint.mode", "selective", loss_fn=build_lm_loss(chunk))
     final = build_pipeline(cfg, dump_dir=None)(check_gathered(traced))
     gm = final.traced.gm
     dtypes = Counter((str(n.target), n.meta["val"].dtype) for n in gm.graph.nodes
