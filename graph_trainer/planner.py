@@ -183,10 +183,10 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
         in_graph = optimizer_in_graph(cfg)
         update = "in the graph" if in_graph else "eager, " + adamw_implementation_for(cfg, device)
         t = cfg.training
+        dtype = str(compute_dtype(t.dtype, device, t.mixed_precision_param)).removeprefix("torch.")
         per_rank = f", one rank of {group.world_size} (FSDP, dp_shard)" if group is not None else ""
-        print_fn(f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {cfg.training.local_batch_size} x "
-                 f"seq {cfg.training.seq_len}, device {device.type}{per_rank}, compute dtype "
-                 f"{str(compute_dtype(t.dtype, device, t.mixed_precision_param)).removeprefix('torch.')}, fake tensors only "
+        print_fn(f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {t.local_batch_size} x "
+                 f"seq {t.seq_len}, device {device.type}{per_rank}, compute dtype {dtype}, fake tensors only "
                  f"(clipping and the AdamW update included: {update})")
         print_fn(f"{'ac mode':10} {'peak GiB':>9} {'saved GiB':>10} {'params':>15} {'TFLOP/step':>11} "
                  f"{'plan s':>7}  peak at")
