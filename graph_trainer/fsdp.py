@@ -152,6 +152,9 @@ class FSDP:
     def __init__(self, model: nn.Module, group: ShardGroup, units: list[Unit], *,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         self.model, self.group, self.units = model, group, units
+        # As FSDP2: a param_dtype the parameters already have casts nothing (and leaves the layers' inputs alone).
+        if {t.dtype for u in units for t in u.current()} == {param_dtype}:
+            param_dtype = None
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self._by_name = {u.name: u for u in units}
 

@@ -182,7 +182,9 @@ def test_bf16_params_gather_in_bf16_and_reduce_in_reduce_dtype(group, reduce, ch
 def test_bf16_params_halve_the_gathered_bytes_and_lower_the_estimate(group):
     gathered, peaks = {}, {}
     for name, args in (("fp32", []), ("bf16", BF16)):
-        cfg, _, traced = _trace(group, *args)
+        cfg, fsdp, traced = _trace(group, *args)
+        # As FSDP2, a param_dtype equal to the parameters' own is no cast at all.
+        assert fsdp.param_dtype == (torch.bfloat16 if args else None)
         final = build_pipeline(cfg, dump_dir=None)(traced)
         gathered[name] = sum(n.meta["val"].nbytes for n in final.traced.gm.graph.nodes if str(n.target) == GATHER)
         peaks[name] = final.memory_estimate.peak_bytes
