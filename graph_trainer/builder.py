@@ -18,7 +18,8 @@ import torch.nn as nn
 from graph_trainer.config import JobConfig
 from graph_trainer.config_load import resolve_model_args
 from graph_trainer.errors import UserError
-from graph_trainer.fsdp import FSDP, check_gathered
+from graph_trainer.device import DTYPES
+from graph_trainer.fsdp import FSDP, ShardGroup, check_gathered, fully_shard_model
 from graph_trainer.loss import build_lm_loss
 from graph_trainer.optimizer import (GraphAdamW, build_optimizer, choose_adamw_implementation, init_adamw_state)
 from graph_trainer.step import TrainStep
@@ -68,6 +69,15 @@ def build_model(cfg: JobConfig, device: torch.device | None, *, vocab_needed: in
     torch.manual_seed(cfg.training.seed)
     model.init_weights()
     return model
+
+
+def shard_model(cfg: JobConfig, model: nn.Module, group: ShardGroup | None) -> FSDP | None:
+    """FSDP over `group` (None: no sharding, returns None), with the configured mixed precision; in place."""
+    if group is None:
+        return None
+    t = cfg.training
+    return fully_shard_model(model, group, param_dtype=DTYPES[t.mixed_precision_param],
+                             reduce_dtype=DTYPES[t.mixed_precision_reduce])
 
 
 def optimizer_in_graph(cfg: JobConfig) -> bool:

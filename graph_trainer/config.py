@@ -75,6 +75,13 @@ class TrainingConfig:
     device: str = _opt("auto", "device to train on; auto = cuda when available", choices=("auto", "cpu", "cuda"))
     loss_chunk_size: int = _opt(0, "tokens per chunk of the output projection + loss (logits recomputed in the "
                                     "backward); 0 = all tokens at once", ge=0)
+    # FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype), under torchtitan's names.
+    mixed_precision_param: str = _opt(
+        "float32", "dp_shard: dtype the parameters are all-gathered and computed in (FSDP2's param_dtype); the "
+        "shards, gradients and AdamW state stay float32", choices=("float32", "bfloat16"))
+    mixed_precision_reduce: str = _opt(
+        "float32", "dp_shard: dtype the gradients are reduce-scattered in (FSDP2's reduce_dtype), then cast to "
+        "float32", choices=("float32", "bfloat16"))
 
 
 @dataclass

@@ -118,6 +118,7 @@ def validate(cfg: JobConfig) -> None:
                           "add --checkpoint.enable")
     if not cfg.job.dump_folder:
         raise ConfigError("job.dump_folder must be a non-empty path, got ''")
+    _check_mixed_precision(cfg)
 
     args = resolve_model_args(cfg)
     max_seq_len = getattr(args, "max_seq_len", None)
@@ -126,6 +127,22 @@ def validate(cfg: JobConfig) -> None:
             f"training.seq_len must be <= the model's max_seq_len ({max_seq_len} for "
             f"{cfg.model.name}/{cfg.model.flavor}), got {cfg.training.seq_len}: lower "
             f"--training.seq_len or raise --model.max_seq_len")
+
+
+def _check_mixed_precision(cfg: JobConfig) -> None:
+    """FSDP mixed precision needs FSDP, and bf16 gathered parameters leave autocast nothing to decide."""
+    t, shard = cfg.training, cfg.parallelism.dp_shard
+    for key in ("mixed_precision_param", "mixed_precision_reduce"):
+        value = getattr(t, key)
+        if value != "float32" and shard <= 1:
+            # An error, not an ignored option: a user who asked for bf16 must not silently train in fp32.
+            raise ConfigError(f"training.{key} = {value!r} is FSDP's and needs parallelism.dp_shard > 1 (got "
+                              f"{shard}): set --parallelism.dp_shard N, or drop it and use --training.dtype "
+                              "bfloat16 (autocast) for one process or dp_replicate")
+    if t.mixed_precision_param != "float32" and t.dtype == "bfloat16":
+        raise ConfigError("training.dtype = 'bfloat16' (autocast over float32 parameters) and "
+                          "training.mixed_precision_param = 'bfloat16' (bfloat16 gathered parameters) both set the "
+                          "compute dtype: drop --training.dtype (auto means no autocast with bfloat16 parameters)")
 
 
 def parse_ac_option(option: str | int) -> str | int:

@@ -20,11 +20,26 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Compute dtype: 'auto' is bf16 autocast on CUDA and fp32 on CPU; parameters stay fp32."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the config's dtype names
+
+
+def resolve_dtype(name: str, device: torch.device, mixed_precision_param: str = "float32") -> torch.dtype:
+    """Autocast dtype: 'auto' is bf16 autocast on CUDA and fp32 (none) on CPU; parameters stay fp32.
+
+    With FSDP mixed precision (`mixed_precision_param` not float32) the gathered
+    parameters set the compute dtype, as in FSDP2, so there is no autocast and
+    'auto' is float32 on every device (the config refuses 'bfloat16' with it).
+    """
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+        return torch.bfloat16 if device.type == "cuda" and mixed_precision_param == "float32" else torch.float32
+    return DTYPES[name]
+
+
+def compute_dtype(name: str, device: torch.device, mixed_precision_param: str = "float32") -> torch.dtype:
+    """The dtype the matmuls run in (for logs and MFU): FSDP's parameter dtype when set, else the autocast one."""
+    if mixed_precision_param != "float32":
+        return DTYPES[mixed_precision_param]
+    return resolve_dtype(name, device)
 
 
 def set_determinism(seed: int, deterministic: bool, device: torch.device) -> None:

@@ -23,6 +23,16 @@ The gather is `AllGather`, whose backward is one reduce-scatter per unit
 path's all-reduce), so the gradients come out sharded like the parameters.
 The padding rows get zero gradients, so AdamW keeps them zero.
 
+Mixed precision follows FSDP2's `MixedPrecisionPolicy(param_dtype, reduce_dtype)`
+with its defaults (`cast_forward_inputs=True`, no `output_dtype`): with a
+`param_dtype` the shards are cast to it on their way into the flat buffer, so
+the all-gather, the full parameters and the compute are in that dtype (and a
+layer's floating-point inputs are cast to it too, as FSDP2 does before each
+module's forward); the forward's outputs, logits included, stay in it. The
+gradients arrive in `param_dtype`, are cast to `reduce_dtype` (None: reduced as
+they arrive) for the reduce-scatter, and the reduced shard is cast back to the
+shard's dtype. Shards, their gradients and AdamW state keep the shards' dtype.
+
 In the traced graph the gather's nodes carry `custom["fsdp_unit"]` (and no
 layer id, so activation checkpointing leaves them alone); the `fsdp_gather`
 pass then decides, per unit, whether the backward re-gathers or keeps them.
@@ -40,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from graph_trainer.layers import transformer_layers
 from graph_trainer.tracer import node_meta
@@ -69,8 +80,10 @@ class AllGather(torch.autograd.Function):
     output buffer and gathered in place, so there is no separate send buffer:
     a send buffer would be freed by gloo's worker thread at an unknowable moment
     after the wait, and the measured peak could no longer equal the estimate.
-    Backward: one reduce-scatter (sum) of the flat gradient, divided by the
-    world size in place; the shards' gradients are views of its output.
+    Backward: one reduce-scatter (sum) of the flat gradient in `reduce_dtype`
+    (None: the gradient's own dtype), divided by the world size in place and
+    cast to the shards' dtype; the shards' gradients are views of its output.
+    `param_dtype` (None: the shards' dtype) is the dtype of the gathered buffer.
     Both directions call the `_c10d_functional` ops and wait on them explicitly,
     so eagerly they run the very ops a trace records as graph nodes.
     """
@@ -85,14 +98,15 @@ class AllGather(torch.autograd.Function):
         dtype = param_dtype or shards[0].dtype
         out = shards[0].new_empty(group.world_size * numel, dtype=dtype)
         mine = out[group.rank * numel:(group.rank + 1) * numel]
-        torch.cat([s.reshape(-1).to(dtype) for s in shards], out=mine)
+        # cat casts as it copies: no temporary low-precision copy of each shard.
+        torch.cat([s.reshape(-1) for s in shards], out=mine)
         out = c10d.all_gather_into_tensor_out(mine, group.world_size, group.group_name, out=out)
         return c10d.wait_tensor(out)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         g: ShardGroup = ctx.group
-        grad = grad.contiguous().to(ctx.reduce_dtype or ctx.dtype)
+        grad = grad.contiguous().to(ctx.reduce_dtype or grad.dtype)
         shard = c10d.wait_tensor(c10d.reduce_scatter_tensor(grad, "sum", g.world_size, g.group_name))
         shard = shard.div_(g.world_size).to(ctx.dtype)
         grads, start = [], 0
@@ -138,6 +152,9 @@ class FSDP:
     def __init__(self, model: nn.Module, group: ShardGroup, units: list[Unit], *,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         self.model, self.group, self.units = model, group, units
+        # As FSDP2: a param_dtype the parameters already have casts nothing (and leaves the layers' inputs alone).
+        if {t.dtype for u in units for t in u.current()} == {param_dtype}:
+            param_dtype = None
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self._by_name = {u.name: u for u in units}
 
@@ -229,6 +246,8 @@ def fully_shard_model(model: nn.Module, group: ShardGroup, *, param_dtype: torch
 
     Every rank must call it on an identically initialized model. Parameter names
     and order (`model.named_parameters()`) are unchanged; only shapes change.
+    `param_dtype` / `reduce_dtype`: mixed precision as FSDP2's `MixedPrecisionPolicy`
+    (see the module docstring); None keeps the parameters' dtype.
 
     Raises:
         ValueError: a 0-dimensional parameter (it has no dim 0 to shard).
@@ -285,8 +304,16 @@ def check_gathered(traced: TracedStep) -> TracedStep:
 
 
 def _gathered_forward(fsdp: FSDP, name: str, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    if fsdp.param_dtype is not None:
+        # FSDP2's cast_forward_inputs: e.g. the RoPE tables reach each layer in the parameters' dtype.
+        args, kwargs = pytree.tree_map_only(torch.Tensor, functools.partial(_cast_floating, fsdp.param_dtype),
+                                            (args, kwargs))
     with fsdp.gathered(name):
         return forward(*args, **kwargs)
+
+
+def _cast_floating(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
+    return t.to(dtype) if torch.is_floating_point(t) else t
 
 
 def layer_forward(layer: nn.Module) -> Callable:

@@ -25,11 +25,11 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graph_trainer.builder import (adamw_implementation_for, autocast_loss, build_job_optimizer, build_model,
-                                   optimizer_in_graph)
+                                   optimizer_in_graph, shard_model)
 from graph_trainer.config import JobConfig
-from graph_trainer.device import resolve_device, resolve_dtype
+from graph_trainer.device import compute_dtype, resolve_device, resolve_dtype
 from graph_trainer.errors import UserError
-from graph_trainer.fsdp import FSDP, ShardGroup, check_gathered, fully_shard_model
+from graph_trainer.fsdp import FSDP, ShardGroup, check_gathered
 from graph_trainer.log import quiet
 from graph_trainer.memory import LiveTensorTracker
 from graph_trainer.optimizer import EagerUpdate, GraphAdamW, whole_step_peak
@@ -79,7 +79,8 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
     implementation = adamw_implementation_for(cfg, device)
     torch_optimizer = build_job_optimizer(cfg, model, device)  # the trainer's, state included
     if loss_fn is None:  # the trainer's loss: chunked as configured, under autocast when training.dtype asks
-        loss_fn = autocast_loss(resolve_dtype(cfg.training.dtype, device), device, cfg.training.loss_chunk_size)
+        t = cfg.training
+        loss_fn = autocast_loss(resolve_dtype(t.dtype, device, t.mixed_precision_param), device, t.loss_chunk_size)
     if fsdp is not None:
         loss_fn = fsdp.wrap_loss(loss_fn)
     pipeline = build_pipeline(cfg, dump_dir=None)  # validates the passes before the (long) trace
@@ -194,7 +195,7 @@ def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None 
     another activation-checkpointing mode.
     """
     model = meta_model(cfg)
-    fsdp = fully_shard_model(model, shard_group) if shard_group is not None else None
+    fsdp = shard_model(cfg, model, shard_group)
     plan = plan_step(cfg, model, device, loss_fn=loss_fn, log_passes=True, fsdp=fsdp)
     available = available_bytes(device)
     if plan.peak_bytes <= available:
@@ -238,13 +239,14 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
     device = device or resolve_device(cfg.training.device)
     with planning_shard_group(cfg) as group:
         model = meta_model(cfg)
-        fsdp = fully_shard_model(model, group) if group is not None else None
+        fsdp = shard_model(cfg, model, group)
         in_graph = optimizer_in_graph(cfg)
         update = "in the graph" if in_graph else "eager, " + adamw_implementation_for(cfg, device)
+        t = cfg.training
+        dtype = str(compute_dtype(t.dtype, device, t.mixed_precision_param)).removeprefix("torch.")
         per_rank = f", one rank of {group.world_size} (FSDP, dp_shard)" if group is not None else ""
-        print_fn(f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {cfg.training.local_batch_size} x "
-                 f"seq {cfg.training.seq_len}, device {device.type}{per_rank}, compute dtype "
-                 f"{str(resolve_dtype(cfg.training.dtype, device)).removeprefix('torch.')}, fake tensors only "
+        print_fn(f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {t.local_batch_size} x "
+                 f"seq {t.seq_len}, device {device.type}{per_rank}, compute dtype {dtype}, fake tensors only "
                  f"(clipping and the AdamW update included: {update})")
         print_fn(f"{'ac mode':10} {'peak GiB':>9} {'saved GiB':>10} {'params':>15} {'TFLOP/step':>11} "
                  f"{'plan s':>7}  peak at")

@@ -15,17 +15,16 @@ from typing import Any
 import torch
 
 from graph_trainer.builder import (autocast_loss, build_job_optimizer, build_model, build_step,
-                                   cli_trace_errors)
+                                   cli_trace_errors, shard_model)
 from graph_trainer.checkpoint import (CheckpointManager, capture_rng_state, load_model_state,
                                       restore_rng_state)
 from graph_trainer.config import JobConfig
 from graph_trainer.config_load import config_to_toml
 from graph_trainer.data import build_dataloader
-from graph_trainer.device import peak_flops, resolve_dtype, set_determinism
+from graph_trainer.device import compute_dtype, peak_flops, resolve_dtype, set_determinism
 from graph_trainer.digest import tensors_digest
 from graph_trainer.distributed import DistInfo, single_process
 from graph_trainer.divergence import DivergenceGuard, TrainingDiverged
-from graph_trainer.fsdp import fully_shard_model
 from graph_trainer.errors import UserError
 from graph_trainer.fsutil import atomic_write_text
 from graph_trainer.interrupts import Interrupted, StopRequest
@@ -80,7 +79,8 @@ class Trainer:
         self.rank, self.world_size = rank, world_size
         configure_console(rank)  # rank 0 prints progress; the others only warnings and errors
         self.device = self.dist.device
-        self.dtype = resolve_dtype(cfg.training.dtype, self.device)
+        self.compute_dtype = compute_dtype(cfg.training.dtype, self.device, cfg.training.mixed_precision_param)
+        self.dtype = resolve_dtype(cfg.training.dtype, self.device, cfg.training.mixed_precision_param)  # autocast's
         # Everything is validated before the first write: folders (read only), data, tokenizer, preflight,
         # model and checkpoint. Only then is a replaced run's folder cleared (`_prepare_run_folder`).
         if self.dist.shard_group() is not None and (cfg.checkpoint.enable or cfg.checkpoint.resume):
@@ -107,9 +107,9 @@ class Trainer:
         self.num_params = num_params(self.model)
         # FSDP: from here on the model's parameters are this rank's shards (same names, fewer rows).
         shard_group = self.dist.shard_group()
-        self.fsdp = fully_shard_model(self.model, shard_group) if shard_group is not None else None
+        self.fsdp = shard_model(cfg, self.model, shard_group)
         logger.info(f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
-                 f"device {self.device}, compute dtype {str(self.dtype).removeprefix('torch.')}, "
+                 f"device {self.device}, compute dtype {str(self.compute_dtype).removeprefix('torch.')}, "
                  f"mode {cfg.compile.mode}")
         # The optimizer the preflight modelled (fused on CUDA, single-tensor on CPU), its state made up front.
         self.optimizer = build_job_optimizer(cfg, self.model, self.device)
@@ -135,7 +135,7 @@ class Trainer:
         if not self.already_complete:
             self._prepare_run_folder()
         self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
-        self.peak_flops = peak_flops(self.device, self.dtype)
+        self.peak_flops = peak_flops(self.device, self.compute_dtype)
 
     def _prepare_run_folder(self) -> None:
         """The first write: clear a replaced run (its recorded files only), start the manifest, write config.toml.

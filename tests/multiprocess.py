@@ -65,3 +65,48 @@ def train_runs(rank: int, world: int, port: int, runs: dict[str, list[str]], arg
 def step_graph_nodes(trainer: Trainer) -> list[torch.fx.Node]:
     """The nodes of the trainer's final step graph ([] for an eager step)."""
     return list(trainer.step_fn.traced.gm.graph.nodes) if hasattr(trainer.step_fn, "traced") else []
+
+
+def train_fully_shard(cfg: Any, rank: int, world: int, mp_policy: Any = None) -> tuple[list[float], dict]:
+    """In a spawned rank, inside the group: `cfg`'s job trained with torch's FSDP2 (`fully_shard` on each layer
+    and the root, `mp_policy` if given) and torch's clip. Returns the mean losses and the final full parameters."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from graph_trainer.builder import build_model
+    from graph_trainer.data import build_dataloader
+    from graph_trainer.loss import lm_loss
+    from graph_trainer.optimizer import build_lr_scheduler, build_optimizer
+    from graph_trainer.tokenizer import build_tokenizer
+
+    torch.use_deterministic_algorithms(True)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg, torch.device("cpu"), vocab_needed=tokenizer.vocab_size)
+    mesh = init_device_mesh("cpu", (world,))
+    policy = mp_policy or MixedPrecisionPolicy()
+    for layer in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    optimizer = build_optimizer(model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                weight_decay=o.weight_decay)
+    scheduler = build_lr_scheduler(optimizer, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
+                                   decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
+    data = iter(build_dataloader(cfg.data.source, cfg.data.path, tokenizer, batch_size=cfg.training.local_batch_size,
+                                 seq_len=cfg.training.seq_len, seed=cfg.training.seed, rank=rank,
+                                 world_size=world))
+    losses = []
+    for _ in range(cfg.training.steps):
+        loss = lm_loss(model, next(data))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    torch.use_deterministic_algorithms(False)
+    return losses, full

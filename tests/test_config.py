@@ -5,10 +5,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from graph_trainer.cli import build_config, help_text, load_config, parse_cli
 from graph_trainer.config import JobConfig
 from graph_trainer.config_load import CONFIGS_DIR, config_to_toml, resolve_config_path, shipped_configs, validate
+from graph_trainer.device import compute_dtype, resolve_dtype
 from graph_trainer.errors import ConfigError, UserError
 
 SHIPPED = ["llama3_1b", "llama3_70b", "llama3_8b", "llama3_debug"]
@@ -204,6 +206,16 @@ def test_config_to_toml_round_trips(tmp_path):
         (["--checkpoint.resume"], ["checkpoint.resume = true needs checkpoint.enable = true"]),
         (["--metrics.log_freq", "0"], ["metrics.log_freq must be >= 1, got 0"]),
         (["--parallelism.dp_shard", "0"], ["parallelism.dp_shard must be >= 1, got 0"]),
+        (["--training.mixed_precision_param", "float16"],
+         ["training.mixed_precision_param must be one of float32|bfloat16, got 'float16'"]),
+        # FSDP's mixed precision without FSDP is an error, not silently fp32; the fix names both ways out.
+        (["--training.mixed_precision_param", "bfloat16"],
+         ["training.mixed_precision_param = 'bfloat16' is FSDP's and needs parallelism.dp_shard > 1 (got 1)",
+          "--parallelism.dp_shard N", "--training.dtype bfloat16"]),
+        (["--training.mixed_precision_reduce", "bfloat16", "--parallelism.dp_replicate", "2"],
+         ["training.mixed_precision_reduce = 'bfloat16' is FSDP's"]),
+        (["--training.mixed_precision_param", "bfloat16", "--parallelism.dp_shard", "2", "--training.dtype",
+          "bfloat16"], ["training.dtype = 'bfloat16' (autocast", "drop --training.dtype"]),
         (["--config", "llama3_dbug"], ["config 'llama3_dbug' not found", "did you mean 'llama3_debug'",
                                       "shipped configs: llama3_1b, llama3_70b, llama3_8b, llama3_debug"]),
         (["--config", "missing/dir.toml"], ["config file 'missing/dir.toml' not found"]),
@@ -247,6 +259,23 @@ def test_validate_checks_programmatic_configs():
     cfg.compile.mode = "inductor"
     with pytest.raises(ConfigError, match=r"compile.mode must be one of trace\|eager"):
         validate(cfg)
+
+
+def test_fsdp_mixed_precision_combinations_that_load():
+    shard = ["--parallelism.dp_shard", "2"]
+    for extra in (["--training.mixed_precision_param", "bfloat16"],
+                  ["--training.mixed_precision_param", "bfloat16", "--training.dtype", "float32"],
+                  ["--training.mixed_precision_reduce", "bfloat16"],  # fp32 params, bf16 gradient reduction
+                  ["--training.mixed_precision_reduce", "bfloat16", "--training.dtype", "bfloat16"]):
+        cfg, _ = load_config([*shard, *extra])
+        assert cfg.parallelism.dp_shard == 2
+
+
+def test_bf16_fsdp_params_mean_no_autocast_and_bf16_compute():
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        assert resolve_dtype("auto", device, "bfloat16") == torch.float32
+        assert compute_dtype("auto", device, "bfloat16") == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16  # unchanged without mixed precision
 
 
 def test_config_error_is_a_user_error():

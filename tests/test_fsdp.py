@@ -22,7 +22,7 @@ import torch.distributed as dist
 from graph_trainer.cli import load_config
 from graph_trainer.tracer import node_meta
 from graph_trainer.trainer import Trainer
-from tests.multiprocess import free_port, spawn_ranks, step_graph_nodes, train_runs
+from tests.multiprocess import free_port, spawn_ranks, step_graph_nodes, train_fully_shard, train_runs
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -66,44 +66,8 @@ def _state_bytes(trainer: Trainer) -> int:
 
 
 def _fully_shard_reference(cfg, out: str, rank: int, world: int) -> None:
-    """The same job trained with torch's FSDP2 (`fully_shard`) and torch's clip: its final full parameters."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from graph_trainer.data import build_dataloader
-    from graph_trainer.loss import lm_loss
-    from graph_trainer.optimizer import build_lr_scheduler, build_optimizer
-    from graph_trainer.tokenizer import build_tokenizer
-    from graph_trainer.builder import build_model
-
-    torch.use_deterministic_algorithms(True)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
-    model = build_model(cfg, torch.device("cpu"), vocab_needed=tokenizer.vocab_size)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    o, s = cfg.optimizer, cfg.lr_scheduler
-    optimizer = build_optimizer(model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                weight_decay=o.weight_decay)
-    scheduler = build_lr_scheduler(optimizer, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
-                                   decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
-    data = iter(build_dataloader(cfg.data.source, cfg.data.path, tokenizer, batch_size=cfg.training.local_batch_size,
-                                 seq_len=cfg.training.seq_len, seed=cfg.training.seed, rank=rank,
-                                 world_size=world))
-    losses = []
-    for _ in range(cfg.training.steps):
-        loss = lm_loss(model, next(data))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append((total / world).item())
-    full = {n: p.full_tensor() for n, p in model.named_parameters()}
-    torch.use_deterministic_algorithms(False)
+    """The same job trained with torch's FSDP2 (`fully_shard`): its losses and final full parameters, to files."""
+    losses, full = train_fully_shard(cfg, rank, world)
     if rank == 0:
         torch.save(full, Path(out, "fully_shard.params.pt"))
         Path(out, "fully_shard.json").write_text(json.dumps({"losses": losses}))

@@ -4,7 +4,8 @@ Claims tested: one all-gather per unit in the forward and one reduce-scatter per
 the backward's re-gathers follow `parallelism.fsdp_reshard_after_forward` in every AC mode, after remat; a
 tied model gathers its shared weight once and reads no shard anywhere but in a gather; a parameter read
 outside its gather stops the trace with an error naming it; `--dry-run --parallelism.dp_shard N` plans one
-rank of N without launching N processes.
+rank of N without launching N processes; with `training.mixed_precision_param = bfloat16` every all-gather
+moves bf16, the reduce-scatters run in `mixed_precision_reduce`, and the shards and their gradients stay fp32.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from graph_trainer.cli import load_config
 from graph_trainer.distributed import planning_shard_group
-from graph_trainer.fsdp import check_gathered, fully_shard_model
-from graph_trainer.loss import lm_loss
+from graph_trainer.builder import shard_model
+from graph_trainer.fsdp import check_gathered
+from graph_trainer.loss import build_lm_loss, lm_loss
 from graph_trainer.passes import build_pipeline
 from graph_trainer.planner import meta_model
 from graph_trainer.tracer import node_meta
@@ -50,7 +53,7 @@ def group():
 def _trace(group, *args: str, loss_fn=lm_loss):
     cfg, _ = load_config([*TINY, *args])
     model = meta_model(cfg)
-    fsdp = fully_shard_model(model, group)
+    fsdp = shard_model(cfg, model, group)
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
     batch = {"input": torch.zeros(b, s, dtype=torch.long), "labels": torch.zeros(b, s, dtype=torch.long)}
     traced = trace_step(model, batch, loss_fn=fsdp.wrap_loss(loss_fn), max_norm=cfg.training.max_norm,
@@ -108,12 +111,13 @@ def test_tied_model_gathers_the_shared_weight_once_and_reads_no_shard(group):
     assert len(gathers) == UNITS
 
 
-def test_reading_a_parameter_outside_its_gather_names_it(group):
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_reading_a_parameter_outside_its_gather_names_it(group, param_dtype):
     def loss_with_regularizer(model, batch):
         # A layer weight used outside its layer's forward: here it is only this rank's shard.
         return lm_loss(model, batch) + 1e-4 * model.layers[0].feed_forward.w1.weight.square().sum()
 
-    _, _, traced = _trace(group, loss_fn=loss_with_regularizer)
+    _, _, traced = _trace(group, "--training.mixed_precision_param", param_dtype, loss_fn=loss_with_regularizer)
     with pytest.raises(TraceError, match=r"parameter layers\.0\.feed_forward\.w1\.weight is read un-gathered"):
         check_gathered(traced)
 
@@ -151,3 +155,38 @@ def test_prefetch_issues_each_gather_right_after_the_previous_wait(group):
             between = nodes[nodes.index(wait) + 1:nodes.index(gather)]
             # Only the gather's own buffer preparation sits between: no compute of the previous unit.
             assert all(node_meta.fsdp_unit(n) == node_meta.fsdp_unit(gather) for n in between), between
+
+
+BF16 = ["--training.mixed_precision_param", "bfloat16"]
+
+
+@pytest.mark.parametrize("reduce,chunk", [("float32", 0), ("bfloat16", 0), ("float32", 16)])
+def test_bf16_params_gather_in_bf16_and_reduce_in_reduce_dtype(group, reduce, chunk):
+    cfg, _, traced = _trace(group, *BF16, "--training.mixed_precision_reduce", reduce,
+                            "--activation_checkpoint.mode", "selective", loss_fn=build_lm_loss(chunk))
+    final = build_pipeline(cfg, dump_dir=None)(check_gathered(traced))
+    gm = final.traced.gm
+    dtypes = Counter((str(n.target), n.meta["val"].dtype) for n in gm.graph.nodes
+                     if "_c10d_functional" in str(n.target) and "wait" not in str(n.target))
+    reduce_dtype = getattr(torch, reduce)
+    assert dtypes == Counter({(GATHER, torch.bfloat16): UNITS + REGATHERED["default"],
+                              (REDUCE_SCATTER, reduce_dtype): UNITS, (ALL_REDUCE, torch.float32): 1})
+    # The shards the step reads and the gradients it returns stay fp32 (AdamW and the clip work on them).
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][:len(traced.layout.param_names)]
+    assert {n.meta["val"].dtype for n in placeholders} == {torch.float32}
+    grads = pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])[2:]
+    assert len(grads) == len(traced.layout.grad_names)
+    assert {g.meta["val"].dtype for g in grads} == {torch.float32}
+
+
+def test_bf16_params_halve_the_gathered_bytes_and_lower_the_estimate(group):
+    gathered, peaks = {}, {}
+    for name, args in (("fp32", []), ("bf16", BF16)):
+        cfg, fsdp, traced = _trace(group, *args)
+        # As FSDP2, a param_dtype equal to the parameters' own is no cast at all.
+        assert fsdp.param_dtype == (torch.bfloat16 if args else None)
+        final = build_pipeline(cfg, dump_dir=None)(traced)
+        gathered[name] = sum(n.meta["val"].nbytes for n in final.traced.gm.graph.nodes if str(n.target) == GATHER)
+        peaks[name] = final.memory_estimate.peak_bytes
+    assert gathered["bf16"] * 2 == gathered["fp32"]
+    assert peaks["bf16"] < peaks["fp32"]
