@@ -16,6 +16,7 @@ import os
 import re
 import resource
 import sys
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -101,6 +102,12 @@ class LiveTensorTracker(TorchDispatchMode):
     autograd backward (on CPU the engine runs on the calling thread and carries
     the mode along). It does not see scratch memory allocated inside one kernel.
 
+    A storage whose last reference another thread drops (gloo's worker lets go
+    of a collective's buffer after the step's thread has moved on) is freed late:
+    it counts as live until then, as the memory really is held, and its bytes are
+    added to `late_free_bytes`. The static estimate frees it at its last use, so
+    a step's measured peak can exceed the estimate by at most that much.
+
     With `count_fake=True` it counts fake tensors as the memory they stand for:
     an eager step run on fake tensors then gets the peak the real step would have,
     without allocating it (`graph_trainer.planner.eager_step_peak`).
@@ -116,6 +123,8 @@ class LiveTensorTracker(TorchDispatchMode):
     def __init__(self, count_fake: bool = False) -> None:
         super().__init__()
         self.count_fake = count_fake
+        self._thread = threading.get_ident()  # the step's thread; frees on others are late
+        self.late_free_bytes = 0
         # storage key (address of the StorageImpl) -> (nbytes, finalizer, birth: the count of storages seen by then)
         self._live: dict[int, tuple[int, weakref.finalize, int]] = {}
         self._births = 0
@@ -181,6 +190,8 @@ class LiveTensorTracker(TorchDispatchMode):
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current_bytes -= entry[0]
+            if threading.get_ident() != self._thread:
+                self.late_free_bytes += entry[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -258,6 +269,8 @@ class StepMemory:
     num_alloc_retries: int | None = None
     num_ooms: int | None = None
     rss_peak_bytes: int | None = None
+    # CPU tracker: bytes another thread freed after the step let go (LiveTensorTracker); None when 0.
+    late_free_bytes: int | None = None
 
     def as_record(self) -> dict[str, int]:
         """The figures that were measured, keyed as in `graph_trainer.metrics.TB_TAGS`."""
@@ -301,6 +314,7 @@ class MemoryMonitor:
                 with tracker:
                     yield result
                 result.peak_active_bytes = result.peak_reserved_bytes = tracker.peak_bytes
+                result.late_free_bytes = tracker.late_free_bytes or None
             finally:
                 tracker.forget()  # drop finalizers so no callback outlives the step
         else:

@@ -49,6 +49,7 @@ TB_TAGS: Mapping[str, str] = MappingProxyType(
         "saved_activation_bytes": "memory/saved_activations(GiB)",
         "estimate_error_pct": "memory/estimate_error(%)",
         "rss_peak_bytes": "memory/rss_peak(GiB)",
+        "late_free_bytes": "memory/late_free(GiB)",
         "trace_count": "trace/count",
         "trace_time_s": "compile/trace_time_s",
         "inductor_time_s": "compile/inductor_time_s",

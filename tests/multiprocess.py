@@ -62,6 +62,21 @@ def train_runs(rank: int, world: int, port: int, runs: dict[str, list[str]], arg
             destroy(info)
 
 
+def peaks(records: list[dict]) -> list[tuple[int | None, int | None, int]]:
+    """(estimated, measured, late-freed bytes) of each step record, for `assert_peaks_match`."""
+    return [(r.get("estimated_peak_bytes"), r.get("peak_active_bytes"), r.get("late_free_bytes", 0))
+            for r in records]
+
+
+def assert_peaks_match(step_peaks: list, context: Any = None) -> None:
+    """Each step's measured CPU peak equals its estimate to the byte, or exceeds it by no more than what
+    gloo's worker thread freed late that step (it can drop a collective's buffer after the step's thread
+    moved on; the tracker counts that as `late_free_bytes`)."""
+    for estimated, measured, late in step_peaks:
+        assert estimated is not None and measured is not None, step_peaks
+        assert measured == estimated or 0 < measured - estimated <= late, (context, step_peaks)
+
+
 def step_graph_nodes(trainer: Trainer) -> list[torch.fx.Node]:
     """The nodes of the trainer's final step graph ([] for an eager step)."""
     return list(trainer.step_fn.traced.gm.graph.nodes) if hasattr(trainer.step_fn, "traced") else []

@@ -407,3 +407,21 @@ def test_cuda_stats_and_monitor():
     stats = cuda_memory_stats(dev)
     assert set(stats) >= {"peak_active_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
                           "num_alloc_retries", "num_ooms"}
+
+
+def test_a_storage_whose_last_reference_another_thread_drops_is_counted_as_freed_late():
+    """gloo's worker can let go of a collective's buffer after the step's thread: counted, and named as late."""
+    import threading
+
+    tracker = LiveTensorTracker()
+    with tracker:
+        kept, handed_over = torch.empty(100), torch.empty(1000)
+    holder = [handed_over]
+    del handed_over
+    worker = threading.Thread(target=holder.clear)  # the worker thread drops the last reference
+    worker.start()
+    worker.join()
+    assert tracker.late_free_bytes == 4000
+    assert tracker.current_bytes == 400 and tracker.peak_bytes == 4400
+    del kept  # freed on this thread: not late
+    assert tracker.late_free_bytes == 4000 and tracker.current_bytes == 0
