@@ -159,11 +159,13 @@ class ShardedCheckpointManager(CheckpointManager):
         Shapes are checked against the model before anything is read; a mismatch is a UserError.
         """
         path = self._existing(step)
+        start = time.perf_counter()
         plain = self._read_plain(path, map_location)
         reader = dcp.FileSystemReader(path)
         self._check_shapes(reader.read_metadata(), path)
         model_state, optimizer_state = self.fsdp.model.state_dict(), self.optimizer.state_dict()
         dcp.load(self._tensors(model_state, optimizer_state), storage_reader=reader, process_group=self.group)
+        logger.info(f"loaded {path} ({self.world_size} ranks) in {time.perf_counter() - start:.2f} s")
         return {_MODEL: model_state, _OPTIMIZER: optimizer_state, **plain}
 
     def _existing(self, step: int | None) -> Path:
