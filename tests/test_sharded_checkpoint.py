@@ -77,3 +77,16 @@ def test_the_guard_checks_the_norm_summed_over_the_ranks():
     other["sq"] = 1e6  # the other rank's shard blew up: every rank must see it
     with pytest.raises(TrainingDiverged, match="parameter norm exploded"):
         guard.check_before_save(1, 1.0, shard)
+
+
+def test_a_checkpoint_folder_outside_the_dump_folder_is_owned_below_its_recorded_step_folders(tmp_path):
+    manifest = Manifest(tmp_path / "run" / MANIFEST_FILE)
+    (tmp_path / "run").mkdir()
+    outside = tmp_path / "elsewhere"
+    manifest.record(outside / "step-00000001.dcp")
+    _checkpoint_folder(outside / "step-00000001.dcp")
+    (outside / "notes.txt").write_text("not ours")
+    assert manifest.owns(outside / "step-00000001.dcp" / "rank0.pt")
+    assert not manifest.owns(outside / "notes.txt")
+    remove_run(manifest)
+    assert sorted(p.name for p in outside.iterdir()) == ["notes.txt"]
