@@ -130,8 +130,9 @@ class ShardedCheckpointManager(CheckpointManager):
             self.folder.mkdir(parents=True, exist_ok=True)
             if self.record is not None:
                 self.record(path)  # before anything is written, so a kill leaves nothing unrecorded
-            remove_path(temp)  # a torn save of this very step (killed run)
-            temp.mkdir()
+            if self._ours(temp):
+                remove_path(temp)  # a torn save of this very step (killed run)
+            temp.mkdir()  # one we do not own stays, and this fails rather than write into it
         self._barrier()
         dcp.save(self._tensors(state[_MODEL], state[_OPTIMIZER]),
                  storage_writer=dcp.FileSystemWriter(temp), process_group=self.group)
