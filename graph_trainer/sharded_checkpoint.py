@@ -33,7 +33,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -152,20 +152,28 @@ class ShardedCheckpointManager(CheckpointManager):
 
     # --- load --------------------------------------------------------------------------------------------
 
-    def load(self, step: int | None = None, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    def load(self, step: int | None = None, *, map_location: str | torch.device = "cpu",
+             before_tensors: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Every rank: load the checkpoint of `step` (default: the latest) into the live model and optimizer.
 
         Returns the state in the single-file format (`model`, `optimizer` as `state_dict()`s of the
         loaded shards, and the plain entries: this rank's, or rank 0's when the number of ranks changed).
-        Shapes are checked against the model before anything is read; a mismatch is a UserError.
+        Shapes are checked against the model first (a mismatch is a UserError); then
+        `before_tensors(plain entries)` runs (e.g. the config check, which may refuse the resume);
+        only then are the tensors read, so a refused resume costs no reading of the shards.
         """
         path = self._existing(step)
         start = time.perf_counter()
-        plain = self._read_plain(path, map_location)
+        plain, saved_world = self._read_plain(path, map_location)
         reader = dcp.FileSystemReader(path)
         self._check_shapes(reader.read_metadata(), path)
+        if before_tensors is not None:
+            before_tensors(plain)
         model_state, optimizer_state = self.fsdp.model.state_dict(), self.optimizer.state_dict()
         dcp.load(self._tensors(model_state, optimizer_state), storage_reader=reader, process_group=self.group)
+        if saved_world != self.world_size:
+            logger.info(f"resume: {path} was written by {saved_world} ranks, now {self.world_size}: the shards were "
+                        "resharded; every rank continues from rank 0's data position and RNG state")
         logger.info(f"loaded {path} ({self.world_size} ranks) in {time.perf_counter() - start:.2f} s")
         return {_MODEL: model_state, _OPTIMIZER: optimizer_state, **plain}
 
@@ -181,7 +189,8 @@ class ShardedCheckpointManager(CheckpointManager):
                             f"{self.saved_steps() or 'none'}); pick one of the saved steps")
         return path
 
-    def _read_plain(self, path: Path, map_location: str | torch.device) -> dict[str, Any]:
+    def _read_plain(self, path: Path, map_location: str | torch.device) -> tuple[dict[str, Any], int]:
+        """This rank's plain entries (rank 0's when the number of ranks changed), and the saved number of ranks."""
         own = path / _rank_file(self.rank)
         first = path / _rank_file(0)
         try:
@@ -192,11 +201,8 @@ class ShardedCheckpointManager(CheckpointManager):
             raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}); delete it to resume from the previous "
                             "one") from None
-        if saved_world != self.world_size and self.rank == 0:
-            logger.info(f"resume: {path} was written by {saved_world} ranks, now {self.world_size}: the shards are "
-                        "resharded; every rank continues from rank 0's data position and RNG state")
         plain.pop("world_size")
-        return plain
+        return plain, saved_world
 
     def _check_shapes(self, metadata: Metadata, path: Path) -> None:
         """UserError naming the first model tensor whose full shape or dtype differs from the checkpoint's."""

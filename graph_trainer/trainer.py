@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -176,15 +178,14 @@ class Trainer:
             raise UserError(f"checkpoint.resume is set but {self.checkpointer.folder} holds no checkpoint; "
                             "drop --checkpoint.resume to start a new run")
         path = self.checkpointer.path(latest)
-        state = self.checkpointer.load(latest)
-        load_model_state(self.model, state["model"])
-        if "config" in state:
-            for change in compare_on_resume(state["config"], self.cfg, path,
-                                             reshardable=self.checkpointer.reshardable):
-                logger.info(f"resume: {change}")
+        check_config = functools.partial(self._compare_config, path=path)
+        if isinstance(self.checkpointer, ShardedCheckpointManager):
+            # Refuse a changed option before every rank reads its shards (a large read at scale).
+            state = self.checkpointer.load(latest, before_tensors=check_config)
         else:
-            logger.warning(f"{path} stores no config (written by an older version): changed options cannot be "
-                           "checked against it; resume with the options it was written with")
+            state = self.checkpointer.load(latest)
+            load_model_state(self.model, state["model"])  # shapes first: the message names the tensor
+            check_config(state)
         # This run's config sets the hyperparameters (a new optimizer.lr takes effect); the checkpoint the state.
         load_optimizer_state(self.optimizer, self.scheduler, state["optimizer"], state["lr_scheduler"])
         resync_lr(self.scheduler)
@@ -192,6 +193,15 @@ class Trainer:
         restore_rng_state(state["rng"], self.device)
         self.step = int(state["step"])
         logger.info(f"resumed from {self.checkpointer.path(latest)} at step {self.step}")
+
+    def _compare_config(self, state: dict[str, Any], path: Path) -> None:
+        """Log each honoured change of options against the checkpoint's config; UserError for a refused one."""
+        if "config" not in state:
+            logger.warning(f"{path} stores no config (written by an older version): changed options cannot be "
+                           "checked against it; resume with the options it was written with")
+            return
+        for change in compare_on_resume(state["config"], self.cfg, path, reshardable=self.checkpointer.reshardable):
+            logger.info(f"resume: {change}")
 
     def _state(self) -> dict[str, Any]:
         # Without FSDP, saved by rank 0 only: weights are replicated, and every rank has taken the same number
