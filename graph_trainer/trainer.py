@@ -72,7 +72,8 @@ class Trainer:
 
     With `dist` from `graph_trainer.distributed.init_distributed`, this is one rank
     of a data-parallel job: it trains on its slice of the data, the step averages
-    gradients over the ranks, and only rank 0 logs and saves. Without it, the job
+    gradients over the ranks, and only rank 0 logs and saves (with FSDP every rank saves
+    its own shards, see `graph_trainer.sharded_checkpoint`). Without it, the job
     must be a single process.
     """
 
