@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from graph_trainer.errors import ConfigError, UserError
-from graph_trainer.fsutil import TEMP_SUFFIX, atomic_write
+from graph_trainer.fsutil import TEMP_SUFFIX, atomic_write, remove_path
 
 _CKPT_RE = re.compile(r"^step-(\d{8,})\.pt$")
 _RESUME_HINT = "resume with the model config the checkpoint was written with, or start a new job.dump_folder"
@@ -56,8 +56,12 @@ class CheckpointManager:
     """Saves, prunes and loads `step-XXXXXXXX.pt` files in one folder.
 
     `interval` is in steps; the last step is always saved when enabled.
-    `keep_latest_k <= 0` keeps every checkpoint.
+    `keep_latest_k <= 0` keeps every checkpoint. Subclasses with another on-disk
+    format (`graph_trainer.sharded_checkpoint`) override `pattern`, `path`, `save` and `load`.
     """
+
+    pattern = _CKPT_RE  # names of complete checkpoints in the folder; group 1 is the step
+    reshardable = False  # whether a resume may change the number of ranks (see resume_config)
 
     def __init__(self, folder: Path, *, enable: bool, interval: int, keep_latest_k: int,
                  record: Callable[[Path], None] | None = None, owns: Callable[[Path], bool] | None = None,
@@ -86,7 +90,7 @@ class CheckpointManager:
         """Steps with a complete checkpoint on disk, ascending."""
         if not self.folder.is_dir():
             return []
-        steps = (_CKPT_RE.match(p.name) for p in self.folder.iterdir())
+        steps = (self.pattern.match(p.name) for p in self.folder.iterdir())
         return sorted(int(m.group(1)) for m in steps if m)
 
     def latest_step(self) -> int | None:
@@ -113,13 +117,13 @@ class CheckpointManager:
         if self.keep_latest_k > 0:
             for old in steps[: -self.keep_latest_k]:
                 if self._ours(self.path(old)):
-                    self.path(old).unlink(missing_ok=True)
+                    remove_path(self.path(old))
                     if self.forget is not None:
                         self.forget(self.path(old))
         # Temp files only outlive their save after a hard kill; by now they are garbage.
         for stale in self.folder.glob(f".step-*{TEMP_SUFFIX}"):
             if self._ours(stale):
-                stale.unlink(missing_ok=True)
+                remove_path(stale)
 
     def _ours(self, path: Path) -> bool:
         return self.owns is None or self.owns(path)

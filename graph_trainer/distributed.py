@@ -68,6 +68,14 @@ class DistInfo:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
         return total / self.world_size
 
+    def sum_over_ranks(self, value: float) -> float:
+        """`value` summed over the ranks, in float64 (`value` itself for a single process)."""
+        if not self.is_distributed:
+            return value
+        total = torch.tensor(value, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        return total.item()
+
     def barrier(self) -> None:
         """Wait for every rank (no-op for a single process)."""
         if self.is_distributed:

@@ -17,13 +17,15 @@ uses. So:
   with lr 1e10). The bound is wide on purpose: a false alarm stops a healthy run.
 
 A failed check stops the run (`TrainingDiverged`, exit code 3) without saving, so
-every checkpoint on disk passed it.
+every checkpoint on disk passed it. With FSDP each rank holds other shards: the
+norm is summed over the ranks (`sum_over_ranks`), so every rank decides alike and
+none is left waiting in a save the others skipped.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -50,15 +52,22 @@ class DivergenceGuard:
     `start(params, step)` measures the reference norm (once, at the start of the run);
     `check_step` runs after every step, `check_before_save` before every save. Both
     raise TrainingDiverged with the reason; the caller adds what was kept.
+    `sum_over_ranks` (sharded parameters) sums a value over the ranks; every rank must
+    then call `start` and `check_before_save` together.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sum_over_ranks: Callable[[float], float] | None = None) -> None:
         self.ref_norm: float | None = None
         self.ref_step = 0
         self.first_loss: float | None = None
+        self.sum_over_ranks = sum_over_ranks
+
+    def _norm(self, params: Iterable[torch.Tensor]) -> float:
+        norm = parameter_norm(params)
+        return math.sqrt(self.sum_over_ranks(norm * norm)) if self.sum_over_ranks is not None else norm
 
     def start(self, params: Iterable[torch.Tensor], step: int) -> None:
-        self.ref_norm, self.ref_step = parameter_norm(params), step
+        self.ref_norm, self.ref_step = self._norm(params), step
 
     def check_step(self, step: int, loss: float, grad_norm: float) -> None:
         if not math.isfinite(loss):
@@ -72,7 +81,7 @@ class DivergenceGuard:
         if self.first_loss is not None and loss > MAX_LOSS_GROWTH * max(self.first_loss, 1.0):
             raise TrainingDiverged(f"the loss exploded to {loss:.4g} at step {step} "
                                    f"(this run started at {self.first_loss:.4g})")
-        norm = parameter_norm(params)
+        norm = self._norm(params)
         if not math.isfinite(norm):
             raise TrainingDiverged(f"the parameters after step {step} are not finite (norm {norm})")
         if self.ref_norm is not None and norm > MAX_NORM_GROWTH * self.ref_norm:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,15 @@ def fsync_dir(folder: Path) -> None:
         pass  # some filesystems refuse fsync on directories; the rename is still atomic
     finally:
         os.close(fd)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file, or a folder with everything below it (a sharded checkpoint is a folder); absent is fine."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _umask() -> int:

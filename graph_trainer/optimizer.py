@@ -256,7 +256,12 @@ class GraphAdamW:
         # Graph-input order: the optimizer's own parameter order, which the tracer checks
         # against the model's.
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._groups = [group for group in optimizer.param_groups for _ in group["params"]]
+
+    @property
+    def _groups(self) -> list[dict]:
+        # Read afresh: Optimizer.load_state_dict (a resume) replaces the group dicts, and the
+        # scheduler then sets the lr in the new ones; kept references would read a stale lr.
+        return [group for group in self.optimizer.param_groups for _ in group["params"]]
 
     def _state(self, p: torch.Tensor) -> dict:
         return init_adamw_state(self.optimizer, p)

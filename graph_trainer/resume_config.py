@@ -12,6 +12,13 @@ On resume, `compare_on_resume` holds it against the current config, option by op
   `optimizer.lr` and the other AdamW hyperparameters, the schedule, `training.steps`,
   clipping, dropout, AC and compile modes, logging and checkpoint options.
 
+A sharded checkpoint (`parallelism.dp_shard`, see `graph_trainer.sharded_checkpoint`)
+can be resumed on another number of ranks, but only with the same global batch
+(`dp_shard x local_batch_size`): then every step reads the very windows the saved run
+would have read (rank r of N takes the r-th slice of each global batch), so the data
+position carries over exactly and only the summation order changes. A different
+global batch would be a different run from that step on, and is refused.
+
 A checkpoint without a stored config (written before this existed) is resumed as
 before, with a warning that nothing could be compared.
 """
@@ -64,20 +71,49 @@ def _as_flag(key: str, value: Any) -> str:
     return f"--{key} {value!r}" if isinstance(value, str) and (not value or " " in value) else f"--{key} {value}"
 
 
-def compare_on_resume(saved: dict[str, dict[str, Any]], cfg: JobConfig, checkpoint: Path) -> list[str]:
-    """Lines naming each honoured change against the checkpoint's config; UserError if any change is refused."""
+_RESHARD = ("parallelism.dp_shard", "training.local_batch_size")
+
+
+def _global_batch(config: dict[str, Any]) -> int:
+    return config["parallelism.dp_shard"] * config["training.local_batch_size"]
+
+
+def _reshard_refusal(before: dict[str, Any], now: dict[str, Any], checkpoint: Path) -> UserError:
+    n, batch = now["parallelism.dp_shard"], _global_batch(before)
+    fix = (f"--training.local_batch_size {batch // n} to keep it" if batch % n == 0
+           else f"a parallelism.dp_shard that divides {batch}")
+    return UserError(f"cannot resume {checkpoint} on parallelism.dp_shard {n} with training.local_batch_size "
+                     f"{now['training.local_batch_size']}: the global batch (dp_shard x local_batch_size) would be "
+                     f"{_global_batch(now)} instead of {batch}, and the saved data position counts batches of "
+                     f"{batch}; resume with {fix}")
+
+
+def compare_on_resume(saved: dict[str, dict[str, Any]], cfg: JobConfig, checkpoint: Path, *,
+                      reshardable: bool = False) -> list[str]:
+    """Lines naming each honoured change against the checkpoint's config; UserError if any change is refused.
+
+    With `reshardable` (a sharded checkpoint), `parallelism.dp_shard` and `training.local_batch_size`
+    may change together when their product, the global batch, stays the same.
+    """
     before, now = _flatten(saved), _flatten(stored_config(cfg))
     if before["data.source"] in ("embedded", "synthetic"):
         before.pop("data.path", None)  # these sources read no file
         now.pop("data.path", None)
     changed = [k for k in now if k not in _NOT_COMPARED and k in before and before[k] != now[k]]
-    refused = [k for k in changed if k in REFUSED]
+    resharded = reshardable and "parallelism.dp_shard" in changed
+    if resharded and _global_batch(before) != _global_batch(now):
+        raise _reshard_refusal(before, now, checkpoint)
+    refused = [k for k in changed if k in REFUSED and not (resharded and k in _RESHARD)]
     if refused:
         what = ", ".join(f"{k} {now[k]!r} (checkpoint: {before[k]!r})" for k in refused)
         fix = " ".join(_as_flag(k, before[k]) for k in refused)
         raise UserError(f"cannot resume {checkpoint} with changed {what}: {REFUSED[refused[0]]}; "
                         f"resume with {fix}, or start a new job.dump_folder")
-    return [f"{k}: {before[k]!r} in the checkpoint, {now[k]!r} now (honoured)" for k in changed if k not in REFUSED]
+    lines = [f"{k}: {before[k]!r} in the checkpoint, {now[k]!r} now (honoured)" for k in changed if k not in REFUSED]
+    if resharded:
+        lines += [f"{k}: {before[k]!r} in the checkpoint, {now[k]!r} now (resharded: the global batch of "
+                  f"{_global_batch(now)} and the data position are unchanged)" for k in _RESHARD if k in changed]
+    return lines
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,

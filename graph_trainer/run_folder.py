@@ -1,7 +1,8 @@
 """The run folder: what in it is ours, checks before anything is written, and a safe replace.
 
 A run records every file it writes in `{dump_folder}/run_manifest.json` *before*
-writing it (so a killed run is still fully described). `--job.overwrite true`
+writing it (so a killed run is still fully described); a sharded checkpoint is
+recorded as its folder, which owns everything below it. `--job.overwrite true`
 removes exactly the recorded files that still exist, and nothing else: files a
 user put in the dump folder, the checkpoint folder, next to the data or the
 config survive. A checkpoint folder outside the dump folder (absolute, or with
@@ -21,14 +22,15 @@ from pathlib import Path
 
 from graph_trainer.errors import UserError
 from graph_trainer.log import get_logger
-from graph_trainer.fsutil import TEMP_SUFFIX, atomic_write_text
+from graph_trainer.fsutil import TEMP_SUFFIX, atomic_write_text, remove_path
 
 logger = get_logger(__name__)
 
 MANIFEST_FILE = "run_manifest.json"
 CONFIG_FILE = "config.toml"
 _SCHEMA = 1
-_CKPT_RE = re.compile(r"^step-\d{8,}\.pt$")
+# A checkpoint is a file (`step-*.pt`, one process or dp_replicate) or a DCP folder (`step-*.dcp`, dp_shard).
+_CKPT_RE = re.compile(r"^step-\d{8,}\.(pt|dcp)$")
 
 
 def _is_within(path: Path, folder: Path) -> bool:
@@ -114,10 +116,14 @@ class Manifest:
                    location if isinstance(location, str) else None)
 
     def owns(self, path: Path) -> bool:
-        """Whether `path` is a recorded file or the temp file of a recorded file (left by a kill)."""
+        """Whether `path` is a recorded file or folder, the temp file of one (left by a kill), or lies below
+        such a folder (a sharded checkpoint is recorded as its folder, before any rank writes into it)."""
         path = Path(os.path.normpath(Path(path).absolute()))
         if path == self.path.absolute():
             return True
+        return any(self._owns_entry(p) for p in (path, *path.parents) if p != p.parent)
+
+    def _owns_entry(self, path: Path) -> bool:
         if not self._trusted(path):
             return False
         if self._key(path) in self.files:
@@ -211,12 +217,12 @@ def remove_run(manifest: Manifest) -> None:
                        "checkpoint folder that run recorded there (a copied, moved or edited manifest?)")
     folders = set()
     for path in manifest.existing():
-        path.unlink()
+        remove_path(path)
         folders.add(path.parent)
     for folder in list(folders):
         for stale in folder.glob(f".*{TEMP_SUFFIX}") if folder.is_dir() else []:
             if manifest.owns(stale):
-                stale.unlink(missing_ok=True)
+                remove_path(stale)
     manifest.path.unlink(missing_ok=True)
     dump = manifest.path.parent
     for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
@@ -263,7 +269,9 @@ def inspect(dump_folder: str, checkpoint_folder: str, *, resume: bool, overwrite
         return RunFolder(dump, ckpt, previous, replace=False)
     # Files of others may share the folder (they are never touched), but none that this run would overwrite.
     clobbered = [p for p in (dump / "summary.json", dump / CONFIG_FILE) if p in foreign]
-    clobbered += _foreign([p for p in _files_below(ckpt) if p.name.startswith("step-")], previous)
+    checkpoints = [p for p in _files_below(ckpt) if p.name.startswith("step-")]
+    checkpoints += [p for p in ckpt.iterdir() if p.is_dir() and p.name.startswith("step-")] if ckpt.is_dir() else []
+    clobbered += _foreign(checkpoints, previous)
     if clobbered:
         raise UserError(f"'{clobbered[0]}' was not written by a run recorded in job.dump_folder '{dump}' and "
                         "this run would overwrite it; move it away or choose another --job.dump_folder")

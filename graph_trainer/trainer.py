@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from graph_trainer.optimizer import build_lr_scheduler, resync_lr
 from graph_trainer.planner import preflight
 from graph_trainer.resume_config import compare_on_resume, load_optimizer_state, stored_config
 from graph_trainer.run_folder import CONFIG_FILE, RunFolder, inspect
+from graph_trainer.sharded_checkpoint import ShardedCheckpointManager, refuse_other_format
 from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.units import to_gib
 from models.llama3.model import flops_per_token, num_params
@@ -68,7 +71,8 @@ class Trainer:
 
     With `dist` from `graph_trainer.distributed.init_distributed`, this is one rank
     of a data-parallel job: it trains on its slice of the data, the step averages
-    gradients over the ranks, and only rank 0 logs and saves. Without it, the job
+    gradients over the ranks, and only rank 0 logs and saves (with FSDP every rank saves
+    its own shards, see `graph_trainer.sharded_checkpoint`). Without it, the job
     must be a single process.
     """
 
@@ -83,10 +87,6 @@ class Trainer:
         self.dtype = resolve_dtype(cfg.training.dtype, self.device, cfg.training.mixed_precision_param)  # autocast's
         # Everything is validated before the first write: folders (read only), data, tokenizer, preflight,
         # model and checkpoint. Only then is a replaced run's folder cleared (`_prepare_run_folder`).
-        if self.dist.shard_group() is not None and (cfg.checkpoint.enable or cfg.checkpoint.resume):
-            # Each rank holds different shards: rank 0's file alone would lose the others' (DCP not wired yet).
-            raise UserError("checkpoints of a parallelism.dp_shard (FSDP) job are not supported yet; set "
-                            "--checkpoint.enable false, or use --parallelism.dp_replicate N to checkpoint")
         self.run_folder = inspect_run_folder(cfg)
         self.dump_folder = self.run_folder.dump_folder
         tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -123,10 +123,7 @@ class Trainer:
                                   dump_dir=self.dump_folder / "graphs" if rank == 0 else None,
                                   failure_dir=self.dump_folder / "graphs", planned_graph=plan.step_graph)
         self.memory = MemoryMonitor(self.device, track=cfg.metrics.track_memory)
-        self.checkpointer = CheckpointManager(self.run_folder.checkpoint_folder,
-                                              enable=cfg.checkpoint.enable and rank == 0,
-                                              interval=cfg.checkpoint.interval,
-                                              keep_latest_k=cfg.checkpoint.keep_latest_k)
+        self.checkpointer = self._checkpointer()
         self.step = 0
         if cfg.checkpoint.resume:
             self._resume()
@@ -136,6 +133,17 @@ class Trainer:
             self._prepare_run_folder()
         self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
         self.peak_flops = peak_flops(self.device, self.compute_dtype)
+
+    def _checkpointer(self) -> CheckpointManager:
+        """Single-file checkpoints written by rank 0, or with FSDP a DCP folder every rank writes its shards to."""
+        c = self.cfg.checkpoint
+        if self.fsdp is not None:
+            return ShardedCheckpointManager(self.run_folder.checkpoint_folder, fsdp=self.fsdp,
+                                            optimizer=self.optimizer, group=self.dist.group, device=self.device,
+                                            enable=c.enable, interval=c.interval, keep_latest_k=c.keep_latest_k)
+        # Replicated weights: rank 0's copy is every rank's.
+        return CheckpointManager(self.run_folder.checkpoint_folder, enable=c.enable and self.rank == 0,
+                                 interval=c.interval, keep_latest_k=c.keep_latest_k)
 
     def _prepare_run_folder(self) -> None:
         """The first write: clear a replaced run (its recorded files only), start the manifest, write config.toml.
@@ -162,6 +170,7 @@ class Trainer:
     def _resume(self) -> None:
         latest = self.checkpointer.latest_step()
         if latest is None:
+            refuse_other_format(self.checkpointer.folder, sharded=self.fsdp is not None)
             if self.run_folder.holds_started_run():
                 # Not "drop --checkpoint.resume": a plain rerun is refused too, and would send the user back here.
                 raise UserError(f"checkpoint.resume is set but the run in {self.dump_folder} saved no checkpoint "
@@ -170,14 +179,14 @@ class Trainer:
             raise UserError(f"checkpoint.resume is set but {self.checkpointer.folder} holds no checkpoint; "
                             "drop --checkpoint.resume to start a new run")
         path = self.checkpointer.path(latest)
-        state = self.checkpointer.load(latest)
-        load_model_state(self.model, state["model"])
-        if "config" in state:
-            for change in compare_on_resume(state["config"], self.cfg, path):
-                logger.info(f"resume: {change}")
+        check_config = functools.partial(self._compare_config, path=path)
+        if isinstance(self.checkpointer, ShardedCheckpointManager):
+            # Refuse a changed option before every rank reads its shards (a large read at scale).
+            state = self.checkpointer.load(latest, before_tensors=check_config)
         else:
-            logger.warning(f"{path} stores no config (written by an older version): changed options cannot be "
-                           "checked against it; resume with the options it was written with")
+            state = self.checkpointer.load(latest)
+            load_model_state(self.model, state["model"])  # shapes first: the message names the tensor
+            check_config(state)
         # This run's config sets the hyperparameters (a new optimizer.lr takes effect); the checkpoint the state.
         load_optimizer_state(self.optimizer, self.scheduler, state["optimizer"], state["lr_scheduler"])
         resync_lr(self.scheduler)
@@ -186,9 +195,19 @@ class Trainer:
         self.step = int(state["step"])
         logger.info(f"resumed from {self.checkpointer.path(latest)} at step {self.step}")
 
+    def _compare_config(self, state: dict[str, Any], path: Path) -> None:
+        """Log each honoured change of options against the checkpoint's config; UserError for a refused one."""
+        if "config" not in state:
+            logger.warning(f"{path} stores no config (written by an older version): changed options cannot be "
+                           "checked against it; resume with the options it was written with")
+            return
+        for change in compare_on_resume(state["config"], self.cfg, path, reshardable=self.checkpointer.reshardable):
+            logger.info(f"resume: {change}")
+
     def _state(self) -> dict[str, Any]:
-        # Saved by rank 0 only: weights are replicated, and every rank has taken the same number of
-        # batches, so rank 0's data position is every rank's (each maps it to its own slice on load).
+        # Without FSDP, saved by rank 0 only: weights are replicated, and every rank has taken the same number
+        # of batches, so rank 0's data position is every rank's (each maps it to its own slice on load).
+        # With FSDP every rank saves its own (see graph_trainer.sharded_checkpoint).
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "lr_scheduler": self.scheduler.state_dict(), "data": self.dataloader.state_dict(),
                 "rng": capture_rng_state(self.device), "step": self.step, "config": stored_config(self.cfg)}
@@ -245,7 +264,8 @@ class Trainer:
         metrics = MetricsLogger(self.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                 log_freq=cfg.metrics.log_freq, total_steps=cfg.training.steps,
                                 rank=self.rank, config_toml=config_to_toml(cfg))
-        guard = DivergenceGuard()
+        # Sharded parameters: each rank sees part of the norm; the ranks must stop (or save) together.
+        guard = DivergenceGuard(self.dist.sum_over_ranks if self.fsdp is not None else None)
         guard.start(self.model.parameters(), self.step)
         group = self.dist.group if self.dist.is_distributed else None
         with metrics, self._adopting_files(), StopRequest() as stop:
@@ -261,7 +281,7 @@ class Trainer:
                 save = cfg.checkpoint.enable and (signum is not None or self.step == cfg.training.steps
                                                   or self.step % cfg.checkpoint.interval == 0)
                 try:
-                    # Checked on every rank (the values are replicated), so all ranks stop together.
+                    # Checked on every rank (the values are replicated or summed), so all ranks stop together.
                     guard.check_step(self.step, record["loss"], record["grad_norm"])
                     if save:
                         guard.check_before_save(self.step, record["loss"], self.model.parameters())

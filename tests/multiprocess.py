@@ -42,14 +42,16 @@ def spawn_ranks(worker: Callable[..., None], world: int, args: tuple, timeout_s:
 def train_runs(rank: int, world: int, port: int, runs: dict[str, list[str]], args: list[str], out: str,
                before_leaving: Callable[[Any], None] | None = None) -> Iterator[tuple[str, Trainer, Any]]:
     """In a spawned rank: join the group once, then train each run (`args` + its overrides, dumping under
-    `out/<name>`), yielding (name, trainer, result). `before_leaving(cfg)` runs last, still in the group."""
+    `out/<name>` unless the overrides name a --job.dump_folder), yielding (name, trainer, result).
+    `before_leaving(cfg)` runs last, still in the group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # several ranks on 2 cores
     info, cfg = None, None
     try:
         for name, overrides in runs.items():
-            cfg, _ = load_config([*args, *overrides, "--job.dump_folder", f"{out}/{name}"])
+            dump = [] if "--job.dump_folder" in overrides else ["--job.dump_folder", f"{out}/{name}"]
+            cfg, _ = load_config([*args, *overrides, *dump])
             info = info or init_distributed(cfg)
             trainer = Trainer(cfg, dist=info)
             result = trainer.train()

@@ -16,8 +16,8 @@ from graph_trainer import planner
 from graph_trainer.cli import load_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.memory import LiveTensorTracker
-from graph_trainer.optimizer import (EagerUpdate, adamw_state_bytes, build_optimizer, choose_adamw_implementation,
-                                     eager_step_scratch_bytes, init_adamw_state)
+from graph_trainer.optimizer import (EagerUpdate, GraphAdamW, adamw_state_bytes, build_optimizer,
+                                     choose_adamw_implementation, eager_step_scratch_bytes, init_adamw_state)
 from tests.integration.trainer_runs import TINY, train
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -134,3 +134,14 @@ def test_trainer_estimate_equals_measured_cpu_peak_with_each_implementation(tmp_
     result, _ = train(tmp_path, "--optimizer.implementation", implementation, steps=2, base=TINY)
     for record in result.records:
         assert record["estimated_peak_bytes"] == record["peak_active_bytes"]
+
+
+def test_the_traced_update_reads_the_lr_of_the_groups_a_resume_loaded():
+    """Optimizer.load_state_dict replaces the group dicts; the traced AdamW must not keep reading the old ones."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = build_optimizer(model, name="AdamW", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    traced = GraphAdamW(optimizer)
+    optimizer.load_state_dict(optimizer.state_dict())
+    optimizer.param_groups[0]["lr"] = 0.5  # what the scheduler does to the new groups
+    step_size = traced.host_scalars()[2].item()  # -(lr / bias correction 1) at step 1
+    assert step_size == pytest.approx(-0.5 / (1 - 0.9))

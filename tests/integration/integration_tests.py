@@ -102,6 +102,24 @@ def _resume_tests() -> list[IntegrationTest]:
             suites=QUICK,
             expect=Expect(steps=6, trace_count=1, bitwise_equal_to="resume_reference"),
             description="3 steps + checkpoint, then resumed to 6: same losses and digests as 6 straight"),
+        *_sharded_resume_tests(base),
+    ]
+
+
+def _sharded_resume_tests(base: tuple[str, ...]) -> list[IntegrationTest]:
+    """The same on 2 FSDP ranks: every rank saves its shards into one DCP folder and loads them back."""
+    fsdp = base + ("--parallelism.dp_shard", "2")
+    return [
+        IntegrationTest(name="dp_shard_resume_reference", runs=(fsdp + _steps(6),), suites=FULL, nproc=2,
+                        requires=("distributed",), expect=Expect(steps=6, trace_count=1),
+                        description="torchrun 2 FSDP ranks, 6 steps without interruption"),
+        IntegrationTest(
+            name="dp_shard_resume", suites=FULL, nproc=2, requires=("distributed",),
+            runs=(fsdp + _steps(3) + ("--checkpoint.enable", "true", "--checkpoint.interval", "3"),
+                  fsdp + _steps(6) + ("--checkpoint.enable", "true", "--checkpoint.resume", "true")),
+            expect=Expect(steps=6, trace_count=1, bitwise_equal_to="dp_shard_resume_reference"),
+            description="torchrun 2 FSDP ranks: 3 steps + sharded (DCP) checkpoint, then resumed to 6: same "
+                        "losses and digests as 6 straight"),
     ]
 
 

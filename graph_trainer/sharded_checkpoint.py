@@ -1,0 +1,237 @@
+"""Checkpoints of an FSDP job (`parallelism.dp_shard`): every rank writes its own shards with torch's DCP.
+
+Layout: `{folder}/step-{step:08d}.dcp/`, a `torch.distributed.checkpoint` folder:
+- `.metadata` and one `__{rank}_0.distcp` per rank: the tensors. Parameters and AdamW
+  moments are saved as DTensor shards of their *logical* (unpadded) shape; replicated
+  tensors (buffers, AdamW step counts) are written once.
+- `rank{r}.pt` per rank: the plain state (step, lr schedule, this rank's data position and
+  RNG state, the config), `torch.save`d so that it reads back with `weights_only=True`.
+  (DCP's own `.metadata` is a pickle: torch reads it with `pickle.load`.)
+
+Why DTensors of the logical shape: our shards (`graph_trainer.fsdp`) are torch.chunk
+row blocks with zero rows padding the last; DTensor's `Shard(0)` uses the same
+torch.chunk layout for uneven dim 0. Each rank hands DCP the unpadded rows of its block
+(`DTensor.from_local(..., shape=full shape)`), so the padding never reaches the file,
+and the checkpoint describes whole tensors that DCP can cut for any number of ranks on
+load (resharding) or write whole (`export_full`). On load the DTensors wrap views of
+the live shards, so DCP reads straight into them and the padding rows stay zero.
+
+Atomic: all ranks write into `.step-{step:08d}.dcp.tmp`; after a barrier rank 0 fsyncs
+it and renames it to its final name. Only complete folders match `step-*.dcp`; a torn
+temp folder left by a kill is removed by the next save (if the run manifest owns it).
+Rank 0 records the final folder in the manifest before any rank writes.
+
+Resharding (another `dp_shard` on resume): the tensors reshard through DCP; the data
+position carries over only with the same global batch (`graph_trainer.resume_config`);
+every rank then continues from rank 0's data position and RNG state (the ranks of the
+saved run had the same position; their RNG streams cannot be mapped onto other ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from graph_trainer.checkpoint import CheckpointManager, check_compatible
+from graph_trainer.errors import UserError
+from graph_trainer.fsdp import FSDP
+from graph_trainer.fsutil import TEMP_SUFFIX, atomic_write, fsync_dir, remove_path
+from graph_trainer.log import get_logger
+
+logger = get_logger(__name__)
+
+SUFFIX = ".dcp"
+_DIR_RE = re.compile(r"^step-(\d{8,})\.dcp$")
+_MODEL, _OPTIMIZER = "model", "optimizer"
+# Plain (non-tensor) entries of the trainer's state, kept per rank in rank{r}.pt.
+_PLAIN = ("lr_scheduler", "data", "rng", "step", "config")
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+class ShardedCheckpointManager(CheckpointManager):
+    """Saves, prunes and loads `step-XXXXXXXX.dcp` folders of an FSDP job; every rank calls `save` and `load`.
+
+    Pruning and the run manifest (`record`, `owns`, `forget`) are rank 0's, as with
+    `CheckpointManager`. `optimizer` is the job's AdamW over the model's shards.
+    """
+
+    pattern = _DIR_RE
+    reshardable = True
+
+    def __init__(self, folder: Path, *, fsdp: FSDP, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup,
+                 device: torch.device, enable: bool, interval: int, keep_latest_k: int) -> None:
+        super().__init__(folder, enable=enable, interval=interval, keep_latest_k=keep_latest_k)
+        self.fsdp, self.optimizer, self.group = fsdp, optimizer, group
+        self.rank, self.world_size = fsdp.group.rank, fsdp.group.world_size
+        self.mesh = DeviceMesh.from_group(group, device.type)
+        # Full shape of every name a shard is held under (tied weights have two names, one shard).
+        full_by_id = {id(t): shape for u in fsdp.units for t, shape in zip(u.current(), u.shapes)}
+        self.full_shapes = {name: full_by_id[id(p)] for name, p in
+                            fsdp.model.named_parameters(remove_duplicate=False) if id(p) in full_by_id}
+        names = {id(p): name for name, p in fsdp.model.named_parameters()}
+        self.param_names = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+    def path(self, step: int) -> Path:
+        """The checkpoint folder for `step` (whether or not it exists)."""
+        return self.folder / f"step-{step:08d}{SUFFIX}"
+
+    def _temp(self, step: int) -> Path:
+        return self.folder / f".{self.path(step).name}{TEMP_SUFFIX}"
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    # --- the tensors, as DCP sees them -------------------------------------------------------------------
+
+    def _logical(self, shard: torch.Tensor, full_shape: torch.Size) -> DTensor:
+        """`shard` (padded rows included) as this rank's part of a DTensor of `full_shape`, padding cut off."""
+        rows = shard.shape[0]
+        valid = max(0, min(rows, full_shape[0] - self.rank * rows))
+        stride = torch.empty(full_shape, device="meta").stride()
+        return DTensor.from_local(shard.detach()[:valid], self.mesh, [Shard(0)], run_check=False,
+                                  shape=full_shape, stride=stride)
+
+    def _tensors(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> dict[str, Any]:
+        """What DCP saves or loads into: sharded tensors as DTensors (views of `model_state`/`optimizer_state`)."""
+        model = {name: self._logical(t, self.full_shapes[name]) if name in self.full_shapes else t.detach()
+                 for name, t in model_state.items()}
+        optimizer = {}
+        for index, state in optimizer_state["state"].items():
+            name = self.param_names[index]
+            shard_shape = model_state[name].shape
+            optimizer[name] = {k: self._logical(v, self.full_shapes[name])
+                               if isinstance(v, torch.Tensor) and v.shape == shard_shape else v
+                               for k, v in state.items()}
+        return {_MODEL: model, _OPTIMIZER: optimizer}
+
+    # --- save --------------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Every rank: write this rank's shards and plain state; rank 0 then renames the folder into place.
+
+        `state` is the trainer's state dict (the single-file format: `model`, `optimizer`, plain entries).
+        """
+        path, temp = self.path(step), self._temp(step)
+        start = time.perf_counter()
+        if self.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if self.record is not None:
+                self.record(path)  # before anything is written, so a kill leaves nothing unrecorded
+            if self._ours(temp):
+                remove_path(temp)  # a torn save of this very step (killed run)
+            temp.mkdir()  # one we do not own stays, and this fails rather than write into it
+        self._barrier()
+        dcp.save(self._tensors(state[_MODEL], state[_OPTIMIZER]),
+                 storage_writer=dcp.FileSystemWriter(temp), process_group=self.group)
+        plain = {k: state[k] for k in _PLAIN if k in state} | {"world_size": self.world_size}
+        atomic_write(temp / _rank_file(self.rank), lambda f: torch.save(plain, f))
+        self._barrier()  # every rank's files are written and fsynced
+        if self.rank == 0:
+            fsync_dir(temp)
+            if path.exists():  # a step saved again (cannot happen in one run; be safe, not stuck)
+                remove_path(path)
+            os.replace(temp, path)
+            fsync_dir(self.folder)
+            self._prune()
+        self._barrier()  # no rank looks for the checkpoint before it has its name
+        logger.info(f"saved {path} ({self.world_size} ranks) in {time.perf_counter() - start:.2f} s")
+        return path
+
+    # --- load --------------------------------------------------------------------------------------------
+
+    def load(self, step: int | None = None, *, map_location: str | torch.device = "cpu",
+             before_tensors: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Every rank: load the checkpoint of `step` (default: the latest) into the live model and optimizer.
+
+        Returns the state in the single-file format (`model`, `optimizer` as `state_dict()`s of the
+        loaded shards, and the plain entries: this rank's, or rank 0's when the number of ranks changed).
+        Shapes are checked against the model first (a mismatch is a UserError); then
+        `before_tensors(plain entries)` runs (e.g. the config check, which may refuse the resume);
+        only then are the tensors read, so a refused resume costs no reading of the shards.
+        """
+        path = self._existing(step)
+        start = time.perf_counter()
+        plain, saved_world = self._read_plain(path, map_location)
+        reader = dcp.FileSystemReader(path)
+        self._check_shapes(reader.read_metadata(), path)
+        if before_tensors is not None:
+            before_tensors(plain)
+        model_state, optimizer_state = self.fsdp.model.state_dict(), self.optimizer.state_dict()
+        dcp.load(self._tensors(model_state, optimizer_state), storage_reader=reader, process_group=self.group)
+        if saved_world != self.world_size:
+            logger.info(f"resume: {path} was written by {saved_world} ranks, now {self.world_size}: the shards were "
+                        "resharded; every rank continues from rank 0's data position and RNG state")
+        logger.info(f"loaded {path} ({self.world_size} ranks) in {time.perf_counter() - start:.2f} s")
+        return {_MODEL: model_state, _OPTIMIZER: optimizer_state, **plain}
+
+    def _existing(self, step: int | None) -> Path:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise UserError(f"no checkpoint to resume from in {self.folder}; run without checkpoint.resume "
+                                "or point checkpoint.folder at a folder holding step-*.dcp checkpoints")
+        path = self.path(step)
+        if not path.is_dir():
+            raise UserError(f"no checkpoint for step {step} in {self.folder} (saved steps: "
+                            f"{self.saved_steps() or 'none'}); pick one of the saved steps")
+        return path
+
+    def _read_plain(self, path: Path, map_location: str | torch.device) -> tuple[dict[str, Any], int]:
+        """This rank's plain entries (rank 0's when the number of ranks changed), and the saved number of ranks."""
+        own = path / _rank_file(self.rank)
+        first = path / _rank_file(0)
+        try:
+            saved_world = torch.load(first, map_location=map_location, weights_only=True)["world_size"]
+            source = own if saved_world == self.world_size else first
+            plain = torch.load(source, map_location=map_location, weights_only=True)
+        except Exception as e:  # a missing or torn rank file
+            raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}); delete it to resume from the previous "
+                            "one") from None
+        plain.pop("world_size")
+        return plain, saved_world
+
+    def _check_shapes(self, metadata: Metadata, path: Path) -> None:
+        """UserError naming the first model tensor whose full shape or dtype differs from the checkpoint's."""
+        prefix = f"{_MODEL}."
+        found = {k[len(prefix):]: torch.empty(m.size, dtype=m.properties.dtype, device="meta")
+                 for k, m in metadata.state_dict_metadata.items()
+                 if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+        expected = {name: torch.empty(self.full_shapes.get(name, t.shape), dtype=t.dtype, device="meta")
+                    for name, t in self.fsdp.model.state_dict().items()}
+        check_compatible(expected, found)
+
+
+def refuse_other_format(folder: Path, *, sharded: bool) -> None:
+    """UserError when `folder` holds checkpoints only in the format this job does not write (see the module doc).
+
+    A sharded (`step-*.dcp`) checkpoint needs a `parallelism.dp_shard` job to load it; a
+    single-file one (`step-*.pt`) a single-process or `dp_replicate` job.
+    """
+    if not folder.is_dir():
+        return
+    names = sorted(p.name for p in folder.iterdir())
+    if sharded and any(CheckpointManager.pattern.match(n) for n in names):
+        raise UserError(f"{folder} holds single-file checkpoints (step-*.pt, from one process or "
+                        "parallelism.dp_replicate), which a parallelism.dp_shard job cannot resume; resume it "
+                        "without --parallelism.dp_shard, or start a new job.dump_folder")
+    if not sharded and any(_DIR_RE.match(n) for n in names):
+        raise UserError(f"{folder} holds sharded checkpoints (step-*.dcp, from a parallelism.dp_shard job), which "
+                        "only a parallelism.dp_shard job can resume; launch with `torchrun --nproc_per_node N` and "
+                        "--parallelism.dp_shard N, or export the weights with `python -m graph_trainer.export`")
+
+
+__all__ = ["SUFFIX", "ShardedCheckpointManager", "refuse_other_format"]
