@@ -30,7 +30,7 @@ def summary(dump: Path) -> dict:
 
 
 def checkpoints(dump: Path) -> list[str]:
-    return sorted(p.name for p in (dump / "checkpoint").glob("step-*.pt"))
+    return sorted(p.name for p in (dump / "checkpoint").glob("step-*") if p.suffix in (".pt", ".dcp"))
 
 
 def start(*args: str, cwd: Path, python: list[str] | None = None) -> subprocess.Popen:
@@ -177,14 +177,16 @@ def _worker_pid(launcher: subprocess.Popen, rank: int) -> int | None:
 
 
 @pytest.mark.integration  # a torchrun launch of two ranks
-def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves(tmp_path):
+@pytest.mark.parametrize("parallelism,suffix", [("dp_replicate", ".pt"), ("dp_shard", ".dcp")])
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves(tmp_path, parallelism, suffix):
     """Ranks agree on the stop (an all-reduced flag): a signal to one rank must neither hang the other
-    in its next collective nor leave the checkpoint without the step they all reached."""
+    in its next collective nor leave the checkpoint without the step they all reached (rank 0's file
+    when replicated, every rank's shards in one DCP folder with FSDP)."""
     dump = tmp_path / "dp2"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
-         "-m", "graph_trainer", *TINY, "--parallelism.dp_replicate", "2", *CKPT[:2], "--checkpoint.interval", "1000",
+         "-m", "graph_trainer", *TINY, f"--parallelism.{parallelism}", "2", *CKPT[:2], "--checkpoint.interval", "1000",
          "--training.steps", "100000", "--job.dump_folder", str(dump)],
         cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for_step(launcher, 2)
@@ -194,5 +196,5 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves(tmp_
     _, err = launcher.communicate(timeout=120)  # a hang fails here
     final = summary(dump)["final"]
     assert final["status"] == "interrupted" and final["signal"] == "SIGTERM", err[-3000:]
-    assert checkpoints(dump) == [f"step-{final['final_step']:08d}.pt"]
+    assert checkpoints(dump) == [f"step-{final['final_step']:08d}{suffix}"]
     assert f"interrupted by SIGTERM after step {final['final_step']}; saved " in err
