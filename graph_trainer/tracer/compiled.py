@@ -18,12 +18,13 @@ would have done for an inference graph:
 
 Both re-run the graph node by node under `make_fx` on fake tensors, in the
 graph's own order: the pass pipeline's save/recompute decisions are kept, and
-nothing is re-decided (no partitioner, no CSE). Inductor's scheduler may still
-fuse and reorder; `KeepRematChoices` and `INDUCTOR_OPTIONS` turn off the
-fusions and reorderings that measurably undid the plan (horizontal fusion,
-locality and peak-memory reordering), and `tests/test_compiled.py` checks the
-measured peak against the uncompiled graph's for every activation-checkpointing
-mode.
+nothing is re-decided (no partitioner, no CSE). Inductor's lowering and
+scheduler may still move computation; `pin_to_graph_order` keeps a value at its
+place when inlining it into a consumer past a matmul would cost memory, and
+`KeepRematChoices` and `INDUCTOR_OPTIONS` turn off the fusions and reorderings
+that measurably undid the plan (horizontal fusion, locality and peak-memory
+reordering). `tests/test_compiled.py` checks the measured peak against the
+uncompiled graph's for every activation-checkpointing mode.
 
 Numerics: Inductor fuses pointwise ops and reorders reductions, so a compiled
 step is NOT bitwise equal to eager (measured: ~1e-6 relative on the loss). It is
@@ -103,8 +104,100 @@ class KeepRematChoices(InductorChoices):
         return not (_new_escaping_buffers(node1, node2) and _new_escaping_buffers(node2, node1))
 
     def uuid(self) -> str:
-        """Its identity in Inductor's FX-graph cache key (bump when the heuristics above change)."""
-        return "graph_trainer.KeepRematChoices.v2"
+        """Its identity in Inductor's FX-graph cache key.
+
+        Bump it when these heuristics or `pin_to_graph_order`'s rule change: node meta is not part of
+        the key, so a changed rule would otherwise load a step compiled under the old one.
+        """
+        return "graph_trainer.KeepRematChoices.v4"
+
+
+# Inductor's lowering sets this node meta key itself (fx_passes/decompose_mem_bound_mm.py) to make a
+# value a buffer of its own; graph.py's run_node realizes any node that carries it.
+REALIZE_META_KEY = "inductor_realize_to_strides"
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """Inductor lowers these to views of their input: no computation of their own, nothing to place."""
+    target = node.target
+    return target is torch.ops.aten._unsafe_view.default or bool(getattr(target, "is_view", False))
+
+
+def _is_extern_call(node: torch.fx.Node) -> bool:
+    """Ops Inductor runs as library calls with materialized inputs (mm, SDPA, fallbacks), never inlined."""
+    from torch._inductor.lowering import lowerings, needs_realized_inputs
+
+    return node.op == "call_function" and (node.target in needs_realized_inputs or node.target not in lowerings)
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def pin_to_graph_order(gm: torch.fx.GraphModule) -> int:
+    """Make Inductor compute a value at its own place when computing it later, past a library call, costs memory.
+
+    Inductor's lowering inlines a pointwise value into the expression of its
+    consumer unless something forces it into a buffer (several users, a library
+    call reading it): the value is then computed where the consumer runs. When
+    a matmul or another library call lies between the two in the graph's order,
+    the inputs the value was the last to read stay alive across that call
+    instead of the value itself. Measured on the debug model with selective AC:
+    SwiGLU's backward `grad_h * w3x` (a pointwise node right after the `grad_h`
+    matmul) was inlined into `silu_backward`, after the two `w3` gradient
+    matmuls, so `grad_h` and `w3x` (6 MiB each) stayed alive across them in
+    place of the 6 MiB product: peak 1.02x the uncompiled graph.
+
+    A value is marked with `REALIZE_META_KEY` (so it is a buffer made at its
+    place in the graph's order, the memory plan's order) only where inlining
+    would cost memory: its consumer lies past a library call, and the bytes of
+    the intermediate inputs whose lifetime that would extend exceed its own.
+    Elsewhere inlining stays, as it often saves memory (AC none on the debug
+    model: every such value pinned, the compiled peak rose from 0.92x to 0.99x
+    the uncompiled one). Preserves the graph, its numerics and every other
+    node's meta; the scheduler may still fuse a marked value with its consumer
+    (producer-consumer fusion), and the fused kernel runs at the value's place.
+    Returns the number of marked nodes.
+    """
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    externs_before = [0]  # externs_before[i]: library calls among nodes[:i]
+    for n in nodes:
+        externs_before.append(externs_before[-1] + _is_extern_call(n))
+
+    def consumers(n: torch.fx.Node) -> list[torch.fx.Node]:
+        """Non-view users of `n`, seen through chains of views."""
+        out = []
+        for user in n.users:
+            out += consumers(user) if user.op == "call_function" and _is_view(user) else [user]
+        return out
+
+    def base(n: torch.fx.Node) -> torch.fx.Node:
+        """The node whose buffer `n` views."""
+        while n.op == "call_function" and _is_view(n) and isinstance(n.args[0], torch.fx.Node):
+            n = n.args[0]
+        return n
+
+    marked = 0
+    for n in nodes:
+        if n.op != "call_function" or _is_view(n) or _is_extern_call(n) or not _nbytes(n):
+            continue
+        uses = [position[c] for c in consumers(n)]
+        last_use = max(uses, default=position[n])
+        if externs_before[last_use] == externs_before[position[n] + 1]:
+            continue  # no library call in between: inlining moves nothing past one
+        extended = 0
+        for arg in {base(a) for a in n.all_input_nodes}:
+            if arg.op == "placeholder":
+                continue  # graph inputs live through the whole step either way
+            other_uses = [position[c] for c in consumers(arg) if c is not n]
+            if max(other_uses, default=-1) < last_use:
+                extended += _nbytes(arg)
+        if extended > _nbytes(n):
+            n.meta[REALIZE_META_KEY] = True
+            marked += 1
+    return marked
 
 
 # Inductor options for the whole-step graph: keep the graph's order, which is the memory plan.
@@ -221,6 +314,7 @@ def compile_step_graph(gm: torch.fx.GraphModule, *, static_input_idxs: Sequence[
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
     fake_inputs = _fake_inputs(gm, mode)
     functional = functionalize_for_inductor(gm, fake_inputs, mode)
+    pin_to_graph_order(functional)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
         stack.enter_context(inductor_config.patch({**INDUCTOR_OPTIONS, **(options or {})}))
