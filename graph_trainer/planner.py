@@ -28,6 +28,8 @@ from graph_trainer.builder import (adamw_implementation_for, autocast_loss, buil
                                    optimizer_in_graph, shard_model)
 from graph_trainer.config import JobConfig
 from graph_trainer.device import compute_dtype, resolve_device, resolve_dtype
+from graph_trainer.eager import EagerStep
+from graph_trainer.eager_checkpoint import apply_eager_checkpointing
 from graph_trainer.errors import UserError
 from graph_trainer.fsdp import FSDP, ShardGroup, check_gathered
 from graph_trainer.log import quiet
@@ -140,10 +142,8 @@ def eager_step_peak(cfg: JobConfig, device: torch.device) -> EagerStepPeak:
     CPU peak (checked against a real run in tests/test_planner.py) at the cost of
     a trace, with nothing allocated. The AdamW update is left out (torch's update
     cannot run on fake tensors); its state and scratch are the same in both modes.
+    It is one process's step: `parallelism` (FSDP's gathers) is not modelled.
     """
-    from graph_trainer.eager import EagerStep
-    from graph_trainer.eager_checkpoint import apply_eager_checkpointing
-
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
     loss_fn = autocast_loss(resolve_dtype(cfg.training.dtype, device), device, cfg.training.loss_chunk_size)
     model = meta_model(cfg)
