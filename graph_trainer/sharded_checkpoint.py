@@ -141,8 +141,8 @@ class ShardedCheckpointManager(CheckpointManager):
         self._barrier()  # every rank's files are written and fsynced
         if self.rank == 0:
             fsync_dir(temp)
-            if path.exists():  # a step saved again (cannot happen in one run; be safe, not stuck)
-                remove_path(path)
+            if path.exists() and self._ours(path):  # a step saved again (cannot happen in one run; be safe)
+                remove_path(path)  # one we did not write stays, and the rename below fails loudly instead
             os.replace(temp, path)
             fsync_dir(self.folder)
             self._prune()
