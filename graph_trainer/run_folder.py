@@ -33,6 +33,12 @@ _SCHEMA = 1
 _CKPT_RE = re.compile(r"^step-\d{8,}\.(pt|dcp)$")
 
 
+def _is_checkpoint_folder_name(name: str) -> bool:
+    """A sharded checkpoint's folder (`step-*.dcp`), or its temp folder: the only folders a run records."""
+    return name.endswith(".dcp") and bool(_CKPT_RE.match(name)) or (
+        name.startswith(".step-") and name.endswith(f".dcp{TEMP_SUFFIX}"))
+
+
 def _is_within(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
@@ -116,12 +122,15 @@ class Manifest:
                    location if isinstance(location, str) else None)
 
     def owns(self, path: Path) -> bool:
-        """Whether `path` is a recorded file or folder, the temp file of one (left by a kill), or lies below
-        such a folder (a sharded checkpoint is recorded as its folder, before any rank writes into it)."""
+        """Whether `path` is a recorded file or checkpoint folder, the temp file of one (left by a kill), or
+        lies below a recorded checkpoint folder (a sharded checkpoint is recorded as its `step-*.dcp` folder,
+        before any rank writes into it). Only such a folder owns what lies below it: an edited manifest
+        naming any other folder (say the dump folder's `tb/`) owns nothing under it."""
         path = Path(os.path.normpath(Path(path).absolute()))
         if path == self.path.absolute():
             return True
-        return any(self._owns_entry(p) for p in (path, *path.parents) if p != p.parent)
+        return self._owns_entry(path) or any(_is_checkpoint_folder_name(p.name) and self._owns_entry(p)
+                                             for p in path.parents if p != p.parent)
 
     def _owns_entry(self, path: Path) -> bool:
         if not self._trusted(path):
@@ -158,8 +167,12 @@ class Manifest:
         atomic_write_text(self.path, json.dumps(data, indent=1) + "\n")
 
     def existing(self) -> list[Path]:
-        """The recorded files that exist and are trusted as ours (see the class doc)."""
-        return [p for p in map(self._resolve, sorted(self.files)) if p.exists() and self._trusted(p)]
+        """The recorded files (and checkpoint folders) that exist and are trusted as ours (see the class doc).
+
+        A recorded folder that is not a checkpoint folder is never ours to delete (an edited manifest).
+        """
+        return [p for p in map(self._resolve, sorted(self.files)) if p.exists() and self._trusted(p)
+                and (not p.is_dir() or _is_checkpoint_folder_name(p.name))]
 
     def untrusted(self) -> list[Path]:
         """Recorded files outside the dump folder that are not trusted as ours: kept by `remove_run`."""

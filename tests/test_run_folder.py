@@ -184,3 +184,23 @@ def test_a_copied_or_edited_manifest_deletes_nothing_outside_its_recorded_checkp
     remove_run(edited)
     assert_survive(decoys)
     assert not (outside / "step-00000001.pt").exists()  # the one file the run did write there is removed
+
+
+def test_an_edited_manifest_naming_a_folder_deletes_nothing_below_it(tmp_path):
+    """Only a recorded checkpoint folder (step-*.dcp) owns what lies below it; a manifest edited to name
+    another folder of the dump folder (or the dump folder itself) must not make overwrite delete its files."""
+    run = tmp_path / "run"
+    run.mkdir()
+    manifest = Manifest(run / MANIFEST_FILE)
+    manifest.save()
+    manifest.record(run / "checkpoint" / "step-00000001.dcp")
+    ours = plant(run / "checkpoint" / "step-00000001.dcp" / "__0_0.distcp")
+    decoys = plant(run / "tb" / "events.user", run / "notes.txt")
+    data = json.loads((run / MANIFEST_FILE).read_text())
+    data["files"] += ["tb", "."]
+    (run / MANIFEST_FILE).write_text(json.dumps(data))
+    edited = Manifest.read(run)
+    assert all(edited.owns(p) for p in ours) and not any(edited.owns(p) for p in decoys)
+    remove_run(edited)
+    assert_survive(decoys)
+    assert not (run / "checkpoint" / "step-00000001.dcp").exists()
