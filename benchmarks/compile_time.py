@@ -1,12 +1,13 @@
 """Inductor compile time of the traced step against depth, cold (empty cache) and warm (restarted run).
 
-    python benchmarks/compile_time.py [--layers 2 8 32] [--optimizer true]
+    python benchmarks/compile_time.py [--layers 2 8 32] [--optimizer true] [--regional true false]
 
 Each measurement is a fresh process (a restarted run) that builds the debug-dims model with the
 given depth (batch 2 x 128), traces the step and compiles it with `compile.backend = inductor`;
 `compile/inductor_time_s` of the first step is reported. "cold" uses an empty Inductor cache
 directory (`TORCHINDUCTOR_CACHE_DIR`), "warm" the same directory again: the FX graph cache then
-serves the compiled step.
+serves the compiled step. Each depth is measured with `compile.regional = true` (each distinct
+layer region compiled once) and `false` (the whole step as one graph).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPE = ["--training.local_batch_size", "2", "--training.seq_len", "128"]
 
 
-def worker(layers: int, optimizer: str) -> None:
+def worker(layers: int, optimizer: str, regional: str) -> None:
     from benchmarks.common import make_trainer, next_batch
 
     trainer = make_trainer("llama3_debug", *SHAPE, "--model.n_layers", str(layers), "--compile.backend", "inductor",
-                           "--compile.trace_optimizer", optimizer)
+                           "--compile.trace_optimizer", optimizer, "--compile.regional", regional)
     trainer.log = lambda message: None
     record = trainer.train_step(next_batch(trainer))
     print("COMPILE_TIME " + json.dumps({"inductor_time_s": record["inductor_time_s"],
@@ -36,9 +37,10 @@ def worker(layers: int, optimizer: str) -> None:
                                         "nodes": len(trainer.step_fn.traced.gm.graph.nodes)}), flush=True)
 
 
-def measure(layers: int, optimizer: str, cache_dir: str) -> dict:
+def measure(layers: int, optimizer: str, regional: str, cache_dir: str) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(layers), "--optimizer", optimizer],
+    proc = subprocess.run([sys.executable, __file__, "--worker", str(layers), "--optimizer", optimizer,
+                           "--regional", regional],
                           capture_output=True, text=True, env=env, timeout=3600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("COMPILE_TIME ")]
     if proc.returncode != 0 or not lines:
@@ -50,18 +52,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", nargs="+", type=int, default=[2, 8, 32])
     parser.add_argument("--optimizer", default="true", choices=("true", "false"))
+    parser.add_argument("--regional", nargs="+", default=["true", "false"], choices=("true", "false"))
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.optimizer)
+        worker(args.worker, args.optimizer, args.regional[0])
         return
-    print("| layers | graph nodes | trace s | inductor cold s | inductor warm s | cold s / layer |\n|---|---|---|---|---|---|")
-    for layers in args.layers:
-        with tempfile.TemporaryDirectory(prefix="gt_inductor_cache_") as cache:
-            cold = measure(layers, args.optimizer, cache)
-            warm = measure(layers, args.optimizer, cache)
-        print(f"| {layers} | {cold['nodes']:,} | {cold['trace_time_s']:.1f} | {cold['inductor_time_s']:.1f} | "
-              f"{warm['inductor_time_s']:.1f} | {cold['inductor_time_s'] / layers:.1f} |", flush=True)
+    print("| regional | layers | graph nodes | trace s | inductor cold s | inductor warm s | cold s / layer |\n"
+          "|---|---|---|---|---|---|---|")
+    for regional in args.regional:
+        for layers in args.layers:
+            with tempfile.TemporaryDirectory(prefix="gt_inductor_cache_") as cache:
+                cold = measure(layers, args.optimizer, regional, cache)
+                warm = measure(layers, args.optimizer, regional, cache)
+            print(f"| {regional} | {layers} | {cold['nodes']:,} | {cold['trace_time_s']:.1f} | "
+                  f"{cold['inductor_time_s']:.1f} | {warm['inductor_time_s']:.1f} | "
+                  f"{cold['inductor_time_s'] / layers:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ Modes (each with activation checkpointing none and selective):
   eager+compile(block)         torch.compile on each transformer block (the torchtitan way)
   eager+compile(model)         torch.compile on the whole model
   trace / trace+opt            the traced step run op by op, optimizer outside / inside the graph
-  trace+inductor[+opt]         the traced step compiled by Inductor (compile.backend = inductor)
+  trace+inductor[+opt]         the traced step compiled by Inductor (compile.backend = inductor), region by region
+  trace+inductor(whole)[+opt]  ... compiled as one graph (compile.regional = false)
   trace+inductor+cudagraphs[+opt]   ... replayed as one CUDA graph (CUDA only; skipped elsewhere)
 
 Each mode runs in its own process (GPU memory does not hold several 1B trainers, and compile
@@ -43,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from graph_trainer.units import GIB  # noqa: E402
 
 MODES = ("eager", "eager+compile(block)", "eager+compile(model)", "trace", "trace+opt", "trace+inductor",
-         "trace+inductor+opt", "trace+inductor+cudagraphs", "trace+inductor+cudagraphs+opt")
+         "trace+inductor+opt", "trace+inductor(whole)", "trace+inductor(whole)+opt", "trace+inductor+cudagraphs",
+         "trace+inductor+cudagraphs+opt")
 
 
 def mode_overrides(mode: str) -> list[str]:
@@ -55,6 +57,8 @@ def mode_overrides(mode: str) -> list[str]:
         out += ["--compile.backend", "inductor"]
     if "cudagraphs" in mode:
         out += ["--compile.cudagraphs", "true"]
+    if "cudagraphs" in mode or "whole" in mode:
+        out += ["--compile.regional", "false"]
     return out
 
 

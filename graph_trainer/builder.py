@@ -121,7 +121,8 @@ def build_step(cfg: JobConfig, model: nn.Module, optimizer: torch.optim.AdamW, d
     """
     from graph_trainer.tracer.compiled import check_compile_config
 
-    check_compile_config(cfg.compile.backend, cfg.compile.cudagraphs, cfg.compile.mode, device)
+    check_compile_config(cfg.compile.backend, cfg.compile.cudagraphs, cfg.compile.mode, device,
+                         regional=cfg.compile.regional)
     norm_reduce = None
     if fsdp is not None:
         loss_fn, norm_reduce = fsdp.wrap_loss(loss_fn), fsdp.norm_reduce
@@ -142,7 +143,7 @@ def build_step(cfg: JobConfig, model: nn.Module, optimizer: torch.optim.AdamW, d
     if cfg.compile.backend == "inductor":
         from graph_trainer.tracer.compiled import InductorStage
 
-        stage = InductorStage(cudagraphs=cfg.compile.cudagraphs)
+        stage = InductorStage(cudagraphs=cfg.compile.cudagraphs, regional=cfg.compile.regional)
         transform = lambda traced: stage(pipeline(traced))  # noqa: E731 (the pipeline, then the compile stage)
     in_graph = optimizer_in_graph(cfg)
     step = GraphStep(model, loss_fn=loss_fn, max_norm=cfg.training.max_norm,

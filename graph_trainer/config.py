@@ -131,7 +131,11 @@ class CompileConfig:
     log_saved_activations: bool = _opt(False, "log which activations the step graph keeps for backward")
     backend: str = _opt("none", "none = run the traced graph op by op (bitwise with eager); inductor = compile "
                         "the final graph with Inductor (faster, not bitwise)", choices=("none", "inductor"))
-    cudagraphs: bool = _opt(False, "CUDA only, with backend inductor: replay the whole step as one CUDA graph")
+    cudagraphs: bool = _opt(False, "CUDA only, with backend inductor and regional = false: replay the whole step "
+                            "as one CUDA graph")
+    regional: bool = _opt(True, "with backend inductor: compile each layer's forward, backward and update once and "
+                          "reuse it for identical layers (compile time independent of depth); false = the whole step "
+                          "as one graph")
 
 
 @dataclass

@@ -22,8 +22,9 @@ from graph_trainer.cli import load_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.memory import LiveTensorTracker
 from graph_trainer.trainer import Trainer
-from graph_trainer.tracer.compiled import (REALIZE_META_KEY, check_compile_config, compile_step_graph,
-                                           functionalize_for_inductor, pin_to_graph_order, static_input_indices)
+from graph_trainer.tracer.compiled import (REALIZE_META_KEY, check_compile_config, compile_regions,
+                                           compile_step_graph, functionalize_for_inductor, pin_to_graph_order,
+                                           static_input_indices)
 
 TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.deterministic", "true",
@@ -52,6 +53,8 @@ def test_cudagraphs_refused_off_cuda_with_the_fix():
     with pytest.raises(ConfigError, match="set compile.mode = 'trace'"):
         check_compile_config("inductor", False, "eager", torch.device("cpu"))
     check_compile_config("inductor", True, "trace", torch.device("cuda"))  # allowed where CUDA exists
+    with pytest.raises(ConfigError, match="set compile.regional = false"):
+        check_compile_config("inductor", True, "trace", torch.device("cuda"), regional=True)
 
 
 def test_trainer_refuses_cudagraphs_on_cpu(tmp_path):
@@ -59,16 +62,21 @@ def test_trainer_refuses_cudagraphs_on_cpu(tmp_path):
         trainer(tmp_path, "--compile.backend", "inductor", "--compile.cudagraphs", "true")
 
 
-@pytest.fixture(scope="module")
-def traced_and_compiled():
-    """One traced tiny step (optimizer in the graph) and its Inductor compile, shared by the unit tests."""
+@pytest.fixture(scope="module", params=["whole", "regional"])
+def traced_and_compiled(request):
+    """One traced tiny step (optimizer in the graph) and its Inductor compile, as one graph and region by
+    region, shared by the unit tests."""
     import tempfile
 
     t = trainer(Path(tempfile.mkdtemp(prefix="gt_compiled_")), "--compile.trace_optimizer", "true")
     batch = {k: v for k, v in next(iter(t.dataloader)).items()}
     traced = t.step_fn.ensure_traced(batch)
     inputs = t.step_fn.flat_inputs(batch)
-    compiled = compile_step_graph(traced.gm, static_input_idxs=static_input_indices(traced.layout))
+    if request.param == "whole":
+        compiled = compile_step_graph(traced.gm, static_input_idxs=static_input_indices(traced.layout))
+    else:
+        compiled = compile_regions(traced.gm)
+        assert compiled.distinct_regions < compiled.regions  # the two layers share their compiled regions
     yield traced, inputs, compiled
     torch.use_deterministic_algorithms(False)
 
@@ -141,13 +149,14 @@ SCALAR_SLACK_BYTES = 64
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("regional", ["true", "false"], ids=["regional", "whole"])
 @pytest.mark.parametrize("ac", [["none"], ["selective"], ["full"], ["budget", "--activation_checkpoint.memory_budget",
                                                                      "0.8"]], ids=lambda a: a[0])
-def test_compiled_peak_is_no_higher_than_the_traced_step(tmp_path, ac):
+def test_compiled_peak_is_no_higher_than_the_traced_step(tmp_path, ac, regional):
     """The memory plan survives compilation; the CPU tracker sees Inductor's buffers (they are routed
     through the dispatcher), so the compiled figure is measured the same way as the traced one."""
     mode = ["--activation_checkpoint.mode", *ac, "--compile.trace_optimizer", "true",
-            "--model.dim", "128", "--training.seq_len", "64"]
+            "--model.dim", "128", "--training.seq_len", "64", "--compile.regional", regional]
     peaks = {}
     for backend in ("none", "inductor"):
         t = trainer(tmp_path / backend, *mode, "--compile.backend", backend)
@@ -210,8 +219,9 @@ def test_compiled_peak_keeps_a_product_before_the_next_matmul():
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("regional", ["true", "false"], ids=["regional", "whole"])
 @pytest.mark.parametrize("ac", ["selective", "full"])
-def test_debug_model_compiled_peak_is_no_higher_than_the_traced_step(tmp_path, ac):
+def test_debug_model_compiled_peak_is_no_higher_than_the_traced_step(tmp_path, ac, regional):
     """The debug model (6 layers, dim 256, ffn 768) at batch 4 x 512, where the compiled step once kept two
     6 MiB matmul outputs alive across the w3 gradient matmuls of the last layer's SwiGLU backward
     (selective: 1.02x, full: 1.03x the uncompiled peak; with 2 layers the peak lies elsewhere)."""
@@ -220,8 +230,55 @@ def test_debug_model_compiled_peak_is_no_higher_than_the_traced_step(tmp_path, a
         cfg, _ = load_config(["--config", "llama3_debug", "--training.local_batch_size", "4",
                               "--activation_checkpoint.mode", ac, "--training.steps", "2",
                               "--metrics.enable_tensorboard", "false", "--compile.backend", backend,
-                              "--job.dump_folder", str(tmp_path / backend)])
+                              "--compile.regional", regional, "--job.dump_folder", str(tmp_path / backend)])
         t = Trainer(cfg)
         data = iter(t.dataloader)
         peaks[backend] = [t.train_step(dict(next(data))) for _ in range(2)][-1]["peak_active_bytes"]
     assert peaks["inductor"] <= peaks["none"] + SCALAR_SLACK_BYTES, peaks
+
+
+def _product_of_inputs(a, b, x, w2t):
+    """`_swiglu_backward_shape` as a region sees it: the product's inputs come from an earlier region."""
+    prod = a * b
+    other = x @ w2t
+    return [prod.sum(1), other]
+
+
+def _product_graph():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = [torch.randn(512, 512), torch.randn(512, 512), torch.randn(512, 64), torch.randn(64, 2048)]
+    gm = make_fx(_product_of_inputs, tracing_mode="fake")(*inputs)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return functionalize_for_inductor(gm, [mode.from_tensor(x) for x in inputs], mode), inputs
+
+
+def test_inputs_that_die_in_the_graph_are_pinned_like_values_and_held_ones_are_not():
+    """Inlining `a * b` past the matmul keeps a and b alive across it only if they could have died."""
+    functional, _ = _product_graph()
+    assert pin_to_graph_order(functional) == 0  # the caller holds a and b anyway
+    functional, _ = _product_graph()
+    assert pin_to_graph_order(functional, dying_inputs=(0, 1)) == 1
+
+
+def test_graphs_pinned_differently_do_not_share_a_compile_cache_entry(tmp_path, monkeypatch):
+    """Node meta is not in Inductor's cache key; the pin pass's uuid is. The same code compiled with other
+    dying inputs must compile anew, not load code whose pins were decided for the first."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+    from torch._inductor.codecache import FxGraphCache
+
+    from graph_trainer.tracer.compiled import _functional, _inductor
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
+    FxGraphCache.clear()
+    hits = []
+    for dying in [(), (0, 1), (0, 1)]:
+        gm = torch.fx.GraphModule(torch.nn.Module(), _product_graph()[0].graph)
+        functional, fakes, mode = _functional(gm)
+        before = counters["inductor"]["fxgraph_cache_hit"]
+        _inductor(functional, fakes, mode, static_input_idxs=(), cudagraphs=False, options=None, dying_inputs=dying)
+        hits.append(counters["inductor"]["fxgraph_cache_hit"] - before)
+    assert hits == [0, 0, 1]

@@ -425,3 +425,15 @@ def test_a_storage_whose_last_reference_another_thread_drops_is_counted_as_freed
     assert tracker.current_bytes == 400 and tracker.peak_bytes == 4400
     del kept  # freed on this thread: not late
     assert tracker.late_free_bytes == 4000 and tracker.current_bytes == 0
+
+
+def test_clipped_gradients_are_counted_as_gradients():
+    """Clipping scales the gradients in place (an optimizer-phase `mul_`), so the graph returns that op's
+    result; the storage is still the backward's gradient and must not be counted as an activation."""
+    from graph_trainer.tracer import trace_step
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    traced = trace_step(model, {"x": torch.randn(8, 16)}, loss_fn=lambda m, b: m(b["x"]).square().mean(),
+                        max_norm=1.0)
+    est = estimate_peak_memory(traced.gm)
+    assert est.final_bytes_by_category["gradient"] == sum(p.nbytes for p in model.parameters())

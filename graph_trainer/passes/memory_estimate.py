@@ -213,8 +213,9 @@ def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
             st.dies = max(st.dies, node_dies[n])
             st.last_op_use = max(st.last_op_use, last_use)
             if n in outputs and st.born >= 0:
-                # A gradient is often a view (t, view) of a storage an earlier node made.
-                if node_meta.is_backward(n):
+                # A gradient is often a view (t, view) of a storage an earlier node made, and a
+                # clipped one the in-place result (an optimizer-phase `mul_`) of the backward's storage.
+                if node_meta.is_backward(n) or node_meta.is_backward(st.producer):
                     st.category = GRADIENT
                 elif st.category == ACTIVATION:
                     st.category = OUTPUT
@@ -240,7 +241,7 @@ def estimate_peak_memory(
 
     `input_categories`: one label per placeholder in graph order (e.g. "parameter",
     "buffer", "optimizer_state", "batch"); default "input". Other storages are
-    "constant" (get_attr), "gradient" (returned by a backward node), "output"
+    "constant" (get_attr), "gradient" (returned, made by a backward node), "output"
     (other returned values, e.g. the loss) or "activation" (everything else).
     """
     nodes, storages = _analyze(gm, input_categories)

@@ -64,7 +64,12 @@ class TraceError(UserError):
 
 
 class GraphOptimizer(Protocol):
-    """An optimizer whose update can be traced into the step graph (see `GraphAdamW`)."""
+    """An optimizer whose update can be traced into the step graph (see `GraphAdamW`).
+
+    `state_tensors()` and `host_scalars()` hold the same number of tensors for each
+    parameter, in `params` order: that is how the tracer tags each update op with
+    its parameter's module and layer.
+    """
 
     params: list[torch.Tensor]
 
@@ -480,10 +485,52 @@ def trace_step(
     trace_time = time.perf_counter() - start
 
     _copy_forward_annotations(gm.graph)
+    _tag_optimizer_ops(gm.graph, layout, annotator)
     _mark_random_ops(gm.graph)
     gm.recompile()
     return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch),
                       trace_time_s=trace_time)
+
+
+def _tag_optimizer_ops(graph: torch.fx.Graph, layout: InputLayout, annotator: _ModuleAnnotator) -> None:
+    """Give each optimizer-phase op the module FQN and layer of the one parameter it works for.
+
+    An op works for trainable parameter i when everything it reads of the step
+    comes from parameter i: the parameter, its gradient, its share of the
+    optimizer state and host scalars, or ops already working for i. Ops that mix
+    parameters (the global gradient norm, the clip factor) stay untagged. With
+    the tags, every layer's update is a run of its own, as its forward and backward are.
+    """
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    n_params, n_buffers, n_batch, n_state, n_scalars = layout.sizes
+    trained = [layout.param_names.index(name) for name in layout.grad_names]
+    owner: dict[torch.fx.Node, int | None] = {}
+    for i, index in enumerate(trained):
+        owner[placeholders[index]] = i
+    start = n_params + n_buffers + n_batch
+    for count, first in ((n_state, start), (n_scalars, start + n_state)):
+        if trained and count % len(trained) == 0:
+            per_param = count // len(trained)
+            for k in range(count):
+                owner[placeholders[first + k]] = k // per_param
+    for i, grad in enumerate(graph.output_node().args[0][2:]):
+        # The graph returns the clipped gradient, the result of an in-place op on the one autograd made.
+        while isinstance(grad, torch.fx.Node):
+            owner[grad] = i
+            grad = node_meta.written_input(grad)
+    for node in graph.nodes:
+        if node.op != "call_function" or node_meta.phase(node) != node_meta.OPTIMIZER:
+            continue
+        read = {owner.get(arg) for arg in node.all_input_nodes} - {None}
+        if len(read) != 1:
+            continue
+        owner[node] = i = read.pop()
+        fqn = layout.grad_names[i].rpartition(".")[0]
+        tags = {**node.meta.get(node_meta.CUSTOM, {}), node_meta.MODULE_FQN: fqn}
+        layer = annotator._layer_of(fqn)
+        if layer is not None:
+            tags[node_meta.LAYER_ID] = layer
+        node.meta[node_meta.CUSTOM] = tags
 
 
 def _trace_error(exc: Exception, failure: dict, failure_dir: Path | None) -> TraceError:

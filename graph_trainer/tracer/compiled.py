@@ -45,12 +45,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.fx
 from torch._inductor import ir
 from torch._inductor.choices import InductorChoices
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -59,6 +60,7 @@ from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.log import get_logger
 from graph_trainer.tracer.capture import InputLayout
 from graph_trainer.tracer.executor import Transformed
+from graph_trainer.tracer.regions import RegionalStep, dedup_key, split_into_regions
 
 logger = get_logger(__name__)
 
@@ -106,8 +108,7 @@ class KeepRematChoices(InductorChoices):
     def uuid(self) -> str:
         """Its identity in Inductor's FX-graph cache key.
 
-        Bump it when these heuristics or `pin_to_graph_order`'s rule change: node meta is not part of
-        the key, so a changed rule would otherwise load a step compiled under the old one.
+        Bump it when these heuristics change, or a step compiled under the old ones would be loaded.
         """
         return "graph_trainer.KeepRematChoices.v4"
 
@@ -135,7 +136,7 @@ def _nbytes(node: torch.fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def pin_to_graph_order(gm: torch.fx.GraphModule) -> int:
+def pin_to_graph_order(gm: torch.fx.GraphModule, dying_inputs: Collection[int] = ()) -> int:
     """Make Inductor compute a value at its own place when computing it later, past a library call, costs memory.
 
     Inductor's lowering inlines a pointwise value into the expression of its
@@ -159,8 +160,14 @@ def pin_to_graph_order(gm: torch.fx.GraphModule) -> int:
     node's meta; the scheduler may still fuse a marked value with its consumer
     (producer-consumer fusion), and the fused kernel runs at the value's place.
     Returns the number of marked nodes.
+
+    Graph inputs live through the graph (the caller holds them), except those at
+    the positions in `dying_inputs`: a region of the step gets the values it reads
+    last with no other reference, and frees them at their last use like any value.
     """
     nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    held = {n for i, n in enumerate(placeholders) if i not in set(dying_inputs)}
     position = {n: i for i, n in enumerate(nodes)}
     externs_before = [0]  # externs_before[i]: library calls among nodes[:i]
     for n in nodes:
@@ -189,8 +196,8 @@ def pin_to_graph_order(gm: torch.fx.GraphModule) -> int:
             continue  # no library call in between: inlining moves nothing past one
         extended = 0
         for arg in {base(a) for a in n.all_input_nodes}:
-            if arg.op == "placeholder":
-                continue  # graph inputs live through the whole step either way
+            if arg in held:
+                continue  # it lives through the graph either way
             other_uses = [position[c] for c in consumers(arg) if c is not n]
             if max(other_uses, default=-1) < last_use:
                 extended += _nbytes(arg)
@@ -198,6 +205,25 @@ def pin_to_graph_order(gm: torch.fx.GraphModule) -> int:
             n.meta[REALIZE_META_KEY] = True
             marked += 1
     return marked
+
+
+class PinToGraphOrder(CustomGraphPass):
+    """`pin_to_graph_order` as Inductor's first post-grad pass.
+
+    Node meta is not part of Inductor's FX graph cache key, but a custom pass's
+    `uuid()` is: two regions with the same code whose inputs die at different
+    places get different pins, and must not load each other's compiled code.
+    """
+
+    def __init__(self, dying_inputs: Collection[int] = ()):
+        self.dying_inputs = tuple(sorted(dying_inputs))
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        pin_to_graph_order(graph.owning_module, self.dying_inputs)
+
+    def uuid(self) -> Any:
+        """Bump the version when `pin_to_graph_order`'s rule changes."""
+        return "graph_trainer.pin_to_graph_order.v1", self.dying_inputs
 
 
 # Inductor options for the whole-step graph: keep the graph's order, which is the memory plan.
@@ -216,12 +242,13 @@ INDUCTOR_OPTIONS: dict[str, Any] = {
 }
 
 
-def check_compile_config(backend: str, cudagraphs: bool, mode: str, device: torch.device) -> None:
+def check_compile_config(backend: str, cudagraphs: bool, mode: str, device: torch.device, *,
+                         regional: bool = False) -> None:
     """Refuse combinations that cannot run, naming the fix.
 
     Raises:
         ConfigError: an unknown backend, a compile backend with the eager step,
-            or CUDA graphs without inductor or off CUDA.
+            or CUDA graphs without inductor, off CUDA or with a regional compile.
     """
     if backend not in BACKENDS:
         raise ConfigError(f"compile.backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")
@@ -233,6 +260,10 @@ def check_compile_config(backend: str, cudagraphs: bool, mode: str, device: torc
     if cudagraphs and device.type != "cuda":
         raise ConfigError(f"compile.cudagraphs = true needs a CUDA device, but the job runs on {device.type}; "
                           "set compile.cudagraphs = false")
+    if cudagraphs and regional:
+        # One CUDA graph per region would re-record for each layer's own parameter addresses.
+        raise ConfigError("compile.cudagraphs = true replays the whole step as one CUDA graph, but compile.regional "
+                          "= true cuts it into regions; set compile.regional = false")
 
 
 @dataclasses.dataclass
@@ -242,6 +273,8 @@ class CompiledStep:
     fn: Callable[[list[torch.Tensor]], Any]
     compile_time_s: float
     cudagraphs: bool
+    regions: int  # graphs the step was cut into (1: the whole step)
+    distinct_regions: int  # of which Inductor compiled this many (identical regions share one)
 
     def __call__(self, flat_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.cudagraphs:
@@ -292,32 +325,20 @@ def _route_cpu_allocations_through_dispatch(compiled: Any) -> None:
         module_globals["empty_strided_cpu"] = _dispatching_empty_strided
 
 
-def compile_step_graph(gm: torch.fx.GraphModule, *, static_input_idxs: Sequence[int] = (),
-                       cudagraphs: bool = False, options: dict[str, Any] | None = None) -> CompiledStep:
-    """Compile the step graph `gm` (flat tensor inputs, flat list output) with Inductor.
-
-    Args:
-        gm: the final graph (after the pass pipeline); it is not modified.
-        static_input_idxs: graph inputs that keep their address from step to step
-            (parameters, buffers, optimizer state): CUDA graphs read and update them
-            in place instead of copying them into the graph's own buffers.
-        cudagraphs: replay the step as a CUDA graph (CUDA only).
-        options: Inductor config overrides on top of `INDUCTOR_OPTIONS`.
-    """
+def _inductor(functional: torch.fx.GraphModule, fake_inputs: list[torch.Tensor], mode: FakeTensorMode, *,
+              static_input_idxs: Sequence[int], cudagraphs: bool, options: dict[str, Any] | None,
+              dying_inputs: Collection[int] = ()) -> Callable:
+    """`compile_fx_inner` on a functional graph, under the options that keep the graph's order
+    (`dying_inputs`: see `pin_to_graph_order`)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.utils import BoxedBool
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    start = time.perf_counter()
-    # A shape env in the tracing context is what lets Inductor's FX graph cache key the graph.
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
-    fake_inputs = _fake_inputs(gm, mode)
-    functional = functionalize_for_inductor(gm, fake_inputs, mode)
-    pin_to_graph_order(functional)
+    pin = PinToGraphOrder(dying_inputs)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        stack.enter_context(inductor_config.patch({**INDUCTOR_OPTIONS, **(options or {})}))
+        stack.enter_context(inductor_config.patch({**INDUCTOR_OPTIONS, "post_grad_custom_pre_pass": pin,
+                                                   **(options or {})}))
         stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(mode)))
         stack.enter_context(V.set_choices_handler(inductor_config.inductor_choices_class()))
         use_cudagraphs = BoxedBool(cudagraphs)
@@ -330,7 +351,61 @@ def compile_step_graph(gm: torch.fx.GraphModule, *, static_input_idxs: Sequence[
                         "graph (run with TORCH_LOGS=cudagraphs for the reason, e.g. a CPU tensor the step "
                         "updates); set compile.cudagraphs = false")
     _route_cpu_allocations_through_dispatch(compiled)
-    return CompiledStep(fn=compiled, compile_time_s=time.perf_counter() - start, cudagraphs=cudagraphs)
+    return compiled
+
+
+def _functional(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[torch.Tensor], FakeTensorMode]:
+    """`gm` made functional for Inductor, with the fake inputs and the fake mode it was traced under."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # A shape env in the tracing context is what lets Inductor's FX graph cache key the graph.
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    fake_inputs = _fake_inputs(gm, mode)
+    return functionalize_for_inductor(gm, fake_inputs, mode), fake_inputs, mode
+
+
+def compile_step_graph(gm: torch.fx.GraphModule, *, static_input_idxs: Sequence[int] = (),
+                       cudagraphs: bool = False, options: dict[str, Any] | None = None) -> CompiledStep:
+    """Compile the step graph `gm` (flat tensor inputs, flat list output) with Inductor, as one graph.
+
+    Args:
+        gm: the final graph (after the pass pipeline); it is not modified.
+        static_input_idxs: graph inputs that keep their address from step to step
+            (parameters, buffers, optimizer state): CUDA graphs read and update them
+            in place instead of copying them into the graph's own buffers.
+        cudagraphs: replay the step as a CUDA graph (CUDA only).
+        options: Inductor config overrides on top of `INDUCTOR_OPTIONS`.
+    """
+    start = time.perf_counter()
+    functional, fake_inputs, mode = _functional(gm)
+    compiled = _inductor(functional, fake_inputs, mode, static_input_idxs=static_input_idxs, cudagraphs=cudagraphs,
+                         options=options)
+    return CompiledStep(fn=compiled, compile_time_s=time.perf_counter() - start, cudagraphs=cudagraphs,
+                        regions=1, distinct_regions=1)
+
+
+def compile_regions(gm: torch.fx.GraphModule, *, options: dict[str, Any] | None = None) -> CompiledStep:
+    """Compile the step graph `gm` region by region (`graph_trainer.tracer.regions`), each distinct region once.
+
+    Each region is made functional on its own (so identical layers give identical
+    code) and compiled the first time its code and input layouts are seen; later
+    identical regions run the same compiled function on their own tensors.
+    Takes and returns what `compile_step_graph` does; `gm` is not modified.
+    """
+    start = time.perf_counter()
+    plan = split_into_regions(gm)
+    compiled_by_key: dict[Any, Callable] = {}
+    fns = []
+    for region in plan.regions:
+        functional, fake_inputs, mode = _functional(region.gm)
+        dying = tuple(i for i, s in enumerate(region.inputs) if s in region.drops)
+        key = (dedup_key(functional, fake_inputs), dying)
+        if key not in compiled_by_key:
+            compiled_by_key[key] = _inductor(functional, fake_inputs, mode, static_input_idxs=(), cudagraphs=False,
+                                             options=options, dying_inputs=dying)
+        fns.append(compiled_by_key[key])
+    return CompiledStep(fn=RegionalStep(plan, fns), compile_time_s=time.perf_counter() - start, cudagraphs=False,
+                        regions=len(plan.regions), distinct_regions=len(compiled_by_key))
 
 
 def static_input_indices(layout: InputLayout) -> list[int]:
@@ -351,17 +426,27 @@ class InductorStage:
     ones: the estimate is the preflight's upper bound, and the graph is what
     passes, dumps and tests read. `GraphStep` adds up the compile times, logged
     as `compile/inductor_time_s`.
+
+    Args:
+        cudagraphs: replay the step as one CUDA graph (needs `regional=False`).
+        regional: compile region by region, each distinct region once (`compile_regions`);
+            else the whole step as one graph (`compile_step_graph`).
     """
 
-    def __init__(self, *, cudagraphs: bool):
-        self.cudagraphs = cudagraphs
+    def __init__(self, *, cudagraphs: bool, regional: bool = False):
+        self.cudagraphs, self.regional = cudagraphs, regional
 
     def __call__(self, result: Transformed) -> Transformed:
         traced = result.traced
-        traced.compiled = compile_step_graph(traced.gm, static_input_idxs=static_input_indices(traced.layout),
-                                             cudagraphs=self.cudagraphs)
-        result.compile_time_s = traced.compiled.compile_time_s
-        logger.info(f"inductor: compiled the step in {traced.compiled.compile_time_s:.1f} s"
-                 f"{' with CUDA graphs' if self.cudagraphs else ''}; numerics are not bitwise with eager "
-                 "(fused kernels round differently)")
+        if self.regional:
+            traced.compiled = compile_regions(traced.gm)
+        else:
+            traced.compiled = compile_step_graph(traced.gm, static_input_idxs=static_input_indices(traced.layout),
+                                                 cudagraphs=self.cudagraphs)
+        compiled = traced.compiled
+        result.compile_time_s = compiled.compile_time_s
+        how = (f"{compiled.regions} regions, {compiled.distinct_regions} distinct ones compiled" if self.regional
+               else "as one graph" + (" with CUDA graphs" if self.cudagraphs else ""))
+        logger.info(f"inductor: compiled the step in {compiled.compile_time_s:.1f} s ({how}); numerics are not "
+                    "bitwise with eager (fused kernels round differently)")
         return result

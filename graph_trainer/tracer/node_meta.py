@@ -4,7 +4,8 @@ Every key that one stage writes and another reads is named here, once, and read
 through these helpers. The tracer writes `node.meta["custom"]` (phase, module
 FQN, layer id); the activation-checkpointing passes write torch's own
 `node.meta["recompute"]` and `node.meta["ac_graph_id"]`, which
-`torch._functorch`'s rematerialization reads.
+`torch._functorch`'s rematerialization reads. `written_input` reads what every
+stage needs to know of an op's aliasing: which input an in-place op returns.
 """
 
 from __future__ import annotations
@@ -72,3 +73,18 @@ def fsdp_unit(node: torch.fx.Node) -> str | None:
 def is_random(node: torch.fx.Node) -> bool:
     """True for ops that consume the RNG; recomputing one would change numerics."""
     return bool(node.meta.get(CUSTOM, {}).get(RANDOM))
+
+
+def written_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The argument an op writes into and returns (`mul_`'s self, an `out=` tensor), or None."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.returns:
+        return None
+    alias = schema.returns[0].alias_info
+    if alias is None or not alias.is_write:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.before_set == alias.before_set:
+            value = node.kwargs.get(arg.name) if arg.kwarg_only else (node.args[i] if i < len(node.args) else None)
+            return value if isinstance(value, torch.fx.Node) else None
+    return None
