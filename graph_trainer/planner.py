@@ -98,6 +98,10 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
         result = pipeline(traced)
     elapsed = time.perf_counter() - start
     est = result.memory_estimate
+    if cfg.compile.backend == "inductor":  # the compiled step's bound (tracer.compiled.InductorStage)
+        from graph_trainer.tracer.compiled import functional_gather_bytes
+
+        est = dataclasses.replace(est, peak_bytes=est.peak_bytes + functional_gather_bytes(result.traced.gm))
     update = None if in_graph else EagerUpdate.of(torch_optimizer, implementation, device)
     peak, by_category, in_update = whole_step_peak(est, update)
     if in_update:
