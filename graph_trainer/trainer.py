@@ -84,7 +84,7 @@ class Trainer:
         configure_console(rank)  # rank 0 prints progress; the others only warnings and errors
         self.device = self.dist.device
         self.compute_dtype = compute_dtype(cfg.training.dtype, self.device, cfg.training.mixed_precision_param)
-        self.dtype = resolve_dtype(cfg.training.dtype, self.device, cfg.training.mixed_precision_param)  # autocast's
+        self.autocast_dtype = resolve_dtype(cfg.training.dtype, self.device, cfg.training.mixed_precision_param)
         # Everything is validated before the first write: folders (read only), data, tokenizer, preflight,
         # model and checkpoint. Only then is a replaced run's folder cleared (`_prepare_run_folder`).
         self.run_folder = inspect_run_folder(cfg)
@@ -96,7 +96,7 @@ class Trainer:
                                            rank=rank, world_size=world_size)
         set_determinism(cfg.training.seed, cfg.training.deterministic, self.device)
 
-        loss_fn = autocast_loss(self.dtype, self.device, cfg.training.loss_chunk_size)
+        loss_fn = autocast_loss(self.autocast_dtype, self.device, cfg.training.loss_chunk_size)
         with cli_trace_errors():
             plan = preflight(cfg, self.device, loss_fn=loss_fn, shard_group=self.dist.shard_group())
         logger.info(f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
