@@ -19,12 +19,19 @@ would have done for an inference graph:
 Both re-run the graph node by node under `make_fx` on fake tensors, in the
 graph's own order: the pass pipeline's save/recompute decisions are kept, and
 nothing is re-decided (no partitioner, no CSE). Inductor's lowering and
-scheduler may still move computation; `pin_to_graph_order` keeps a value at its
-place when inlining it into a consumer past a matmul would cost memory, and
+scheduler may still move computation; `pin_to_graph_order` (run as Inductor's
+first post-grad pass, `PinToGraphOrder`) keeps a value at its place when
+inlining it into a consumer past a matmul would cost memory, and
 `KeepRematChoices` and `INDUCTOR_OPTIONS` turn off the fusions and reorderings
 that measurably undid the plan (horizontal fusion, locality and peak-memory
 reordering). `tests/test_compiled.py` checks the measured peak against the
 uncompiled graph's for every activation-checkpointing mode.
+
+Two ways to compile (`compile.regional`): the whole step as one graph
+(`compile_step_graph`), or region by region, each distinct layer region once
+(`compile_regions`, the default; `graph_trainer/tracer/regions.py` cuts the
+graph and runs the regions). With FSDP, the in-place all-gather is made the
+functional one first (`functional_collectives`), which functionalization takes.
 
 Numerics: Inductor fuses pointwise ops and reorders reductions, so a compiled
 step is NOT bitwise equal to eager (measured: ~1e-6 relative on the loss). It is
@@ -166,8 +173,8 @@ def pin_to_graph_order(gm: torch.fx.GraphModule, dying_inputs: Collection[int] =
     last with no other reference, and frees them at their last use like any value.
     """
     nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    held = {n for i, n in enumerate(placeholders) if i not in set(dying_inputs)}
+    dying = set(dying_inputs)
+    held = {n for i, n in enumerate(n for n in nodes if n.op == "placeholder") if i not in dying}
     position = {n: i for i, n in enumerate(nodes)}
     externs_before = [0]  # externs_before[i]: library calls among nodes[:i]
     for n in nodes:
@@ -354,6 +361,11 @@ def _inductor(functional: torch.fx.GraphModule, fake_inputs: list[torch.Tensor],
     return compiled
 
 
+# FSDP's in-place gather (graph_trainer.fsdp); None where torch has no functional collectives.
+_OUT_GATHER = getattr(getattr(getattr(torch.ops, "_c10d_functional", None), "all_gather_into_tensor_out", None),
+                      "default", None)
+
+
 def functional_collectives(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of `gm` whose `out=` all-gathers are the functional op, for `torch.func.functionalize`.
 
@@ -363,11 +375,10 @@ def functional_collectives(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     buffer of its own; every reader of the gather's result reads that instead. Node order,
     targets and meta are otherwise `gm`'s; `gm` is not modified.
     """
-    out_gather = getattr(getattr(torch.ops, "_c10d_functional", None), "all_gather_into_tensor_out", None)
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     for node in list(graph.nodes):
-        if out_gather is not None and node.target is out_gather.default:
+        if _OUT_GATHER is not None and node.target is _OUT_GATHER:
             with graph.inserting_before(node):
                 gathered = graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default,
                                                node.args[:3])
@@ -385,11 +396,9 @@ def functional_gather_bytes(gm: torch.fx.GraphModule) -> int:
     debug model over 2 ranks: one layer's shard, 1,704,960 bytes, above the
     uncompiled step's peak). The largest gather's shard bounds it; 0 without FSDP.
     """
-    out_gather = getattr(getattr(torch.ops, "_c10d_functional", None), "all_gather_into_tensor_out", None)
-    if out_gather is None:
+    if _OUT_GATHER is None:
         return 0
-    return max((_nbytes(n.args[0]) for n in gm.graph.find_nodes(op="call_function", target=out_gather.default)),
-               default=0)
+    return max((_nbytes(n.args[0]) for n in gm.graph.find_nodes(op="call_function", target=_OUT_GATHER)), default=0)
 
 
 def _functional(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[torch.Tensor], FakeTensorMode]:

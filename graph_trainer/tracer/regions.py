@@ -2,7 +2,7 @@
 
 A traced step of an N-layer model holds N copies of the same layer forward and
 N of the same layer backward. Compiled as one graph, Inductor compiles each copy
-again: compile time grows with depth (118 s cold at 32 layers on CPU). Cut into
+again: compile time grows with depth (133 s cold at 32 layers on CPU). Cut into
 regions, each layer's forward and each layer's backward is a graph of its own;
 re-traced with `make_fx`, identical layers give identical code, and a region is
 compiled once per distinct code and input layout (`graph_trainer.tracer.compiled`).
@@ -14,7 +14,8 @@ driver, `RegionalStep`, and dropped right before the region that reads it last
 (the region gets it in a boxed list it may clear, so it frees the value at its
 own last use, as the whole graph would). Input mutations (the optimizer's
 in-place update, gradient clipping) stay in their region: each region writes its
-new values into the tensors it was given.
+new values into the tensors it was given, and an in-place result leaves its region
+as the tensor it wrote into (made functional, it would leave as a copy).
 
 The label of a node is its layer and its stage (forward; backward, which holds
 the forward ops that remat recomputes there; optimizer: the tracer tags each
