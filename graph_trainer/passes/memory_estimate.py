@@ -119,16 +119,9 @@ def _returned_input(node: torch.fx.Node) -> torch.fx.Node | None:
     if node.target is _WAIT_TENSOR:
         return node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
     schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.name.startswith("_c10d_functional::") or not schema.returns:
+    if schema is None or not schema.name.startswith("_c10d_functional::"):
         return None
-    alias = schema.returns[0].alias_info
-    if alias is None:
-        return None
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.before_set == alias.before_set:
-            value = node.kwargs.get(arg.name) if arg.kwarg_only else node.args[i]
-            return value if isinstance(value, torch.fx.Node) else None
-    return None
+    return node_meta.written_input(node)
 
 
 def _int(x: Any) -> int:
