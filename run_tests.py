@@ -36,7 +36,7 @@ if str(REPO_ROOT) not in sys.path:  # so `tests.integration` imports from any cw
     sys.path.insert(0, str(REPO_ROOT))
 
 from graph_trainer.errors import did_you_mean  # noqa: E402
-from graph_trainer.units import MIB_PER_GIB  # noqa: E402
+from graph_trainer.observability.units import MIB_PER_GIB  # noqa: E402
 from tests.integration.checks import FAILED, PASSED, SKIPPED, RunOutcome, Verdict, check_test  # noqa: E402
 from tests.integration.collect import collect_run  # noqa: E402
 from tests.integration.spec import SUITES, IntegrationTest, with_dependencies  # noqa: E402

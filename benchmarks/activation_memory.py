@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from graph_trainer import planner  # noqa: E402
-from graph_trainer.cli import load_config  # noqa: E402
-from graph_trainer.units import to_gib  # noqa: E402
+from graph_trainer.plan import planner  # noqa: E402
+from graph_trainer.job_config.cli import load_config  # noqa: E402
+from graph_trainer.observability.units import to_gib  # noqa: E402
 
 # The shapes the GPU measurements used: 1B at batch 4 x 2048, 8B as shipped (1 x 8192); losses chunked as shipped.
 CONFIGS = {

@@ -22,8 +22,8 @@ import torch  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from benchmarks.common import CONFIGS, make_trainer  # noqa: E402
-from graph_trainer.optimizer import GraphAdamW  # noqa: E402
-from graph_trainer.tracer.compiled import compile_step_graph  # noqa: E402
+from graph_trainer.optimizer.adamw import GraphAdamW  # noqa: E402
+from graph_trainer.compiler.inductor import compile_step_graph  # noqa: E402
 
 
 def traced_update(graph_opt: GraphAdamW, n: int, flat: list[torch.Tensor]) -> torch.fx.GraphModule:

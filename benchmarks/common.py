@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from graph_trainer.cli import load_config
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer
 
 # Shapes of the two benchmark configs: the shipped debug model, and a deeper one that still fits a CPU.

@@ -20,7 +20,7 @@ caches must not leak between modes): `--warmup` steps (the first one traces/comp
 Prints step time (median), tokens/s, MFU (when the device's peak FLOPs are known), peak active and
 reserved memory, and compile time; writes `peers.json` and `peers.md` to `--out`.
 
-CPU peaks: the exact live-tensor tracker (graph_trainer.memory) sees eager, traced and
+CPU peaks: the exact live-tensor tracker (graph_trainer.observability.memory) sees eager, traced and
 trace+inductor steps (graph_trainer routes Inductor's buffers through the dispatcher). It cannot
 see inside `torch.compile`d modules (Inductor's allocations skip the dispatcher there, and a
 dispatch mode would force Dynamo to recompile), so those peaks are reported as unmeasured on CPU.
@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from graph_trainer.units import GIB  # noqa: E402
+from graph_trainer.observability.units import GIB  # noqa: E402
 
 MODES = ("eager", "eager+compile(block)", "eager+compile(model)", "trace", "trace+opt", "trace+inductor",
          "trace+inductor+opt", "trace+inductor(whole)", "trace+inductor(whole)+opt", "trace+inductor+cudagraphs",
@@ -67,8 +67,8 @@ def run_mode(mode: str, ac: str, config: str, overrides: list[str], warmup: int,
     import torch
 
     from benchmarks.common import next_batch
-    from graph_trainer.cli import load_config
-    from graph_trainer.layers import transformer_layers
+    from graph_trainer.job_config.cli import load_config
+    from graph_trainer.tracer.layers import transformer_layers
     from graph_trainer.trainer import Trainer
 
     folder = tempfile.mkdtemp(prefix="gt_peers_")

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import CONFIGS, interleaved_step_times, make_trainer, measured_peak, median  # noqa: E402
-from graph_trainer.units import GIB  # noqa: E402
+from graph_trainer.observability.units import GIB  # noqa: E402
 
 
 

@@ -6,7 +6,7 @@ code raises, `main` reports. Exit codes:
 - 0: done (also a resume of a run that is already complete: nothing is written);
 - 2: a mistake in the input (`UserError`): one line naming the cause and the fix;
 - 3: training diverged (`TrainingDiverged`): one line naming the last good checkpoint;
-- 130 / 143: stopped by SIGINT / SIGTERM (128 + the signal) after saving, see `graph_trainer.interrupts`.
+- 130 / 143: stopped by SIGINT / SIGTERM (128 + the signal) after saving, see `graph_trainer.runtime.interrupts`.
 """
 
 import signal
@@ -20,9 +20,9 @@ EXIT_DIVERGED = 3
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the process exit code (see the module doc)."""
-    from graph_trainer.cli import help_text, load_config
-    from graph_trainer.config_load import config_to_toml
-    from graph_trainer.divergence import TrainingDiverged
+    from graph_trainer.job_config.cli import help_text, load_config
+    from graph_trainer.job_config.load import config_to_toml
+    from graph_trainer.observability.divergence import TrainingDiverged
 
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -35,11 +35,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         # Imported here: the trainer pulls in torch and the models, which --help and config errors don't need.
         if opts.dry_run:
-            from graph_trainer.planner import dry_run
+            from graph_trainer.plan.planner import dry_run
 
             dry_run(cfg)
             return 0
-        from graph_trainer.distributed import destroy, init_distributed
+        from graph_trainer.distributed.launch import destroy, init_distributed
         from graph_trainer.trainer import Trainer
 
         dist = init_distributed(cfg)  # one rank of torchrun's launch, or the only process
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report(e, EXIT_USER_ERROR)
     except TrainingDiverged as e:
         return _report(e, EXIT_DIVERGED)
-    except KeyboardInterrupt as e:  # graph_trainer.interrupts.Interrupted, or Ctrl-C before the training loop
-        from graph_trainer.interrupts import exit_code
+    except KeyboardInterrupt as e:  # graph_trainer.runtime.interrupts.Interrupted, or Ctrl-C before the training loop
+        from graph_trainer.runtime.interrupts import exit_code
 
         print(getattr(e, "message", "interrupted"), file=sys.stderr)
         return exit_code(getattr(e, "signum", signal.SIGINT))
@@ -68,7 +68,7 @@ def _report(error: Exception, code: int) -> int:
 
 
 if __name__ == "__main__":
-    from graph_trainer.interrupts import unwind_on_sigterm
+    from graph_trainer.runtime.interrupts import unwind_on_sigterm
 
     unwind_on_sigterm()
     sys.exit(main())

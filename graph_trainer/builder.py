@@ -1,6 +1,6 @@
 """Building a job's model, optimizer and step from its config: one builder for the preflight and the trainer.
 
-The preflight (`graph_trainer.planner`) builds the same model (on the meta
+The preflight (`graph_trainer.plan.planner`) builds the same model (on the meta
 device), the same optimizer and the same step as the trainer, so it plans the
 step that runs: the same loss, the same update (in the graph or eager, with the
 implementation the run uses) and the same pass pipeline.
@@ -15,13 +15,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graph_trainer.config import JobConfig
-from graph_trainer.config_load import resolve_model_args
+from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.errors import UserError
-from graph_trainer.device import DTYPES
-from graph_trainer.fsdp import FSDP, ShardGroup, check_gathered, fully_shard_model
+from graph_trainer.runtime.device import DTYPES
+from graph_trainer.distributed.fsdp import FSDP, ShardGroup, check_gathered, fully_shard_model
 from graph_trainer.loss import build_lm_loss
-from graph_trainer.optimizer import (GraphAdamW, build_optimizer, choose_adamw_implementation, init_adamw_state)
+from graph_trainer.optimizer.adamw import (GraphAdamW, build_optimizer, choose_adamw_implementation, init_adamw_state)
 from graph_trainer.step import TrainStep
 from graph_trainer.tracer.capture import GradReduce, LossFn, TraceError
 from models import get_model_spec
@@ -119,7 +119,7 @@ def build_step(cfg: JobConfig, model: nn.Module, optimizer: torch.optim.AdamW, d
     Raises:
         ConfigError: compile options that cannot run together, or a bad pass configuration.
     """
-    from graph_trainer.tracer.compiled import check_compile_config
+    from graph_trainer.compiler.inductor import check_compile_config
 
     check_compile_config(cfg.compile.backend, cfg.compile.cudagraphs, cfg.compile.mode, device,
                          regional=cfg.compile.regional)
@@ -127,8 +127,8 @@ def build_step(cfg: JobConfig, model: nn.Module, optimizer: torch.optim.AdamW, d
     if fsdp is not None:
         loss_fn, norm_reduce = fsdp.wrap_loss(loss_fn), fsdp.norm_reduce
     if cfg.compile.mode == "eager":
-        from graph_trainer.eager import EagerStep
-        from graph_trainer.eager_checkpoint import apply_eager_checkpointing
+        from graph_trainer.eager.step import EagerStep
+        from graph_trainer.eager.checkpointing import apply_eager_checkpointing
 
         apply_eager_checkpointing(model, cfg.activation_checkpoint)
         return EagerStep(model, loss_fn=loss_fn, max_norm=cfg.training.max_norm, grad_reduce=grad_reduce,
@@ -141,7 +141,7 @@ def build_step(cfg: JobConfig, model: nn.Module, optimizer: torch.optim.AdamW, d
     pipeline = passes if fsdp is None else (lambda traced: passes(check_gathered(traced)))
     transform = pipeline
     if cfg.compile.backend == "inductor":
-        from graph_trainer.tracer.compiled import InductorStage
+        from graph_trainer.compiler.inductor import InductorStage
 
         stage = InductorStage(cudagraphs=cfg.compile.cudagraphs, regional=cfg.compile.regional)
         transform = lambda traced: stage(pipeline(traced))  # noqa: E731 (the pipeline, then the compile stage)

@@ -19,13 +19,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from graph_trainer.errors import UserError
-from graph_trainer.fsutil import atomic_write
+from graph_trainer.runtime.fsutil import atomic_write
 
 _PREFIX = "model."
 
 
 def full_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The model's full tensors from a `step-*.dcp` checkpoint folder (see `graph_trainer.sharded_checkpoint`)."""
+    """The model's full tensors from a `step-*.dcp` checkpoint folder (see `graph_trainer.checkpoint.sharded`)."""
     reader = dcp.FileSystemReader(checkpoint)
     try:
         metadata = reader.read_metadata()

@@ -37,7 +37,7 @@ class StepReport:
     cuda_graphs: bool = False  # replayed as a CUDA graph (its pool is outside the allocator's active count)
 
     def as_record(self) -> dict[str, Any]:
-        """The metrics-record fields this report fills (the names `graph_trainer.metrics` logs)."""
+        """The metrics-record fields this report fills (the names `graph_trainer.observability.metrics` logs)."""
         fields = {"trace_count": self.trace_count, "trace_time_s": self.trace_time_s,
                   "inductor_time_s": self.compile_time_s, "estimated_peak_bytes": self.estimated_peak_bytes,
                   "saved_activation_bytes": self.saved_activation_bytes}

@@ -18,28 +18,28 @@ import torch
 
 from graph_trainer.builder import (autocast_loss, build_job_optimizer, build_model, build_step,
                                    cli_trace_errors, shard_model)
-from graph_trainer.checkpoint import (CheckpointManager, capture_rng_state, load_model_state,
+from graph_trainer.checkpoint.single_file import (CheckpointManager, capture_rng_state, load_model_state,
                                       restore_rng_state)
-from graph_trainer.config import JobConfig
-from graph_trainer.config_load import config_to_toml
-from graph_trainer.data import build_dataloader
-from graph_trainer.device import compute_dtype, peak_flops, resolve_dtype, set_determinism
-from graph_trainer.digest import tensors_digest
-from graph_trainer.distributed import DistInfo, single_process
-from graph_trainer.divergence import DivergenceGuard, TrainingDiverged
+from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.job_config.load import config_to_toml
+from graph_trainer.data.loader import build_dataloader
+from graph_trainer.runtime.device import compute_dtype, peak_flops, resolve_dtype, set_determinism
+from graph_trainer.observability.digest import tensors_digest
+from graph_trainer.distributed.launch import DistInfo, single_process
+from graph_trainer.observability.divergence import DivergenceGuard, TrainingDiverged
 from graph_trainer.errors import UserError
-from graph_trainer.fsutil import atomic_write_text
-from graph_trainer.interrupts import Interrupted, StopRequest
-from graph_trainer.log import configure_console, get_logger
-from graph_trainer.memory import MemoryMonitor
-from graph_trainer.metrics import SUMMARY_FILE, TB_SUBDIR, MetricsLogger
-from graph_trainer.optimizer import build_lr_scheduler, resync_lr
-from graph_trainer.planner import preflight
-from graph_trainer.resume_config import compare_on_resume, load_optimizer_state, stored_config
-from graph_trainer.run_folder import CONFIG_FILE, RunFolder, inspect
-from graph_trainer.sharded_checkpoint import ShardedCheckpointManager, refuse_other_format
-from graph_trainer.tokenizer import build_tokenizer
-from graph_trainer.units import to_gib
+from graph_trainer.runtime.fsutil import atomic_write_text
+from graph_trainer.runtime.interrupts import Interrupted, StopRequest
+from graph_trainer.observability.log import configure_console, get_logger
+from graph_trainer.observability.memory import MemoryMonitor
+from graph_trainer.observability.metrics import SUMMARY_FILE, TB_SUBDIR, MetricsLogger
+from graph_trainer.optimizer.adamw import build_lr_scheduler, resync_lr
+from graph_trainer.plan.planner import preflight
+from graph_trainer.job_config.resume import compare_on_resume, load_optimizer_state, stored_config
+from graph_trainer.checkpoint.run_folder import CONFIG_FILE, RunFolder, inspect
+from graph_trainer.checkpoint.sharded import ShardedCheckpointManager, refuse_other_format
+from graph_trainer.data.tokenizer import build_tokenizer
+from graph_trainer.observability.units import to_gib
 from models.llama3.model import flops_per_token, num_params
 
 logger = get_logger(__name__)
@@ -58,7 +58,7 @@ class TrainResult:
 
 
 def inspect_run_folder(cfg: JobConfig) -> RunFolder:
-    """Check job.dump_folder and checkpoint.folder without writing anything (see `graph_trainer.run_folder`)."""
+    """Check job.dump_folder and checkpoint.folder without writing anything (see `graph_trainer.checkpoint.run_folder`)."""
     return inspect(cfg.job.dump_folder, cfg.checkpoint.folder, resume=cfg.checkpoint.resume,
                    overwrite=cfg.job.overwrite, checkpoint_enable=cfg.checkpoint.enable)
 
@@ -69,10 +69,10 @@ class Trainer:
     `train()` runs `training.steps` steps (continuing from a checkpoint with
     `checkpoint.resume`) and returns a `TrainResult`.
 
-    With `dist` from `graph_trainer.distributed.init_distributed`, this is one rank
+    With `dist` from `graph_trainer.distributed.launch.init_distributed`, this is one rank
     of a data-parallel job: it trains on its slice of the data, the step averages
     gradients over the ranks, and only rank 0 logs and saves (with FSDP every rank saves
-    its own shards, see `graph_trainer.sharded_checkpoint`). Without it, the job
+    its own shards, see `graph_trainer.checkpoint.sharded`). Without it, the job
     must be a single process.
     """
 
@@ -207,7 +207,7 @@ class Trainer:
     def _state(self) -> dict[str, Any]:
         # Without FSDP, saved by rank 0 only: weights are replicated, and every rank has taken the same number
         # of batches, so rank 0's data position is every rank's (each maps it to its own slice on load).
-        # With FSDP every rank saves its own (see graph_trainer.sharded_checkpoint).
+        # With FSDP every rank saves its own (see graph_trainer.checkpoint.sharded).
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "lr_scheduler": self.scheduler.state_dict(), "data": self.dataloader.state_dict(),
                 "rng": capture_rng_state(self.device), "step": self.step, "config": stored_config(self.cfg)}
@@ -249,7 +249,7 @@ class Trainer:
     def train(self) -> TrainResult:
         """Run the loop to `training.steps`; checkpoints and logs.
 
-        Raises TrainingDiverged when the run blows up (see `graph_trainer.divergence`;
+        Raises TrainingDiverged when the run blows up (see `graph_trainer.observability.divergence`;
         nothing is saved for that step) and `Interrupted` after SIGINT/SIGTERM, once
         the current step finished and (with checkpointing) was saved.
         """

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from graph_trainer.cli import load_config
-from graph_trainer.distributed import destroy, init_distributed
+from graph_trainer.job_config.cli import load_config
+from graph_trainer.distributed.launch import destroy, init_distributed
 from graph_trainer.trainer import Trainer
 
 
@@ -92,10 +92,10 @@ def train_fully_shard(cfg: Any, rank: int, world: int, mp_policy: Any = None) ->
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from graph_trainer.builder import build_model
-    from graph_trainer.data import build_dataloader
+    from graph_trainer.data.loader import build_dataloader
     from graph_trainer.loss import lm_loss
-    from graph_trainer.optimizer import build_lr_scheduler, build_optimizer
-    from graph_trainer.tokenizer import build_tokenizer
+    from graph_trainer.optimizer.adamw import build_lr_scheduler, build_optimizer
+    from graph_trainer.data.tokenizer import build_tokenizer
 
     torch.use_deterministic_algorithms(True)
     tokenizer = build_tokenizer(cfg.data.tokenizer)

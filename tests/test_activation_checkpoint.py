@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from graph_trainer.cli import load_config
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.errors import ConfigError
-from graph_trainer.memory import LiveTensorTracker
+from graph_trainer.observability.memory import LiveTensorTracker
 from graph_trainer.trainer import Trainer
 
 TINY = ["--config", "llama3_debug.toml", "--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",

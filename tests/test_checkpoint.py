@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from graph_trainer.checkpoint import (
+from graph_trainer.checkpoint.single_file import (
     CheckpointManager,
     capture_rng_state,
     check_compatible,
@@ -15,7 +15,7 @@ from graph_trainer.checkpoint import (
     restore_rng_state,
 )
 from graph_trainer.errors import UserError
-from graph_trainer.fsutil import atomic_write_text
+from graph_trainer.runtime.fsutil import atomic_write_text
 
 
 def _tiny_setup(seed: int = 0):
@@ -209,7 +209,7 @@ def test_atomic_write_text_failure_keeps_old_content(tmp_path, monkeypatch):
     def fail_replace(src, dst):
         raise OSError("simulated crash before rename")
 
-    monkeypatch.setattr("graph_trainer.fsutil.os.replace", fail_replace)
+    monkeypatch.setattr("graph_trainer.runtime.fsutil.os.replace", fail_replace)
     with pytest.raises(OSError):
         atomic_write_text(target, '{"v": 2}')
     assert target.read_text() == '{"v": 1}'

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from graph_trainer import __main__ as cli
-from graph_trainer.config import JobConfig
+from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,7 +72,7 @@ def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, expect
 
 def test_main_dispatches_dry_run_and_train(monkeypatch):
     calls = []
-    monkeypatch.setitem(sys.modules, "graph_trainer.planner",
+    monkeypatch.setitem(sys.modules, "graph_trainer.plan.planner",
                         types.SimpleNamespace(dry_run=lambda cfg: calls.append(("dry_run", cfg))))
 
     class FakeTrainer:
@@ -92,12 +92,12 @@ def test_main_turns_user_errors_into_exit_2_and_interrupts_into_130(monkeypatch,
     def fail(cfg):
         raise UserError("dump folder is not empty: pass --job.overwrite")
 
-    monkeypatch.setitem(sys.modules, "graph_trainer.planner", types.SimpleNamespace(dry_run=fail))
+    monkeypatch.setitem(sys.modules, "graph_trainer.plan.planner", types.SimpleNamespace(dry_run=fail))
     assert cli.main(["--dry-run"]) == 2
     assert capsys.readouterr().err == "error: dump folder is not empty: pass --job.overwrite\n"
 
     def interrupt(cfg):
         raise KeyboardInterrupt
 
-    monkeypatch.setitem(sys.modules, "graph_trainer.planner", types.SimpleNamespace(dry_run=interrupt))
+    monkeypatch.setitem(sys.modules, "graph_trainer.plan.planner", types.SimpleNamespace(dry_run=interrupt))
     assert cli.main(["--dry-run"]) == 130

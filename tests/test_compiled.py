@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_trainer.cli import load_config
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.errors import ConfigError
-from graph_trainer.memory import LiveTensorTracker
+from graph_trainer.observability.memory import LiveTensorTracker
 from graph_trainer.trainer import Trainer
-from graph_trainer.tracer.compiled import (REALIZE_META_KEY, check_compile_config, compile_regions,
+from graph_trainer.compiler.inductor import (REALIZE_META_KEY, check_compile_config, compile_regions,
                                            compile_step_graph, functionalize_for_inductor, pin_to_graph_order,
                                            static_input_indices)
 
@@ -269,7 +269,7 @@ def test_graphs_pinned_differently_do_not_share_a_compile_cache_entry(tmp_path, 
     from torch._inductor import config as inductor_config
     from torch._inductor.codecache import FxGraphCache
 
-    from graph_trainer.tracer.compiled import _functional, _inductor
+    from graph_trainer.compiler.inductor import _functional, _inductor
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(inductor_config, "fx_graph_cache", True)

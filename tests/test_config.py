@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_trainer.cli import build_config, help_text, load_config, parse_cli
-from graph_trainer.config import JobConfig
-from graph_trainer.config_load import CONFIGS_DIR, config_to_toml, resolve_config_path, shipped_configs, validate
-from graph_trainer.device import compute_dtype, resolve_dtype
+from graph_trainer.job_config.cli import build_config, help_text, load_config, parse_cli
+from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.job_config.load import CONFIGS_DIR, config_to_toml, resolve_config_path, shipped_configs, validate
+from graph_trainer.runtime.device import compute_dtype, resolve_dtype
 from graph_trainer.errors import ConfigError, UserError
 
 SHIPPED = ["llama3_1b", "llama3_70b", "llama3_8b", "llama3_debug"]

@@ -7,9 +7,9 @@ from itertools import islice
 import pytest
 import torch
 
-from graph_trainer.data import PackedBatchLoader, build_dataloader, embedded_documents
+from graph_trainer.data.loader import PackedBatchLoader, build_dataloader, embedded_documents
 from graph_trainer.errors import ConfigError, UserError
-from graph_trainer.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from graph_trainer.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 BYTE = ByteTokenizer()
 

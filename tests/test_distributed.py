@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graph_trainer.cli import load_config
-from graph_trainer.distributed import check_launch
+from graph_trainer.job_config.cli import load_config
+from graph_trainer.distributed.launch import check_launch
 from graph_trainer.errors import UserError
 from graph_trainer.tracer import node_meta
 from graph_trainer.trainer import Trainer

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graph_trainer.cli import load_config
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.tracer import node_meta
 from graph_trainer.trainer import Trainer
 from tests.multiprocess import (assert_peaks_match, free_port, peaks, spawn_ranks, step_graph_nodes, train_fully_shard,

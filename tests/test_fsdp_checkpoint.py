@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graph_trainer.cli import load_config
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.errors import UserError
-from graph_trainer.run_folder import MANIFEST_FILE, Manifest, inspect
+from graph_trainer.checkpoint.run_folder import MANIFEST_FILE, Manifest, inspect
 from graph_trainer.trainer import Trainer
 from tests.multiprocess import free_port, spawn_ranks, train_runs
 from tests.test_fsdp import TINY, _max_diff
@@ -70,7 +70,7 @@ def _worker(rank: int, world: int, port: int, out: str, runs: dict[str, list[str
     args = [*ARGS, "--parallelism.dp_shard", str(world)]
 
     def refuse(cfg) -> None:
-        from graph_trainer.distributed import init_distributed
+        from graph_trainer.distributed.launch import init_distributed
         info = init_distributed(cfg)  # already joined: returns this rank's info
         for name, overrides in refusals.items():
             _refused([*args, *overrides], info, out, name, rank)

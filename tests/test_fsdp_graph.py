@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from graph_trainer.cli import load_config
-from graph_trainer.distributed import planning_shard_group
+from graph_trainer.job_config.cli import load_config
+from graph_trainer.distributed.launch import planning_shard_group
 from graph_trainer.builder import shard_model
-from graph_trainer.fsdp import check_gathered
+from graph_trainer.distributed.fsdp import check_gathered
 from graph_trainer.loss import build_lm_loss, lm_loss
 from graph_trainer.passes import build_pipeline
-from graph_trainer.planner import meta_model
+from graph_trainer.plan.planner import meta_model
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TraceError, trace_step
 

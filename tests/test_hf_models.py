@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from graph_trainer.eager import EagerStep
+from graph_trainer.eager.step import EagerStep
 from graph_trainer.passes import memory_policy_transform
 from graph_trainer.tracer import GraphStep, TraceError, trace_step
 

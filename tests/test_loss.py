@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_trainer import planner
-from graph_trainer.cli import load_config
-from graph_trainer.eager import EagerStep
+from graph_trainer.plan import planner
+from graph_trainer.job_config.cli import load_config
+from graph_trainer.eager.step import EagerStep
 from graph_trainer.errors import UserError
 from graph_trainer.loss import IGNORE_INDEX, build_lm_loss, chunked_lm_loss, lm_loss
 from graph_trainer.tracer import node_meta

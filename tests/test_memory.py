@@ -1,4 +1,4 @@
-"""Run-time memory measurement (`graph_trainer.memory`) and the static estimate
+"""Run-time memory measurement (`graph_trainer.observability.memory`) and the static estimate
 (`graph_trainer.passes.memory_estimate`): the estimate equals the measured peak to the byte."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from graph_trainer.memory import (
+from graph_trainer.observability.memory import (
     LiveTensorTracker,
     MemoryMonitor,
     StepMemory,
@@ -20,7 +20,7 @@ from graph_trainer.memory import (
     rss_peak_bytes,
 )
 from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_tensors
-from graph_trainer.units import GIB, to_gib
+from graph_trainer.observability.units import GIB, to_gib
 
 VOCAB, DIM, HEADS = 64, 32, 4
 

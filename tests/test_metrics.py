@@ -9,8 +9,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from graph_trainer.metrics import TB_TAGS, MetricsLogger, format_step_line
-from graph_trainer.units import GIB
+from graph_trainer.observability.metrics import TB_TAGS, MetricsLogger, format_step_line
+from graph_trainer.observability.units import GIB
 
 EXPECTED_TAGS = {
     "loss_metrics/global_avg_loss",

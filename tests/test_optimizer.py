@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_trainer import planner
-from graph_trainer.cli import load_config
+from graph_trainer.plan import planner
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.errors import ConfigError
-from graph_trainer.memory import LiveTensorTracker
-from graph_trainer.optimizer import (EagerUpdate, GraphAdamW, adamw_state_bytes, build_optimizer,
+from graph_trainer.observability.memory import LiveTensorTracker
+from graph_trainer.optimizer.adamw import (EagerUpdate, GraphAdamW, adamw_state_bytes, build_optimizer,
                                      choose_adamw_implementation, eager_step_scratch_bytes, init_adamw_state)
 from tests.integration.trainer_runs import TINY, train
 

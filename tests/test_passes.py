@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from graph_trainer.cli import load_config
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.errors import ConfigError
-from graph_trainer.optimizer import GraphAdamW, build_optimizer
-from graph_trainer.eager import EagerStep
+from graph_trainer.optimizer.adamw import GraphAdamW, build_optimizer
+from graph_trainer.eager.step import EagerStep
 from graph_trainer.passes import available_passes, build_pipeline, memory_policy_transform
-from graph_trainer.op_patterns import parse_op_pattern
+from graph_trainer.passes.op_patterns import parse_op_pattern
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
 from graph_trainer.passes.graph_utils import is_attention, is_mutating, node_flops, packet

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_trainer import planner
-from graph_trainer.cli import load_config
+from graph_trainer.plan import planner
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,9 +91,9 @@ def test_preflight_refuses_8b_on_this_machine_with_exit_2(tmp_path):
 def test_eager_step_peak_on_fake_tensors_equals_the_real_eager_step(mode, chunk):
     """The eager baseline of the activation-memory comparison is the real eager step's CPU peak, to the byte."""
     from graph_trainer.builder import autocast_loss, build_model
-    from graph_trainer.eager import EagerStep
-    from graph_trainer.eager_checkpoint import apply_eager_checkpointing
-    from graph_trainer.memory import LiveTensorTracker
+    from graph_trainer.eager.step import EagerStep
+    from graph_trainer.eager.checkpointing import apply_eager_checkpointing
+    from graph_trainer.observability.memory import LiveTensorTracker
 
     cfg, _ = load_config(["--config", "llama3_debug", *SMALL, "--activation_checkpoint.mode", mode,
                           "--training.loss_chunk_size", chunk])

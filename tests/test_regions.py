@@ -1,4 +1,4 @@
-"""The step graph cut into regions (`graph_trainer.tracer.regions`, used by `compile.regional`):
+"""The step graph cut into regions (`graph_trainer.compiler.regions`, used by `compile.regional`):
 run in order they compute the graph bitwise, identical layers make identical regions whatever the
 depth, and the driver lets go of each value before the region that reads it last."""
 
@@ -9,11 +9,11 @@ import tempfile
 import pytest
 import torch
 
-from graph_trainer.cli import load_config
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer
 from graph_trainer.tracer import node_meta
-from graph_trainer.tracer.compiled import _functional
-from graph_trainer.tracer.regions import RegionalStep, dedup_key, region_labels, split_into_regions
+from graph_trainer.compiler.inductor import _functional
+from graph_trainer.compiler.regions import RegionalStep, dedup_key, region_labels, split_into_regions
 
 TINY = ["--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2", "--training.seq_len", "32",
         "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from graph_trainer.run_folder import MANIFEST_FILE, Manifest, remove_run
+from graph_trainer.checkpoint.run_folder import MANIFEST_FILE, Manifest, remove_run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--config", "llama3_debug", "--model.n_layers", "1", "--model.dim", "32", "--model.n_heads", "2",

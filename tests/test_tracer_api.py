@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from graph_trainer.config import ActivationCheckpointConfig
+from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.errors import UserError
-from graph_trainer.optimizer import GraphAdamW
+from graph_trainer.optimizer.adamw import GraphAdamW
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.passes.remat import rematerialize

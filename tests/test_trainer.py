@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_trainer.cli import load_config
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.errors import UserError
 from graph_trainer.trainer import Trainer, TrainingDiverged
 
@@ -61,7 +61,7 @@ def test_five_steps_traced_equal_eager_bitwise(tmp_path, mode):
 def test_a_run_traces_once_when_the_preflight_trace_fits(tmp_path, monkeypatch, caplog, extra, traces):
     """The first step runs the preflight's graph; with graph dumps (written only once the run folder is
     prepared) the step traces again. trace_count counts the traces of the step that runs: 1 either way."""
-    import graph_trainer.planner as planner
+    from graph_trainer.plan import planner
     import graph_trainer.tracer.executor as executor
 
     calls = []
@@ -173,7 +173,7 @@ def test_bf16_autocast_traced_equal_eager(tmp_path):
 
 def test_divergence_guard_tolerates_healthy_norm_growth_and_stops_a_blow_up():
     """The parameter-norm bound is wide (10x between saves): a few-fold growth is healthy, orders of magnitude is not."""
-    from graph_trainer.divergence import MAX_NORM_GROWTH, DivergenceGuard, TrainingDiverged
+    from graph_trainer.observability.divergence import MAX_NORM_GROWTH, DivergenceGuard, TrainingDiverged
 
     guard = DivergenceGuard()
     guard.start([torch.ones(4)], step=0)  # norm 2

@@ -28,11 +28,11 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Sequence
 
-from graph_trainer.config import ActivationCheckpointConfig, JobConfig
-from graph_trainer.config_load import parse_ac_option
+from graph_trainer.job_config.schema import ActivationCheckpointConfig, JobConfig
+from graph_trainer.job_config.load import parse_ac_option
 from graph_trainer.errors import ConfigError
-from graph_trainer.log import get_logger
-from graph_trainer.op_patterns import parse_overrides
+from graph_trainer.observability.log import get_logger
+from graph_trainer.passes.op_patterns import parse_overrides
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
 from graph_trainer.passes.fsdp_gather import POLICIES as FSDP_GATHER_POLICIES, tag_fsdp_gathers
 from graph_trainer.passes.fsdp_prefetch import prefetch_fsdp_gathers
@@ -154,7 +154,7 @@ def memory_policy_transform(mode: str = "selective", *, selective_ac_option: str
         loss, grad_norm = step(batch)
 
     The policy works per transformer layer: the layers are found as the tracer
-    finds them (`graph_trainer.layers`). Every mode preserves numerics bitwise.
+    finds them (`graph_trainer.tracer.layers`). Every mode preserves numerics bitwise.
 
     Args:
         mode: "none" | "selective" | "full" | "budget" (as `activation_checkpoint.mode`).
@@ -162,7 +162,7 @@ def memory_policy_transform(mode: str = "selective", *, selective_ac_option: str
             every second matmul and the rest) or N (checkpoint every N-th layer fully).
         memory_budget: budget only: <= 1 is a fraction of the no-AC activation memory, > 1 GiB.
         save_list / recompute_list: op patterns always saved / recomputed, e.g. "aten.mm" or
-            "layers.*.attention::aten.mm" (see `graph_trainer.op_patterns`).
+            "layers.*.attention::aten.mm" (see `graph_trainer.passes.op_patterns`).
         dump_dir: write each trace's graph before and after every pass there.
 
     Raises:

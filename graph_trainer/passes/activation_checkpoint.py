@@ -37,10 +37,10 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from graph_trainer.config import ActivationCheckpointConfig
+from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError
-from graph_trainer.log import get_logger
-from graph_trainer.op_patterns import OpPattern, parse_overrides
+from graph_trainer.observability.log import get_logger
+from graph_trainer.passes.op_patterns import OpPattern, parse_overrides
 from graph_trainer.passes.graph_utils import (is_attention, is_matmul, is_mutating, layer_forward_nodes,
                                               mutated_args, storage_keys)
 from graph_trainer.passes.remat import peak_after_remat

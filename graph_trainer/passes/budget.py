@@ -41,17 +41,17 @@ from __future__ import annotations
 import math
 import torch.fx
 
-from graph_trainer.config import ActivationCheckpointConfig
+from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError
-from graph_trainer.log import get_logger
-from graph_trainer.op_patterns import parse_overrides
+from graph_trainer.observability.log import get_logger
+from graph_trainer.passes.op_patterns import parse_overrides
 from graph_trainer.passes.activation_checkpoint import (RECOMPUTE, SAVE, Decisions, StepStructure,
                                                         analyze, apply_overrides, finalize, write_tags)
 from graph_trainer.passes.graph_utils import is_view, node_flops, storage_key, storage_keys, tensors
 from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.passes.remat import peak_after_remat
 from graph_trainer.tracer import node_meta
-from graph_trainer.units import GIB
+from graph_trainer.observability.units import GIB
 
 MAX_PROBES = 48
 

@@ -1,6 +1,6 @@
 """FSDP gather policy: per unit, the backward either re-gathers its parameters or keeps the forward's gather.
 
-Reads `custom["fsdp_unit"]` (written by `graph_trainer.fsdp` on the nodes of
+Reads `custom["fsdp_unit"]` (written by `graph_trainer.distributed.fsdp` on the nodes of
 each unit's all-gather and of the cuts that turn it back into parameters) and
 the tracer's `phase`. Writes torch's `node.meta["recompute"]` on those forward
 nodes, once:
@@ -31,7 +31,7 @@ from graph_trainer.passes.graph_utils import is_view
 from graph_trainer.tracer import node_meta
 
 POLICIES = ("default", "always", "never")
-ROOT = ""  # graph_trainer.fsdp.ROOT (not imported: passes read metadata, not the FSDP machinery)
+ROOT = ""  # graph_trainer.distributed.fsdp.ROOT (not imported: passes read metadata, not the FSDP machinery)
 
 
 def regathers(policy: str, unit: str) -> bool:

@@ -21,14 +21,14 @@ outputs together (the op's outputs exist before its inputs can be freed).
 Scratch memory inside one kernel is not modelled.
 
 A graph whose tensors live on a CUDA device is counted as its caching allocator
-counts active memory (`graph_trainer.memory.allocated_bytes`): each storage
+counts active memory (`graph_trainer.observability.memory.allocated_bytes`): each storage
 rounded up to 512 bytes, host (CPU) tensors such as per-step scalars not at all,
 and, when the graph has a matmul, the cuBLAS workspace (category "workspace")
 live throughout. These CUDA rules are derived from torch's allocator and cuBLAS
 handle code, not yet measured against a GPU by this project.
 
 Run under `torch.no_grad()` with the inputs alive, the graph's live tensor bytes
-measured by `graph_trainer.memory.LiveTensorTracker` equal this estimate to the
+measured by `graph_trainer.observability.memory.LiveTensorTracker` equal this estimate to the
 byte, after every op.
 """
 
@@ -43,10 +43,10 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_iter
 
-from graph_trainer.memory import allocated_bytes, process_cublas_workspace_bytes
+from graph_trainer.observability.memory import allocated_bytes, process_cublas_workspace_bytes
 from graph_trainer.passes.graph_utils import is_matmul, storage_key, tensors
 from graph_trainer.tracer import node_meta
-from graph_trainer.units import to_gib
+from graph_trainer.observability.units import to_gib
 
 INPUT = "input"
 CONSTANT = "constant"

@@ -5,7 +5,7 @@ One pass for every `activation_checkpoint.mode`:
 - `budget`: save as much as fits `memory_budget` (`budget.tag_memory_budget`);
 - `none`: nothing to decide (the pipeline leaves the pass out);
 and in every mode the per-op `save_list` / `recompute_list` overrides
-(`graph_trainer.op_patterns`) win over the policy.
+(`graph_trainer.passes.op_patterns`) win over the policy.
 
 Reads the tracer's `phase`, `layer_id`, `module_fqn` and `random` tags and the
 fake values in `node.meta["val"]`; writes torch's `node.meta["recompute"]`
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from graph_trainer.config import ActivationCheckpointConfig
+from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.budget import tag_memory_budget
 

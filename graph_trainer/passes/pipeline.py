@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch.fx
 
-from graph_trainer.config import ActivationCheckpointConfig
+from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError, did_you_mean
-from graph_trainer.log import get_logger
+from graph_trainer.observability.log import get_logger
 from graph_trainer.passes.activation_checkpoint import policy_name
 from graph_trainer.passes.graph_utils import count_nodes, node_by_name
 from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_tensors
@@ -27,7 +27,7 @@ from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep
 from graph_trainer.tracer.executor import Transformed
 from graph_trainer.tracer.summary import graph_summary
-from graph_trainer.units import MIB
+from graph_trainer.observability.units import MIB
 
 logger = get_logger(__name__)
 

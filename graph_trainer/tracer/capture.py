@@ -35,17 +35,17 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer.errors import UserError
-from graph_trainer.layers import transformer_layers
+from graph_trainer.tracer.layers import transformer_layers
 from graph_trainer.loss import lm_loss
-from graph_trainer.optimizer import clip_grads_
+from graph_trainer.optimizer.adamw import clip_grads_
 from graph_trainer.tracer import node_meta
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 # Maps the raw gradients to the ones clipped and applied, e.g. averaged over data-parallel
-# ranks with traceable collectives (graph_trainer.distributed.GradAverager).
+# ranks with traceable collectives (graph_trainer.distributed.launch.GradAverager).
 GradReduce = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 # Maps this process's squared gradient norm to the global one when gradients are sharded
-# (graph_trainer.fsdp.FSDP.norm_reduce); see graph_trainer.optimizer.clip_grads_.
+# (graph_trainer.distributed.fsdp.FSDP.norm_reduce); see graph_trainer.optimizer.adamw.clip_grads_.
 NormReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -157,7 +157,7 @@ class TracedStep:
     layout: InputLayout
     signature: tuple
     trace_time_s: float
-    # Set by a compile stage (graph_trainer.tracer.compiled): runs instead of `gm`, same inputs and outputs.
+    # Set by a compile stage (graph_trainer.compiler.inductor): runs instead of `gm`, same inputs and outputs.
     compiled: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 
     def __call__(self, flat_inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -401,7 +401,7 @@ def trace_step(
             clipping; its ops are traced into the graph in the backward phase
             (e.g. the data-parallel all-reduce).
         layers: FQN of the module whose children are the transformer blocks
-            (e.g. "model.layers"); None guesses it (see `graph_trainer.layers`).
+            (e.g. "model.layers"); None guesses it (see `graph_trainer.tracer.layers`).
             Nodes are tagged with their block's index, and activation
             checkpointing recomputes inside blocks only.
         norm_reduce: makes the clipping norm global when gradients are sharded (see `NormReduce`).

@@ -22,9 +22,9 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from graph_trainer.errors import UserError
-from graph_trainer.log import get_logger
+from graph_trainer.observability.log import get_logger
 from graph_trainer.loss import lm_loss
-from graph_trainer.optimizer import EagerUpdate, adamw_implementation, whole_step_peak
+from graph_trainer.optimizer.adamw import EagerUpdate, adamw_implementation, whole_step_peak
 from graph_trainer.step import StepOutput, StepReport
 from graph_trainer.tracer.capture import (GradReduce, GraphOptimizer, LossFn, NormReduce, TracedStep,
                                           batch_signature, batch_tensors, trace_step,

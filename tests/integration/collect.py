@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Tag names are the trainer's public contract (graph_trainer.metrics.TB_TAGS);
+# Tag names are the trainer's public contract (graph_trainer.observability.metrics.TB_TAGS);
 # they are spelled out here so that a renamed tag fails this suite.
 TAG_LOSS = "loss_metrics/global_avg_loss"
 TAG_ACTIVE = "memory/max_active(GiB)"

@@ -221,7 +221,7 @@ def test_reference_problems():
 
 
 def _log(folder: Path, steps: range, total: int, losses: dict[int, float]) -> None:
-    from graph_trainer.metrics import MetricsLogger
+    from graph_trainer.observability.metrics import MetricsLogger
 
     with MetricsLogger(folder, enable_tensorboard=True, log_freq=1, total_steps=total) as logger:
         for step in steps:
@@ -306,7 +306,7 @@ def test_declared_tests_cover_the_promises():
 @pytest.mark.parametrize("t", TESTS, ids=lambda t: t.name)
 def test_declared_invocations_parse_as_the_trainer_expects(t, tmp_path):
     """Every declared command line is a valid config, or fails with the declared message, without running."""
-    from graph_trainer.cli import load_config
+    from graph_trainer.job_config.cli import load_config
     from graph_trainer.errors import UserError
 
     for args in t.runs:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from graph_trainer.cli import load_config
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer, TrainResult
 
 # GQA (4 query heads, 2 KV heads), small enough for CPU, deterministic kernels.

@@ -21,11 +21,11 @@ from typing import Any
 import torch.nn as nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts)
 
-from graph_trainer.config import ActivationCheckpointConfig
+from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError
-from graph_trainer.fsdp import layer_forward
-from graph_trainer.layers import transformer_layers
-from graph_trainer.op_patterns import OpPattern, parse_overrides
+from graph_trainer.distributed.fsdp import layer_forward
+from graph_trainer.tracer.layers import transformer_layers
+from graph_trainer.passes.op_patterns import OpPattern, parse_overrides
 from graph_trainer.passes.graph_utils import is_attention, is_matmul
 
 

@@ -12,9 +12,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from graph_trainer.config import JobConfig, section_fields, sections
-from graph_trainer.config_load import apply_toml, load_toml, resolve_config_path, set_value, shipped_configs, validate
-from graph_trainer.config_values import limits_text, parse_cli_value, type_parts
+from graph_trainer.job_config.schema import JobConfig, section_fields, sections
+from graph_trainer.job_config.load import apply_toml, load_toml, resolve_config_path, set_value, shipped_configs, validate
+from graph_trainer.job_config.values import limits_text, parse_cli_value, type_parts
 from graph_trainer.errors import ConfigError, did_you_mean
 
 _NO_VALUE = object()  # argparse const for an option given without a value

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from graph_trainer.errors import UserError
-from graph_trainer.log import get_logger
-from graph_trainer.fsutil import TEMP_SUFFIX, atomic_write_text, remove_path
+from graph_trainer.observability.log import get_logger
+from graph_trainer.runtime.fsutil import TEMP_SUFFIX, atomic_write_text, remove_path
 
 logger = get_logger(__name__)
 

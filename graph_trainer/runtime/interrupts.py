@@ -24,7 +24,7 @@ import threading
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from graph_trainer.log import get_logger
+from graph_trainer.observability.log import get_logger
 
 if TYPE_CHECKING:  # torch is imported only when needed, so --help stays fast
     import torch

@@ -16,15 +16,16 @@ from typing import Any
 
 import tomli_w
 
-from graph_trainer.config import JobConfig, section_fields, sections
-from graph_trainer.config_values import check_limits, coerce, value_desc
+from graph_trainer.job_config.schema import JobConfig, section_fields, sections
+from graph_trainer.job_config.values import check_limits, coerce, value_desc
 from graph_trainer.errors import ConfigError, did_you_mean
 
 # Located relative to this file, so `--config llama3_debug` works from any cwd: an installed
 # wheel carries them as package data (graph_trainer/configs/, see pyproject.toml), a source
 # checkout (editable install, PYTHONPATH) has them at the repository's top level.
-_INSTALLED_CONFIGS = Path(__file__).resolve().parent / "configs"
-CONFIGS_DIR = _INSTALLED_CONFIGS if _INSTALLED_CONFIGS.is_dir() else Path(__file__).resolve().parent.parent / "configs"
+_PACKAGE = Path(__file__).resolve().parent.parent  # graph_trainer/
+_INSTALLED_CONFIGS = _PACKAGE / "configs"
+CONFIGS_DIR = _INSTALLED_CONFIGS if _INSTALLED_CONFIGS.is_dir() else _PACKAGE.parent / "configs"
 
 
 def apply_toml(cfg: JobConfig, data: dict[str, Any], where: str) -> None:

@@ -1,7 +1,7 @@
 """Config values: checking a value against its field's annotation and declared limits.
 
-Shared by TOML loading and command-line overrides (`graph_trainer.config_load`,
-`graph_trainer.cli`), so a value is judged the same way wherever it comes from.
+Shared by TOML loading and command-line overrides (`graph_trainer.job_config.load`,
+`graph_trainer.job_config.cli`), so a value is judged the same way wherever it comes from.
 Every mistake raises `ConfigError` naming the key, what is expected and what was given.
 """
 

@@ -2,9 +2,9 @@
 
 Each field carries its default, its one-line meaning and its declarative limits
 (`choices`, `ge`/`gt`/`le`/`lt`) in one place; the command-line help
-(`graph_trainer.cli`), type checks and range checks (`graph_trainer.config_values`)
+(`graph_trainer.job_config.cli`), type checks and range checks (`graph_trainer.job_config.values`)
 are generated from them. Loading TOML files, applying overrides and the checks
-that involve more than one field live in `graph_trainer.config_load`.
+that involve more than one field live in `graph_trainer.job_config.load`.
 
 Precedence, lowest first: dataclass defaults, the `--config` TOML file, then
 `--section.key VALUE` overrides.

@@ -26,19 +26,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graph_trainer.builder import (adamw_implementation_for, autocast_loss, build_job_optimizer, build_model,
                                    optimizer_in_graph, shard_model)
-from graph_trainer.config import JobConfig
-from graph_trainer.device import compute_dtype, resolve_device, resolve_dtype
-from graph_trainer.eager import EagerStep
-from graph_trainer.eager_checkpoint import apply_eager_checkpointing
+from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.runtime.device import compute_dtype, resolve_device, resolve_dtype
+from graph_trainer.eager.step import EagerStep
+from graph_trainer.eager.checkpointing import apply_eager_checkpointing
 from graph_trainer.errors import UserError
-from graph_trainer.fsdp import FSDP, ShardGroup, check_gathered
-from graph_trainer.log import quiet
-from graph_trainer.memory import LiveTensorTracker
-from graph_trainer.optimizer import EagerUpdate, GraphAdamW, whole_step_peak
+from graph_trainer.distributed.fsdp import FSDP, ShardGroup, check_gathered
+from graph_trainer.observability.log import quiet
+from graph_trainer.observability.memory import LiveTensorTracker
+from graph_trainer.optimizer.adamw import EagerUpdate, GraphAdamW, whole_step_peak
 from graph_trainer.passes import build_pipeline
 from graph_trainer.passes.graph_utils import node_flops
 from graph_trainer.tracer.capture import trace_step
-from graph_trainer.units import KIB, to_gib
+from graph_trainer.observability.units import KIB, to_gib
 from models.llama3.model import num_params
 
 AC_MODES = ("none", "selective", "full", "budget")
@@ -99,7 +99,7 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
     elapsed = time.perf_counter() - start
     est = result.memory_estimate
     if cfg.compile.backend == "inductor":  # the compiled step's bound (tracer.compiled.InductorStage)
-        from graph_trainer.tracer.compiled import functional_gather_bytes
+        from graph_trainer.compiler.inductor import functional_gather_bytes
 
         est = dataclasses.replace(est, peak_bytes=est.peak_bytes + functional_gather_bytes(result.traced.gm))
     update = None if in_graph else EagerUpdate.of(torch_optimizer, implementation, device)
@@ -238,7 +238,7 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
 
     With `parallelism.dp_shard` = N the plan is one rank's of N (FSDP), traced on a fake process group.
     """
-    from graph_trainer.distributed import planning_shard_group
+    from graph_trainer.distributed.launch import planning_shard_group
 
     device = device or resolve_device(cfg.training.device)
     with planning_shard_group(cfg) as group:

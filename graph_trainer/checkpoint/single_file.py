@@ -3,7 +3,7 @@
 Layout: `{folder}/step-{step:08d}.pt`, one file per saved step holding the whole
 training state as a nested dict of tensors and plain Python values, readable
 with `torch.load(..., weights_only=True)` (no pickled code runs on resume).
-A save either completes or leaves the folder as it was (see `graph_trainer.fsutil`).
+A save either completes or leaves the folder as it was (see `graph_trainer.runtime.fsutil`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from graph_trainer.errors import ConfigError, UserError
-from graph_trainer.fsutil import TEMP_SUFFIX, atomic_write, remove_path
+from graph_trainer.runtime.fsutil import TEMP_SUFFIX, atomic_write, remove_path
 
 _CKPT_RE = re.compile(r"^step-(\d{8,})\.pt$")
 _RESUME_HINT = "resume with the model config the checkpoint was written with, or start a new job.dump_folder"
@@ -57,7 +57,7 @@ class CheckpointManager:
 
     `interval` is in steps; the last step is always saved when enabled.
     `keep_latest_k <= 0` keeps every checkpoint. Subclasses with another on-disk
-    format (`graph_trainer.sharded_checkpoint`) override `pattern`, `path`, `save` and `load`.
+    format (`graph_trainer.checkpoint.sharded`) override `pattern`, `path`, `save` and `load`.
     """
 
     pattern = _CKPT_RE  # names of complete checkpoints in the folder; group 1 is the step

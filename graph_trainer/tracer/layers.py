@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from graph_trainer.errors import UserError, did_you_mean
-from graph_trainer.log import get_logger
+from graph_trainer.observability.log import get_logger
 
 logger = get_logger(__name__)
 

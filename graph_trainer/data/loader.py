@@ -22,8 +22,8 @@ from typing import Callable, Iterator
 import torch
 
 from graph_trainer.errors import ConfigError, UserError, closest_match
-from graph_trainer.log import get_logger
-from graph_trainer.tokenizer import Tokenizer
+from graph_trainer.observability.log import get_logger
+from graph_trainer.data.tokenizer import Tokenizer
 
 logger = get_logger(__name__)
 

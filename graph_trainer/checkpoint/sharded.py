@@ -8,7 +8,7 @@ Layout: `{folder}/step-{step:08d}.dcp/`, a `torch.distributed.checkpoint` folder
   RNG state, the config), `torch.save`d so that it reads back with `weights_only=True`.
   (DCP's own `.metadata` is a pickle: torch reads it with `pickle.load`.)
 
-Why DTensors of the logical shape: our shards (`graph_trainer.fsdp`) are torch.chunk
+Why DTensors of the logical shape: our shards (`graph_trainer.distributed.fsdp`) are torch.chunk
 row blocks with zero rows padding the last; DTensor's `Shard(0)` uses the same
 torch.chunk layout for uneven dim 0. Each rank hands DCP the unpadded rows of its block
 (`DTensor.from_local(..., shape=full shape)`), so the padding never reaches the file,
@@ -22,7 +22,7 @@ temp folder left by a kill is removed by the next save (if the run manifest owns
 Rank 0 records the final folder in the manifest before any rank writes.
 
 Resharding (another `dp_shard` on resume): the tensors reshard through DCP; the data
-position carries over only with the same global batch (`graph_trainer.resume_config`);
+position carries over only with the same global batch (`graph_trainer.job_config.resume`);
 every rank then continues from rank 0's data position and RNG state (the ranks of the
 saved run had the same position; their RNG streams cannot be mapped onto other ranks).
 """
@@ -42,11 +42,11 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from graph_trainer.checkpoint import CheckpointManager, check_compatible
+from graph_trainer.checkpoint.single_file import CheckpointManager, check_compatible
 from graph_trainer.errors import UserError
-from graph_trainer.fsdp import FSDP
-from graph_trainer.fsutil import TEMP_SUFFIX, atomic_write, fsync_dir, remove_path
-from graph_trainer.log import get_logger
+from graph_trainer.distributed.fsdp import FSDP
+from graph_trainer.runtime.fsutil import TEMP_SUFFIX, atomic_write, fsync_dir, remove_path
+from graph_trainer.observability.log import get_logger
 
 logger = get_logger(__name__)
 

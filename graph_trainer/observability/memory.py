@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_iter
 
-from graph_trainer.units import KIB
+from graph_trainer.observability.units import KIB
 
 # ---------------------------------------------------------------------------
 # What the CUDA caching allocator counts (used by the static estimate; pure functions, no CUDA needed)
@@ -110,7 +110,7 @@ class LiveTensorTracker(TorchDispatchMode):
 
     With `count_fake=True` it counts fake tensors as the memory they stand for:
     an eager step run on fake tensors then gets the peak the real step would have,
-    without allocating it (`graph_trainer.planner.eager_step_peak`).
+    without allocating it (`graph_trainer.plan.planner.eager_step_peak`).
 
     Usage:
         tracker = LiveTensorTracker()
@@ -273,7 +273,7 @@ class StepMemory:
     late_free_bytes: int | None = None
 
     def as_record(self) -> dict[str, int]:
-        """The figures that were measured, keyed as in `graph_trainer.metrics.TB_TAGS`."""
+        """The figures that were measured, keyed as in `graph_trainer.observability.metrics.TB_TAGS`."""
         return {k: v for k, v in vars(self).items() if v is not None}
 
 

@@ -52,7 +52,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from graph_trainer.layers import transformer_layers
+from graph_trainer.tracer.layers import transformer_layers
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TraceError, TracedStep
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.errors import ConfigError
-from graph_trainer.memory import allocated_bytes
+from graph_trainer.observability.memory import allocated_bytes
 
 
 # How torch.optim.AdamW runs its update when it runs outside the graph (eager mode, or the

@@ -12,7 +12,7 @@ On resume, `compare_on_resume` holds it against the current config, option by op
   `optimizer.lr` and the other AdamW hyperparameters, the schedule, `training.steps`,
   clipping, dropout, AC and compile modes, logging and checkpoint options.
 
-A sharded checkpoint (`parallelism.dp_shard`, see `graph_trainer.sharded_checkpoint`)
+A sharded checkpoint (`parallelism.dp_shard`, see `graph_trainer.checkpoint.sharded`)
 can be resumed on another number of ranks, but only with the same global batch
 (`dp_shard x local_batch_size`): then every step reads the very windows the saved run
 would have read (rank r of N takes the r-th slice of each global batch), so the data
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from graph_trainer.config import JobConfig
+from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.errors import UserError
 
 # section.key -> why a resumed run cannot take a new value.

@@ -2,7 +2,7 @@
 
 It runs the same loss function, the same gradient reduction (the data-parallel
 average, when given) and the same gradient clipping as the traced step
-(`graph_trainer.loss`, `graph_trainer.optimizer.clip_grads_`), so the two differ
+(`graph_trainer.loss`, `graph_trainer.optimizer.adamw.clip_grads_`), so the two differ
 only in how the step is executed. It implements the step protocol
 (`graph_trainer.step.TrainStep`).
 """
@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.loss import lm_loss
-from graph_trainer.optimizer import clip_grads_
+from graph_trainer.optimizer.adamw import clip_grads_
 from graph_trainer.step import StepOutput, StepReport
 from graph_trainer.tracer.capture import GradReduce, LossFn, NormReduce
 

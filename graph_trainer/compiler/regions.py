@@ -5,7 +5,7 @@ N of the same layer backward. Compiled as one graph, Inductor compiles each copy
 again: compile time grows with depth (133 s cold at 32 layers on CPU). Cut into
 regions, each layer's forward and each layer's backward is a graph of its own;
 re-traced with `make_fx`, identical layers give identical code, and a region is
-compiled once per distinct code and input layout (`graph_trainer.tracer.compiled`).
+compiled once per distinct code and input layout (`graph_trainer.compiler.inductor`).
 
 The cut keeps the graph's order: regions are contiguous runs of nodes, run in
 that order, so the memory plan (what is saved, where it is recomputed, where a

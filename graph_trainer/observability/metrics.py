@@ -1,6 +1,6 @@
 """Metrics: the console line, TensorBoard scalars and `summary.json` for one run.
 
-The trainer measures (loss, timings, memory from `graph_trainer.memory`) and hands
+The trainer measures (loss, timings, memory from `graph_trainer.observability.memory`) and hands
 one plain record per step to `MetricsLogger.log_step`; this module only formats
 and stores. Only rank 0 writes anything.
 
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from graph_trainer.errors import ConfigError
-from graph_trainer.fsutil import atomic_write_text
-from graph_trainer.units import GIB
+from graph_trainer.runtime.fsutil import atomic_write_text
+from graph_trainer.observability.units import GIB
 
 SCHEMA_VERSION = 1
 SUMMARY_FILE = "summary.json"

@@ -2,9 +2,9 @@
 
 One process per rank, launched by torchrun (which sets RANK, WORLD_SIZE and
 LOCAL_RANK); every rank trains on a disjoint slice of the data
-(`graph_trainer.data`). Two ways, named as torchtitan names them:
+(`graph_trainer.data.loader`). Two ways, named as torchtitan names them:
 - `parallelism.dp_shard = N` is FSDP: parameters, gradients and optimizer
-  state are sharded (`graph_trainer.fsdp`);
+  state are sharded (`graph_trainer.distributed.fsdp`);
 - `parallelism.dp_replicate = N` keeps a full copy on every rank; after the
   backward each gradient is averaged over the ranks (`GradAverager`), so all
   ranks take the same optimizer step and stay identical.
@@ -29,10 +29,10 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from graph_trainer.config import JobConfig
-from graph_trainer.device import resolve_device
+from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.runtime.device import resolve_device
 from graph_trainer.errors import UserError
-from graph_trainer.fsdp import ShardGroup
+from graph_trainer.distributed.fsdp import ShardGroup
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -155,7 +155,7 @@ def single_process(cfg: JobConfig) -> DistInfo:
     if world_size > 1:
         raise UserError(f"this process was launched as one of {world_size} ranks but the trainer was built "
                         "without a process group; start it through `python -m graph_trainer` "
-                        "(graph_trainer.distributed.init_distributed)")
+                        "(graph_trainer.distributed.launch.init_distributed)")
     return DistInfo(0, 1, resolve_device(cfg.training.device))
 
 
