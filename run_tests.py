@@ -41,7 +41,7 @@ from tests.integration.checks import FAILED, PASSED, SKIPPED, RunOutcome, Verdic
 from tests.integration.collect import collect_run  # noqa: E402
 from tests.integration.spec import SUITES, IntegrationTest, with_dependencies  # noqa: E402
 
-MARKER = ".run_tests_output"   # marks a folder this runner created, so --overwrite may empty it
+MARKER = ".run_tests_output"  # marks a folder this runner created, so --overwrite may empty it
 RESULTS_FILE = "results.json"
 CHART_FILE = "peak_memory.png"
 LOGS_DIR = "logs"
@@ -87,10 +87,28 @@ def build_command(test: IntegrationTest, args: tuple[str, ...], dump_folder: Pat
     """The argv of one invocation: the trainer CLI (under torchrun when nproc > 1) plus runner flags."""
     launcher = [sys.executable, "-m", "graph_trainer"]
     if test.nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                    "--nproc_per_node", str(test.nproc), "-m", "graph_trainer"]
-    return [*launcher, *args, "--job.dump_folder", str(dump_folder), "--metrics.enable_tensorboard", "true",
-            "--metrics.track_memory", "true" if track_memory else "false"]
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            str(test.nproc),
+            "-m",
+            "graph_trainer",
+        ]
+    return [
+        *launcher,
+        *args,
+        "--job.dump_folder",
+        str(dump_folder),
+        "--metrics.enable_tensorboard",
+        "true",
+        "--metrics.track_memory",
+        "true" if track_memory else "false",
+    ]
 
 
 def check_requirements(test: IntegrationTest) -> str | None:
@@ -136,11 +154,15 @@ def prepare_output_dir(out: Path, overwrite: bool) -> None:
         raise UsageError(f"OUTPUT_DIR '{out}' is a file; choose a folder")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise UsageError(f"OUTPUT_DIR '{out}' is not empty; pass --overwrite to replace an earlier "
-                             "run_tests.py output, or choose another folder")
+            raise UsageError(
+                f"OUTPUT_DIR '{out}' is not empty; pass --overwrite to replace an earlier "
+                "run_tests.py output, or choose another folder"
+            )
         if not (out / MARKER).exists():
-            raise UsageError(f"OUTPUT_DIR '{out}' is not empty and was not written by run_tests.py "
-                             f"(no {MARKER}); refusing to delete it even with --overwrite")
+            raise UsageError(
+                f"OUTPUT_DIR '{out}' is not empty and was not written by run_tests.py "
+                f"(no {MARKER}); refusing to delete it even with --overwrite"
+            )
         for child in out.iterdir():
             if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)
@@ -160,8 +182,16 @@ def child_env(parallel: int) -> dict[str, str]:
 
 def _run_one(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, str, str, bool]:
     """Run `cmd` in its own process group (torchrun's workers die with it on timeout)."""
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, errors="replace", start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
         return proc.returncode, out, err, False
@@ -180,8 +210,10 @@ def run_test(test: IntegrationTest, out: Path, track_memory: bool, env: dict[str
         return TestRun(test, RunOutcome(skip_reason=skip), commands)
     outcome = RunOutcome()
     start = time.perf_counter()
-    with open(out / LOGS_DIR / f"{test.name}.stdout.txt", "w") as log_out, \
-            open(out / LOGS_DIR / f"{test.name}.stderr.txt", "w") as log_err:
+    with (
+        open(out / LOGS_DIR / f"{test.name}.stdout.txt", "w") as log_out,
+        open(out / LOGS_DIR / f"{test.name}.stderr.txt", "w") as log_err,
+    ):
         for i, cmd in enumerate(commands):
             budget = test.timeout_s - (time.perf_counter() - start)
             code, stdout, stderr, timed_out = _run_one(cmd, env, max(budget, 1.0))
@@ -209,8 +241,11 @@ def run_all(tests: list[IntegrationTest], out: Path, parallel: int, collect_memo
             run = future.result()
             results[run.test.name] = run
             o = run.outcome
-            how = f"skipped: {o.skip_reason}" if o.skip_reason else \
-                f"exit {o.exit_codes[-1] if o.exit_codes else '-'}{' (timed out)' if o.timed_out else ''}"
+            how = (
+                f"skipped: {o.skip_reason}"
+                if o.skip_reason
+                else f"exit {o.exit_codes[-1] if o.exit_codes else '-'}{' (timed out)' if o.timed_out else ''}"
+            )
             print(f"[{done}/{len(tests)}] {run.test.name}: {how} in {o.wall_time_s:.1f} s", flush=True)
     return [results[t.name] for t in tests]
 
@@ -227,8 +262,7 @@ def check_all(runs: list[TestRun]) -> None:
 # Reporting
 # ---------------------------------------------------------------------------
 
-COLUMNS = ("test", "status", "steps", "final loss", "peak active MiB", "peak est MiB", "tokens/s",
-           "trace s", "wall s")
+COLUMNS = ("test", "status", "steps", "final loss", "peak active MiB", "peak est MiB", "tokens/s", "trace s", "wall s")
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -241,16 +275,19 @@ def table_rows(runs: list[TestRun]) -> list[tuple[str, ...]]:
     for r in runs:
         m = r.outcome.metrics
         has = m is not None and m.has_tensorboard
-        rows.append((
-            r.test.name, r.verdict.status if r.verdict else "?",
-            str(len(m.tb_steps)) if has else "-",
-            _fmt(m.final_loss if has else None, ".4f"),
-            _fmt(m.peak_active_gib * MIB_PER_GIB if has and m.peak_active_gib is not None else None, ".2f"),
-            _fmt(m.estimated_peak_gib * MIB_PER_GIB if has and m.estimated_peak_gib is not None else None, ".2f"),
-            _fmt(m.tokens_per_s if has else None, ",.0f"),
-            _fmt(m.trace_time_s if has else None, ".2f"),
-            _fmt(r.outcome.wall_time_s if not r.outcome.skip_reason else None, ".1f"),
-        ))
+        rows.append(
+            (
+                r.test.name,
+                r.verdict.status if r.verdict else "?",
+                str(len(m.tb_steps)) if has else "-",
+                _fmt(m.final_loss if has else None, ".4f"),
+                _fmt(m.peak_active_gib * MIB_PER_GIB if has and m.peak_active_gib is not None else None, ".2f"),
+                _fmt(m.estimated_peak_gib * MIB_PER_GIB if has and m.estimated_peak_gib is not None else None, ".2f"),
+                _fmt(m.tokens_per_s if has else None, ",.0f"),
+                _fmt(m.trace_time_s if has else None, ".2f"),
+                _fmt(r.outcome.wall_time_s if not r.outcome.skip_reason else None, ".1f"),
+            )
+        )
     return rows
 
 
@@ -276,17 +313,31 @@ def write_results(out: Path, runs: list[TestRun], meta: dict) -> Path:
     tests = []
     for r in runs:
         v, o = r.verdict, r.outcome
-        tests.append({
-            "name": r.test.name, "description": r.test.description, "suites": list(r.test.suites),
-            "status": v.status, "failures": v.failures, "notes": v.notes, "skip_reason": v.skip_reason,
-            "commands": [shlex.join(c) for c in r.commands], "exit_codes": o.exit_codes,
-            "timed_out": o.timed_out, "wall_time_s": o.wall_time_s,
-            "dump_folder": str(out / r.test.name),
-            "metrics": o.metrics.as_json() if o.metrics is not None else None,
-        })
+        tests.append(
+            {
+                "name": r.test.name,
+                "description": r.test.description,
+                "suites": list(r.test.suites),
+                "status": v.status,
+                "failures": v.failures,
+                "notes": v.notes,
+                "skip_reason": v.skip_reason,
+                "commands": [shlex.join(c) for c in r.commands],
+                "exit_codes": o.exit_codes,
+                "timed_out": o.timed_out,
+                "wall_time_s": o.wall_time_s,
+                "dump_folder": str(out / r.test.name),
+                "metrics": o.metrics.as_json() if o.metrics is not None else None,
+            }
+        )
     statuses = [r.verdict.status for r in runs]
-    data = {**meta, "passed": statuses.count(PASSED), "failed": statuses.count(FAILED),
-            "skipped": statuses.count(SKIPPED), "tests": tests}
+    data = {
+        **meta,
+        "passed": statuses.count(PASSED),
+        "failed": statuses.count(FAILED),
+        "skipped": statuses.count(SKIPPED),
+        "tests": tests,
+    }
     path = out / RESULTS_FILE
     path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return path
@@ -298,8 +349,12 @@ def write_chart(out: Path, runs: list[TestRun]) -> Path | None:
     Returns None when no test logged memory. Raises ImportError when matplotlib (the
     `plots` extra) is missing; the caller reports that and writes everything else.
     """
-    with_mem = [r for r in runs if r.outcome.metrics is not None and
-                (r.outcome.metrics.peak_active_gib is not None or r.outcome.metrics.estimated_peak_gib is not None)]
+    with_mem = [
+        r
+        for r in runs
+        if r.outcome.metrics is not None
+        and (r.outcome.metrics.peak_active_gib is not None or r.outcome.metrics.estimated_peak_gib is not None)
+    ]
     if not with_mem:
         return None
     # The object API without pyplot: no display and no global backend state; savefig draws with Agg.
@@ -320,8 +375,7 @@ def write_chart(out: Path, runs: list[TestRun]) -> Path | None:
         ys = [i + k * height for i in range(len(names))]
         widths = [0.0 if v is None else v * scale for v in values]
         bars = ax.barh(ys, widths, height=height, label=label)
-        ax.bar_label(bars, labels=["" if v is None else f"{v * scale:.2f}" for v in values], padding=2,
-                     fontsize=8)
+        ax.bar_label(bars, labels=["" if v is None else f"{v * scale:.2f}" for v in values], padding=2, fontsize=8)
     ax.set_yticks([i + height * (len(series) - 1) / 2 for i in range(len(names))], names)
     ax.invert_yaxis()  # first test on top, as in the table
     ax.set_xlabel(unit)
@@ -397,14 +451,25 @@ def print_list(tests: list[IntegrationTest], collect_memory: bool) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The runner's command line."""
     p = argparse.ArgumentParser(prog="run_tests.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("output_dir", nargs="?", type=Path, help="folder for each test's dump folder, logs, "
-                   "results.json and the chart (required unless --list)")
+    p.add_argument(
+        "output_dir",
+        nargs="?",
+        type=Path,
+        help="folder for each test's dump folder, logs, results.json and the chart (required unless --list)",
+    )
     p.add_argument("--suite", choices=SUITES, default="quick", help="which declared suite to run (default quick)")
-    p.add_argument("--test", action="append", metavar="NAME",
-                   help="run only this test (repeatable); the tests it compares against run too")
+    p.add_argument(
+        "--test",
+        action="append",
+        metavar="NAME",
+        help="run only this test (repeatable); the tests it compares against run too",
+    )
     p.add_argument("--list", action="store_true", help="print the selected tests and their commands, run nothing")
-    p.add_argument("--collect-peak-memory", action="store_true",
-                   help="measure memory in every test (not only those whose checks need it) and chart it")
+    p.add_argument(
+        "--collect-peak-memory",
+        action="store_true",
+        help="measure memory in every test (not only those whose checks need it) and chart it",
+    )
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="run N tests at once (default 1)")
     p.add_argument("--overwrite", action="store_true", help="empty a non-empty OUTPUT_DIR from an earlier run")
     args = p.parse_args(argv)
@@ -433,9 +498,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"running {len(tests)} tests ({label}) into {out}, {args.parallel} at a time", flush=True)
     runs = run_all(tests, out, args.parallel, args.collect_peak_memory)
     check_all(runs)
-    meta = {"suite": None if args.test else args.suite, "selected": args.test, "parallel": args.parallel,
-            "collect_peak_memory": args.collect_peak_memory, "python": sys.executable,
-            "wall_time_s": time.perf_counter() - start}
+    meta = {
+        "suite": None if args.test else args.suite,
+        "selected": args.test,
+        "parallel": args.parallel,
+        "collect_peak_memory": args.collect_peak_memory,
+        "python": sys.executable,
+        "wall_time_s": time.perf_counter() - start,
+    }
     return report(out, runs, meta)
 
 

@@ -31,21 +31,29 @@ def main() -> None:
     args = parser.parse_args()
     lines = []
     for name in args.configs:
-        trainers = {(compile_mode, ac): make_trainer("llama3_debug", *CONFIGS[name], "--compile.mode", compile_mode,
-                                                     "--activation_checkpoint.mode", ac)
-                    for ac in MODES for compile_mode in ("trace", "eager")}
+        trainers = {
+            (compile_mode, ac): make_trainer(
+                "llama3_debug", *CONFIGS[name], "--compile.mode", compile_mode, "--activation_checkpoint.mode", ac
+            )
+            for ac in MODES
+            for compile_mode in ("trace", "eager")
+        }
         times = interleaved_step_times(trainers, warmup=args.warmup, steps=args.steps)
         base_time = median(times[("trace", "none")])
         lines.append(f"\n{name}: median of {args.steps} steps after {args.warmup} warm-up, all six interleaved")
-        lines.append(f"{'ac mode':10} {'traced peak':>12} {'eager peak':>11} {'ratio':>6} {'est/meas':>9} "
-                     f"{'traced s':>9} {'vs none':>8} {'eager s':>8}")
+        lines.append(
+            f"{'ac mode':10} {'traced peak':>12} {'eager peak':>11} {'ratio':>6} {'est/meas':>9} "
+            f"{'traced s':>9} {'vs none':>8} {'eager s':>8}"
+        )
         for ac in MODES:
             traced_peak, record = measured_peak(trainers[("trace", ac)])
             eager_peak, _ = measured_peak(trainers[("eager", ac)])
             traced_time = median(times[("trace", ac)])
-            lines.append(f"{ac:10} {traced_peak / GIB:10.3f}Gi {eager_peak / GIB:9.3f}Gi {traced_peak / eager_peak:6.3f} "
-                         f"{record['estimated_peak_bytes'] / traced_peak:9.3f} {traced_time:9.3f} "
-                         f"{traced_time / base_time:8.2f} {median(times[('eager', ac)]):8.3f}")
+            lines.append(
+                f"{ac:10} {traced_peak / GIB:10.3f}Gi {eager_peak / GIB:9.3f}Gi {traced_peak / eager_peak:6.3f} "
+                f"{record['estimated_peak_bytes'] / traced_peak:9.3f} {traced_time:9.3f} "
+                f"{traced_time / base_time:8.2f} {median(times[('eager', ac)]):8.3f}"
+            )
     print("\n".join(lines))
 
 

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from graph_trainer.plan import planner  # noqa: E402
 from graph_trainer.job_config.cli import load_config  # noqa: E402
 from graph_trainer.observability.units import to_gib  # noqa: E402
+from graph_trainer.plan import planner  # noqa: E402
 
 # The shapes the GPU measurements used: 1B at batch 4 x 2048, 8B as shipped (1 x 8192); losses chunked as shipped.
 CONFIGS = {
@@ -45,19 +45,25 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["selective", "full"], choices=["none", "selective", "full"])
     args = parser.parse_args()
     cpu = torch.device("cpu")
-    print(f"{'config':7} {'ac mode':10} {'graph peak':>11} {'eager peak':>11} {'graph act':>10} {'eager act':>10} "
-          f"{'act ratio':>9}   (GiB; fp32 on CPU, fake tensors, no AdamW update)")
+    print(
+        f"{'config':7} {'ac mode':10} {'graph peak':>11} {'eager peak':>11} {'graph act':>10} {'eager act':>10} "
+        f"{'act ratio':>9}   (GiB; fp32 on CPU, fake tensors, no AdamW update)"
+    )
     for name in args.configs:
         for mode in args.modes:
-            cfg, _ = load_config([*CONFIGS[name], "--activation_checkpoint.mode", mode,
-                                  "--compile.trace_optimizer", "false"])
+            cfg, _ = load_config(
+                [*CONFIGS[name], "--activation_checkpoint.mode", mode, "--compile.trace_optimizer", "false"]
+            )
             estimate = planner.plan_step(cfg, planner.meta_model(cfg), cpu).step_graph.memory_estimate
             held = sum(n for cat, n in estimate.peak_bytes_by_category.items() if cat in NOT_ACTIVATIONS)
             graph_act = estimate.peak_bytes - held
             eager = planner.eager_step_peak(cfg, cpu)
-            print(f"{name:7} {mode:10} {to_gib(estimate.peak_bytes):11.2f} {to_gib(eager.peak_bytes):11.2f} "
-                  f"{to_gib(graph_act):10.2f} {to_gib(eager.activation_bytes):10.2f} "
-                  f"{graph_act / eager.activation_bytes:9.3f}", flush=True)
+            print(
+                f"{name:7} {mode:10} {to_gib(estimate.peak_bytes):11.2f} {to_gib(eager.peak_bytes):11.2f} "
+                f"{to_gib(graph_act):10.2f} {to_gib(eager.activation_bytes):10.2f} "
+                f"{graph_act / eager.activation_bytes:9.3f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The AdamW update alone: torch's single-tensor and foreach loops vs the traced update, op by op and compiled by Inductor.
+"""The AdamW update alone: torch's single-tensor and foreach loops vs the traced update, op by op and
+compiled by Inductor.
 
     python benchmarks/adamw.py [--configs debug deep] [--steps 20]
 
@@ -22,17 +23,19 @@ import torch  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from benchmarks.common import CONFIGS, make_trainer  # noqa: E402
-from graph_trainer.optimizer.adamw import GraphAdamW  # noqa: E402
 from graph_trainer.compiler.inductor import compile_step_graph  # noqa: E402
+from graph_trainer.optimizer.adamw import GraphAdamW  # noqa: E402
 
 
 def traced_update(graph_opt: GraphAdamW, n: int, flat: list[torch.Tensor]) -> torch.fx.GraphModule:
     """make_fx of the update alone: inputs params, grads, state, host scalars; in place, no outputs."""
+
     def update(*inputs):
-        params, grads = list(inputs[:n]), list(inputs[n:2 * n])
-        state, scalars = list(inputs[2 * n:5 * n]), list(inputs[5 * n:])
+        params, grads = list(inputs[:n]), list(inputs[n : 2 * n])
+        state, scalars = list(inputs[2 * n : 5 * n]), list(inputs[5 * n :])
         graph_opt.update_(params, grads, state, scalars)
         return []
+
     with torch.no_grad():
         return make_fx(update, tracing_mode="fake")(*flat)
 
@@ -62,6 +65,7 @@ def main() -> None:
             def run():
                 opt.param_groups[0]["foreach"] = foreach
                 opt.step()
+
             return run
 
         def graph_step(fn):
@@ -69,10 +73,15 @@ def main() -> None:
                 with torch.no_grad():
                     fn(flat())
                 opt._opt_called = True
+
             return run
 
-        variants = {"torch single-tensor": torch_step(False), "torch foreach": torch_step(True),
-                    "traced (op by op)": graph_step(lambda xs: gm(*xs)), "traced + inductor": graph_step(compiled)}
+        variants = {
+            "torch single-tensor": torch_step(False),
+            "torch foreach": torch_step(True),
+            "traced (op by op)": graph_step(lambda xs: gm(*xs)),
+            "traced + inductor": graph_step(compiled),
+        }
         times = {k: [] for k in variants}
         for i in range(args.steps + 2):
             for k, fn in variants.items():
@@ -86,7 +95,7 @@ def main() -> None:
             rows.append((name, n_params, k, statistics.median(ts), statistics.median(ts) / base))
         print(f"{name}: {len(params)} tensors, {n_params:,} parameters, inductor compile {compile_s:.1f} s", flush=True)
     print(f"\nmedian of {args.steps} updates after 2 warm-up, variants interleaved")
-    print(f"| config | parameters | update | ms | vs single-tensor |\n|---|---|---|---|---|")
+    print("| config | parameters | update | ms | vs single-tensor |\n|---|---|---|---|---|")
     for name, n, k, t, r in rows:
         print(f"| {name} | {n:,} | {k} | {t * 1000:.2f} | {r:.2f}x |")
 

@@ -21,8 +21,9 @@ CONFIGS = {
 def make_trainer(config: str, *overrides: str) -> Trainer:
     """A Trainer for `config` plus overrides, logging into a fresh temporary folder (no TensorBoard)."""
     folder = Path(tempfile.mkdtemp(prefix="gt_bench_"))
-    cfg, _ = load_config(["--config", config, *overrides, "--job.dump_folder", str(folder),
-                          "--metrics.enable_tensorboard", "false"])
+    cfg, _ = load_config(
+        ["--config", config, *overrides, "--job.dump_folder", str(folder), "--metrics.enable_tensorboard", "false"]
+    )
     return Trainer(cfg)
 
 
@@ -32,8 +33,7 @@ def next_batch(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.to(trainer.device) for k, v in next(trainer._bench_iter).items()}
 
 
-def interleaved_step_times(trainers: dict, *, warmup: int, steps: int,
-                           tracked: tuple = ()) -> dict[str, list[float]]:
+def interleaved_step_times(trainers: dict, *, warmup: int, steps: int, tracked: tuple = ()) -> dict[str, list[float]]:
     """Run the trainers' steps alternately (so machine noise hits all alike); step times after warm-up.
 
     Memory tracking is off (its dispatch overhead would distort the timing) except for `tracked` keys.

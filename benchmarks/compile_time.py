@@ -28,20 +28,42 @@ SHAPE = ["--training.local_batch_size", "2", "--training.seq_len", "128"]
 def worker(layers: int, optimizer: str, regional: str) -> None:
     from benchmarks.common import make_trainer, next_batch
 
-    trainer = make_trainer("llama3_debug", *SHAPE, "--model.n_layers", str(layers), "--compile.backend", "inductor",
-                           "--compile.trace_optimizer", optimizer, "--compile.regional", regional)
+    trainer = make_trainer(
+        "llama3_debug",
+        *SHAPE,
+        "--model.n_layers",
+        str(layers),
+        "--compile.backend",
+        "inductor",
+        "--compile.trace_optimizer",
+        optimizer,
+        "--compile.regional",
+        regional,
+    )
     trainer.log = lambda message: None
     record = trainer.train_step(next_batch(trainer))
-    print("COMPILE_TIME " + json.dumps({"inductor_time_s": record["inductor_time_s"],
-                                        "trace_time_s": record["trace_time_s"],
-                                        "nodes": len(trainer.step_fn.traced.gm.graph.nodes)}), flush=True)
+    print(
+        "COMPILE_TIME "
+        + json.dumps(
+            {
+                "inductor_time_s": record["inductor_time_s"],
+                "trace_time_s": record["trace_time_s"],
+                "nodes": len(trainer.step_fn.traced.gm.graph.nodes),
+            }
+        ),
+        flush=True,
+    )
 
 
 def measure(layers: int, optimizer: str, regional: str, cache_dir: str) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(layers), "--optimizer", optimizer,
-                           "--regional", regional],
-                          capture_output=True, text=True, env=env, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", str(layers), "--optimizer", optimizer, "--regional", regional],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("COMPILE_TIME ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"worker failed ({layers} layers): {proc.stderr.strip().splitlines()[-1:]}")
@@ -58,16 +80,21 @@ def main() -> None:
     if args.worker is not None:
         worker(args.worker, args.optimizer, args.regional[0])
         return
-    print("| regional | layers | graph nodes | trace s | inductor cold s | inductor warm s | cold s / layer |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        "| regional | layers | graph nodes | trace s | inductor cold s | inductor warm s | cold s / layer |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for regional in args.regional:
         for layers in args.layers:
             with tempfile.TemporaryDirectory(prefix="gt_inductor_cache_") as cache:
                 cold = measure(layers, args.optimizer, regional, cache)
                 warm = measure(layers, args.optimizer, regional, cache)
-            print(f"| {regional} | {layers} | {cold['nodes']:,} | {cold['trace_time_s']:.1f} | "
-                  f"{cold['inductor_time_s']:.1f} | {warm['inductor_time_s']:.1f} | "
-                  f"{cold['inductor_time_s'] / layers:.1f} |", flush=True)
+            print(
+                f"| {regional} | {layers} | {cold['nodes']:,} | {cold['trace_time_s']:.1f} | "
+                f"{cold['inductor_time_s']:.1f} | {warm['inductor_time_s']:.1f} | "
+                f"{cold['inductor_time_s'] / layers:.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

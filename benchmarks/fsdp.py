@@ -18,8 +18,18 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = ["--config", "llama3_debug", "--training.seq_len", "256", "--training.local_batch_size", "2",
-         "--metrics.enable_tensorboard", "false", "--training.deterministic", "true"]
+MODEL = [
+    "--config",
+    "llama3_debug",
+    "--training.seq_len",
+    "256",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--training.deterministic",
+    "true",
+]
 
 
 BF16_PARAMS = ["--training.mixed_precision_param", "bfloat16"]
@@ -28,11 +38,23 @@ BF16_PARAMS = ["--training.mixed_precision_param", "bfloat16"]
 def run(out: Path, ranks: int, option: str | None, steps: int, extra: tuple[str, ...] = ()) -> dict:
     """One CLI run (`extra`: more options); returns rank 0's summary.json."""
     folder = out / ((f"{option}_{ranks}" if option else "one_process") + ("_bf16" if extra else ""))
-    args = [*MODEL, "--training.steps", str(steps), "--job.dump_folder", str(folder), "--job.overwrite", "true",
-            *extra]
+    args = [*MODEL, "--training.steps", str(steps), "--job.dump_folder", str(folder), "--job.overwrite", "true", *extra]
     if option:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-               "--nproc_per_node", str(ranks), "-m", "graph_trainer", *args, f"--parallelism.{option}", str(ranks)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            str(ranks),
+            "-m",
+            "graph_trainer",
+            *args,
+            f"--parallelism.{option}",
+            str(ranks),
+        ]
     else:
         cmd = [sys.executable, "-m", "graph_trainer", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -48,9 +70,11 @@ def main() -> None:
     a = parser.parse_args()
     rows = [("one process", run(a.out, 1, None, a.steps))]
     for n in a.ranks:
-        rows += [(f"dp_shard {n} (FSDP)", run(a.out, n, "dp_shard", a.steps)),
-                 (f"dp_shard {n}, bf16 params", run(a.out, n, "dp_shard", a.steps, tuple(BF16_PARAMS))),
-                 (f"dp_replicate {n}", run(a.out, n, "dp_replicate", a.steps))]
+        rows += [
+            (f"dp_shard {n} (FSDP)", run(a.out, n, "dp_shard", a.steps)),
+            (f"dp_shard {n}, bf16 params", run(a.out, n, "dp_shard", a.steps, tuple(BF16_PARAMS))),
+            (f"dp_replicate {n}", run(a.out, n, "dp_replicate", a.steps)),
+        ]
     base = statistics.median(s["step_time_s"] for s in rows[0][1]["steps"][1:])
     print(f"{'run':26} {'measured MiB':>13} {'estimate MiB':>13} {'equal':>6} {'step s':>7} {'vs 1 proc':>9}")
     for name, summary in rows:
@@ -59,8 +83,10 @@ def main() -> None:
         estimated = max(s["estimated_peak_bytes"] for s in steps)
         equal = all(s["peak_active_bytes"] == s["estimated_peak_bytes"] for s in steps)
         step = statistics.median(s["step_time_s"] for s in steps[1:])
-        print(f"{name:26} {measured / 2**20:13.2f} {estimated / 2**20:13.2f} {str(equal):>6} {step:7.3f} "
-              f"{step / base:9.2f}")
+        print(
+            f"{name:26} {measured / 2**20:13.2f} {estimated / 2**20:13.2f} {str(equal):>6} {step:7.3f} "
+            f"{step / base:9.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -43,9 +43,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graph_trainer.observability.units import GIB  # noqa: E402
 
-MODES = ("eager", "eager+compile(block)", "eager+compile(model)", "trace", "trace+opt", "trace+inductor",
-         "trace+inductor+opt", "trace+inductor(whole)", "trace+inductor(whole)+opt", "trace+inductor+cudagraphs",
-         "trace+inductor+cudagraphs+opt")
+MODES = (
+    "eager",
+    "eager+compile(block)",
+    "eager+compile(model)",
+    "trace",
+    "trace+opt",
+    "trace+inductor",
+    "trace+inductor+opt",
+    "trace+inductor(whole)",
+    "trace+inductor(whole)+opt",
+    "trace+inductor+cudagraphs",
+    "trace+inductor+cudagraphs+opt",
+)
 
 
 def mode_overrides(mode: str) -> list[str]:
@@ -64,7 +74,6 @@ def mode_overrides(mode: str) -> list[str]:
 
 def run_mode(mode: str, ac: str, config: str, overrides: list[str], warmup: int, steps: int) -> dict:
     """One mode in this process: the figures of one table row."""
-    import torch
 
     from benchmarks.common import next_batch
     from graph_trainer.job_config.cli import load_config
@@ -72,9 +81,20 @@ def run_mode(mode: str, ac: str, config: str, overrides: list[str], warmup: int,
     from graph_trainer.trainer import Trainer
 
     folder = tempfile.mkdtemp(prefix="gt_peers_")
-    cfg, _ = load_config(["--config", config, *overrides, *mode_overrides(mode),
-                          "--activation_checkpoint.mode", ac, "--job.dump_folder", folder,
-                          "--metrics.enable_tensorboard", "false"])
+    cfg, _ = load_config(
+        [
+            "--config",
+            config,
+            *overrides,
+            *mode_overrides(mode),
+            "--activation_checkpoint.mode",
+            ac,
+            "--job.dump_folder",
+            folder,
+            "--metrics.enable_tensorboard",
+            "false",
+        ]
+    )
     trainer = Trainer(cfg)
     trainer.log = lambda message: None
     if mode == "eager+compile(model)":
@@ -85,16 +105,24 @@ def run_mode(mode: str, ac: str, config: str, overrides: list[str], warmup: int,
     torch_compiled = "compile(" in mode
     trainer.memory.track = False
     times = []
-    for i in range(warmup + steps):
+    for _ in range(warmup + steps):
         record = trainer.train_step(next_batch(trainer))
         times.append(record["step_time_s"])
     median = statistics.median(times[warmup:])
-    row = {"mode": mode, "ac": ac, "device": trainer.device.type, "step_s": median,
-           "tokens_per_s": record["tokens_per_s"] * record["step_time_s"] / median,
-           "mfu_pct": record.get("mfu_pct", 0.0) * record["step_time_s"] / median if "mfu_pct" in record else None,
-           "compile_s": (record.get("trace_time_s", 0.0) + record.get("inductor_time_s", 0.0)
-                         if not torch_compiled else times[0] - median),
-           "first_step_s": times[0]}
+    row = {
+        "mode": mode,
+        "ac": ac,
+        "device": trainer.device.type,
+        "step_s": median,
+        "tokens_per_s": record["tokens_per_s"] * record["step_time_s"] / median,
+        "mfu_pct": record.get("mfu_pct", 0.0) * record["step_time_s"] / median if "mfu_pct" in record else None,
+        "compile_s": (
+            record.get("trace_time_s", 0.0) + record.get("inductor_time_s", 0.0)
+            if not torch_compiled
+            else times[0] - median
+        ),
+        "first_step_s": times[0],
+    }
     if trainer.device.type == "cuda" or not torch_compiled:
         trainer.memory.track = True
         record = trainer.train_step(next_batch(trainer))
@@ -109,9 +137,12 @@ def _fmt_gib(n) -> str:
 
 
 def markdown(rows: list[dict], title: str) -> str:
-    lines = [f"{title}", "",
-             "| ac | mode | step s | vs eager | tokens/s | MFU % | peak active GiB | peak reserved GiB | compile s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{title}",
+        "",
+        "| ac | mode | step s | vs eager | tokens/s | MFU % | peak active GiB | peak reserved GiB | compile s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     eager = {r["ac"]: r["step_s"] for r in rows if r["mode"] == "eager" and "step_s" in r}
     for r in rows:
         if "error" in r:
@@ -119,9 +150,11 @@ def markdown(rows: list[dict], title: str) -> str:
             continue
         ratio = f"{r['step_s'] / eager[r['ac']]:.2f}x" if r["ac"] in eager else "-"
         mfu = "-" if r.get("mfu_pct") is None else f"{r['mfu_pct']:.1f}"
-        lines.append(f"| {r['ac']} | {r['mode']} | {r['step_s']:.3f} | {ratio} | {r['tokens_per_s']:,.0f} | {mfu} | "
-                     f"{_fmt_gib(r.get('peak_active_bytes'))} | {_fmt_gib(r.get('peak_reserved_bytes'))} | "
-                     f"{r['compile_s']:.1f} |")
+        lines.append(
+            f"| {r['ac']} | {r['mode']} | {r['step_s']:.3f} | {ratio} | {r['tokens_per_s']:,.0f} | {mfu} | "
+            f"{_fmt_gib(r.get('peak_active_bytes'))} | {_fmt_gib(r.get('peak_reserved_bytes'))} | "
+            f"{r['compile_s']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -135,8 +168,12 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/peers")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per mode before it is reported as failed")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "AC"), help=argparse.SUPPRESS)
-    parser.add_argument("--overrides", nargs=argparse.REMAINDER, default=[],
-                        help="trainer options for every mode, e.g. --overrides --model.n_layers 16 (must be last)")
+    parser.add_argument(
+        "--overrides",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="trainer options for every mode, e.g. --overrides --model.n_layers 16 (must be last)",
+    )
     args = parser.parse_args()
     if args.worker:
         row = run_mode(args.worker[0], args.worker[1], args.config, args.overrides, args.warmup, args.steps)
@@ -152,8 +189,21 @@ def main() -> None:
             if "cudagraphs" in mode and not cuda:
                 print(f"skip {mode} ({ac}): CUDA graphs need a CUDA device", flush=True)
                 continue
-            cmd = [sys.executable, __file__, "--config", args.config, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--worker", mode, ac, "--overrides", *args.overrides]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--config",
+                args.config,
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--worker",
+                mode,
+                ac,
+                "--overrides",
+                *args.overrides,
+            ]
             start = time.perf_counter()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -166,16 +216,30 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 row = {"mode": mode, "ac": ac, "error": f"timed out after {args.timeout} s"}
             rows.append(row)
-            print(f"{ac:9} {mode:32} {row.get('step_s', float('nan')):8.3f} s/step  "
-                  f"peak {_fmt_gib(row.get('peak_active_bytes'))} GiB  compile {row.get('compile_s', 0):6.1f} s  "
-                  f"({time.perf_counter() - start:.0f} s wall){'  ' + row['error'] if 'error' in row else ''}",
-                  flush=True)
+            print(
+                f"{ac:9} {mode:32} {row.get('step_s', float('nan')):8.3f} s/step  "
+                f"peak {_fmt_gib(row.get('peak_active_bytes'))} GiB  compile {row.get('compile_s', 0):6.1f} s  "
+                f"({time.perf_counter() - start:.0f} s wall){'  ' + row['error'] if 'error' in row else ''}",
+                flush=True,
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    title = (f"`benchmarks/peers.py --config {args.config} {' '.join(args.overrides)}`: median of {args.steps} "
-             f"steps after {args.warmup} warm-up, one process per mode")
-    (out / "peers.json").write_text(json.dumps({"config": args.config, "overrides": args.overrides,
-                                                 "steps": args.steps, "warmup": args.warmup, "rows": rows}, indent=1))
+    title = (
+        f"`benchmarks/peers.py --config {args.config} {' '.join(args.overrides)}`: median of {args.steps} "
+        f"steps after {args.warmup} warm-up, one process per mode"
+    )
+    (out / "peers.json").write_text(
+        json.dumps(
+            {
+                "config": args.config,
+                "overrides": args.overrides,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     table = markdown(rows, title)
     (out / "peers.md").write_text(table + "\n")
     print("\n" + table)

@@ -22,8 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def measure(ac: str, layers: int, rounds: int, overrides: list[str]) -> dict[str, float]:
     from benchmarks.common import interleaved_step_times, make_trainer, median
 
-    common = ["--model.n_layers", str(layers), "--activation_checkpoint.mode", ac, "--compile.trace_optimizer",
-              "true", *overrides]
+    common = [
+        "--model.n_layers",
+        str(layers),
+        "--activation_checkpoint.mode",
+        ac,
+        "--compile.trace_optimizer",
+        "true",
+        *overrides,
+    ]
     trainers = {
         "uncompiled": make_trainer("llama3_debug", *common),
         "whole": make_trainer("llama3_debug", *common, "--compile.backend", "inductor", "--compile.regional", "false"),
@@ -40,16 +47,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--ac", nargs="+", default=["none", "selective"])
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--overrides", nargs=argparse.REMAINDER, default=[],
-                        help="trainer options, e.g. --overrides --training.local_batch_size 4 (must be last)")
+    parser.add_argument(
+        "--overrides",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="trainer options, e.g. --overrides --training.local_batch_size 4 (must be last)",
+    )
     args = parser.parse_args()
     rows = [(ac, measure(ac, args.layers, args.rounds, args.overrides)) for ac in args.ac]
-    print("| ac | uncompiled s | whole s | regional s | whole / uncompiled | regional / uncompiled | regional / whole |")
+    print(
+        "| ac | uncompiled s | whole s | regional s | whole / uncompiled | regional / uncompiled | regional / whole |"
+    )
     print("|---|---|---|---|---|---|---|")
     for ac, t in rows:
-        print(f"| {ac} | {t['uncompiled']:.3f} | {t['whole']:.3f} | {t['regional']:.3f} | "
-              f"{t['whole'] / t['uncompiled']:.2f}x | {t['regional'] / t['uncompiled']:.2f}x | "
-              f"{t['regional'] / t['whole']:.2f}x |")
+        print(
+            f"| {ac} | {t['uncompiled']:.3f} | {t['whole']:.3f} | {t['regional']:.3f} | "
+            f"{t['whole'] / t['uncompiled']:.2f}x | {t['regional'] / t['uncompiled']:.2f}x | "
+            f"{t['regional'] / t['whole']:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from benchmarks.common import CONFIGS, interleaved_step_times, make_trainer, mea
 from graph_trainer.observability.units import GIB  # noqa: E402
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -30,20 +29,37 @@ def main() -> None:
     rows = []
     for name in args.configs:
         overrides = CONFIGS[name]
-        trainers = {mode: make_trainer("llama3_debug", *overrides, "--compile.mode", mode.split("+")[0])
-                    for mode in ("eager", "trace", "trace+tracked")}
+        trainers = {
+            mode: make_trainer("llama3_debug", *overrides, "--compile.mode", mode.split("+")[0])
+            for mode in ("eager", "trace", "trace+tracked")
+        }
         times = interleaved_step_times(trainers, warmup=args.warmup, steps=args.steps, tracked=("trace+tracked",))
         peaks = {mode: measured_peak(trainers[mode])[0] for mode in ("eager", "trace")}
         eager_t, trace_t = median(times["eager"]), median(times["trace"])
-        rows.append((name, eager_t, trace_t, trace_t / eager_t, trainers["trace"].step_fn.stats.last_time_s,
-                     trainers["trace"].step_fn.stats.count, peaks["eager"], peaks["trace"],
-                     peaks["trace"] / peaks["eager"], median(times["trace+tracked"]) / trace_t))
+        rows.append(
+            (
+                name,
+                eager_t,
+                trace_t,
+                trace_t / eager_t,
+                trainers["trace"].step_fn.stats.last_time_s,
+                trainers["trace"].step_fn.stats.count,
+                peaks["eager"],
+                peaks["trace"],
+                peaks["trace"] / peaks["eager"],
+                median(times["trace+tracked"]) / trace_t,
+            )
+        )
     print(f"\nmedian of {args.steps} steps after {args.warmup} warm-up, eager and traced interleaved")
-    print(f"{'config':8} {'eager s':>8} {'traced s':>9} {'ratio':>6} {'trace s':>8} {'traces':>6} "
-          f"{'eager peak':>11} {'traced peak':>12} {'ratio':>6} {'tracking':>9}")
+    print(
+        f"{'config':8} {'eager s':>8} {'traced s':>9} {'ratio':>6} {'trace s':>8} {'traces':>6} "
+        f"{'eager peak':>11} {'traced peak':>12} {'ratio':>6} {'tracking':>9}"
+    )
     for name, e, t, r, tt, n, pe, pt, pr, tr in rows:
-        print(f"{name:8} {e:8.3f} {t:9.3f} {r:6.3f} {tt:8.2f} {n:6d} {pe / GIB:9.3f}Gi {pt / GIB:10.3f}Gi {pr:6.3f} "
-              f"{tr:8.3f}x")
+        print(
+            f"{name:8} {e:8.3f} {t:9.3f} {r:6.3f} {tt:8.2f} {n:6d} {pe / GIB:9.3f}Gi {pt / GIB:10.3f}Gi {pr:6.3f} "
+            f"{tr:8.3f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -64,10 +64,14 @@ def build() -> tuple[TinyLM, torch.optim.AdamW]:
 
 def main() -> None:
     model, adamw = build()
-    step = GraphStep(model, loss_fn=loss_fn, max_norm=1.0,
-                     optimizer=GraphAdamW(adamw),                 # the update runs inside the graph
-                     layers="blocks",                             # the container of the transformer blocks
-                     transform=memory_policy_transform("full"))   # AC: none | selective | full | budget
+    step = GraphStep(
+        model,
+        loss_fn=loss_fn,
+        max_norm=1.0,
+        optimizer=GraphAdamW(adamw),  # the update runs inside the graph
+        layers="blocks",  # the container of the transformer blocks
+        transform=memory_policy_transform("full"),
+    )  # AC: none | selective | full | budget
     for i, batch in enumerate(batches(5)):
         loss, grad_norm = step(batch)
         print(f"step {i + 1}: loss {loss.item():.4f}  grad_norm {grad_norm.item():.4f}")

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graph_trainer.job_config.schema import JobConfig
-from graph_trainer.job_config.load import resolve_model_args
-from graph_trainer.errors import UserError
-from graph_trainer.runtime.device import DTYPES
 from graph_trainer.distributed.fsdp import FSDP, ShardGroup, check_gathered, fully_shard_model
+from graph_trainer.errors import UserError
+from graph_trainer.job_config.load import resolve_model_args
+from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.loss import build_lm_loss
-from graph_trainer.optimizer.adamw import (GraphAdamW, build_optimizer, choose_adamw_implementation, init_adamw_state)
+from graph_trainer.optimizer.adamw import GraphAdamW, build_optimizer, choose_adamw_implementation, init_adamw_state
+from graph_trainer.runtime.device import DTYPES
 from graph_trainer.step import TrainStep
 from graph_trainer.tracer.capture import GradReduce, LossFn, TraceError
 from models import get_model_spec
@@ -36,6 +36,7 @@ def autocast_loss(dtype: torch.dtype, device: torch.device, chunk_size: int = 0)
     def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
         with torch.autocast(device.type, dtype=dtype):
             return base(model, batch)
+
     return loss_fn
 
 
@@ -59,8 +60,10 @@ def build_model(cfg: JobConfig, device: torch.device | None, *, vocab_needed: in
     """
     args = resolve_model_args(cfg)
     if vocab_needed > args.vocab_size:
-        raise UserError(f"the tokenizer has {vocab_needed} ids but model.vocab_size is {args.vocab_size}; "
-                        "set model.vocab_size >= the tokenizer's vocabulary")
+        raise UserError(
+            f"the tokenizer has {vocab_needed} ids but model.vocab_size is {args.vocab_size}; "
+            "set model.vocab_size >= the tokenizer's vocabulary"
+        )
     with torch.device("meta"):
         model = get_model_spec(cfg.model.name).model_cls(args)
     if device is None:
@@ -76,8 +79,9 @@ def shard_model(cfg: JobConfig, model: nn.Module, group: ShardGroup | None) -> F
     if group is None:
         return None
     t = cfg.training
-    return fully_shard_model(model, group, param_dtype=DTYPES[t.mixed_precision_param],
-                             reduce_dtype=DTYPES[t.mixed_precision_reduce])
+    return fully_shard_model(
+        model, group, param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce]
+    )
 
 
 def optimizer_in_graph(cfg: JobConfig) -> bool:
@@ -93,17 +97,34 @@ def adamw_implementation_for(cfg: JobConfig, device: torch.device) -> str:
 def build_job_optimizer(cfg: JobConfig, model: nn.Module, device: torch.device) -> torch.optim.AdamW:
     """`torch.optim.AdamW` over `model` with its state created up front (so step 1's memory is every step's)."""
     o = cfg.optimizer
-    optimizer = build_optimizer(model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                weight_decay=o.weight_decay, implementation=adamw_implementation_for(cfg, device))
+    optimizer = build_optimizer(
+        model,
+        name=o.name,
+        lr=o.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        implementation=adamw_implementation_for(cfg, device),
+    )
     for group in optimizer.param_groups:
         for p in group["params"]:
             init_adamw_state(optimizer, p)
     return optimizer
 
 
-def build_step(cfg: JobConfig, model: nn.Module, optimizer: torch.optim.AdamW, device: torch.device, *,
-               loss_fn: LossFn, grad_reduce: GradReduce | None = None, dump_dir: Path | None = None,
-               failure_dir: Path | None = None, planned_graph: Any = None, fsdp: FSDP | None = None) -> TrainStep:
+def build_step(
+    cfg: JobConfig,
+    model: nn.Module,
+    optimizer: torch.optim.AdamW,
+    device: torch.device,
+    *,
+    loss_fn: LossFn,
+    grad_reduce: GradReduce | None = None,
+    dump_dir: Path | None = None,
+    failure_dir: Path | None = None,
+    planned_graph: Any = None,
+    fsdp: FSDP | None = None,
+) -> TrainStep:
     """The job's training step: eager (`compile.mode eager`) or traced with the pass pipeline and compile stage.
 
     The step runs the optimizer update itself: in the graph with `compile.trace_optimizer`, else eagerly after it.
@@ -121,18 +142,25 @@ def build_step(cfg: JobConfig, model: nn.Module, optimizer: torch.optim.AdamW, d
     """
     from graph_trainer.compiler.inductor import check_compile_config
 
-    check_compile_config(cfg.compile.backend, cfg.compile.cudagraphs, cfg.compile.mode, device,
-                         regional=cfg.compile.regional)
+    check_compile_config(
+        cfg.compile.backend, cfg.compile.cudagraphs, cfg.compile.mode, device, regional=cfg.compile.regional
+    )
     norm_reduce = None
     if fsdp is not None:
         loss_fn, norm_reduce = fsdp.wrap_loss(loss_fn), fsdp.norm_reduce
     if cfg.compile.mode == "eager":
-        from graph_trainer.eager.step import EagerStep
         from graph_trainer.eager.checkpointing import apply_eager_checkpointing
+        from graph_trainer.eager.step import EagerStep
 
         apply_eager_checkpointing(model, cfg.activation_checkpoint)
-        return EagerStep(model, loss_fn=loss_fn, max_norm=cfg.training.max_norm, grad_reduce=grad_reduce,
-                         optimizer=optimizer, norm_reduce=norm_reduce)
+        return EagerStep(
+            model,
+            loss_fn=loss_fn,
+            max_norm=cfg.training.max_norm,
+            grad_reduce=grad_reduce,
+            optimizer=optimizer,
+            norm_reduce=norm_reduce,
+        )
     from graph_trainer.passes import build_pipeline
     from graph_trainer.tracer.executor import GraphStep
 
@@ -146,11 +174,19 @@ def build_step(cfg: JobConfig, model: nn.Module, optimizer: torch.optim.AdamW, d
         stage = InductorStage(cudagraphs=cfg.compile.cudagraphs, regional=cfg.compile.regional)
         transform = lambda traced: stage(pipeline(traced))  # noqa: E731 (the pipeline, then the compile stage)
     in_graph = optimizer_in_graph(cfg)
-    step = GraphStep(model, loss_fn=loss_fn, max_norm=cfg.training.max_norm,
-                     optimizer=GraphAdamW(optimizer) if in_graph else None,
-                     eager_optimizer=None if in_graph else optimizer,
-                     on_shape_change=cfg.compile.on_shape_change, transform=transform, device=device,
-                     failure_dir=failure_dir, grad_reduce=grad_reduce, norm_reduce=norm_reduce)
+    step = GraphStep(
+        model,
+        loss_fn=loss_fn,
+        max_norm=cfg.training.max_norm,
+        optimizer=GraphAdamW(optimizer) if in_graph else None,
+        eager_optimizer=None if in_graph else optimizer,
+        on_shape_change=cfg.compile.on_shape_change,
+        transform=transform,
+        device=device,
+        failure_dir=failure_dir,
+        grad_reduce=grad_reduce,
+        norm_reduce=norm_reduce,
+    )
     if planned_graph is not None and _reusable(cfg, grad_reduce):
         step.reuse_trace(planned_graph, "the preflight")
     return step

@@ -30,11 +30,15 @@ def full_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     try:
         metadata = reader.read_metadata()
     except (OSError, EOFError, ValueError) as e:
-        raise UserError(f"{checkpoint} is not a readable sharded checkpoint ({type(e).__name__}); pass a "
-                        "step-*.dcp folder written by a parallelism.dp_shard run") from None
-    state = {k[len(_PREFIX):]: torch.empty(m.size, dtype=m.properties.dtype)
-             for k, m in metadata.state_dict_metadata.items()
-             if k.startswith(_PREFIX) and isinstance(m, TensorStorageMetadata)}
+        raise UserError(
+            f"{checkpoint} is not a readable sharded checkpoint ({type(e).__name__}); pass a "
+            "step-*.dcp folder written by a parallelism.dp_shard run"
+        ) from None
+    state = {
+        k[len(_PREFIX) :]: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if k.startswith(_PREFIX) and isinstance(m, TensorStorageMetadata)
+    }
     with warnings.catch_warnings():  # DCP warns that it reads without a process group: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": state}, storage_reader=reader, no_dist=True)

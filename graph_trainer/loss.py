@@ -22,9 +22,7 @@ IGNORE_INDEX = -100
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy in fp32; label `IGNORE_INDEX` (-100) marks tokens that do not count."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX
-    )
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX)
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -51,13 +49,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, hidden.shape[0], chunk_size):
-            logits = _chunk_logits(hidden[start:start + chunk_size], weight, dtype)
-            total = total + F.cross_entropy(logits, labels[start:start + chunk_size], ignore_index=IGNORE_INDEX,
-                                            reduction="sum")
+            logits = _chunk_logits(hidden[start : start + chunk_size], weight, dtype)
+            total = total + F.cross_entropy(
+                logits, labels[start : start + chunk_size], ignore_index=IGNORE_INDEX, reduction="sum"
+            )
             del logits  # one chunk's logits alive at a time
         count = (labels != IGNORE_INDEX).sum()
         ctx.save_for_backward(hidden, weight, labels, count)
@@ -72,8 +72,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         w = weight.to(ctx.dtype)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
-            h = hidden[start:start + ctx.chunk_size]
-            y = labels[start:start + ctx.chunk_size]
+            h = hidden[start : start + ctx.chunk_size]
+            y = labels[start : start + ctx.chunk_size]
             grad_logits = torch.softmax(_chunk_logits(h, weight, ctx.dtype), dim=-1)
             valid = y != IGNORE_INDEX
             rows = torch.arange(y.shape[0], device=y.device)
@@ -81,7 +81,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             grad_logits.mul_((valid.to(grad_logits.dtype) * scale).unsqueeze(1))
             g = grad_logits.to(ctx.dtype)
             del grad_logits
-            grad_hidden[start:start + ctx.chunk_size] = (g @ w).to(hidden.dtype)
+            grad_hidden[start : start + ctx.chunk_size] = (g @ w).to(hidden.dtype)
             grad_weight += (g.t() @ h.to(ctx.dtype)).float()
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
 
@@ -95,14 +95,17 @@ def chunked_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, chunk_s
     """
     output = getattr(model, "output", None)
     if not hasattr(model, "hidden_states") or not isinstance(output, nn.Linear) or output.bias is not None:
-        raise UserError(f"a chunked loss needs model.hidden_states(tokens) and a bias-free nn.Linear model.output; "
-                        f"{type(model).__name__} lacks them: set training.loss_chunk_size = 0")
+        raise UserError(
+            f"a chunked loss needs model.hidden_states(tokens) and a bias-free nn.Linear model.output; "
+            f"{type(model).__name__} lacks them: set training.loss_chunk_size = 0"
+        )
     hidden = model.hidden_states(batch["input"])
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     with torch.autocast(device_type, enabled=False):
-        return ChunkedCrossEntropy.apply(hidden.flatten(0, 1), output.weight, batch["labels"].flatten(0, 1),
-                                         chunk_size, dtype)
+        return ChunkedCrossEntropy.apply(
+            hidden.flatten(0, 1), output.weight, batch["labels"].flatten(0, 1), chunk_size, dtype
+        )
 
 
 def build_lm_loss(chunk_size: int):

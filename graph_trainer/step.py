@@ -38,9 +38,13 @@ class StepReport:
 
     def as_record(self) -> dict[str, Any]:
         """The metrics-record fields this report fills (the names `graph_trainer.observability.metrics` logs)."""
-        fields = {"trace_count": self.trace_count, "trace_time_s": self.trace_time_s,
-                  "inductor_time_s": self.compile_time_s, "estimated_peak_bytes": self.estimated_peak_bytes,
-                  "saved_activation_bytes": self.saved_activation_bytes}
+        fields = {
+            "trace_count": self.trace_count,
+            "trace_time_s": self.trace_time_s,
+            "inductor_time_s": self.compile_time_s,
+            "estimated_peak_bytes": self.estimated_peak_bytes,
+            "saved_activation_bytes": self.saved_activation_bytes,
+        }
         return {k: v for k, v in fields.items() if v is not None}
 
 

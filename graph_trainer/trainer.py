@@ -16,30 +16,40 @@ from typing import Any
 
 import torch
 
-from graph_trainer.builder import (autocast_loss, build_job_optimizer, build_model, build_step,
-                                   cli_trace_errors, shard_model)
-from graph_trainer.checkpoint.single_file import (CheckpointManager, capture_rng_state, load_model_state,
-                                      restore_rng_state)
-from graph_trainer.job_config.schema import JobConfig
-from graph_trainer.job_config.load import config_to_toml
+from graph_trainer.builder import (
+    autocast_loss,
+    build_job_optimizer,
+    build_model,
+    build_step,
+    cli_trace_errors,
+    shard_model,
+)
+from graph_trainer.checkpoint.run_folder import CONFIG_FILE, RunFolder, inspect
+from graph_trainer.checkpoint.sharded import ShardedCheckpointManager, refuse_other_format
+from graph_trainer.checkpoint.single_file import (
+    CheckpointManager,
+    capture_rng_state,
+    load_model_state,
+    restore_rng_state,
+)
 from graph_trainer.data.loader import build_dataloader
-from graph_trainer.runtime.device import compute_dtype, peak_flops, resolve_dtype, set_determinism
-from graph_trainer.observability.digest import tensors_digest
+from graph_trainer.data.tokenizer import build_tokenizer
 from graph_trainer.distributed.launch import DistInfo, single_process
-from graph_trainer.observability.divergence import DivergenceGuard, TrainingDiverged
 from graph_trainer.errors import UserError
-from graph_trainer.runtime.fsutil import atomic_write_text
-from graph_trainer.runtime.interrupts import Interrupted, StopRequest
+from graph_trainer.job_config.load import config_to_toml
+from graph_trainer.job_config.resume import compare_on_resume, load_optimizer_state, stored_config
+from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.observability.digest import tensors_digest
+from graph_trainer.observability.divergence import DivergenceGuard, TrainingDiverged
 from graph_trainer.observability.log import configure_console, get_logger
 from graph_trainer.observability.memory import MemoryMonitor
 from graph_trainer.observability.metrics import SUMMARY_FILE, TB_SUBDIR, MetricsLogger
+from graph_trainer.observability.units import to_gib
 from graph_trainer.optimizer.adamw import build_lr_scheduler, resync_lr
 from graph_trainer.plan.planner import preflight
-from graph_trainer.job_config.resume import compare_on_resume, load_optimizer_state, stored_config
-from graph_trainer.checkpoint.run_folder import CONFIG_FILE, RunFolder, inspect
-from graph_trainer.checkpoint.sharded import ShardedCheckpointManager, refuse_other_format
-from graph_trainer.data.tokenizer import build_tokenizer
-from graph_trainer.observability.units import to_gib
+from graph_trainer.runtime.device import compute_dtype, peak_flops, resolve_dtype, set_determinism
+from graph_trainer.runtime.fsutil import atomic_write_text
+from graph_trainer.runtime.interrupts import Interrupted, StopRequest
 from models.llama3.model import flops_per_token, num_params
 
 logger = get_logger(__name__)
@@ -58,9 +68,15 @@ class TrainResult:
 
 
 def inspect_run_folder(cfg: JobConfig) -> RunFolder:
-    """Check job.dump_folder and checkpoint.folder without writing anything (see `graph_trainer.checkpoint.run_folder`)."""
-    return inspect(cfg.job.dump_folder, cfg.checkpoint.folder, resume=cfg.checkpoint.resume,
-                   overwrite=cfg.job.overwrite, checkpoint_enable=cfg.checkpoint.enable)
+    """Check job.dump_folder and checkpoint.folder without writing anything (see
+    `graph_trainer.checkpoint.run_folder`)."""
+    return inspect(
+        cfg.job.dump_folder,
+        cfg.checkpoint.folder,
+        resume=cfg.checkpoint.resume,
+        overwrite=cfg.job.overwrite,
+        checkpoint_enable=cfg.checkpoint.enable,
+    )
 
 
 class Trainer:
@@ -90,17 +106,25 @@ class Trainer:
         self.run_folder = inspect_run_folder(cfg)
         self.dump_folder = self.run_folder.dump_folder
         tokenizer = build_tokenizer(cfg.data.tokenizer)
-        self.dataloader = build_dataloader(cfg.data.source, cfg.data.path, tokenizer,
-                                           batch_size=cfg.training.local_batch_size,
-                                           seq_len=cfg.training.seq_len, seed=cfg.training.seed,
-                                           rank=rank, world_size=world_size)
+        self.dataloader = build_dataloader(
+            cfg.data.source,
+            cfg.data.path,
+            tokenizer,
+            batch_size=cfg.training.local_batch_size,
+            seq_len=cfg.training.seq_len,
+            seed=cfg.training.seed,
+            rank=rank,
+            world_size=world_size,
+        )
         set_determinism(cfg.training.seed, cfg.training.deterministic, self.device)
 
         loss_fn = autocast_loss(self.autocast_dtype, self.device, cfg.training.loss_chunk_size)
         with cli_trace_errors():
             plan = preflight(cfg, self.device, loss_fn=loss_fn, shard_group=self.dist.shard_group())
-        logger.info(f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
-                 f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)")
+        logger.info(
+            f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
+            f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)"
+        )
         self.model = build_model(cfg, self.device, vocab_needed=tokenizer.vocab_size)
         self.model.train()
         self.model_args = self.model.args
@@ -108,20 +132,34 @@ class Trainer:
         # FSDP: from here on the model's parameters are this rank's shards (same names, fewer rows).
         shard_group = self.dist.shard_group()
         self.fsdp = shard_model(cfg, self.model, shard_group)
-        logger.info(f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
-                 f"device {self.device}, compute dtype {str(self.compute_dtype).removeprefix('torch.')}, "
-                 f"mode {cfg.compile.mode}")
+        logger.info(
+            f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
+            f"device {self.device}, compute dtype {str(self.compute_dtype).removeprefix('torch.')}, "
+            f"mode {cfg.compile.mode}"
+        )
         # The optimizer the preflight modelled (fused on CUDA, single-tensor on CPU), its state made up front.
         self.optimizer = build_job_optimizer(cfg, self.model, self.device)
         s = cfg.lr_scheduler
-        self.scheduler = build_lr_scheduler(self.optimizer, warmup_steps=s.warmup_steps,
-                                            total_steps=cfg.training.steps, decay_type=s.decay_type,
-                                            min_lr_factor=s.min_lr_factor)
+        self.scheduler = build_lr_scheduler(
+            self.optimizer,
+            warmup_steps=s.warmup_steps,
+            total_steps=cfg.training.steps,
+            decay_type=s.decay_type,
+            min_lr_factor=s.min_lr_factor,
+        )
         # Every rank traces the same graph; one copy of the dumps is enough.
-        self.step_fn = build_step(cfg, self.model, self.optimizer, self.device, loss_fn=loss_fn,
-                                  grad_reduce=self.dist.grad_reduce(), fsdp=self.fsdp,
-                                  dump_dir=self.dump_folder / "graphs" if rank == 0 else None,
-                                  failure_dir=self.dump_folder / "graphs", planned_graph=plan.step_graph)
+        self.step_fn = build_step(
+            cfg,
+            self.model,
+            self.optimizer,
+            self.device,
+            loss_fn=loss_fn,
+            grad_reduce=self.dist.grad_reduce(),
+            fsdp=self.fsdp,
+            dump_dir=self.dump_folder / "graphs" if rank == 0 else None,
+            failure_dir=self.dump_folder / "graphs",
+            planned_graph=plan.step_graph,
+        )
         self.memory = MemoryMonitor(self.device, track=cfg.metrics.track_memory)
         self.checkpointer = self._checkpointer()
         self.step = 0
@@ -138,12 +176,23 @@ class Trainer:
         """Single-file checkpoints written by rank 0, or with FSDP a DCP folder every rank writes its shards to."""
         c = self.cfg.checkpoint
         if self.fsdp is not None:
-            return ShardedCheckpointManager(self.run_folder.checkpoint_folder, fsdp=self.fsdp,
-                                            optimizer=self.optimizer, group=self.dist.group, device=self.device,
-                                            enable=c.enable, interval=c.interval, keep_latest_k=c.keep_latest_k)
+            return ShardedCheckpointManager(
+                self.run_folder.checkpoint_folder,
+                fsdp=self.fsdp,
+                optimizer=self.optimizer,
+                group=self.dist.group,
+                device=self.device,
+                enable=c.enable,
+                interval=c.interval,
+                keep_latest_k=c.keep_latest_k,
+            )
         # Replicated weights: rank 0's copy is every rank's.
-        return CheckpointManager(self.run_folder.checkpoint_folder, enable=c.enable and self.rank == 0,
-                                 interval=c.interval, keep_latest_k=c.keep_latest_k)
+        return CheckpointManager(
+            self.run_folder.checkpoint_folder,
+            enable=c.enable and self.rank == 0,
+            interval=c.interval,
+            keep_latest_k=c.keep_latest_k,
+        )
 
     def _prepare_run_folder(self) -> None:
         """The first write: clear a replaced run (its recorded files only), start the manifest, write config.toml.
@@ -173,11 +222,15 @@ class Trainer:
             refuse_other_format(self.checkpointer.folder, sharded=self.fsdp is not None)
             if self.run_folder.holds_started_run():
                 # Not "drop --checkpoint.resume": a plain rerun is refused too, and would send the user back here.
-                raise UserError(f"checkpoint.resume is set but the run in {self.dump_folder} saved no checkpoint "
-                                f"in {self.checkpointer.folder}, so there is nothing to resume; pass "
-                                "--job.overwrite true instead of --checkpoint.resume to start it again")
-            raise UserError(f"checkpoint.resume is set but {self.checkpointer.folder} holds no checkpoint; "
-                            "drop --checkpoint.resume to start a new run")
+                raise UserError(
+                    f"checkpoint.resume is set but the run in {self.dump_folder} saved no checkpoint "
+                    f"in {self.checkpointer.folder}, so there is nothing to resume; pass "
+                    "--job.overwrite true instead of --checkpoint.resume to start it again"
+                )
+            raise UserError(
+                f"checkpoint.resume is set but {self.checkpointer.folder} holds no checkpoint; "
+                "drop --checkpoint.resume to start a new run"
+            )
         path = self.checkpointer.path(latest)
         check_config = functools.partial(self._compare_config, path=path)
         if isinstance(self.checkpointer, ShardedCheckpointManager):
@@ -198,8 +251,10 @@ class Trainer:
     def _compare_config(self, state: dict[str, Any], path: Path) -> None:
         """Log each honoured change of options against the checkpoint's config; UserError for a refused one."""
         if "config" not in state:
-            logger.warning(f"{path} stores no config (written by an older version): changed options cannot be "
-                           "checked against it; resume with the options it was written with")
+            logger.warning(
+                f"{path} stores no config (written by an older version): changed options cannot be "
+                "checked against it; resume with the options it was written with"
+            )
             return
         for change in compare_on_resume(state["config"], self.cfg, path, reshardable=self.checkpointer.reshardable):
             logger.info(f"resume: {change}")
@@ -208,9 +263,15 @@ class Trainer:
         # Without FSDP, saved by rank 0 only: weights are replicated, and every rank has taken the same number
         # of batches, so rank 0's data position is every rank's (each maps it to its own slice on load).
         # With FSDP every rank saves its own (see graph_trainer.checkpoint.sharded).
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "lr_scheduler": self.scheduler.state_dict(), "data": self.dataloader.state_dict(),
-                "rng": capture_rng_state(self.device), "step": self.step, "config": stored_config(self.cfg)}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.scheduler.state_dict(),
+            "data": self.dataloader.state_dict(),
+            "rng": capture_rng_state(self.device),
+            "step": self.step,
+            "config": stored_config(self.cfg),
+        }
 
     def _live_tensors(self, batch: Any) -> list[torch.Tensor]:
         """Tensors alive when a step starts: what the CPU memory figure counts besides the step's own."""
@@ -229,9 +290,15 @@ class Trainer:
         loss_value = self.dist.global_average(loss).item()  # syncs the device, so the step time below is real
         step_time = time.perf_counter() - start
         tokens = batch["input"].numel() * self.world_size
-        record = {"loss": loss_value, "grad_norm": grad_norm.item(), "lr": lr,
-                  "step_time_s": step_time, "tokens_per_s": tokens / step_time,
-                  "tflops": self.flops_per_token * tokens / step_time / 1e12, **mem.as_record()}
+        record = {
+            "loss": loss_value,
+            "grad_norm": grad_norm.item(),
+            "lr": lr,
+            "step_time_s": step_time,
+            "tokens_per_s": tokens / step_time,
+            "tflops": self.flops_per_token * tokens / step_time / 1e12,
+            **mem.as_record(),
+        }
         if self.peak_flops:
             record["mfu_pct"] = 100 * record["tflops"] * 1e12 / (self.peak_flops * self.world_size)
         report = self.step_fn.report()
@@ -242,8 +309,9 @@ class Trainer:
             record["peak_active_bytes"] = record["peak_reserved_bytes"]
         if "estimated_peak_bytes" in record and record.get("peak_active_bytes"):
             # (estimate - measured) / measured: 0 on CPU; on CUDA the allocator's active peak.
-            record["estimate_error_pct"] = (100 * (record["estimated_peak_bytes"] - record["peak_active_bytes"])
-                                            / record["peak_active_bytes"])
+            record["estimate_error_pct"] = (
+                100 * (record["estimated_peak_bytes"] - record["peak_active_bytes"]) / record["peak_active_bytes"]
+            )
         return record
 
     def train(self) -> TrainResult:
@@ -256,14 +324,21 @@ class Trainer:
         cfg = self.cfg
         losses, records = [], []
         if self.already_complete:
-            logger.info(f"the run in {self.dump_folder} is already complete: its checkpoint is at step {self.step} "
-                        f"and training.steps is {cfg.training.steps}; nothing to do (raise --training.steps "
-                        "to train further)")
+            logger.info(
+                f"the run in {self.dump_folder} is already complete: its checkpoint is at step {self.step} "
+                f"and training.steps is {cfg.training.steps}; nothing to do (raise --training.steps "
+                "to train further)"
+            )
             return self._result(losses, records)
         wall_start = time.perf_counter()
-        metrics = MetricsLogger(self.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
-                                log_freq=cfg.metrics.log_freq, total_steps=cfg.training.steps,
-                                rank=self.rank, config_toml=config_to_toml(cfg))
+        metrics = MetricsLogger(
+            self.dump_folder,
+            enable_tensorboard=cfg.metrics.enable_tensorboard,
+            log_freq=cfg.metrics.log_freq,
+            total_steps=cfg.training.steps,
+            rank=self.rank,
+            config_toml=config_to_toml(cfg),
+        )
         # Sharded parameters: each rank sees part of the norm; the ranks must stop (or save) together.
         guard = DivergenceGuard(self.dist.sum_over_ranks if self.fsdp is not None else None)
         guard.start(self.model.parameters(), self.step)
@@ -278,8 +353,9 @@ class Trainer:
                 records.append(record)
                 metrics.log_step(self.step, record)
                 signum = stop.agreed(group, self.device)  # every rank stops after the same step
-                save = cfg.checkpoint.enable and (signum is not None or self.step == cfg.training.steps
-                                                  or self.step % cfg.checkpoint.interval == 0)
+                save = cfg.checkpoint.enable and (
+                    signum is not None or self.step == cfg.training.steps or self.step % cfg.checkpoint.interval == 0
+                )
                 try:
                     # Checked on every rank (the values are replicated or summed), so all ranks stop together.
                     guard.check_step(self.step, record["loss"], record["grad_norm"])
@@ -295,26 +371,41 @@ class Trainer:
                     self._adopt_new_files()  # the first step opened TensorBoard and dumped the graphs
                 if signum is not None:
                     message = self._interrupted_message(signum)
-                    metrics.set_final({"status": "interrupted", "final_step": self.step,
-                                       "signal": signal.Signals(signum).name, "message": message})
+                    metrics.set_final(
+                        {
+                            "status": "interrupted",
+                            "final_step": self.step,
+                            "signal": signal.Signals(signum).name,
+                            "message": message,
+                        }
+                    )
                     raise Interrupted(signum, message)
             result = self._result(losses, records)
-            metrics.set_final({"status": "ok", "final_step": self.step,
-                               "final_loss": losses[-1] if losses else None,
-                               "params_sha256": result.params_sha256, "grads_sha256": result.grads_sha256,
-                               "trace_count": result.trace_count,
-                               "retrace_reasons": self.step_fn.report().retrace_reasons,
-                               "num_params": self.num_params,
-                               "wall_time_s": time.perf_counter() - wall_start})
+            metrics.set_final(
+                {
+                    "status": "ok",
+                    "final_step": self.step,
+                    "final_loss": losses[-1] if losses else None,
+                    "params_sha256": result.params_sha256,
+                    "grads_sha256": result.grads_sha256,
+                    "trace_count": result.trace_count,
+                    "retrace_reasons": self.step_fn.report().retrace_reasons,
+                    "num_params": self.num_params,
+                    "wall_time_s": time.perf_counter() - wall_start,
+                }
+            )
         logger.info(self._results_line())
         return result
 
     def _result(self, losses: list[float], records: list[dict[str, Any]]) -> TrainResult:
         return TrainResult(
-            losses=losses, final_step=self.step,
+            losses=losses,
+            final_step=self.step,
             params_sha256=tensors_digest(self.model.state_dict(keep_vars=False)),
             grads_sha256=tensors_digest({n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}),
-            trace_count=self.step_fn.report().trace_count or 0, records=records)
+            trace_count=self.step_fn.report().trace_count or 0,
+            records=records,
+        )
 
     @contextlib.contextmanager
     def _adopting_files(self):
@@ -327,8 +418,11 @@ class Trainer:
     def _results_line(self) -> str:
         latest = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None
         ckpt = f", checkpoint {self.checkpointer.path(latest)}" if latest is not None else ""
-        return f"results in {self.dump_folder}: {SUMMARY_FILE}, {CONFIG_FILE}" + (
-            f", {TB_SUBDIR}/" if self.cfg.metrics.enable_tensorboard else "") + ckpt
+        return (
+            f"results in {self.dump_folder}: {SUMMARY_FILE}, {CONFIG_FILE}"
+            + (f", {TB_SUBDIR}/" if self.cfg.metrics.enable_tensorboard else "")
+            + ckpt
+        )
 
     def _diverged_message(self, reason: str) -> str:
         kept = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None
@@ -336,14 +430,20 @@ class Trainer:
         if kept is None:
             return f"training diverged: {reason}; no checkpoint was saved; start again with {fix}"
         # Every checkpoint passed the same checks before it was written, so the latest is good.
-        return (f"training diverged: {reason}; nothing was saved for it; the last good checkpoint is "
-                f"{self.checkpointer.path(kept)} (step {kept}): resume it with --checkpoint.resume and {fix}")
+        return (
+            f"training diverged: {reason}; nothing was saved for it; the last good checkpoint is "
+            f"{self.checkpointer.path(kept)} (step {kept}): resume it with --checkpoint.resume and {fix}"
+        )
 
     def _interrupted_message(self, signum: int) -> str:
         name = signal.Signals(signum).name
         if not self.cfg.checkpoint.enable:
-            return (f"interrupted by {name} after step {self.step}; checkpointing is off (checkpoint.enable = false), "
-                    "so this run cannot be continued: start it again with --job.overwrite true")
+            return (
+                f"interrupted by {name} after step {self.step}; checkpointing is off (checkpoint.enable = false), "
+                "so this run cannot be continued: start it again with --job.overwrite true"
+            )
         again = "the same command again" if self.cfg.checkpoint.resume else "the same command with --checkpoint.resume"
-        return (f"interrupted by {name} after step {self.step}; saved {self.checkpointer.path(self.step)}; "
-                f"to continue, run {again}")
+        return (
+            f"interrupted by {name} after step {self.step}; saved {self.checkpointer.path(self.step)}; "
+            f"to continue, run {again}"
+        )

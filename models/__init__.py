@@ -1,14 +1,15 @@
 """Model registry: a model name maps to its config class, module class and named flavors.
 
-    args = build_model_args("llama3", "debugmodel", {"vocab_size": 32000, "n_layers": None})
-    model = get_model_spec("llama3").model_cls(args)
+args = build_model_args("llama3", "debugmodel", {"vocab_size": 32000, "n_layers": None})
+model = get_model_spec("llama3").model_cls(args)
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from torch import nn
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from graph_trainer.job_config.cli import load_config
 from graph_trainer.distributed.launch import destroy, init_distributed
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer
 
 
@@ -39,13 +39,21 @@ def spawn_ranks(worker: Callable[..., None], world: int, args: tuple, timeout_s:
             pytest.fail(f"{world}-process training did not finish in {timeout_s} s")
 
 
-def train_runs(rank: int, world: int, port: int, runs: dict[str, list[str]], args: list[str], out: str,
-               before_leaving: Callable[[Any], None] | None = None) -> Iterator[tuple[str, Trainer, Any]]:
+def train_runs(
+    rank: int,
+    world: int,
+    port: int,
+    runs: dict[str, list[str]],
+    args: list[str],
+    out: str,
+    before_leaving: Callable[[Any], None] | None = None,
+) -> Iterator[tuple[str, Trainer, Any]]:
     """In a spawned rank: join the group once, then train each run (`args` + its overrides, dumping under
     `out/<name>` unless the overrides name a --job.dump_folder), yielding (name, trainer, result).
     `before_leaving(cfg)` runs last, still in the group."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)  # several ranks on 2 cores
     info, cfg = None, None
     try:
@@ -66,8 +74,7 @@ def train_runs(rank: int, world: int, port: int, runs: dict[str, list[str]], arg
 
 def peaks(records: list[dict]) -> list[tuple[int | None, int | None, int]]:
     """(estimated, measured, late-freed bytes) of each step record, for `assert_peaks_match`."""
-    return [(r.get("estimated_peak_bytes"), r.get("peak_active_bytes"), r.get("late_free_bytes", 0))
-            for r in records]
+    return [(r.get("estimated_peak_bytes"), r.get("peak_active_bytes"), r.get("late_free_bytes", 0)) for r in records]
 
 
 def assert_peaks_match(step_peaks: list, context: Any = None) -> None:
@@ -93,9 +100,9 @@ def train_fully_shard(cfg: Any, rank: int, world: int, mp_policy: Any = None) ->
 
     from graph_trainer.builder import build_model
     from graph_trainer.data.loader import build_dataloader
+    from graph_trainer.data.tokenizer import build_tokenizer
     from graph_trainer.loss import lm_loss
     from graph_trainer.optimizer.adamw import build_lr_scheduler, build_optimizer
-    from graph_trainer.data.tokenizer import build_tokenizer
 
     torch.use_deterministic_algorithms(True)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -106,13 +113,28 @@ def train_fully_shard(cfg: Any, rank: int, world: int, mp_policy: Any = None) ->
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     o, s = cfg.optimizer, cfg.lr_scheduler
-    optimizer = build_optimizer(model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                weight_decay=o.weight_decay)
-    scheduler = build_lr_scheduler(optimizer, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
-                                   decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
-    data = iter(build_dataloader(cfg.data.source, cfg.data.path, tokenizer, batch_size=cfg.training.local_batch_size,
-                                 seq_len=cfg.training.seq_len, seed=cfg.training.seed, rank=rank,
-                                 world_size=world))
+    optimizer = build_optimizer(
+        model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+    )
+    scheduler = build_lr_scheduler(
+        optimizer,
+        warmup_steps=s.warmup_steps,
+        total_steps=cfg.training.steps,
+        decay_type=s.decay_type,
+        min_lr_factor=s.min_lr_factor,
+    )
+    data = iter(
+        build_dataloader(
+            cfg.data.source,
+            cfg.data.path,
+            tokenizer,
+            batch_size=cfg.training.local_batch_size,
+            seq_len=cfg.training.seq_len,
+            seed=cfg.training.seed,
+            rank=rank,
+            world_size=world,
+        )
+    )
     losses = []
     for _ in range(cfg.training.steps):
         loss = lm_loss(model, next(data))

@@ -7,14 +7,33 @@ import re
 
 import pytest
 
-from graph_trainer.job_config.cli import load_config
 from graph_trainer.errors import ConfigError
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.observability.memory import LiveTensorTracker
 from graph_trainer.trainer import Trainer
 
-TINY = ["--config", "llama3_debug.toml", "--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.deterministic", "true",
-        "--metrics.enable_tensorboard", "false", "--model.dropout", "0.1", "--metrics.track_memory", "false"]
+TINY = [
+    "--config",
+    "llama3_debug.toml",
+    "--model.n_layers",
+    "2",
+    "--model.dim",
+    "64",
+    "--model.n_heads",
+    "4",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.deterministic",
+    "true",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--model.dropout",
+    "0.1",
+    "--metrics.track_memory",
+    "false",
+]
 
 MODES = {  # name -> CLI args
     "none": ["--activation_checkpoint.mode", "none"],
@@ -22,8 +41,14 @@ MODES = {  # name -> CLI args
     "selective_2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
     "full": ["--activation_checkpoint.mode", "full"],
     "budget": ["--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", "0.8"],
-    "overrides": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.save_list", "aten.silu",
-                  "--activation_checkpoint.recompute_list", "aten.mm"],
+    "overrides": [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.save_list",
+        "aten.silu",
+        "--activation_checkpoint.recompute_list",
+        "aten.mm",
+    ],
 }
 
 
@@ -89,8 +114,16 @@ def test_ac_modes_reduce_saved_activations(tmp_path):
 def test_peak_never_increases_as_budget_decreases(tmp_path):
     estimated, measured = [], []
     for budget in ("1.0", "0.95", "0.9", "0.85", "0.8", "0.75"):
-        est, meas, _ = _measure(_trainer(tmp_path, f"b{budget}", "--activation_checkpoint.mode", "budget",
-                                         "--activation_checkpoint.memory_budget", budget))
+        est, meas, _ = _measure(
+            _trainer(
+                tmp_path,
+                f"b{budget}",
+                "--activation_checkpoint.mode",
+                "budget",
+                "--activation_checkpoint.memory_budget",
+                budget,
+            )
+        )
         estimated.append(est)
         measured.append(meas)
     assert estimated == measured
@@ -100,15 +133,34 @@ def test_peak_never_increases_as_budget_decreases(tmp_path):
 
 def test_infeasible_budget_names_the_smallest_feasible_one(tmp_path):
     with pytest.raises(ConfigError, match="infeasible") as info:
-        _measure(_trainer(tmp_path, "tiny", "--activation_checkpoint.mode", "budget",
-                          "--activation_checkpoint.memory_budget", "0.01"))
+        _measure(
+            _trainer(
+                tmp_path,
+                "tiny",
+                "--activation_checkpoint.mode",
+                "budget",
+                "--activation_checkpoint.memory_budget",
+                "0.01",
+            )
+        )
     smallest = re.search(r"memory_budget (\d+\.\d+) or more", str(info.value)).group(1)
-    est, meas, _ = _measure(_trainer(tmp_path, "ok", "--activation_checkpoint.mode", "budget",
-                                     "--activation_checkpoint.memory_budget", smallest))
+    est, meas, _ = _measure(
+        _trainer(
+            tmp_path, "ok", "--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", smallest
+        )
+    )
     assert est == meas
 
 
 def test_recompute_override_of_a_random_op_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="never recomputed"):
-        _measure(_trainer(tmp_path, "x", "--activation_checkpoint.mode", "full",
-                          "--activation_checkpoint.recompute_list", "aten.bernoulli_"))
+        _measure(
+            _trainer(
+                tmp_path,
+                "x",
+                "--activation_checkpoint.mode",
+                "full",
+                "--activation_checkpoint.recompute_list",
+                "aten.bernoulli_",
+            )
+        )

@@ -10,16 +10,17 @@ from pathlib import Path
 import pytest
 
 from graph_trainer import __main__ as cli
-from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.schema import JobConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "graph_trainer", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "graph_trainer", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_help_exits_0_and_lists_options(tmp_path):
@@ -52,11 +53,28 @@ def test_print_config_resolves_a_shipped_name_from_another_directory(tmp_path):
         (["--config", "llama3_debug", "--training.seq_len", "100000"], "training.seq_len must be <="),
         (["--config"], "--config: expected one argument"),  # an argparse usage error
         # Disabling the memory policy while a mode asks for it would silently run without checkpointing.
-        (["--config", "llama3_debug", "--activation_checkpoint.mode", "selective", "--compile.disable_passes",
-          "memory_policy"], "compile.disable_passes has 'memory_policy', but activation_checkpoint.mode = "
-                            "'selective' needs it"),
-        (["--config", "llama3_debug", "--activation_checkpoint.mode", "full", "--compile.disable_passes",
-          "activation_checkpoint"], "pass 'activation_checkpoint' is now part of 'memory_policy'"),
+        (
+            [
+                "--config",
+                "llama3_debug",
+                "--activation_checkpoint.mode",
+                "selective",
+                "--compile.disable_passes",
+                "memory_policy",
+            ],
+            "compile.disable_passes has 'memory_policy', but activation_checkpoint.mode = 'selective' needs it",
+        ),
+        (
+            [
+                "--config",
+                "llama3_debug",
+                "--activation_checkpoint.mode",
+                "full",
+                "--compile.disable_passes",
+                "activation_checkpoint",
+            ],
+            "pass 'activation_checkpoint' is now part of 'memory_policy'",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, expected):
@@ -72,8 +90,11 @@ def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, expect
 
 def test_main_dispatches_dry_run_and_train(monkeypatch):
     calls = []
-    monkeypatch.setitem(sys.modules, "graph_trainer.plan.planner",
-                        types.SimpleNamespace(dry_run=lambda cfg: calls.append(("dry_run", cfg))))
+    monkeypatch.setitem(
+        sys.modules,
+        "graph_trainer.plan.planner",
+        types.SimpleNamespace(dry_run=lambda cfg: calls.append(("dry_run", cfg))),
+    )
 
     class FakeTrainer:
         def __init__(self, cfg: JobConfig, dist=None):

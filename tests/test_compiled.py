@@ -18,17 +18,38 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_trainer.job_config.cli import load_config
+from graph_trainer.compiler.inductor import (
+    REALIZE_META_KEY,
+    check_compile_config,
+    compile_regions,
+    compile_step_graph,
+    functionalize_for_inductor,
+    pin_to_graph_order,
+    static_input_indices,
+)
 from graph_trainer.errors import ConfigError
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.observability.memory import LiveTensorTracker
 from graph_trainer.trainer import Trainer
-from graph_trainer.compiler.inductor import (REALIZE_META_KEY, check_compile_config, compile_regions,
-                                           compile_step_graph, functionalize_for_inductor, pin_to_graph_order,
-                                           static_input_indices)
 
-TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.deterministic", "true",
-        "--metrics.enable_tensorboard", "false"]
+TINY = [
+    "--model.n_layers",
+    "2",
+    "--model.dim",
+    "64",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.deterministic",
+    "true",
+    "--metrics.enable_tensorboard",
+    "false",
+]
 LOSS_RTOL = 1e-4
 GRAD_RTOL = 1e-4
 
@@ -40,8 +61,9 @@ def restore_determinism():
 
 
 def trainer(tmp: Path, *overrides: str, steps: int = 5) -> Trainer:
-    cfg, _ = load_config(["--config", "llama3_debug", *TINY, "--training.steps", str(steps),
-                          "--job.dump_folder", str(tmp), *overrides])
+    cfg, _ = load_config(
+        ["--config", "llama3_debug", *TINY, "--training.steps", str(steps), "--job.dump_folder", str(tmp), *overrides]
+    )
     return Trainer(cfg)
 
 
@@ -137,8 +159,10 @@ def test_twenty_compiled_steps_follow_the_eager_loss_curve(tmp_path):
 
 @pytest.mark.integration
 def test_two_deterministic_compiled_runs_give_identical_digests(tmp_path):
-    runs = [trainer(tmp_path / str(i), "--compile.backend", "inductor", "--compile.trace_optimizer", "true").train()
-            for i in range(2)]
+    runs = [
+        trainer(tmp_path / str(i), "--compile.backend", "inductor", "--compile.trace_optimizer", "true").train()
+        for i in range(2)
+    ]
     assert runs[0].losses == runs[1].losses
     assert runs[0].params_sha256 == runs[1].params_sha256
     assert runs[0].grads_sha256 == runs[1].grads_sha256
@@ -150,13 +174,26 @@ SCALAR_SLACK_BYTES = 64
 
 @pytest.mark.integration
 @pytest.mark.parametrize("regional", ["true", "false"], ids=["regional", "whole"])
-@pytest.mark.parametrize("ac", [["none"], ["selective"], ["full"], ["budget", "--activation_checkpoint.memory_budget",
-                                                                     "0.8"]], ids=lambda a: a[0])
+@pytest.mark.parametrize(
+    "ac",
+    [["none"], ["selective"], ["full"], ["budget", "--activation_checkpoint.memory_budget", "0.8"]],
+    ids=lambda a: a[0],
+)
 def test_compiled_peak_is_no_higher_than_the_traced_step(tmp_path, ac, regional):
     """The memory plan survives compilation; the CPU tracker sees Inductor's buffers (they are routed
     through the dispatcher), so the compiled figure is measured the same way as the traced one."""
-    mode = ["--activation_checkpoint.mode", *ac, "--compile.trace_optimizer", "true",
-            "--model.dim", "128", "--training.seq_len", "64", "--compile.regional", regional]
+    mode = [
+        "--activation_checkpoint.mode",
+        *ac,
+        "--compile.trace_optimizer",
+        "true",
+        "--model.dim",
+        "128",
+        "--training.seq_len",
+        "64",
+        "--compile.regional",
+        regional,
+    ]
     peaks = {}
     for backend in ("none", "inductor"):
         t = trainer(tmp_path / backend, *mode, "--compile.backend", backend)
@@ -175,9 +212,9 @@ def test_compiled_peak_is_no_higher_than_the_traced_step(tmp_path, ac, regional)
 def _swiglu_backward_shape(x, w1, w3, w2t):
     """The shape of SwiGLU's backward that slipped: a pointwise product of two matmul outputs
     (`a * b`, their last use), then an unrelated matmul, then the product's only consumer."""
-    a, b = x @ w1, x @ w3       # 1 MiB each
-    prod = a * b                # the graph frees a and b here
-    other = x @ w2t             # 4 MiB, made while only the product is alive
+    a, b = x @ w1, x @ w3  # 1 MiB each
+    prod = a * b  # the graph frees a and b here
+    other = x @ w2t  # 4 MiB, made while only the product is alive
     return [prod.sum(1), other]
 
 
@@ -227,10 +264,26 @@ def test_debug_model_compiled_peak_is_no_higher_than_the_traced_step(tmp_path, a
     (selective: 1.02x, full: 1.03x the uncompiled peak; with 2 layers the peak lies elsewhere)."""
     peaks = {}
     for backend in ("none", "inductor"):
-        cfg, _ = load_config(["--config", "llama3_debug", "--training.local_batch_size", "4",
-                              "--activation_checkpoint.mode", ac, "--training.steps", "2",
-                              "--metrics.enable_tensorboard", "false", "--compile.backend", backend,
-                              "--compile.regional", regional, "--job.dump_folder", str(tmp_path / backend)])
+        cfg, _ = load_config(
+            [
+                "--config",
+                "llama3_debug",
+                "--training.local_batch_size",
+                "4",
+                "--activation_checkpoint.mode",
+                ac,
+                "--training.steps",
+                "2",
+                "--metrics.enable_tensorboard",
+                "false",
+                "--compile.backend",
+                backend,
+                "--compile.regional",
+                regional,
+                "--job.dump_folder",
+                str(tmp_path / backend),
+            ]
+        )
         t = Trainer(cfg)
         data = iter(t.dataloader)
         peaks[backend] = [t.train_step(dict(next(data))) for _ in range(2)][-1]["peak_active_bytes"]

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_trainer.job_config.cli import build_config, help_text, load_config, parse_cli
-from graph_trainer.job_config.schema import JobConfig
-from graph_trainer.job_config.load import CONFIGS_DIR, config_to_toml, resolve_config_path, shipped_configs, validate
-from graph_trainer.runtime.device import compute_dtype, resolve_dtype
 from graph_trainer.errors import ConfigError, UserError
+from graph_trainer.job_config.cli import build_config, help_text, load_config, parse_cli
+from graph_trainer.job_config.load import CONFIGS_DIR, config_to_toml, resolve_config_path, shipped_configs, validate
+from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.runtime.device import compute_dtype, resolve_dtype
 
 SHIPPED = ["llama3_1b", "llama3_70b", "llama3_8b", "llama3_debug"]
 
@@ -93,8 +93,15 @@ def test_model_overrides_reach_the_model_args():
 
 
 def test_bool_flag_without_value_means_true():
-    cfg, _ = load_config(["--checkpoint.enable", "--checkpoint.resume", "--metrics.enable_tensorboard", "false",
-                          "--compile.dump_graphs=true"])
+    cfg, _ = load_config(
+        [
+            "--checkpoint.enable",
+            "--checkpoint.resume",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--compile.dump_graphs=true",
+        ]
+    )
     assert cfg.checkpoint.enable is True and cfg.checkpoint.resume is True
     assert cfg.metrics.enable_tensorboard is False and cfg.compile.dump_graphs is True
 
@@ -109,8 +116,18 @@ def test_list_overrides():
 
 
 def test_string_fields_keep_text_that_looks_like_toml():
-    cfg, _ = load_config(["--job.description", "true", "--job.dump_folder", "2024", "--data.source", "text",
-                          "--data.path", "my corpus.txt"])
+    cfg, _ = load_config(
+        [
+            "--job.description",
+            "true",
+            "--job.dump_folder",
+            "2024",
+            "--data.source",
+            "text",
+            "--data.path",
+            "my corpus.txt",
+        ]
+    )
     assert (cfg.job.description, cfg.job.dump_folder, cfg.data.path) == ("true", "2024", "my corpus.txt")
     cfg, _ = load_config(["--job.description", "-x", "--training.max_norm", "-1"])  # values starting with '-'
     assert (cfg.job.description, cfg.training.max_norm) == ("-x", -1.0)
@@ -155,15 +172,29 @@ def test_config_names_resolve_from_any_directory(tmp_path, monkeypatch):
 
 
 def test_config_to_toml_round_trips(tmp_path):
-    cfg, _ = load_config([
-        "--config", "llama3_debug",
-        "--job.description", 'quote " backslash \\ tab \t newline \n done',
-        "--model.n_layers", "2", "--model.norm_eps", "1e-6", "--model.tie_embeddings",
-        "--optimizer.eps", "1e-12", "--training.max_norm", "-1",
-        "--activation_checkpoint.selective_ac_option", "2",
-        "--activation_checkpoint.recompute_list", "layers.*::aten.mul.Tensor",
-        "--compile.disable_passes", "dce,cse",
-    ])
+    cfg, _ = load_config(
+        [
+            "--config",
+            "llama3_debug",
+            "--job.description",
+            'quote " backslash \\ tab \t newline \n done',
+            "--model.n_layers",
+            "2",
+            "--model.norm_eps",
+            "1e-6",
+            "--model.tie_embeddings",
+            "--optimizer.eps",
+            "1e-12",
+            "--training.max_norm",
+            "-1",
+            "--activation_checkpoint.selective_ac_option",
+            "2",
+            "--activation_checkpoint.recompute_list",
+            "layers.*::aten.mul.Tensor",
+            "--compile.disable_passes",
+            "dce,cse",
+        ]
+    )
     text = config_to_toml(cfg)
     assert "n_kv_heads" not in text  # None overrides are omitted
     path = _write(tmp_path, text, "resolved.toml")
@@ -194,11 +225,15 @@ def test_config_to_toml_round_trips(tmp_path):
         (["--lr_scheduler.min_lr_factor", "1.5"], ["lr_scheduler.min_lr_factor must be <= 1"]),
         (["--model.flavor", "9B"], ["unknown llama3 flavor '9B'", "debugmodel", "8B"]),
         (["--model.name", "gpt9"], ["unknown model 'gpt9'", "llama3"]),
-        (["--activation_checkpoint.save_list", "aten.mm,torch.matmul"],
-         ["activation_checkpoint.save_list[1] must look like", "got 'torch.matmul'"]),
+        (
+            ["--activation_checkpoint.save_list", "aten.mm,torch.matmul"],
+            ["activation_checkpoint.save_list[1] must look like", "got 'torch.matmul'"],
+        ),
         (["--activation_checkpoint.recompute_list", "layers.*:aten.mm"], ["recompute_list[0]"]),
-        (["--activation_checkpoint.save_list", "aten.mm", "--activation_checkpoint.recompute_list", "aten.mm"],
-         ["'aten.mm' is in both save_list and recompute_list"]),
+        (
+            ["--activation_checkpoint.save_list", "aten.mm", "--activation_checkpoint.recompute_list", "aten.mm"],
+            ["'aten.mm' is in both save_list and recompute_list"],
+        ),
         (["--activation_checkpoint.selective_ac_option", "0"], ["selective_ac_option must be 'op' or a positive int"]),
         (["--activation_checkpoint.memory_budget", "0"], ["activation_checkpoint.memory_budget must be > 0"]),
         (["--data.source", "jsonl"], ["data.path is required for data.source = 'jsonl'"]),
@@ -206,18 +241,42 @@ def test_config_to_toml_round_trips(tmp_path):
         (["--checkpoint.resume"], ["checkpoint.resume = true needs checkpoint.enable = true"]),
         (["--metrics.log_freq", "0"], ["metrics.log_freq must be >= 1, got 0"]),
         (["--parallelism.dp_shard", "0"], ["parallelism.dp_shard must be >= 1, got 0"]),
-        (["--training.mixed_precision_param", "float16"],
-         ["training.mixed_precision_param must be one of float32|bfloat16, got 'float16'"]),
+        (
+            ["--training.mixed_precision_param", "float16"],
+            ["training.mixed_precision_param must be one of float32|bfloat16, got 'float16'"],
+        ),
         # FSDP's mixed precision without FSDP is an error, not silently fp32; the fix names both ways out.
-        (["--training.mixed_precision_param", "bfloat16"],
-         ["training.mixed_precision_param = 'bfloat16' is FSDP's and needs parallelism.dp_shard > 1 (got 1)",
-          "--parallelism.dp_shard N", "--training.dtype bfloat16"]),
-        (["--training.mixed_precision_reduce", "bfloat16", "--parallelism.dp_replicate", "2"],
-         ["training.mixed_precision_reduce = 'bfloat16' is FSDP's"]),
-        (["--training.mixed_precision_param", "bfloat16", "--parallelism.dp_shard", "2", "--training.dtype",
-          "bfloat16"], ["training.dtype = 'bfloat16' (autocast", "drop --training.dtype"]),
-        (["--config", "llama3_dbug"], ["config 'llama3_dbug' not found", "did you mean 'llama3_debug'",
-                                      "shipped configs: llama3_1b, llama3_70b, llama3_8b, llama3_debug"]),
+        (
+            ["--training.mixed_precision_param", "bfloat16"],
+            [
+                "training.mixed_precision_param = 'bfloat16' is FSDP's and needs parallelism.dp_shard > 1 (got 1)",
+                "--parallelism.dp_shard N",
+                "--training.dtype bfloat16",
+            ],
+        ),
+        (
+            ["--training.mixed_precision_reduce", "bfloat16", "--parallelism.dp_replicate", "2"],
+            ["training.mixed_precision_reduce = 'bfloat16' is FSDP's"],
+        ),
+        (
+            [
+                "--training.mixed_precision_param",
+                "bfloat16",
+                "--parallelism.dp_shard",
+                "2",
+                "--training.dtype",
+                "bfloat16",
+            ],
+            ["training.dtype = 'bfloat16' (autocast", "drop --training.dtype"],
+        ),
+        (
+            ["--config", "llama3_dbug"],
+            [
+                "config 'llama3_dbug' not found",
+                "did you mean 'llama3_debug'",
+                "shipped configs: llama3_1b, llama3_70b, llama3_8b, llama3_debug",
+            ],
+        ),
         (["--config", "missing/dir.toml"], ["config file 'missing/dir.toml' not found"]),
         (["positional"], ["unexpected argument 'positional'"]),
     ],
@@ -238,9 +297,9 @@ def test_unknown_section_and_key_in_toml_suggest_the_right_name(tmp_path):
 
 
 def test_wrong_type_in_toml_names_file_key_and_value(tmp_path):
-    msg = _error(["--config", _write(tmp_path, "[training]\nsteps = \"10\"\n")])
+    msg = _error(["--config", _write(tmp_path, '[training]\nsteps = "10"\n')])
     assert msg == f"{tmp_path / 'job.toml'}: training.steps expects an int, got '10' (string)"
-    msg = _error(["--config", _write(tmp_path, "[compile]\ndisable_passes = [\"dce\", 3]\n")])
+    msg = _error(["--config", _write(tmp_path, '[compile]\ndisable_passes = ["dce", 3]\n')])
     assert "compile.disable_passes[1] expects a string, got 3 (int)" in msg
 
 
@@ -263,10 +322,12 @@ def test_validate_checks_programmatic_configs():
 
 def test_fsdp_mixed_precision_combinations_that_load():
     shard = ["--parallelism.dp_shard", "2"]
-    for extra in (["--training.mixed_precision_param", "bfloat16"],
-                  ["--training.mixed_precision_param", "bfloat16", "--training.dtype", "float32"],
-                  ["--training.mixed_precision_reduce", "bfloat16"],  # fp32 params, bf16 gradient reduction
-                  ["--training.mixed_precision_reduce", "bfloat16", "--training.dtype", "bfloat16"]):
+    for extra in (
+        ["--training.mixed_precision_param", "bfloat16"],
+        ["--training.mixed_precision_param", "bfloat16", "--training.dtype", "float32"],
+        ["--training.mixed_precision_reduce", "bfloat16"],  # fp32 params, bf16 gradient reduction
+        ["--training.mixed_precision_reduce", "bfloat16", "--training.dtype", "bfloat16"],
+    ):
         cfg, _ = load_config([*shard, *extra])
         assert cfg.parallelism.dp_shard == 2
 

@@ -12,8 +12,12 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from graph_trainer.observability.memory import (CUBLAS_WORKSPACE_DEFAULT_BYTES, CUBLAS_WORKSPACE_SM90_BYTES, allocated_bytes,
-                                  cublas_workspace_bytes)
+from graph_trainer.observability.memory import (
+    CUBLAS_WORKSPACE_DEFAULT_BYTES,
+    CUBLAS_WORKSPACE_SM90_BYTES,
+    allocated_bytes,
+    cublas_workspace_bytes,
+)
 from graph_trainer.passes.memory_estimate import WORKSPACE, estimate_peak_memory
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from graph_trainer.data.loader import PackedBatchLoader, build_dataloader, embedded_documents
-from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from graph_trainer.errors import ConfigError, UserError
 
 BYTE = ByteTokenizer()
 
@@ -281,8 +281,17 @@ def test_a_binary_file_as_text_is_refused_in_one_line_and_a_few_bad_bytes_warn(t
 
     binary = tmp_path / "model.txt"
     binary.write_bytes(bytes(range(256)) * 200)
-    proc = cli("--training.steps", "1", "--data.source", "text", "--data.path", str(binary),
-               "--job.dump_folder", str(tmp_path / "run"), cwd=tmp_path)
+    proc = cli(
+        "--training.steps",
+        "1",
+        "--data.source",
+        "text",
+        "--data.path",
+        str(binary),
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        cwd=tmp_path,
+    )
     one_line_error(proc, f"data.path file '{binary}' does not look like text")
     assert not (tmp_path / "run").exists()
     mostly_text = tmp_path / "latin1.txt"

@@ -19,26 +19,45 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graph_trainer.job_config.cli import load_config
 from graph_trainer.distributed.launch import check_launch
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.tracer import node_meta
 from graph_trainer.trainer import Trainer
 from tests.multiprocess import assert_peaks_match, free_port, peaks, spawn_ranks, step_graph_nodes, train_runs
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                       reason="needs torch.distributed with the gloo backend"),
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with the gloo backend"
+    ),
 ]
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
 STEPS = 3
-TINY = ["--config", "llama3_debug", "--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
-        "--model.n_kv_heads", "2", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.deterministic", "true", "--metrics.enable_tensorboard", "false",
-        "--training.steps", str(STEPS)]
+TINY = [
+    "--config",
+    "llama3_debug",
+    "--model.n_layers",
+    "2",
+    "--model.dim",
+    "64",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.deterministic",
+    "true",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--training.steps",
+    str(STEPS),
+]
 RUNS = {
     "eager": ["--compile.mode", "eager"],
     "trace": ["--compile.mode", "trace"],
@@ -52,11 +71,17 @@ def _worker(rank: int, port: int, out: str) -> None:
     """One rank: train every run in RUNS and write what the tests compare."""
     args = [*TINY, "--parallelism.dp_replicate", str(WORLD)]
     for name, trainer, result in train_runs(rank, WORLD, port, RUNS, args, out):
-        collectives = [(str(n.target), node_meta.phase(n)) for n in step_graph_nodes(trainer)
-                       if "c10d" in str(n.target)]
-        record = {"losses": result.losses, "params": result.params_sha256, "grads": result.grads_sha256,
-                  "trace_count": result.trace_count, "collectives": collectives,
-                  "num_params": len(list(trainer.model.parameters()))}
+        collectives = [
+            (str(n.target), node_meta.phase(n)) for n in step_graph_nodes(trainer) if "c10d" in str(n.target)
+        ]
+        record = {
+            "losses": result.losses,
+            "params": result.params_sha256,
+            "grads": result.grads_sha256,
+            "trace_count": result.trace_count,
+            "collectives": collectives,
+            "num_params": len(list(trainer.model.parameters())),
+        }
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
 
 
@@ -65,8 +90,7 @@ def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     """Every run in RUNS trained by 2 spawned ranks: {run: [rank 0 record, rank 1 record]}."""
     out = tmp_path_factory.mktemp("dp2")
     spawn_ranks(_worker, WORLD, (free_port(), str(out)), TIMEOUT_S)
-    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(WORLD)]
-            for name in RUNS}
+    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(WORLD)] for name in RUNS}
 
 
 @pytest.mark.parametrize("mode", ["trace", "trace_optimizer"])
@@ -100,9 +124,25 @@ def test_step_graph_holds_one_all_reduce_per_gradient_in_the_backward(two_ranks,
 def test_torchrun_two_ranks_close_to_one_process_with_the_global_batch(tmp_path):
     """CLI under torchrun, 2 x batch 2, vs in-process 1 x batch 4: same losses up to summation order."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc_per_node", str(WORLD), "-m", "graph_trainer", *TINY, "--parallelism.dp_replicate", str(WORLD),
-           "--metrics.track_memory", "true", "--job.dump_folder", str(tmp_path / "dp2")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(WORLD),
+        "-m",
+        "graph_trainer",
+        *TINY,
+        "--parallelism.dp_replicate",
+        str(WORLD),
+        "--metrics.track_memory",
+        "true",
+        "--job.dump_folder",
+        str(tmp_path / "dp2"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "dp2" / "summary.json").read_text())
@@ -120,8 +160,14 @@ def test_torchrun_two_ranks_close_to_one_process_with_the_global_batch(tmp_path)
 
 def _cli(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")} | env
-    return subprocess.run([sys.executable, "-m", "graph_trainer", *TINY, "--job.dump_folder", str(tmp_path), *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "graph_trainer", *TINY, "--job.dump_folder", str(tmp_path), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize("option", ["dp_shard", "dp_replicate"])
@@ -166,9 +212,27 @@ def test_torchrun_world_size_not_dp_shard_exits_2_on_every_rank(tmp_path):
     """A bad launch under torchrun: every rank says why and exits 2 before joining a process group (no hang)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     # Each rank's stderr in its own file (--redirects 2): on one shared pipe the ranks' lines can interleave.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc_per_node", str(WORLD), "--log-dir", str(tmp_path / "logs"), "--redirects", "2",
-           "-m", "graph_trainer", *TINY, "--parallelism.dp_shard", "4", "--job.dump_folder", str(tmp_path / "bad")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(WORLD),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--redirects",
+        "2",
+        "-m",
+        "graph_trainer",
+        *TINY,
+        "--parallelism.dp_shard",
+        "4",
+        "--job.dump_folder",
+        str(tmp_path / "bad"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode != 0
     assert "exitcode  : 2" in proc.stderr

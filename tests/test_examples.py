@@ -33,8 +33,9 @@ def test_readme_shows_the_example_verbatim():
 
 def test_example_runs_as_a_script_and_traces_once():
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=REPO / "examples")
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=300, env=env, cwd=REPO / "examples"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert [line.split(":")[0] for line in lines[:5]] == [f"step {i}" for i in range(1, 6)]
@@ -49,8 +50,14 @@ def test_example_step_is_bitwise_equal_to_eager_and_leaves_the_frozen_embedding_
         model_t, adamw_t = ex.build()
         frozen = model_t.embed.weight.clone()
         eager = EagerStep(model_e, loss_fn=ex.loss_fn, max_norm=1.0)
-        graph = GraphStep(model_t, loss_fn=ex.loss_fn, max_norm=1.0, optimizer=GraphAdamW(adamw_t),
-                          layers="blocks", transform=memory_policy_transform("full"))
+        graph = GraphStep(
+            model_t,
+            loss_fn=ex.loss_fn,
+            max_norm=1.0,
+            optimizer=GraphAdamW(adamw_t),
+            layers="blocks",
+            transform=memory_policy_transform("full"),
+        )
         for batch in ex.batches(3):
             loss_e, norm_e = eager(batch)
             adamw_e.step()
@@ -62,6 +69,7 @@ def test_example_step_is_bitwise_equal_to_eager_and_leaves_the_frozen_embedding_
         assert torch.equal(pe, pt), name
     assert torch.equal(model_t.embed.weight, frozen) and model_t.embed.weight.grad is None
     # `full` on the named blocks really recomputes: the graph saves less for the backward than with "none".
-    no_ac = memory_policy_transform("none")(trace_step(model_t, next(ex.batches(1)), loss_fn=ex.loss_fn,
-                                                       max_norm=1.0, optimizer=GraphAdamW(adamw_t)))
+    no_ac = memory_policy_transform("none")(
+        trace_step(model_t, next(ex.batches(1)), loss_fn=ex.loss_fn, max_norm=1.0, optimizer=GraphAdamW(adamw_t))
+    )
     assert graph.memory_estimate.saved_bytes < 0.5 * no_ac.memory_estimate.saved_bytes

@@ -22,23 +22,51 @@ import torch.distributed as dist
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.tracer import node_meta
 from graph_trainer.trainer import Trainer
-from tests.multiprocess import (assert_peaks_match, free_port, peaks, spawn_ranks, step_graph_nodes, train_fully_shard,
-                                 train_runs)
+from tests.multiprocess import (
+    assert_peaks_match,
+    free_port,
+    peaks,
+    spawn_ranks,
+    step_graph_nodes,
+    train_fully_shard,
+    train_runs,
+)
 
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.integration,  # 8 trainings of 5 steps on 2 ranks, then FSDP2: about 2 minutes on 2 cores
-    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                       reason="needs torch.distributed with the gloo backend"),
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with the gloo backend"
+    ),
 ]
 
 STEPS = 5
 LAYERS = 2
 UNITS = LAYERS + 1  # one per layer, plus the root (embeddings, final norm, output projection)
-TINY = ["--config", "llama3_debug", "--model.n_layers", str(LAYERS), "--model.dim", "64", "--model.n_heads", "4",
-        "--model.n_kv_heads", "2", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.deterministic", "true", "--metrics.enable_tensorboard", "false",
-        "--training.steps", str(STEPS), "--training.max_norm", "1.0"]
+TINY = [
+    "--config",
+    "llama3_debug",
+    "--model.n_layers",
+    str(LAYERS),
+    "--model.dim",
+    "64",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.deterministic",
+    "true",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--training.steps",
+    str(STEPS),
+    "--training.max_norm",
+    "1.0",
+]
 TRACE = ["--compile.mode", "trace"]
 RUNS = {
     "eager": ["--compile.mode", "eager"],
@@ -51,16 +79,25 @@ RUNS = {
     "trace_never": [*TRACE, "--parallelism.fsdp_reshard_after_forward", "never"],
     "trace_prefetch": [*TRACE, "--parallelism.fsdp_prefetch", "true"],
     # Compiled region by region, the prefetched gathers cross region boundaries. Not bitwise: see its test.
-    "trace_inductor": [*TRACE, "--compile.backend", "inductor", "--compile.trace_optimizer", "true",
-                       "--parallelism.fsdp_prefetch", "true"],
+    "trace_inductor": [
+        *TRACE,
+        "--compile.backend",
+        "inductor",
+        "--compile.trace_optimizer",
+        "true",
+        "--parallelism.fsdp_prefetch",
+        "true",
+    ],
 }
 BITWISE_RUNS = [r for r in RUNS if r not in ("eager", "trace_inductor")]
 # 4 ranks on 2 cores are slow: only the runs the 4-rank claims need (vocab 258 pads at 4 ranks, not at 2).
 RUNS_AT = {2: RUNS, 4: {name: RUNS[name] for name in ("eager", "trace", "trace_full")}}
 TIMEOUT_S = 420
-GATHER, REDUCE_SCATTER, ALL_REDUCE = ("_c10d_functional.all_gather_into_tensor_out.default",
-                                      "_c10d_functional.reduce_scatter_tensor.default",
-                                      "_c10d_functional.all_reduce.default")
+GATHER, REDUCE_SCATTER, ALL_REDUCE = (
+    "_c10d_functional.all_gather_into_tensor_out.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.all_reduce.default",
+)
 
 
 def _state_bytes(trainer: Trainer) -> int:
@@ -83,11 +120,18 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     args = [*TINY, "--parallelism.dp_shard", str(world)]
     reference = lambda cfg: _fully_shard_reference(cfg, out, rank, world)  # noqa: E731
     for name, trainer, result in train_runs(rank, world, port, RUNS_AT[world], args, out, before_leaving=reference):
-        record = {"losses": result.losses, "params": result.params_sha256, "trace_count": result.trace_count,
-                  "collectives": [(str(n.target), node_meta.phase(n), node_meta.is_rematerialized(n))
-                                  for n in step_graph_nodes(trainer) if "c10d" in str(n.target)],
-                  "state_bytes": _state_bytes(trainer),
-                  "peaks": peaks(result.records)}
+        record = {
+            "losses": result.losses,
+            "params": result.params_sha256,
+            "trace_count": result.trace_count,
+            "collectives": [
+                (str(n.target), node_meta.phase(n), node_meta.is_rematerialized(n))
+                for n in step_graph_nodes(trainer)
+                if "c10d" in str(n.target)
+            ],
+            "state_bytes": _state_bytes(trainer),
+            "peaks": peaks(result.records),
+        }
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
         full = trainer.fsdp.full_state()
         if rank == 0:
@@ -195,15 +239,24 @@ def test_measured_step_peak_equals_estimate_per_rank(ranks, run):
         assert_peaks_match(_record(out, run, rank)["peaks"], (run, rank))
 
 
-@pytest.mark.parametrize("run,backward_gathers", [("trace", LAYERS), ("trace_always", UNITS), ("trace_never", 0),
-                                                  ("trace_full", LAYERS), ("trace_selective", LAYERS),
-                                                  ("trace_prefetch", LAYERS)])
+@pytest.mark.parametrize(
+    "run,backward_gathers",
+    [
+        ("trace", LAYERS),
+        ("trace_always", UNITS),
+        ("trace_never", 0),
+        ("trace_full", LAYERS),
+        ("trace_selective", LAYERS),
+        ("trace_prefetch", LAYERS),
+    ],
+)
 def test_collective_counts_follow_the_gather_policy(ranks, run, backward_gathers):
     _, out = _runs(ranks, run)
     collectives = _record(out, run)["collectives"]
 
     def count(target: str, phase: str, regathered: bool = False) -> int:
         return sum(1 for t, p, r in collectives if t == target and p == phase and r == regathered)
+
     assert count(GATHER, node_meta.FORWARD) == UNITS
     # The backward's gathers are the forward's, copied by remat (they keep the forward's phase tag).
     assert count(GATHER, node_meta.FORWARD, regathered=True) == backward_gathers
@@ -217,4 +270,5 @@ def test_regathering_lowers_the_estimated_peak(ranks):
 
     def peak(run: str) -> int:
         return _record(out, run)["peaks"][0][0]
+
     assert peak("trace_always") < peak("trace_never")

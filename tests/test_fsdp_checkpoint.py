@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graph_trainer.job_config.cli import load_config
-from graph_trainer.errors import UserError
 from graph_trainer.checkpoint.run_folder import MANIFEST_FILE, Manifest, inspect
+from graph_trainer.errors import UserError
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer
 from tests.multiprocess import free_port, spawn_ranks, train_runs
 from tests.test_fsdp import TINY, _max_diff
@@ -31,21 +31,34 @@ from tests.test_fsdp import TINY, _max_diff
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.integration,
-    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                       reason="needs torch.distributed with the gloo backend"),
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with the gloo backend"
+    ),
 ]
 
 REPO = Path(__file__).resolve().parents[1]
 # No decay horizon, so a 2-step run resumed to 4 steps equals a 4-step run; local batch 2 on 2 ranks.
-ARGS = [*TINY, "--training.steps", "4", "--lr_scheduler.decay_type", "none", "--compile.mode", "trace",
-        "--checkpoint.enable", "true", "--checkpoint.interval", "1"]
+ARGS = [
+    *TINY,
+    "--training.steps",
+    "4",
+    "--lr_scheduler.decay_type",
+    "none",
+    "--compile.mode",
+    "trace",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "1",
+]
 TIMEOUT_S = 300
 DIM = "64"
 
 
 def _save(out: str, name: str, trainer: Trainer, result, rank: int) -> None:
-    Path(out, f"{name}.rank{rank}.json").write_text(json.dumps({"losses": result.losses,
-                                                               "params": result.params_sha256}))
+    Path(out, f"{name}.rank{rank}.json").write_text(
+        json.dumps({"losses": result.losses, "params": result.params_sha256})
+    )
     full = trainer.fsdp.full_state()
     if rank == 0:
         torch.save(full, Path(out, f"{name}.params.pt"))
@@ -65,15 +78,18 @@ def _refused(cfg_args: list[str], info_args, out: str, name: str, rank: int) -> 
         Path(out, f"{name}.refused.txt").write_text(json.dumps(message))
 
 
-def _worker(rank: int, world: int, port: int, out: str, runs: dict[str, list[str]],
-            refusals: dict[str, list[str]]) -> None:
+def _worker(
+    rank: int, world: int, port: int, out: str, runs: dict[str, list[str]], refusals: dict[str, list[str]]
+) -> None:
     args = [*ARGS, "--parallelism.dp_shard", str(world)]
 
     def refuse(cfg) -> None:
         from graph_trainer.distributed.launch import init_distributed
+
         info = init_distributed(cfg)  # already joined: returns this rank's info
         for name, overrides in refusals.items():
             _refused([*args, *overrides], info, out, name, rank)
+
     for name, trainer, result in train_runs(rank, world, port, runs, args, out, before_leaving=refuse):
         _save(out, name, trainer, result, rank)
 
@@ -104,12 +120,17 @@ def two(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dcp2")
     half = out / "half"
     keep = ["--checkpoint.keep_latest_k", "10"]  # the resharding runs start from its step 2
-    _spawn(2, out, {
-        "straight": ["--checkpoint.keep_latest_k", "2"],
-        "first": ["--training.steps", "2", *keep, *_dump(half)],
-        # the optimizer in the graph is bitwise equal to the eager one: its state must load as well
-        "resumed": ["--checkpoint.resume", "true", "--compile.trace_optimizer", "true", *keep, *_dump(half)],
-    }, refusals={"other_shape": ["--model.dim", "32", "--checkpoint.resume", "true", *_dump(half)]})
+    _spawn(
+        2,
+        out,
+        {
+            "straight": ["--checkpoint.keep_latest_k", "2"],
+            "first": ["--training.steps", "2", *keep, *_dump(half)],
+            # the optimizer in the graph is bitwise equal to the eager one: its state must load as well
+            "resumed": ["--checkpoint.resume", "true", "--compile.trace_optimizer", "true", *keep, *_dump(half)],
+        },
+        refusals={"other_shape": ["--model.dim", "32", "--checkpoint.resume", "true", *_dump(half)]},
+    )
     return out
 
 
@@ -123,9 +144,13 @@ def resharded(two, tmp_path_factory) -> Path:
     shutil.copytree(half / "checkpoint" / "step-00000002.dcp", four / "checkpoint" / "step-00000002.dcp")
     shutil.copy(half / "config.toml", four)
     resume4 = ["--checkpoint.resume", "true", "--training.local_batch_size", "1", *_dump(four)]
-    _spawn(4, out, {"four": [*resume4, "--training.steps", "3"]},
-           # 4 ranks x the 2-rank run's local batch of 2: refused before anything is written
-           refusals={"other_batch": ["--checkpoint.resume", "true", *_dump(half)]})
+    _spawn(
+        4,
+        out,
+        {"four": [*resume4, "--training.steps", "3"]},
+        # 4 ranks x the 2-rank run's local batch of 2: refused before anything is written
+        refusals={"other_batch": ["--checkpoint.resume", "true", *_dump(half)]},
+    )
     _spawn(2, out, {"back": ["--checkpoint.resume", "true", *_dump(four)]})
     return out
 
@@ -136,8 +161,10 @@ def test_resume_on_the_same_ranks_is_bitwise(two):
         assert _record(two, "first", rank)["losses"] == straight["losses"][:2]
         assert resumed["losses"] == straight["losses"][2:]
         assert resumed["params"] == straight["params"]  # this rank's final shards
-    assert all(torch.equal(a, b) for a, b in zip(torch.load(two / "resumed.params.pt").values(),
-                                                 torch.load(two / "straight.params.pt").values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(torch.load(two / "resumed.params.pt").values(), torch.load(two / "straight.params.pt").values())
+    )
 
 
 def test_each_rank_writes_its_shards_into_one_dcp_folder(two):
@@ -202,13 +229,23 @@ def test_resume_with_another_global_batch_is_refused_in_one_line(resharded):
 def test_export_writes_the_full_unpadded_weights(two, tmp_path):
     out = tmp_path / "model_full.pt"
     step = two / "straight" / "checkpoint" / "step-00000004.dcp"
-    proc = subprocess.run([sys.executable, "-m", "graph_trainer.export", str(step), str(out)], cwd=tmp_path,
-                          env={"PYTHONPATH": str(REPO), "PATH": ""}, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "graph_trainer.export", str(step), str(out)],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(REPO), "PATH": ""},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     exported = torch.load(out, weights_only=True)
     gathered = torch.load(two / "straight.params.pt")
     assert set(gathered) <= set(exported)
     assert all(torch.equal(exported[k], gathered[k]) for k in gathered)
-    bad = subprocess.run([sys.executable, "-m", "graph_trainer.export", str(tmp_path), str(out)], cwd=tmp_path,
-                         env={"PYTHONPATH": str(REPO), "PATH": ""}, capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "graph_trainer.export", str(tmp_path), str(out)],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(REPO), "PATH": ""},
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1

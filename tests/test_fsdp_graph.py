@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from graph_trainer.job_config.cli import load_config
-from graph_trainer.distributed.launch import planning_shard_group
 from graph_trainer.builder import shard_model
 from graph_trainer.distributed.fsdp import check_gathered
+from graph_trainer.distributed.launch import planning_shard_group
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.loss import build_lm_loss, lm_loss
 from graph_trainer.passes import build_pipeline
 from graph_trainer.plan.planner import meta_model
@@ -35,9 +35,26 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.dis
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = 2
 UNITS = LAYERS + 1
-TINY = ["--config", "llama3_debug", "--model.n_layers", str(LAYERS), "--model.dim", "64", "--model.n_heads", "4",
-        "--model.n_kv_heads", "2", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.max_norm", "1.0", "--parallelism.dp_shard", "2"]
+TINY = [
+    "--config",
+    "llama3_debug",
+    "--model.n_layers",
+    str(LAYERS),
+    "--model.dim",
+    "64",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.max_norm",
+    "1.0",
+    "--parallelism.dp_shard",
+    "2",
+]
 GATHER = "_c10d_functional.all_gather_into_tensor_out.default"
 REDUCE_SCATTER = "_c10d_functional.reduce_scatter_tensor.default"
 ALL_REDUCE = "_c10d_functional.all_reduce.default"
@@ -56,39 +73,69 @@ def _trace(group, *args: str, loss_fn=lm_loss):
     fsdp = shard_model(cfg, model, group)
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
     batch = {"input": torch.zeros(b, s, dtype=torch.long), "labels": torch.zeros(b, s, dtype=torch.long)}
-    traced = trace_step(model, batch, loss_fn=fsdp.wrap_loss(loss_fn), max_norm=cfg.training.max_norm,
-                        device="cpu", norm_reduce=fsdp.norm_reduce)
+    traced = trace_step(
+        model,
+        batch,
+        loss_fn=fsdp.wrap_loss(loss_fn),
+        max_norm=cfg.training.max_norm,
+        device="cpu",
+        norm_reduce=fsdp.norm_reduce,
+    )
     return cfg, fsdp, traced
 
 
 def _collectives(gm: torch.fx.GraphModule) -> Counter:
     """(op, phase, re-gathered by remat) -> count."""
-    return Counter((str(n.target), node_meta.phase(n), node_meta.is_rematerialized(n))
-                   for n in gm.graph.nodes if "_c10d_functional" in str(n.target) and "wait" not in str(n.target))
+    return Counter(
+        (str(n.target), node_meta.phase(n), node_meta.is_rematerialized(n))
+        for n in gm.graph.nodes
+        if "_c10d_functional" in str(n.target) and "wait" not in str(n.target)
+    )
 
 
 REGATHERED = {"default": LAYERS, "always": UNITS, "never": 0}
 
 
-@pytest.mark.parametrize("mode,policy", [("none", "default"), ("none", "always"), ("none", "never"),
-                                         ("selective", "default"), ("full", "default"), ("full", "never"),
-                                         ("budget", "always")])
+@pytest.mark.parametrize(
+    "mode,policy",
+    [
+        ("none", "default"),
+        ("none", "always"),
+        ("none", "never"),
+        ("selective", "default"),
+        ("full", "default"),
+        ("full", "never"),
+        ("budget", "always"),
+    ],
+)
 def test_final_graph_gathers_per_policy(group, mode, policy):
     regathered = REGATHERED[policy]
-    cfg, _, traced = _trace(group, "--activation_checkpoint.mode", mode, "--activation_checkpoint.memory_budget", "0.8",
-                            "--parallelism.fsdp_reshard_after_forward", policy)
+    cfg, _, traced = _trace(
+        group,
+        "--activation_checkpoint.mode",
+        mode,
+        "--activation_checkpoint.memory_budget",
+        "0.8",
+        "--parallelism.fsdp_reshard_after_forward",
+        policy,
+    )
     gm = build_pipeline(cfg, dump_dir=None)(check_gathered(traced)).traced.gm
-    assert _collectives(gm) == Counter({
-        (GATHER, node_meta.FORWARD, False): UNITS,
-        (REDUCE_SCATTER, node_meta.BACKWARD, False): UNITS,
-        (ALL_REDUCE, node_meta.OPTIMIZER, False): 1,  # the global gradient norm
-        **({(GATHER, node_meta.FORWARD, True): regathered} if regathered else {}),
-    })
+    assert _collectives(gm) == Counter(
+        {
+            (GATHER, node_meta.FORWARD, False): UNITS,
+            (REDUCE_SCATTER, node_meta.BACKWARD, False): UNITS,
+            (ALL_REDUCE, node_meta.OPTIMIZER, False): 1,  # the global gradient norm
+            **({(GATHER, node_meta.FORWARD, True): regathered} if regathered else {}),
+        }
+    )
     waits = sum(1 for n in gm.graph.nodes if str(n.target) == "_c10d_functional.wait_tensor.default")
     assert waits == 2 * UNITS + 1 + regathered
     # A re-gathered unit's forward gather is dead before the backward: nothing saved reads it.
-    regathered_units = {node_meta.fsdp_unit(n) for n in gm.graph.nodes if node_meta.is_rematerialized(n)
-                        and node_meta.fsdp_unit(n) is not None}
+    regathered_units = {
+        node_meta.fsdp_unit(n)
+        for n in gm.graph.nodes
+        if node_meta.is_rematerialized(n) and node_meta.fsdp_unit(n) is not None
+    }
     assert len(regathered_units) == regathered
 
 
@@ -126,10 +173,33 @@ def test_reading_a_parameter_outside_its_gather_names_it(group, param_dtype):
 def test_dry_run_plans_one_rank_of_n_without_launching_them(tmp_path):
     def dry_run(*args: str) -> str:
         # One wide layer at a tiny batch: its state (~0.2 GiB) dominates the plan, and it traces fast.
-        proc = subprocess.run([sys.executable, "-m", "graph_trainer", "--config", "llama3_debug", "--model.n_layers",
-                               "1", "--model.dim", "1024", "--model.n_heads", "8", "--model.n_kv_heads", "8",
-                               "--training.seq_len", "16", "--training.local_batch_size", "1", "--dry-run", *args],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "graph_trainer",
+                "--config",
+                "llama3_debug",
+                "--model.n_layers",
+                "1",
+                "--model.dim",
+                "1024",
+                "--model.n_heads",
+                "8",
+                "--model.n_kv_heads",
+                "8",
+                "--training.seq_len",
+                "16",
+                "--training.local_batch_size",
+                "1",
+                "--dry-run",
+                *args,
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stdout
 
@@ -138,8 +208,10 @@ def test_dry_run_plans_one_rank_of_n_without_launching_them(tmp_path):
 
     sharded = dry_run("--parallelism.dp_shard", "4")
     assert "one rank of 4 (FSDP, dp_shard)" in sharded
-    assert all(any(line.startswith(mode + " ") for line in sharded.splitlines())
-               for mode in ("none", "selective", "full", "budget"))
+    assert all(
+        any(line.startswith(mode + " ") for line in sharded.splitlines())
+        for mode in ("none", "selective", "full", "budget")
+    )
     assert none_peak(sharded) < none_peak(dry_run())
 
 
@@ -152,7 +224,7 @@ def test_prefetch_issues_each_gather_right_after_the_previous_wait(group):
         assert len(gathers) == (LAYERS if rematerialized else UNITS)
         for previous, gather in zip(gathers, gathers[1:]):
             wait = next(u for u in previous.users if "wait_tensor" in str(u.target))
-            between = nodes[nodes.index(wait) + 1:nodes.index(gather)]
+            between = nodes[nodes.index(wait) + 1 : nodes.index(gather)]
             # Only the gather's own buffer preparation sits between: no compute of the previous unit.
             assert all(node_meta.fsdp_unit(n) == node_meta.fsdp_unit(gather) for n in between), between
 
@@ -162,17 +234,32 @@ BF16 = ["--training.mixed_precision_param", "bfloat16"]
 
 @pytest.mark.parametrize("reduce,chunk", [("float32", 0), ("bfloat16", 0), ("float32", 16)])
 def test_bf16_params_gather_in_bf16_and_reduce_in_reduce_dtype(group, reduce, chunk):
-    cfg, _, traced = _trace(group, *BF16, "--training.mixed_precision_reduce", reduce,
-                            "--activation_checkpoint.mode", "selective", loss_fn=build_lm_loss(chunk))
+    cfg, _, traced = _trace(
+        group,
+        *BF16,
+        "--training.mixed_precision_reduce",
+        reduce,
+        "--activation_checkpoint.mode",
+        "selective",
+        loss_fn=build_lm_loss(chunk),
+    )
     final = build_pipeline(cfg, dump_dir=None)(check_gathered(traced))
     gm = final.traced.gm
-    dtypes = Counter((str(n.target), n.meta["val"].dtype) for n in gm.graph.nodes
-                     if "_c10d_functional" in str(n.target) and "wait" not in str(n.target))
+    dtypes = Counter(
+        (str(n.target), n.meta["val"].dtype)
+        for n in gm.graph.nodes
+        if "_c10d_functional" in str(n.target) and "wait" not in str(n.target)
+    )
     reduce_dtype = getattr(torch, reduce)
-    assert dtypes == Counter({(GATHER, torch.bfloat16): UNITS + REGATHERED["default"],
-                              (REDUCE_SCATTER, reduce_dtype): UNITS, (ALL_REDUCE, torch.float32): 1})
+    assert dtypes == Counter(
+        {
+            (GATHER, torch.bfloat16): UNITS + REGATHERED["default"],
+            (REDUCE_SCATTER, reduce_dtype): UNITS,
+            (ALL_REDUCE, torch.float32): 1,
+        }
+    )
     # The shards the step reads and the gradients it returns stay fp32 (AdamW and the clip work on them).
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][:len(traced.layout.param_names)]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][: len(traced.layout.param_names)]
     assert {n.meta["val"].dtype for n in placeholders} == {torch.float32}
     grads = pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])[2:]
     assert len(grads) == len(traced.layout.grad_names)

@@ -18,22 +18,52 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiprocess import (assert_peaks_match, free_port, peaks, spawn_ranks, step_graph_nodes, train_fully_shard,
-                                 train_runs)
+from tests.multiprocess import (
+    assert_peaks_match,
+    free_port,
+    peaks,
+    spawn_ranks,
+    step_graph_nodes,
+    train_fully_shard,
+    train_runs,
+)
 
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.integration,  # 8 trainings of 5 steps on 2 ranks, then FSDP2: about a minute on 2 cores
-    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                       reason="needs torch.distributed with the gloo backend"),
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with the gloo backend"
+    ),
 ]
 
 WORLD = 2
 STEPS = 5
-TINY = ["--config", "llama3_debug", "--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
-        "--model.n_kv_heads", "2", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.deterministic", "true", "--metrics.enable_tensorboard", "false",
-        "--training.steps", str(STEPS), "--training.max_norm", "1.0", "--parallelism.dp_shard", str(WORLD)]
+TINY = [
+    "--config",
+    "llama3_debug",
+    "--model.n_layers",
+    "2",
+    "--model.dim",
+    "64",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.deterministic",
+    "true",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--training.steps",
+    str(STEPS),
+    "--training.max_norm",
+    "1.0",
+    "--parallelism.dp_shard",
+    str(WORLD),
+]
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
 REDUCE_BF16 = ["--training.mixed_precision_reduce", "bfloat16"]
 EAGER, TRACE = ["--compile.mode", "eager"], ["--compile.mode", "trace"]
@@ -66,11 +96,18 @@ def _worker(rank: int, port: int, out: str) -> None:
     """One rank: train every run of RUNS (then FSDP2 with bf16 parameters) and write what the tests compare."""
     reference = lambda cfg: _fully_shard_bf16(cfg, out, rank)  # noqa: E731
     for name, trainer, result in train_runs(rank, WORLD, port, RUNS, TINY, out, before_leaving=reference):
-        record = {"losses": result.losses, "params": result.params_sha256, "trace_count": result.trace_count,
-                  "collectives": [(str(n.target), str(n.meta["val"].dtype)) for n in step_graph_nodes(trainer)
-                                  if "c10d" in str(n.target) and "wait" not in str(n.target)],
-                  "shard_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
-                  "peaks": peaks(result.records)}
+        record = {
+            "losses": result.losses,
+            "params": result.params_sha256,
+            "trace_count": result.trace_count,
+            "collectives": [
+                (str(n.target), str(n.meta["val"].dtype))
+                for n in step_graph_nodes(trainer)
+                if "c10d" in str(n.target) and "wait" not in str(n.target)
+            ],
+            "shard_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+            "peaks": peaks(result.records),
+        }
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
         full = trainer.fsdp.full_state()
         if rank == 0:
@@ -94,9 +131,16 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("run,eager", [("trace_bf16", "eager_bf16"), ("trace_bf16_full", "eager_bf16"),
-                                       ("eager_bf16_full", "eager_bf16"), ("trace_bf16_optimizer", "eager_bf16"),
-                                       ("trace_bf16_reduce_bf16", "eager_bf16_reduce_bf16")])
+@pytest.mark.parametrize(
+    "run,eager",
+    [
+        ("trace_bf16", "eager_bf16"),
+        ("trace_bf16_full", "eager_bf16"),
+        ("eager_bf16_full", "eager_bf16"),
+        ("trace_bf16_optimizer", "eager_bf16"),
+        ("trace_bf16_reduce_bf16", "eager_bf16_reduce_bf16"),
+    ],
+)
 def test_bf16_params_traced_equals_eager_bitwise_on_every_rank(out, run, eager):
     for rank in range(WORLD):
         traced, reference = _record(out, run, rank), _record(out, eager, rank)
@@ -118,20 +162,31 @@ def test_bf16_params_close_to_torch_fully_shard(out):
     losses = json.loads((out / "fully_shard.json").read_text())["losses"]
     ours_losses = _record(out, "trace_bf16")["losses"]
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(ours_losses, losses))
-    print(f"bf16 params: max |param - fully_shard param| after {STEPS} steps {diff:.3g} (vs our fp32 run "
-          f"{vs_fp32:.3g}); max relative loss difference {loss_diff:.3g}")
+    print(
+        f"bf16 params: max |param - fully_shard param| after {STEPS} steps {diff:.3g} (vs our fp32 run "
+        f"{vs_fp32:.3g}); max relative loss difference {loss_diff:.3g}"
+    )
     assert diff < FULLY_SHARD_TOL
     assert diff < vs_fp32  # closer to FSDP2's bf16 than to our own fp32 training
     assert ours_losses == pytest.approx(losses, rel=1e-5)
 
 
-@pytest.mark.parametrize("run,reduce_dtype", [("trace_bf16", "torch.float32"), ("trace_bf16_full", "torch.float32"),
-                                              ("trace_bf16_optimizer", "torch.float32"),
-                                              ("trace_bf16_reduce_bf16", "torch.bfloat16")])
+@pytest.mark.parametrize(
+    "run,reduce_dtype",
+    [
+        ("trace_bf16", "torch.float32"),
+        ("trace_bf16_full", "torch.float32"),
+        ("trace_bf16_optimizer", "torch.float32"),
+        ("trace_bf16_reduce_bf16", "torch.bfloat16"),
+    ],
+)
 def test_real_step_graph_gathers_bf16_and_reduces_in_reduce_dtype(out, run, reduce_dtype):
     dtypes = {(target.split(".")[1], dtype) for target, dtype in _record(out, run)["collectives"]}
-    assert dtypes == {("all_gather_into_tensor_out", "torch.bfloat16"), ("reduce_scatter_tensor", reduce_dtype),
-                      ("all_reduce", "torch.float32")}
+    assert dtypes == {
+        ("all_gather_into_tensor_out", "torch.bfloat16"),
+        ("reduce_scatter_tensor", reduce_dtype),
+        ("all_reduce", "torch.float32"),
+    }
 
 
 @pytest.mark.parametrize("run", [r for r in RUNS if r.startswith("trace")])

@@ -30,8 +30,16 @@ def deterministic():
 def tiny_hf_llama() -> nn.Module:
     # Eager attention: with "sdpa", transformers passes is_causal in eager but builds a mask while
     # tracing, a different kernel call (the README says so).
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).train()
 
@@ -78,8 +86,9 @@ def test_hf_model_with_the_memory_policy_instead_of_its_own_checkpointing_is_bit
     model.gradient_checkpointing_disable()
     eager_model = copy.deepcopy(model)
     loss_e, norm_e = EagerStep(eager_model, loss_fn=hf_loss, max_norm=1.0)(hf_batch())
-    step = GraphStep(model, loss_fn=hf_loss, max_norm=1.0, layers="model.layers",
-                     transform=memory_policy_transform(mode))
+    step = GraphStep(
+        model, loss_fn=hf_loss, max_norm=1.0, layers="model.layers", transform=memory_policy_transform(mode)
+    )
     with caplog.at_level("WARNING"):
         loss_t, norm_t = step(hf_batch())
     assert "recomputes nothing" not in caplog.text and "took" not in caplog.text

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_trainer.plan import planner
-from graph_trainer.job_config.cli import load_config
 from graph_trainer.eager.step import EagerStep
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.loss import IGNORE_INDEX, build_lm_loss, chunked_lm_loss, lm_loss
+from graph_trainer.plan import planner
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import trace_step
 from models.llama3.model import ModelArgs, Transformer
@@ -82,8 +82,18 @@ def test_graph_never_holds_full_logits_and_recomputes_each_chunk_in_the_backward
 
 
 def test_chunking_lowers_the_planned_peak_where_the_loss_was_the_peak():
-    flags = ["--config", "llama3_debug", "--model.vocab_size", "8192", "--model.n_layers", "1",
-             "--training.seq_len", "256", "--training.local_batch_size", "4"]
+    flags = [
+        "--config",
+        "llama3_debug",
+        "--model.vocab_size",
+        "8192",
+        "--model.n_layers",
+        "1",
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "4",
+    ]
     plans = {}
     for chunk in (0, 128):
         cfg, _ = load_config([*flags, "--training.loss_chunk_size", str(chunk)])

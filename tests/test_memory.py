@@ -19,8 +19,8 @@ from graph_trainer.observability.memory import (
     reset_peak,
     rss_peak_bytes,
 )
-from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_tensors
 from graph_trainer.observability.units import GIB, to_gib
+from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_tensors
 
 VOCAB, DIM, HEADS = 64, 32, 4
 
@@ -105,8 +105,11 @@ def _run_tracked(gm, args, live_inputs, *, grad: bool = False):
 
 
 def _assert_matches_every_op(gm, est, tracker):
-    dispatched = [i for i, n in enumerate(gm.graph.nodes)
-                  if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    dispatched = [
+        i
+        for i, n in enumerate(gm.graph.nodes)
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+    ]
     assert len(dispatched) == len(tracker.after_op)
     assert [est.timeline[i] for i in dispatched] == tracker.after_op
 
@@ -163,7 +166,6 @@ def _eager_setup(b: int, t: int):
     return model, opt, x, y, step, existing
 
 
-
 def _tracked(step, existing) -> LiveTensorTracker:
     """A tracker that saw `step()` run with `existing` registered as live beforehand."""
     tracker = LiveTensorTracker()
@@ -171,6 +173,7 @@ def _tracked(step, existing) -> LiveTensorTracker:
     with tracker:
         step()
     return tracker
+
 
 def test_tracker_sees_backward_on_eager_step():
     model, opt, x, y, step, existing = _eager_setup(8, 64)
@@ -209,8 +212,9 @@ def test_tracker_equals_profiler_on_eager_step():
     growth = tracker.peak_bytes - tracker.current_bytes  # bytes above what lives before/after the step
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     live = peak = 0
     for e in events:
         live += e.nbytes()
@@ -313,8 +317,9 @@ def test_estimate_equals_tracker_after_remat():
     recompute = {torch.ops.aten.gelu.default, torch.ops.aten.add.Tensor, torch.ops.aten.addmm.default}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.meta.get("custom", {}).get("phase") != "backward":
-            n.meta["recompute"] = (CheckpointPolicy.PREFER_RECOMPUTE if n.target in recompute
-                                   else CheckpointPolicy.MUST_SAVE)
+            n.meta["recompute"] = (
+                CheckpointPolicy.PREFER_RECOMPUTE if n.target in recompute else CheckpointPolicy.MUST_SAVE
+            )
             n.meta["ac_graph_id"] = 0
     remat = remat_pass.remat_using_tags_for_fwd_loss_bwd_graph(gm)
     assert any(n.name.endswith("_recomputed") for n in remat.graph.nodes)
@@ -405,8 +410,13 @@ def test_cuda_stats_and_monitor():
     assert mem.peak_reserved_bytes >= mem.peak_active_bytes
     assert mem.num_ooms == 0
     stats = cuda_memory_stats(dev)
-    assert set(stats) >= {"peak_active_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
-                          "num_alloc_retries", "num_ooms"}
+    assert set(stats) >= {
+        "peak_active_bytes",
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "num_alloc_retries",
+        "num_ooms",
+    }
 
 
 def test_a_storage_whose_last_reference_another_thread_drops_is_counted_as_freed_late():
@@ -433,7 +443,6 @@ def test_clipped_gradients_are_counted_as_gradients():
     from graph_trainer.tracer import trace_step
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    traced = trace_step(model, {"x": torch.randn(8, 16)}, loss_fn=lambda m, b: m(b["x"]).square().mean(),
-                        max_norm=1.0)
+    traced = trace_step(model, {"x": torch.randn(8, 16)}, loss_fn=lambda m, b: m(b["x"]).square().mean(), max_norm=1.0)
     est = estimate_peak_memory(traced.gm)
     assert est.final_bytes_by_category["gradient"] == sum(p.nbytes for p in model.parameters())

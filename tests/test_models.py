@@ -75,7 +75,9 @@ def test_parameter_names_follow_meta_checkpoints():
         "output.weight",
     }
     assert expected <= names
-    assert not any("rope" in name for name, _ in _meta_model(TINY).state_dict().items()), "RoPE tables must not be saved"
+    assert not any("rope" in name for name, _ in _meta_model(TINY).state_dict().items()), (
+        "RoPE tables must not be saved"
+    )
 
 
 def test_flops_per_token_is_standard_estimate():

@@ -12,12 +12,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_trainer.plan import planner
-from graph_trainer.job_config.cli import load_config
 from graph_trainer.errors import ConfigError
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.observability.memory import LiveTensorTracker
-from graph_trainer.optimizer.adamw import (EagerUpdate, GraphAdamW, adamw_state_bytes, build_optimizer,
-                                     choose_adamw_implementation, eager_step_scratch_bytes, init_adamw_state)
+from graph_trainer.optimizer.adamw import (
+    EagerUpdate,
+    GraphAdamW,
+    adamw_state_bytes,
+    build_optimizer,
+    choose_adamw_implementation,
+    eager_step_scratch_bytes,
+    init_adamw_state,
+)
+from graph_trainer.plan import planner
 from tests.integration.trainer_runs import TINY, train
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -37,8 +44,9 @@ def test_auto_is_fused_on_cuda_and_single_tensor_on_cpu():
 def test_built_optimizer_runs_the_chosen_implementation():
     model = torch.nn.Linear(4, 3)
     for name, flags in IMPLEMENTATIONS.items():
-        group = build_optimizer(model, name="AdamW", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                implementation=name).param_groups[0]
+        group = build_optimizer(
+            model, name="AdamW", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, implementation=name
+        ).param_groups[0]
         assert bool(group["foreach"]) == flags.get("foreach", False)
         assert bool(group["fused"]) == flags.get("fused", False)
 
@@ -47,9 +55,17 @@ def test_built_optimizer_runs_the_chosen_implementation():
 def test_scratch_model_equals_the_tracked_cpu_update(implementation):
     torch.manual_seed(0)
     # Two dtypes, so foreach makes two buckets; sizes out of order, so "previous" matters.
-    params = [torch.randn(shape, dtype=dtype, requires_grad=True)
-              for shape, dtype in [((300, 7), torch.float32), ((5,), torch.float32), ((40, 3), torch.bfloat16),
-                                   ((1000, 3), torch.float32), ((64, 64), torch.float32), ((9,), torch.bfloat16)]]
+    params = [
+        torch.randn(shape, dtype=dtype, requires_grad=True)
+        for shape, dtype in [
+            ((300, 7), torch.float32),
+            ((5,), torch.float32),
+            ((40, 3), torch.bfloat16),
+            ((1000, 3), torch.float32),
+            ((64, 64), torch.float32),
+            ((9,), torch.bfloat16),
+        ]
+    ]
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, **IMPLEMENTATIONS[implementation])
@@ -72,8 +88,9 @@ def test_scratch_model_equals_the_tracked_cpu_update(implementation):
 
 def test_fused_state_keeps_its_step_on_the_parameter_device_as_torch_does():
     model = torch.nn.Linear(4, 3)
-    fused = build_optimizer(model, name="AdamW", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                            implementation="fused")
+    fused = build_optimizer(
+        model, name="AdamW", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, implementation="fused"
+    )
     single = build_optimizer(model, name="AdamW", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     for p in model.parameters():
         assert init_adamw_state(fused, p)["step"].dtype == torch.float32
@@ -95,8 +112,9 @@ def test_8b_cuda_choice_needs_no_scratch_where_foreach_needed_all_parameters():
     assert implementation == "fused"
 
     def update(name: str) -> EagerUpdate:
-        opt = build_optimizer(model, name="AdamW", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                              implementation=name)
+        opt = build_optimizer(
+            model, name="AdamW", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, implementation=name
+        )
         for p in model.parameters():
             init_adamw_state(opt, p)
         return EagerUpdate.of(opt, name, CUDA)

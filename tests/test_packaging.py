@@ -60,20 +60,26 @@ def test_wheel_installed_in_a_fresh_venv_trains_a_shipped_config_from_another_fo
         shutil.copy2(REPO / name, src / name)
     for name in ("graph_trainer", "models", "configs"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, src],
-         env=env, cwd=tmp_path)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, src],
+        env=env,
+        cwd=tmp_path,
+    )
     (wheel,) = wheels.glob("graph_trainer-*.whl")
     _run([sys.executable, "-m", "venv", "--without-pip", venv], env=env)
     python = venv / "bin" / "python"
-    purelib = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                        env=env).stdout.strip())
+    purelib = Path(
+        _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=env).stdout.strip()
+    )
     host_libs = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     (purelib / "host_dependencies.pth").write_text("\n".join(sorted(host_libs)) + "\n")
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel],
-         env=env)
+    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel], env=env)
 
-    where = _run([python, "-c", "import graph_trainer, models; print(graph_trainer.__file__, models.__file__)"],
-                 env=env, cwd=elsewhere).stdout.split()
+    where = _run(
+        [python, "-c", "import graph_trainer, models; print(graph_trainer.__file__, models.__file__)"],
+        env=env,
+        cwd=elsewhere,
+    ).stdout.split()
     assert all(Path(p).is_relative_to(venv) for p in where), where
     _run([python, "-m", "graph_trainer", "--config", "llama3_debug", "--training.steps", "1"], env=env, cwd=elsewhere)
     final = json.loads((elsewhere / "outputs" / "llama3_debug" / "summary.json").read_text())["final"]

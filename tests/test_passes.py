@@ -10,18 +10,17 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from graph_trainer.job_config.cli import load_config
-from graph_trainer.errors import ConfigError
-from graph_trainer.optimizer.adamw import GraphAdamW, build_optimizer
 from graph_trainer.eager.step import EagerStep
+from graph_trainer.errors import ConfigError
+from graph_trainer.job_config.cli import load_config
+from graph_trainer.optimizer.adamw import GraphAdamW, build_optimizer
 from graph_trainer.passes import available_passes, build_pipeline, memory_policy_transform
-from graph_trainer.passes.op_patterns import parse_op_pattern
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
 from graph_trainer.passes.graph_utils import is_attention, is_mutating, node_flops, packet
+from graph_trainer.passes.op_patterns import parse_op_pattern
 from graph_trainer.passes.remat import rematerialize
-from graph_trainer.tracer import node_meta
-from graph_trainer.tracer import GraphStep
+from graph_trainer.tracer import GraphStep, node_meta
 from graph_trainer.tracer.capture import trace_step
 from models.llama3.model import ModelArgs, Transformer
 
@@ -53,8 +52,7 @@ def test_unknown_pass_in_disable_passes_lists_the_available_ones():
 @pytest.mark.parametrize("disabled", ["memory_policy", "remat"])
 def test_disabling_the_memory_policy_while_a_mode_asks_for_it_is_a_config_error(mode, disabled):
     with pytest.raises(ConfigError, match=f"has '{disabled}', but activation_checkpoint.mode = '{mode}' needs it"):
-        build_pipeline(_cfg("--activation_checkpoint.mode", mode, "--compile.disable_passes", disabled),
-                       dump_dir=None)
+        build_pipeline(_cfg("--activation_checkpoint.mode", mode, "--compile.disable_passes", disabled), dump_dir=None)
     build_pipeline(_cfg("--compile.disable_passes", disabled), dump_dir=None)  # mode none: nothing to disable
 
 
@@ -67,8 +65,10 @@ def test_a_renamed_pass_name_says_its_new_name(old):
 @pytest.mark.parametrize("entry", ["aten.notanop", "aten.mm.nooverload", "layers.*::aten.bogus"])
 def test_bad_override_pattern_is_a_config_error(entry):
     with pytest.raises(ConfigError, match="recompute_list"):
-        build_pipeline(_cfg("--activation_checkpoint.mode", "selective", "--activation_checkpoint.recompute_list",
-                            entry), dump_dir=None)
+        build_pipeline(
+            _cfg("--activation_checkpoint.mode", "selective", "--activation_checkpoint.recompute_list", entry),
+            dump_dir=None,
+        )
 
 
 def test_override_pattern_matches_op_overload_and_module_glob():
@@ -77,23 +77,37 @@ def test_override_pattern_matches_op_overload_and_module_glob():
     mms = [n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default and node_meta.is_forward(n)]
     attn = parse_op_pattern("layers.*.attention::aten.mm", "x")
     assert {node_meta.module_fqn(n).rsplit(".", 1)[0] for n in mms if attn.matches(n)} == {
-        "layers.0.attention", "layers.1.attention"}
+        "layers.0.attention",
+        "layers.1.attention",
+    }
     assert all(parse_op_pattern("aten.mm.default", "x").matches(n) for n in mms)
 
 
 def test_pipeline_runs_in_order_logs_and_dumps_each_pass(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="graph_trainer")
     model, batch = _model_and_batch()
-    cfg = _cfg("--compile.dump_graphs", "true", "--activation_checkpoint.mode", "full",
-               "--compile.log_saved_activations", "true")
+    cfg = _cfg(
+        "--compile.dump_graphs",
+        "true",
+        "--activation_checkpoint.mode",
+        "full",
+        "--compile.log_saved_activations",
+        "true",
+    )
     result = build_pipeline(cfg, dump_dir=tmp_path)(trace_step(model, batch))
     ran = [line.split(":")[0].removeprefix("pass ") for line in caplog.messages if line.startswith("pass ")]
     assert ran == ["dce", "remove_noops", "memory_policy", "remat"]
     assert [n for n in available_passes() if n in ran] == ran  # registry order
     dumped = sorted(p.name for p in (tmp_path / "trace_1").iterdir())
-    assert dumped == ["00_traced.py", "01_after_dce.py", "02_after_remove_noops.py",
-                      "03_after_memory_policy.py", "04_after_remat.py", "saved_tensors.txt",
-                      "summary.txt"]
+    assert dumped == [
+        "00_traced.py",
+        "01_after_dce.py",
+        "02_after_remove_noops.py",
+        "03_after_memory_policy.py",
+        "04_after_remat.py",
+        "saved_tensors.txt",
+        "summary.txt",
+    ]
     assert "_recomputed" in (tmp_path / "trace_1" / "04_after_remat.py").read_text()
     assert result.memory_estimate is not None and result.memory_estimate.peak_bytes > 0
     assert any(node_meta.is_rematerialized(n) for n in result.traced.gm.graph.nodes)
@@ -107,12 +121,16 @@ def test_pipeline_runs_in_order_logs_and_dumps_each_pass(tmp_path, caplog):
 
 def test_dce_keeps_in_place_optimizer_ops_and_numerics():
     model, batch = _model_and_batch(dropout=0.0)
-    optimizer = GraphAdamW(build_optimizer(model, name="AdamW", lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-                                           weight_decay=0.1))
+    optimizer = GraphAdamW(build_optimizer(model, name="AdamW", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
     traced = trace_step(model, batch, optimizer=optimizer)
     gm = traced.gm
-    inputs = [*model.parameters(), *model.buffers(), *batch.values(), *optimizer.state_tensors(),
-              *optimizer.host_scalars()]
+    inputs = [
+        *model.parameters(),
+        *model.buffers(),
+        *batch.values(),
+        *optimizer.state_tensors(),
+        *optimizer.host_scalars(),
+    ]
     before = sum(is_mutating(n) for n in gm.graph.nodes)
     assert before > 0
     expected = _run(gm, inputs)
@@ -127,8 +145,9 @@ def test_remat_is_bitwise_and_final():
     inputs = [*model.parameters(), *model.buffers(), *batch.values()]
     expected = _run(traced.gm, inputs)
     cfg = _cfg("--activation_checkpoint.mode", "full")
-    gm = rematerialize(tag_activation_checkpoint(remove_noops(dead_code_elimination(traced.gm)),
-                                                 cfg.activation_checkpoint))
+    gm = rematerialize(
+        tag_activation_checkpoint(remove_noops(dead_code_elimination(traced.gm)), cfg.activation_checkpoint)
+    )
     copies = [n for n in gm.graph.nodes if node_meta.is_rematerialized(n)]
     assert copies and not any(node_meta.is_random(n) for n in copies)
     assert all(torch.equal(a, b) for a, b in zip(expected, _run(gm, inputs)))
@@ -147,11 +166,14 @@ def test_memory_policy_transform_gives_a_users_step_the_policy_bitwise(mode):
     assert any(node_meta.is_rematerialized(n) for n in step.traced.gm.graph.nodes)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"mode": "sometimes"}, "activation_checkpoint.mode must be one of none|selective|full|budget"),
-    ({"selective_ac_option": "half"}, "selective_ac_option must be 'op' or a positive int"),
-    ({"mode": "budget", "memory_budget": 0}, "memory_budget must be > 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mode": "sometimes"}, "activation_checkpoint.mode must be one of none|selective|full|budget"),
+        ({"selective_ac_option": "half"}, "selective_ac_option must be 'op' or a positive int"),
+        ({"mode": "budget", "memory_budget": 0}, "memory_budget must be > 0"),
+    ],
+)
 def test_memory_policy_transform_refuses_bad_arguments_before_tracing(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         memory_policy_transform(**kwargs)

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_trainer.plan import planner
-from graph_trainer.job_config.cli import load_config
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.cli import load_config
+from graph_trainer.plan import planner
 
 REPO = Path(__file__).resolve().parents[1]
 # Activations dominate at this shape, so AC modes differ in peak.
@@ -23,16 +23,19 @@ SMALL = ["--model.n_layers", "2", "--training.seq_len", "256", "--training.local
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "graph_trainer", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "graph_trainer", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_plan_of_meta_model_orders_modes_by_memory():
     cfg, _ = load_config(["--config", "llama3_debug", *SMALL])
     model = planner.meta_model(cfg)
     assert all(p.device.type == "meta" for p in model.parameters())
-    plans = {mode: planner.plan_step(planner._with_mode(cfg, mode), model, torch.device("cpu"))
-             for mode in ("none", "selective", "full")}
+    plans = {
+        mode: planner.plan_step(planner._with_mode(cfg, mode), model, torch.device("cpu"))
+        for mode in ("none", "selective", "full")
+    }
     assert plans["none"].peak_bytes > plans["selective"].peak_bytes > plans["full"].peak_bytes
     assert plans["none"].saved_bytes > plans["selective"].saved_bytes > plans["full"].saved_bytes
     assert plans["full"].flops > plans["none"].flops  # recompute costs FLOPs
@@ -91,12 +94,13 @@ def test_preflight_refuses_8b_on_this_machine_with_exit_2(tmp_path):
 def test_eager_step_peak_on_fake_tensors_equals_the_real_eager_step(mode, chunk):
     """The eager baseline of the activation-memory comparison is the real eager step's CPU peak, to the byte."""
     from graph_trainer.builder import autocast_loss, build_model
-    from graph_trainer.eager.step import EagerStep
     from graph_trainer.eager.checkpointing import apply_eager_checkpointing
+    from graph_trainer.eager.step import EagerStep
     from graph_trainer.observability.memory import LiveTensorTracker
 
-    cfg, _ = load_config(["--config", "llama3_debug", *SMALL, "--activation_checkpoint.mode", mode,
-                          "--training.loss_chunk_size", chunk])
+    cfg, _ = load_config(
+        ["--config", "llama3_debug", *SMALL, "--activation_checkpoint.mode", mode, "--training.loss_chunk_size", chunk]
+    )
     cpu = torch.device("cpu")
     planned = planner.eager_step_peak(cfg, cpu)
 

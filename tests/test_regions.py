@@ -9,20 +9,44 @@ import tempfile
 import pytest
 import torch
 
-from graph_trainer.job_config.cli import load_config
-from graph_trainer.trainer import Trainer
-from graph_trainer.tracer import node_meta
 from graph_trainer.compiler.inductor import _functional
 from graph_trainer.compiler.regions import RegionalStep, dedup_key, region_labels, split_into_regions
+from graph_trainer.job_config.cli import load_config
+from graph_trainer.tracer import node_meta
+from graph_trainer.trainer import Trainer
 
-TINY = ["--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2", "--training.seq_len", "32",
-        "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false"]
+TINY = [
+    "--model.dim",
+    "64",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "false",
+]
 
 
 def traced_tiny(layers: int, ac: str = "selective", optimizer: bool = True):
-    cfg, _ = load_config(["--config", "llama3_debug", *TINY, "--model.n_layers", str(layers),
-                          "--activation_checkpoint.mode", ac, "--compile.trace_optimizer", str(optimizer).lower(),
-                          "--job.dump_folder", tempfile.mkdtemp(prefix="gt_regions_")])
+    cfg, _ = load_config(
+        [
+            "--config",
+            "llama3_debug",
+            *TINY,
+            "--model.n_layers",
+            str(layers),
+            "--activation_checkpoint.mode",
+            ac,
+            "--compile.trace_optimizer",
+            str(optimizer).lower(),
+            "--job.dump_folder",
+            tempfile.mkdtemp(prefix="gt_regions_"),
+        ]
+    )
     t = Trainer(cfg)
     batch = dict(next(iter(t.dataloader)))
     return t.step_fn.ensure_traced(batch), t.step_fn.flat_inputs(batch)
@@ -43,6 +67,7 @@ def test_regions_run_in_order_compute_the_graph_bitwise(ac, optimizer):
     assert all(torch.equal(a, b) for a, b in zip(whole_in, regions_in))
     if optimizer:
         assert any(not torch.equal(a, b) for a, b in zip(inputs, regions_in)), "nothing was updated"
+
     def ops(gm):
         return sum(n.op == "call_function" for n in gm.graph.nodes)
 
@@ -81,7 +106,7 @@ def test_each_value_is_dropped_once_at_its_last_reader_and_outputs_are_kept():
     assert not set(dropped) & results
     assert all(s >= plan.n_inputs for s in dropped), "a graph input is the caller's to free"
     for i, region in enumerate(plan.regions):
-        later_reads = {s for r in plan.regions[i + 1:] for s in r.inputs}
+        later_reads = {s for r in plan.regions[i + 1 :] for s in r.inputs}
         assert not set(region.drops) & later_reads
         assert set(region.drops) <= set(region.inputs)
     # Every value handed between regions is either returned or dropped: none lingers to the end.
@@ -95,8 +120,9 @@ def test_the_loss_and_its_backward_share_a_region_outside_the_layers():
     assert {n.target.__name__ for n in loss_ops} >= {"_log_softmax.default", "_log_softmax_backward_data.default"}
     assert {labels[n] for n in loss_ops} == {(None, None)}
     plan = split_into_regions(traced.gm)
-    assert [r.label for r in plan.regions if any("log_softmax" in str(n.target) for n in r.gm.graph.nodes)] == \
-        ["outside the layers"]
+    assert [r.label for r in plan.regions if any("log_softmax" in str(n.target) for n in r.gm.graph.nodes)] == [
+        "outside the layers"
+    ]
 
 
 def test_optimizer_ops_carry_the_layer_of_their_parameter():

@@ -19,15 +19,36 @@ import pytest
 from graph_trainer.checkpoint.run_folder import MANIFEST_FILE, Manifest, remove_run
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--config", "llama3_debug", "--model.n_layers", "1", "--model.dim", "32", "--model.n_heads", "2",
-        "--model.n_kv_heads", "1", "--training.seq_len", "16", "--training.local_batch_size", "2",
-        "--metrics.enable_tensorboard", "false"]
+TINY = [
+    "--config",
+    "llama3_debug",
+    "--model.n_layers",
+    "1",
+    "--model.dim",
+    "32",
+    "--model.n_heads",
+    "2",
+    "--model.n_kv_heads",
+    "1",
+    "--training.seq_len",
+    "16",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "false",
+]
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "graph_trainer", *TINY, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "graph_trainer", *TINY, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
@@ -55,8 +76,19 @@ def test_overwrite_refuses_an_outside_checkpoint_folder_holding_foreign_files(tm
     """Issue 8.1: an absolute checkpoint.folder and `..` were wiped by --job.overwrite."""
     decoys = plant(tmp_path / "victim" / "other" / "important.pt", tmp_path / "parent" / "precious.txt")
     for folder, dump in ((str(tmp_path / "victim"), tmp_path / "ov"), ("..", tmp_path / "parent" / "run")):
-        proc = cli("--training.steps", "1", "--checkpoint.enable", "true", "--checkpoint.folder", folder,
-                   "--job.overwrite", "true", "--job.dump_folder", str(dump), cwd=tmp_path)
+        proc = cli(
+            "--training.steps",
+            "1",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.folder",
+            folder,
+            "--job.overwrite",
+            "true",
+            "--job.dump_folder",
+            str(dump),
+            cwd=tmp_path,
+        )
         one_line_error(proc, "is outside job.dump_folder")
     assert_survive(decoys)
 
@@ -72,17 +104,34 @@ def test_overwrite_removes_only_what_the_run_wrote(tmp_path):
     data = dump / "data" / "corpus.txt"
     data.parent.mkdir(parents=True)
     data.write_text("hello world, a small corpus of text. " * 400)
-    common = ["--config", str(config), "--data.source", "text", "--data.path", str(data),
-              "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--metrics.enable_tensorboard", "true"]
+    common = [
+        "--config",
+        str(config),
+        "--data.source",
+        "text",
+        "--data.path",
+        str(data),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "1",
+        "--metrics.enable_tensorboard",
+        "true",
+    ]
     first = cli(*common, "--training.steps", "2", "--job.dump_folder", str(dump), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
-    decoys = plant(dump / "notes.txt", dump / "checkpoint" / "mine.pt", dump / "tb" / "keep.txt",
-                   tmp_path / "cfgdir" / "other.toml")
+    decoys = plant(
+        dump / "notes.txt",
+        dump / "checkpoint" / "mine.pt",
+        dump / "tb" / "keep.txt",
+        tmp_path / "cfgdir" / "other.toml",
+    )
     old = Manifest.read(dump)
     assert old is not None and any(f.endswith("step-00000002.pt") for f in old.files)
     assert any("tfevents" in f for f in old.files), "TensorBoard events are recorded as the run's"
-    second = cli(*common, "--training.steps", "1", "--job.dump_folder", str(dump), "--job.overwrite", "true",
-                 cwd=tmp_path)
+    second = cli(
+        *common, "--training.steps", "1", "--job.dump_folder", str(dump), "--job.overwrite", "true", cwd=tmp_path
+    )
     assert second.returncode == 0, second.stderr[-2000:]
     assert_survive(decoys)
     assert data.is_file() and config.is_file()
@@ -90,11 +139,29 @@ def test_overwrite_removes_only_what_the_run_wrote(tmp_path):
     assert (dump / "checkpoint" / "step-00000001.pt").is_file()
     assert len(json.loads((dump / "summary.json").read_text())["steps"]) == 1
     # An outside checkpoint folder that is ours (recorded) is accepted and cleared of our files only.
-    third = cli(*common, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "run3"),
-                "--checkpoint.folder", str(outside), cwd=tmp_path)
+    third = cli(
+        *common,
+        "--training.steps",
+        "1",
+        "--job.dump_folder",
+        str(tmp_path / "run3"),
+        "--checkpoint.folder",
+        str(outside),
+        cwd=tmp_path,
+    )
     assert third.returncode == 0, third.stderr[-2000:]
-    fourth = cli(*common, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "run3"),
-                 "--checkpoint.folder", str(outside), "--job.overwrite", "true", cwd=tmp_path)
+    fourth = cli(
+        *common,
+        "--training.steps",
+        "1",
+        "--job.dump_folder",
+        str(tmp_path / "run3"),
+        "--checkpoint.folder",
+        str(outside),
+        "--job.overwrite",
+        "true",
+        cwd=tmp_path,
+    )
     assert fourth.returncode == 0, fourth.stderr[-2000:]
     assert sorted(p.name for p in outside.iterdir()) == ["step-00000001.pt"]
 
@@ -105,9 +172,21 @@ def test_a_bad_data_path_with_overwrite_deletes_nothing_and_fails_before_preflig
     first = cli("--training.steps", "1", "--checkpoint.enable", "true", "--job.dump_folder", str(dump), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     before = {p: p.read_bytes() for p in dump.rglob("*") if p.is_file()}
-    proc = cli("--training.steps", "1", "--checkpoint.enable", "true", "--job.dump_folder", str(dump),
-               "--job.overwrite", "true", "--data.source", "text", "--data.path", str(tmp_path / "typo.txt"),
-               cwd=tmp_path)
+    proc = cli(
+        "--training.steps",
+        "1",
+        "--checkpoint.enable",
+        "true",
+        "--job.dump_folder",
+        str(dump),
+        "--job.overwrite",
+        "true",
+        "--data.source",
+        "text",
+        "--data.path",
+        str(tmp_path / "typo.txt"),
+        cwd=tmp_path,
+    )
     one_line_error(proc, "does not exist")
     assert "preflight" not in proc.stdout  # the data is checked before the slow preflight
     assert_survive(before)

@@ -37,9 +37,15 @@ def start(*args: str, cwd: Path, python: list[str] | None = None) -> subprocess.
     """Start the trainer (or `python` + args) with SIGINT at its default: a background child inherits it ignored."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     command = python or [sys.executable, "-m", "graph_trainer"]
-    return subprocess.Popen([*command, *TINY, *args], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [*command, *TINY, *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def wait_for_step(proc: subprocess.Popen, step: int) -> None:
@@ -53,8 +59,7 @@ def wait_for_step(proc: subprocess.Popen, step: int) -> None:
 def test_divergence_exits_3_naming_what_was_kept(tmp_path):
     """Issue 8.3: lr 1e10 used to save a step-1 checkpoint of ~4e9 weights and call it the last good one."""
     dump = tmp_path / "run"
-    proc = cli("--optimizer.lr", "1e10", *CKPT, "--training.steps", "10", "--job.dump_folder", str(dump),
-               cwd=tmp_path)
+    proc = cli("--optimizer.lr", "1e10", *CKPT, "--training.steps", "10", "--job.dump_folder", str(dump), cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("error: training diverged: the parameter norm exploded")
@@ -69,14 +74,33 @@ def test_resume_honours_a_new_lr_and_refuses_a_new_batch_shape(tmp_path):
     first = cli(*CKPT, "--training.steps", "2", "--job.dump_folder", str(dump), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     before = {p: p.read_bytes() for p in dump.rglob("*") if p.is_file()}
-    refused = cli(*CKPT, "--training.steps", "4", "--job.dump_folder", str(dump), "--checkpoint.resume",
-                  "--training.local_batch_size", "4", "--training.seq_len", "8", cwd=tmp_path)
-    one_line_error(refused, "changed training.local_batch_size 4 (checkpoint: 2), training.seq_len 8 "
-                            "(checkpoint: 16)")
+    refused = cli(
+        *CKPT,
+        "--training.steps",
+        "4",
+        "--job.dump_folder",
+        str(dump),
+        "--checkpoint.resume",
+        "--training.local_batch_size",
+        "4",
+        "--training.seq_len",
+        "8",
+        cwd=tmp_path,
+    )
+    one_line_error(refused, "changed training.local_batch_size 4 (checkpoint: 2), training.seq_len 8 (checkpoint: 16)")
     assert "--training.local_batch_size 2 --training.seq_len 16" in refused.stderr
     assert {p: p.read_bytes() for p in dump.rglob("*") if p.is_file()} == before
-    resumed = cli(*CKPT, "--training.steps", "3", "--job.dump_folder", str(dump), "--checkpoint.resume",
-                  "--optimizer.lr", "1e-6", cwd=tmp_path)
+    resumed = cli(
+        *CKPT,
+        "--training.steps",
+        "3",
+        "--job.dump_folder",
+        str(dump),
+        "--checkpoint.resume",
+        "--optimizer.lr",
+        "1e-6",
+        cwd=tmp_path,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     log = resumed.stdout + resumed.stderr
     assert "optimizer.lr: 0.0008 in the checkpoint, 1e-06 now (honoured)" in log
@@ -106,8 +130,18 @@ def test_resume_of_a_finished_run_writes_nothing_and_more_steps_extend_it(tmp_pa
 def test_sigterm_finishes_the_step_saves_and_resumes_bitwise(tmp_path):
     """Issue 8.6: SIGTERM killed the run (-15, no message, no checkpoint, empty `final`)."""
     dump, straight = tmp_path / "run", tmp_path / "straight"
-    proc = start(*EXACT, "--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--training.steps",
-                 "100000", "--job.dump_folder", str(dump), cwd=tmp_path)
+    proc = start(
+        *EXACT,
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "1000",
+        "--training.steps",
+        "100000",
+        "--job.dump_folder",
+        str(dump),
+        cwd=tmp_path,
+    )
     wait_for_step(proc, 2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -119,8 +153,17 @@ def test_sigterm_finishes_the_step_saves_and_resumes_bitwise(tmp_path):
     assert err.rstrip().endswith("to continue, run the same command with --checkpoint.resume")
     assert checkpoints(dump) == [f"step-{reached:08d}.pt"]
     end = str(reached + 2)
-    resumed = cli(*EXACT, "--checkpoint.enable", "true", "--training.steps", end, "--job.dump_folder", str(dump),
-                  "--checkpoint.resume", cwd=tmp_path)
+    resumed = cli(
+        *EXACT,
+        "--checkpoint.enable",
+        "true",
+        "--training.steps",
+        end,
+        "--job.dump_folder",
+        str(dump),
+        "--checkpoint.resume",
+        cwd=tmp_path,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     reference = cli(*EXACT, "--training.steps", end, "--job.dump_folder", str(straight), cwd=tmp_path)
     assert reference.returncode == 0, reference.stderr[-2000:]
@@ -185,10 +228,34 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves(tmp_
     dump = tmp_path / "dp2"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
-         "-m", "graph_trainer", *TINY, f"--parallelism.{parallelism}", "2", *CKPT[:2], "--checkpoint.interval", "1000",
-         "--training.steps", "100000", "--job.dump_folder", str(dump)],
-        cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "graph_trainer",
+            *TINY,
+            f"--parallelism.{parallelism}",
+            "2",
+            *CKPT[:2],
+            "--checkpoint.interval",
+            "1000",
+            "--training.steps",
+            "100000",
+            "--job.dump_folder",
+            str(dump),
+        ],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     wait_for_step(launcher, 2)
     rank1 = _worker_pid(launcher, 1)
     assert rank1 is not None

@@ -31,8 +31,11 @@ def deterministic():
 
 
 def tiny_llama(**overrides) -> Transformer:
-    args = build_model_args("llama3", "debugmodel", {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
-                                                     "vocab_size": 96, "multiple_of": 32, **overrides})
+    args = build_model_args(
+        "llama3",
+        "debugmodel",
+        {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 96, "multiple_of": 32, **overrides},
+    )
     torch.manual_seed(0)
     return Transformer(args)
 
@@ -175,8 +178,11 @@ def test_random_ops_are_marked():
         assert torch.Tag.nondeterministic_seeded in n.target.tags
     # Attention kernels carry the seeded tag for their dropout_p, but draw nothing when it is 0.
     no_dropout = trace_step(tiny_llama(), make_batch(96))
-    sdpa = [n for n in no_dropout.gm.graph.nodes
-            if n.target == torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default]
+    sdpa = [
+        n
+        for n in no_dropout.gm.graph.nodes
+        if n.target == torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    ]
     assert sdpa and torch.Tag.nondeterministic_seeded in sdpa[0].target.tags
     assert not any(node_meta.is_random(n) for n in no_dropout.gm.graph.nodes)
 
@@ -271,8 +277,10 @@ def eager_and_graph_adamw(model_e: nn.Module, model_t: nn.Module):
     kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     opt_e = torch.optim.AdamW([p for p in model_e.parameters() if p.requires_grad], **kw)
     opt_t = torch.optim.AdamW([p for p in model_t.parameters() if p.requires_grad], **kw)
-    return (opt_e, EagerStep(model_e, max_norm=1.0)), (opt_t, GraphStep(model_t, max_norm=1.0,
-                                                                          optimizer=GraphAdamW(opt_t)))
+    return (opt_e, EagerStep(model_e, max_norm=1.0)), (
+        opt_t,
+        GraphStep(model_t, max_norm=1.0, optimizer=GraphAdamW(opt_t)),
+    )
 
 
 def test_optimizer_in_graph_matches_torch_adamw_over_five_steps():
@@ -343,11 +351,14 @@ class Wrapper(nn.Module):
         return self.out(self.layers[0](self.emb(tokens)))
 
 
-@pytest.mark.parametrize("block, source, op, cause", [
-    (DataDependentBlock, "if y.sum() > 0", "_local_scalar_dense", "reads a tensor's value"),
-    (ItemBlock, ".item()", "_local_scalar_dense", "reads a tensor's value"),
-    (NoFakeBlock, "no_fake", "no_fake", "fake"),
-])
+@pytest.mark.parametrize(
+    "block, source, op, cause",
+    [
+        (DataDependentBlock, "if y.sum() > 0", "_local_scalar_dense", "reads a tensor's value"),
+        (ItemBlock, ".item()", "_local_scalar_dense", "reads a tensor's value"),
+        (NoFakeBlock, "no_fake", "no_fake", "fake"),
+    ],
+)
 def test_untraceable_code_fails_loudly_with_module_line_and_op(tmp_path, block, source, op, cause):
     model = Wrapper(block())
     with pytest.raises(TraceError) as info:

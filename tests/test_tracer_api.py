@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from graph_trainer.job_config.schema import ActivationCheckpointConfig
+from graph_trainer.builder import cli_trace_errors
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.optimizer.adamw import GraphAdamW
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.memory_estimate import estimate_peak_memory
@@ -17,9 +18,13 @@ from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TraceError, trace_step
 from graph_trainer.tracer.executor import GraphStep
-from graph_trainer.builder import cli_trace_errors
-from tests.test_tracer import (assert_bitwise, deterministic, eager_and_graph_adamw, eager_and_traced,  # noqa: F401
-                               make_batch, tiny_llama)
+from tests.test_tracer import (
+    assert_bitwise,
+    eager_and_graph_adamw,
+    eager_and_traced,  # noqa: F401
+    make_batch,
+    tiny_llama,
+)
 
 
 class ReadsAValue(nn.Module):
@@ -127,8 +132,10 @@ def test_frozen_parameters_get_no_gradient_and_the_rest_is_bitwise_equal_to_eage
     grads_e, grads_t = eager[2], traced[2]
     assert all(g is None for g, (_, p) in zip(grads_t, model.named_parameters()) if not p.requires_grad)
     assert [g is None for g in grads_e] == [g is None for g in grads_t]
-    assert_bitwise((eager[0], eager[1], [g for g in grads_e if g is not None]),
-                   (traced[0], traced[1], [g for g in grads_t if g is not None]))
+    assert_bitwise(
+        (eager[0], eager[1], [g for g in grads_e if g is not None]),
+        (traced[0], traced[1], [g for g in grads_t if g is not None]),
+    )
     traced_step = trace_step(model, make_batch(96), max_norm=1.0)
     assert set(traced_step.layout.param_names) - set(traced_step.layout.grad_names) == set(frozen)
     assert len(traced_step.gm.graph.output_node().args[0]) == 2 + len(traced_step.layout.grad_names)
@@ -198,15 +205,21 @@ def _saved_bytes(model: nn.Module, mode: str, **kw) -> int:
     traced = trace_step(model, make_batch(96), **kw)
     gm = traced.gm
     if mode != "none":
-        gm = rematerialize(tag_activation_checkpoint(gm, ActivationCheckpointConfig(mode=mode),
-                                                     input_categories=traced.layout.categories))
+        gm = rematerialize(
+            tag_activation_checkpoint(
+                gm, ActivationCheckpointConfig(mode=mode), input_categories=traced.layout.categories
+            )
+        )
     return estimate_peak_memory(gm, input_categories=traced.layout.categories).saved_bytes
 
 
 def _layer_tags(traced) -> list[tuple[int, str]]:
     """(layer id, module FQN) of every forward node inside a layer."""
-    return [(node_meta.layer_id(n), node_meta.module_fqn(n)) for n in traced.gm.graph.nodes
-            if node_meta.is_forward(n) and node_meta.layer_id(n) is not None]
+    return [
+        (node_meta.layer_id(n), node_meta.module_fqn(n))
+        for n in traced.gm.graph.nodes
+        if node_meta.is_forward(n) and node_meta.layer_id(n) is not None
+    ]
 
 
 def test_a_wrappers_own_module_list_is_not_taken_for_the_layers_and_the_guess_is_flagged(caplog):
@@ -234,8 +247,11 @@ def test_naming_the_layer_container_is_obeyed_without_a_warning(caplog):
 
 
 def test_naming_a_missing_layer_container_is_a_user_error_with_a_suggestion():
-    with pytest.raises(UserError, match=r"layers='model.layer': the model has no submodule .*did you mean "
-                                        r"'model.layers'"):
+    with pytest.raises(
+        UserError,
+        match=r"layers='model.layer': the model has no submodule .*did you mean "
+        r"'model.layers'",
+    ):
         trace_step(WrappedLlama(), make_batch(96), layers="model.layer")
 
 
@@ -245,8 +261,9 @@ def test_an_ac_plan_that_recomputes_nothing_is_warned_about(caplog):
     batch = {"input_ids": ids, "labels": ids, "scale": 1}
     traced = trace_step(TinyLM(), batch, loss_fn=_scaled_loss)  # no stack of blocks at all
     with caplog.at_level("WARNING"):
-        tag_activation_checkpoint(traced.gm, ActivationCheckpointConfig(mode="full"),
-                                  input_categories=traced.layout.categories)
+        tag_activation_checkpoint(
+            traced.gm, ActivationCheckpointConfig(mode="full"), input_categories=traced.layout.categories
+        )
     assert "activation_checkpoint.mode = 'full' recomputes nothing" in caplog.text
     assert "no transformer layers were found" in caplog.text
     # The wrapper's adapters as the layers: their matmuls would be recomputed, but the views of

@@ -12,14 +12,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_trainer.job_config.cli import load_config
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer, TrainingDiverged
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.deterministic", "true",
-        "--metrics.enable_tensorboard", "false"]
+TINY = [
+    "--model.n_layers",
+    "2",
+    "--model.dim",
+    "64",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.deterministic",
+    "true",
+    "--metrics.enable_tensorboard",
+    "false",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -29,14 +44,16 @@ def restore_determinism():
 
 
 def run(tmp: Path, *overrides: str, steps: int = 5):
-    cfg, _ = load_config(["--config", "llama3_debug", *TINY, "--training.steps", str(steps),
-                          "--job.dump_folder", str(tmp), *overrides])
+    cfg, _ = load_config(
+        ["--config", "llama3_debug", *TINY, "--training.steps", str(steps), "--job.dump_folder", str(tmp), *overrides]
+    )
     return Trainer(cfg).train()
 
 
 def test_eager_twenty_steps_on_embedded_corpus_loss_falls(tmp_path):
-    result = run(tmp_path, "--compile.mode", "eager", "--training.local_batch_size", "4",
-                 "--optimizer.lr", "3e-3", steps=20)
+    result = run(
+        tmp_path, "--compile.mode", "eager", "--training.local_batch_size", "4", "--optimizer.lr", "3e-3", steps=20
+    )
     assert len(result.losses) == 20
     first, last = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3
     assert last < first - 0.5, result.losses
@@ -45,9 +62,11 @@ def test_eager_twenty_steps_on_embedded_corpus_loss_falls(tmp_path):
     assert summary["final"]["status"] == "ok"
 
 
-@pytest.mark.parametrize("mode", [["--compile.mode", "trace"],
-                                  ["--compile.mode", "trace", "--compile.trace_optimizer", "true"]],
-                         ids=["trace", "trace+optimizer"])
+@pytest.mark.parametrize(
+    "mode",
+    [["--compile.mode", "trace"], ["--compile.mode", "trace", "--compile.trace_optimizer", "true"]],
+    ids=["trace", "trace+optimizer"],
+)
 def test_five_steps_traced_equal_eager_bitwise(tmp_path, mode):
     eager = run(tmp_path / "eager", "--compile.mode", "eager")
     traced = run(tmp_path / "traced", *mode)
@@ -61,13 +80,14 @@ def test_five_steps_traced_equal_eager_bitwise(tmp_path, mode):
 def test_a_run_traces_once_when_the_preflight_trace_fits(tmp_path, monkeypatch, caplog, extra, traces):
     """The first step runs the preflight's graph; with graph dumps (written only once the run folder is
     prepared) the step traces again. trace_count counts the traces of the step that runs: 1 either way."""
-    from graph_trainer.plan import planner
     import graph_trainer.tracer.executor as executor
+    from graph_trainer.plan import planner
 
     calls = []
     for module in (planner, executor):
-        monkeypatch.setattr(module, "trace_step",
-                            lambda *a, _trace=module.trace_step, **k: calls.append(1) or _trace(*a, **k))
+        monkeypatch.setattr(
+            module, "trace_step", lambda *a, _trace=module.trace_step, **k: calls.append(1) or _trace(*a, **k)
+        )
     caplog.set_level(logging.INFO, logger="graph_trainer")
     result = run(tmp_path, *extra, steps=2)
     assert len(calls) == traces and result.trace_count == 1
@@ -108,8 +128,16 @@ def test_non_empty_dump_folder_is_not_overwritten(tmp_path):
 
 def test_divergence_saves_no_bad_checkpoint_and_the_last_good_one_resumes_finite(tmp_path):
     """Issue 8.3: the "last good" checkpoint after lr 1e10 held weights of ~4e9 and gave NaN on any resume."""
-    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--training.max_norm", "0",
-            "--lr_scheduler.warmup_steps", "0"]
+    ckpt = [
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "1",
+        "--training.max_norm",
+        "0",
+        "--lr_scheduler.warmup_steps",
+        "0",
+    ]
     run(tmp_path, *ckpt, steps=2)
     with pytest.raises(TrainingDiverged, match=r"the last good checkpoint is .*step-00000002\.pt \(step 2\)"):
         run(tmp_path, *ckpt, "--checkpoint.resume", "--optimizer.lr", "1e10", steps=10)
@@ -138,10 +166,27 @@ def test_tokenizer_larger_than_model_vocab_is_a_user_error(tmp_path):
 
 def test_cli_end_to_end_from_another_directory(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "graph_trainer", "--config", "llama3_debug.toml", *TINY,
-                           "--training.steps", "2", "--job.dump_folder", str(tmp_path / "run"),
-                           "--metrics.enable_tensorboard", "true"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "graph_trainer",
+            "--config",
+            "llama3_debug.toml",
+            *TINY,
+            "--training.steps",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+            "--metrics.enable_tensorboard",
+            "true",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "parameters" in proc.stdout and "step 2/2" in proc.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -172,7 +217,8 @@ def test_bf16_autocast_traced_equal_eager(tmp_path):
 
 
 def test_divergence_guard_tolerates_healthy_norm_growth_and_stops_a_blow_up():
-    """The parameter-norm bound is wide (10x between saves): a few-fold growth is healthy, orders of magnitude is not."""
+    """The parameter-norm bound is wide (10x between saves): a few-fold growth is healthy, orders of magnitude
+    is not."""
     from graph_trainer.observability.divergence import MAX_NORM_GROWTH, DivergenceGuard, TrainingDiverged
 
     guard = DivergenceGuard()

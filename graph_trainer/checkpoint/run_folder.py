@@ -35,8 +35,11 @@ _CKPT_RE = re.compile(r"^step-\d{8,}\.(pt|dcp)$")
 
 def _is_checkpoint_folder_name(name: str) -> bool:
     """A sharded checkpoint's folder (`step-*.dcp`), or its temp folder: the only folders a run records."""
-    return name.endswith(".dcp") and bool(_CKPT_RE.match(name)) or (
-        name.startswith(".step-") and name.endswith(f".dcp{TEMP_SUFFIX}"))
+    return (
+        name.endswith(".dcp")
+        and bool(_CKPT_RE.match(name))
+        or (name.startswith(".step-") and name.endswith(f".dcp{TEMP_SUFFIX}"))
+    )
 
 
 def _is_within(path: Path, folder: Path) -> bool:
@@ -62,8 +65,9 @@ def _writable_dir_or_creatable(folder: Path, option: str) -> None:
         probe.mkdir()
         probe.rmdir()
     except OSError as e:
-        raise UserError(f"{option} '{folder}' cannot be created ({e.strerror}); "
-                        "choose a folder in a writable place") from None
+        raise UserError(
+            f"{option} '{folder}' cannot be created ({e.strerror}); choose a folder in a writable place"
+        ) from None
 
 
 def _files_below(folder: Path) -> list[Path]:
@@ -118,8 +122,9 @@ class Manifest:
             return None
         strings = lambda key: {str(f) for f in data.get(key, []) if isinstance(f, str)}  # noqa: E731
         location = data.get("dump_folder")
-        return cls(path, strings("files"), strings("checkpoint_folders"),
-                   location if isinstance(location, str) else None)
+        return cls(
+            path, strings("files"), strings("checkpoint_folders"), location if isinstance(location, str) else None
+        )
 
     def owns(self, path: Path) -> bool:
         """Whether `path` is a recorded file or checkpoint folder, the temp file of one (left by a kill), or
@@ -129,8 +134,9 @@ class Manifest:
         path = Path(os.path.normpath(Path(path).absolute()))
         if path == self.path.absolute():
             return True
-        return self._owns_entry(path) or any(_is_checkpoint_folder_name(p.name) and self._owns_entry(p)
-                                             for p in path.parents if p != p.parent)
+        return self._owns_entry(path) or any(
+            _is_checkpoint_folder_name(p.name) and self._owns_entry(p) for p in path.parents if p != p.parent
+        )
 
     def _owns_entry(self, path: Path) -> bool:
         if not self._trusted(path):
@@ -139,8 +145,9 @@ class Manifest:
             return True
         name = path.name
         if name.startswith(".") and name.endswith(TEMP_SUFFIX):
-            return any(self._resolve(f).parent == path.parent and name.startswith(f".{Path(f).name}.")
-                       for f in self.files)
+            return any(
+                self._resolve(f).parent == path.parent and name.startswith(f".{Path(f).name}.") for f in self.files
+            )
         return False
 
     def record(self, path: Path) -> None:
@@ -161,8 +168,12 @@ class Manifest:
             self.save()
 
     def save(self) -> None:
-        data = {"schema": _SCHEMA, "files": sorted(self.files), "dump_folder": str(self._root),
-                "checkpoint_folders": sorted(self.outside)}
+        data = {
+            "schema": _SCHEMA,
+            "files": sorted(self.files),
+            "dump_folder": str(self._root),
+            "checkpoint_folders": sorted(self.outside),
+        }
         self.location = str(self._root)
         atomic_write_text(self.path, json.dumps(data, indent=1) + "\n")
 
@@ -171,8 +182,11 @@ class Manifest:
 
         A recorded folder that is not a checkpoint folder is never ours to delete (an edited manifest).
         """
-        return [p for p in map(self._resolve, sorted(self.files)) if p.exists() and self._trusted(p)
-                and (not p.is_dir() or _is_checkpoint_folder_name(p.name))]
+        return [
+            p
+            for p in map(self._resolve, sorted(self.files))
+            if p.exists() and self._trusted(p) and (not p.is_dir() or _is_checkpoint_folder_name(p.name))
+        ]
 
     def untrusted(self) -> list[Path]:
         """Recorded files outside the dump folder that are not trusted as ours: kept by `remove_run`."""
@@ -203,11 +217,16 @@ class RunFolder:
         try:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise UserError(f"job.dump_folder '{self.dump_folder}' cannot be created ({e.strerror}); "
-                            "choose a folder in a writable place") from None
+            raise UserError(
+                f"job.dump_folder '{self.dump_folder}' cannot be created ({e.strerror}); "
+                "choose a folder in a writable place"
+            ) from None
         carried = self.previous is not None and not self.replace
-        self.manifest = Manifest(self.dump_folder / MANIFEST_FILE, set(self.previous.files) if carried else set(),
-                                 set(self.previous.outside) if carried else set())
+        self.manifest = Manifest(
+            self.dump_folder / MANIFEST_FILE,
+            set(self.previous.files) if carried else set(),
+            set(self.previous.outside) if carried else set(),
+        )
         self.manifest.save()
         return self.manifest
 
@@ -226,8 +245,10 @@ def remove_run(manifest: Manifest) -> None:
     Files outside the dump folder that the manifest cannot vouch for (see `Manifest`) are kept, with a warning.
     """
     for path in manifest.untrusted():
-        logger.warning(f"kept {path}: {manifest.path} names it, but it is outside the run folder and not in a "
-                       "checkpoint folder that run recorded there (a copied, moved or edited manifest?)")
+        logger.warning(
+            f"kept {path}: {manifest.path} names it, but it is outside the run folder and not in a "
+            "checkpoint folder that run recorded there (a copied, moved or edited manifest?)"
+        )
     folders = set()
     for path in manifest.existing():
         remove_path(path)
@@ -253,8 +274,9 @@ def _started(previous: Manifest | None) -> bool:
     return previous is not None and any(p.name not in (MANIFEST_FILE, CONFIG_FILE) for p in previous.existing())
 
 
-def inspect(dump_folder: str, checkpoint_folder: str, *, resume: bool, overwrite: bool,
-            checkpoint_enable: bool) -> RunFolder:
+def inspect(
+    dump_folder: str, checkpoint_folder: str, *, resume: bool, overwrite: bool, checkpoint_enable: bool
+) -> RunFolder:
     """Check the dump and checkpoint folders without writing; decide whether the previous run is replaced.
 
     A previous run is replaced only with `overwrite`, or when it never finished a
@@ -275,7 +297,8 @@ def inspect(dump_folder: str, checkpoint_folder: str, *, resume: bool, overwrite
         if alien:
             raise UserError(
                 f"checkpoint.folder '{ckpt}' is outside job.dump_folder '{dump}' and holds files no run of "
-                f"ours wrote (e.g. {alien[0]}); choose an empty folder or one inside job.dump_folder")
+                f"ours wrote (e.g. {alien[0]}); choose an empty folder or one inside job.dump_folder"
+            )
         _writable_dir_or_creatable(ckpt, "checkpoint.folder")
 
     if resume:
@@ -286,14 +309,20 @@ def inspect(dump_folder: str, checkpoint_folder: str, *, resume: bool, overwrite
     checkpoints += [p for p in ckpt.iterdir() if p.is_dir() and p.name.startswith("step-")] if ckpt.is_dir() else []
     clobbered += _foreign(checkpoints, previous)
     if clobbered:
-        raise UserError(f"'{clobbered[0]}' was not written by a run recorded in job.dump_folder '{dump}' and "
-                        "this run would overwrite it; move it away or choose another --job.dump_folder")
+        raise UserError(
+            f"'{clobbered[0]}' was not written by a run recorded in job.dump_folder '{dump}' and "
+            "this run would overwrite it; move it away or choose another --job.dump_folder"
+        )
     if started and not overwrite:
         saved = [p for p in previous.existing() if _CKPT_RE.match(p.name)]
         if saved:
             how = "--checkpoint.resume" if checkpoint_enable else "--checkpoint.enable true --checkpoint.resume"
-            raise UserError(f"job.dump_folder '{dump}' already holds a run with checkpoints (latest {saved[-1]}); pass {how} to "
-                            "continue it, --job.overwrite true to replace it, or choose another --job.dump_folder")
-        raise UserError(f"job.dump_folder '{dump}' already holds a run (without checkpoints, so it cannot be "
-                        "resumed); pass --job.overwrite true to replace it, or choose another --job.dump_folder")
+            raise UserError(
+                f"job.dump_folder '{dump}' already holds a run with checkpoints (latest {saved[-1]}); pass {how} to "
+                "continue it, --job.overwrite true to replace it, or choose another --job.dump_folder"
+            )
+        raise UserError(
+            f"job.dump_folder '{dump}' already holds a run (without checkpoints, so it cannot be "
+            "resumed); pass --job.overwrite true to replace it, or choose another --job.dump_folder"
+        )
     return RunFolder(dump, ckpt, previous, replace=previous is not None)

@@ -32,8 +32,9 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,10 +44,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from graph_trainer.checkpoint.single_file import CheckpointManager, check_compatible
-from graph_trainer.errors import UserError
 from graph_trainer.distributed.fsdp import FSDP
-from graph_trainer.runtime.fsutil import TEMP_SUFFIX, atomic_write, fsync_dir, remove_path
+from graph_trainer.errors import UserError
 from graph_trainer.observability.log import get_logger
+from graph_trainer.runtime.fsutil import TEMP_SUFFIX, atomic_write, fsync_dir, remove_path
 
 logger = get_logger(__name__)
 
@@ -71,16 +72,29 @@ class ShardedCheckpointManager(CheckpointManager):
     pattern = _DIR_RE
     reshardable = True
 
-    def __init__(self, folder: Path, *, fsdp: FSDP, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup,
-                 device: torch.device, enable: bool, interval: int, keep_latest_k: int) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        fsdp: FSDP,
+        optimizer: torch.optim.Optimizer,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        enable: bool,
+        interval: int,
+        keep_latest_k: int,
+    ) -> None:
         super().__init__(folder, enable=enable, interval=interval, keep_latest_k=keep_latest_k)
         self.fsdp, self.optimizer, self.group = fsdp, optimizer, group
         self.rank, self.world_size = fsdp.group.rank, fsdp.group.world_size
         self.mesh = DeviceMesh.from_group(group, device.type)
         # Full shape of every name a shard is held under (tied weights have two names, one shard).
         full_by_id = {id(t): shape for u in fsdp.units for t, shape in zip(u.current(), u.shapes)}
-        self.full_shapes = {name: full_by_id[id(p)] for name, p in
-                            fsdp.model.named_parameters(remove_duplicate=False) if id(p) in full_by_id}
+        self.full_shapes = {
+            name: full_by_id[id(p)]
+            for name, p in fsdp.model.named_parameters(remove_duplicate=False)
+            if id(p) in full_by_id
+        }
         names = {id(p): name for name, p in fsdp.model.named_parameters()}
         self.param_names = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
@@ -101,20 +115,26 @@ class ShardedCheckpointManager(CheckpointManager):
         rows = shard.shape[0]
         valid = max(0, min(rows, full_shape[0] - self.rank * rows))
         stride = torch.empty(full_shape, device="meta").stride()
-        return DTensor.from_local(shard.detach()[:valid], self.mesh, [Shard(0)], run_check=False,
-                                  shape=full_shape, stride=stride)
+        return DTensor.from_local(
+            shard.detach()[:valid], self.mesh, [Shard(0)], run_check=False, shape=full_shape, stride=stride
+        )
 
     def _tensors(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> dict[str, Any]:
         """What DCP saves or loads into: sharded tensors as DTensors (views of `model_state`/`optimizer_state`)."""
-        model = {name: self._logical(t, self.full_shapes[name]) if name in self.full_shapes else t.detach()
-                 for name, t in model_state.items()}
+        model = {
+            name: self._logical(t, self.full_shapes[name]) if name in self.full_shapes else t.detach()
+            for name, t in model_state.items()
+        }
         optimizer = {}
         for index, state in optimizer_state["state"].items():
             name = self.param_names[index]
             shard_shape = model_state[name].shape
-            optimizer[name] = {k: self._logical(v, self.full_shapes[name])
-                               if isinstance(v, torch.Tensor) and v.shape == shard_shape else v
-                               for k, v in state.items()}
+            optimizer[name] = {
+                k: self._logical(v, self.full_shapes[name])
+                if isinstance(v, torch.Tensor) and v.shape == shard_shape
+                else v
+                for k, v in state.items()
+            }
         return {_MODEL: model, _OPTIMIZER: optimizer}
 
     # --- save --------------------------------------------------------------------------------------------
@@ -134,8 +154,11 @@ class ShardedCheckpointManager(CheckpointManager):
                 remove_path(temp)  # a torn save of this very step (killed run)
             temp.mkdir()  # one we do not own stays, and this fails rather than write into it
         self._barrier()
-        dcp.save(self._tensors(state[_MODEL], state[_OPTIMIZER]),
-                 storage_writer=dcp.FileSystemWriter(temp), process_group=self.group)
+        dcp.save(
+            self._tensors(state[_MODEL], state[_OPTIMIZER]),
+            storage_writer=dcp.FileSystemWriter(temp),
+            process_group=self.group,
+        )
         plain = {k: state[k] for k in _PLAIN if k in state} | {"world_size": self.world_size}
         atomic_write(temp / _rank_file(self.rank), lambda f: torch.save(plain, f))
         self._barrier()  # every rank's files are written and fsynced
@@ -152,8 +175,13 @@ class ShardedCheckpointManager(CheckpointManager):
 
     # --- load --------------------------------------------------------------------------------------------
 
-    def load(self, step: int | None = None, *, map_location: str | torch.device = "cpu",
-             before_tensors: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        map_location: str | torch.device = "cpu",
+        before_tensors: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
         """Every rank: load the checkpoint of `step` (default: the latest) into the live model and optimizer.
 
         Returns the state in the single-file format (`model`, `optimizer` as `state_dict()`s of the
@@ -172,8 +200,10 @@ class ShardedCheckpointManager(CheckpointManager):
         model_state, optimizer_state = self.fsdp.model.state_dict(), self.optimizer.state_dict()
         dcp.load(self._tensors(model_state, optimizer_state), storage_reader=reader, process_group=self.group)
         if saved_world != self.world_size:
-            logger.info(f"resume: {path} was written by {saved_world} ranks, now {self.world_size}: the shards were "
-                        "resharded; every rank continues from rank 0's data position and RNG state")
+            logger.info(
+                f"resume: {path} was written by {saved_world} ranks, now {self.world_size}: the shards were "
+                "resharded; every rank continues from rank 0's data position and RNG state"
+            )
         logger.info(f"loaded {path} ({self.world_size} ranks) in {time.perf_counter() - start:.2f} s")
         return {_MODEL: model_state, _OPTIMIZER: optimizer_state, **plain}
 
@@ -181,12 +211,16 @@ class ShardedCheckpointManager(CheckpointManager):
         if step is None:
             step = self.latest_step()
             if step is None:
-                raise UserError(f"no checkpoint to resume from in {self.folder}; run without checkpoint.resume "
-                                "or point checkpoint.folder at a folder holding step-*.dcp checkpoints")
+                raise UserError(
+                    f"no checkpoint to resume from in {self.folder}; run without checkpoint.resume "
+                    "or point checkpoint.folder at a folder holding step-*.dcp checkpoints"
+                )
         path = self.path(step)
         if not path.is_dir():
-            raise UserError(f"no checkpoint for step {step} in {self.folder} (saved steps: "
-                            f"{self.saved_steps() or 'none'}); pick one of the saved steps")
+            raise UserError(
+                f"no checkpoint for step {step} in {self.folder} (saved steps: "
+                f"{self.saved_steps() or 'none'}); pick one of the saved steps"
+            )
         return path
 
     def _read_plain(self, path: Path, map_location: str | torch.device) -> tuple[dict[str, Any], int]:
@@ -198,20 +232,26 @@ class ShardedCheckpointManager(CheckpointManager):
             source = own if saved_world == self.world_size else first
             plain = torch.load(source, map_location=map_location, weights_only=True)
         except Exception as e:  # a missing or torn rank file
-            raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''}); delete it to resume from the previous "
-                            "one") from None
+            raise UserError(
+                f"checkpoint {path} cannot be read ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); delete it to resume from the previous "
+                "one"
+            ) from None
         plain.pop("world_size")
         return plain, saved_world
 
     def _check_shapes(self, metadata: Metadata, path: Path) -> None:
         """UserError naming the first model tensor whose full shape or dtype differs from the checkpoint's."""
         prefix = f"{_MODEL}."
-        found = {k[len(prefix):]: torch.empty(m.size, dtype=m.properties.dtype, device="meta")
-                 for k, m in metadata.state_dict_metadata.items()
-                 if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-        expected = {name: torch.empty(self.full_shapes.get(name, t.shape), dtype=t.dtype, device="meta")
-                    for name, t in self.fsdp.model.state_dict().items()}
+        found = {
+            k[len(prefix) :]: torch.empty(m.size, dtype=m.properties.dtype, device="meta")
+            for k, m in metadata.state_dict_metadata.items()
+            if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+        }
+        expected = {
+            name: torch.empty(self.full_shapes.get(name, t.shape), dtype=t.dtype, device="meta")
+            for name, t in self.fsdp.model.state_dict().items()
+        }
         check_compatible(expected, found)
 
 
@@ -225,13 +265,17 @@ def refuse_other_format(folder: Path, *, sharded: bool) -> None:
         return
     names = sorted(p.name for p in folder.iterdir())
     if sharded and any(CheckpointManager.pattern.match(n) for n in names):
-        raise UserError(f"{folder} holds single-file checkpoints (step-*.pt, from one process or "
-                        "parallelism.dp_replicate), which a parallelism.dp_shard job cannot resume; resume it "
-                        "without --parallelism.dp_shard, or start a new job.dump_folder")
+        raise UserError(
+            f"{folder} holds single-file checkpoints (step-*.pt, from one process or "
+            "parallelism.dp_replicate), which a parallelism.dp_shard job cannot resume; resume it "
+            "without --parallelism.dp_shard, or start a new job.dump_folder"
+        )
     if not sharded and any(_DIR_RE.match(n) for n in names):
-        raise UserError(f"{folder} holds sharded checkpoints (step-*.dcp, from a parallelism.dp_shard job), which "
-                        "only a parallelism.dp_shard job can resume; launch with `torchrun --nproc_per_node N` and "
-                        "--parallelism.dp_shard N, or export the weights with `python -m graph_trainer.export`")
+        raise UserError(
+            f"{folder} holds sharded checkpoints (step-*.dcp, from a parallelism.dp_shard job), which "
+            "only a parallelism.dp_shard job can resume; launch with `torchrun --nproc_per_node N` and "
+            "--parallelism.dp_shard N, or export the weights with `python -m graph_trainer.export`"
+        )
 
 
 __all__ = ["SUFFIX", "ShardedCheckpointManager", "refuse_other_format"]

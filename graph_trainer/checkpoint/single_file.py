@@ -63,9 +63,17 @@ class CheckpointManager:
     pattern = _CKPT_RE  # names of complete checkpoints in the folder; group 1 is the step
     reshardable = False  # whether a resume may change the number of ranks (see resume_config)
 
-    def __init__(self, folder: Path, *, enable: bool, interval: int, keep_latest_k: int,
-                 record: Callable[[Path], None] | None = None, owns: Callable[[Path], bool] | None = None,
-                 forget: Callable[[Path], None] | None = None) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        enable: bool,
+        interval: int,
+        keep_latest_k: int,
+        record: Callable[[Path], None] | None = None,
+        owns: Callable[[Path], bool] | None = None,
+        forget: Callable[[Path], None] | None = None,
+    ) -> None:
         """`record(path)` is called before a file is written; pruning deletes only files `owns(path)` accepts,
         and calls `forget(path)` after deleting one."""
         if enable and interval < 1:

@@ -52,7 +52,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -63,11 +64,11 @@ from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from graph_trainer.compiler.regions import RegionalStep, dedup_key, split_into_regions
 from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.observability.log import get_logger
 from graph_trainer.tracer.capture import InputLayout
 from graph_trainer.tracer.executor import Transformed
-from graph_trainer.compiler.regions import RegionalStep, dedup_key, split_into_regions
 
 logger = get_logger(__name__)
 
@@ -77,10 +78,13 @@ BACKENDS = ("none", "inductor")
 def _new_escaping_buffers(node: Any, other: Any) -> list:
     """Buffers `node` writes that are read outside `node` and `other` and are not graph inputs."""
     inside = {n.get_name() for n in (*node.get_nodes(), *other.get_nodes())}
-    return [buf for buf in node.get_outputs()
-            if buf.get_name() not in V.graph.graph_inputs
-            and not isinstance(buf.node.get_output_spec(), ir.MutationLayoutSHOULDREMOVE)
-            and any(user.get_name() not in inside for user in buf.users)]
+    return [
+        buf
+        for buf in node.get_outputs()
+        if buf.get_name() not in V.graph.graph_inputs
+        and not isinstance(buf.node.get_output_spec(), ir.MutationLayoutSHOULDREMOVE)
+        and any(user.get_name() not in inside for user in buf.users)
+    ]
 
 
 class KeepRematChoices(InductorChoices):
@@ -249,8 +253,9 @@ INDUCTOR_OPTIONS: dict[str, Any] = {
 }
 
 
-def check_compile_config(backend: str, cudagraphs: bool, mode: str, device: torch.device, *,
-                         regional: bool = False) -> None:
+def check_compile_config(
+    backend: str, cudagraphs: bool, mode: str, device: torch.device, *, regional: bool = False
+) -> None:
     """Refuse combinations that cannot run, naming the fix.
 
     Raises:
@@ -260,17 +265,23 @@ def check_compile_config(backend: str, cudagraphs: bool, mode: str, device: torc
     if backend not in BACKENDS:
         raise ConfigError(f"compile.backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")
     if backend != "none" and mode != "trace":
-        raise ConfigError(f"compile.backend = '{backend}' compiles the traced step; set compile.mode = 'trace' "
-                          "or compile.backend = 'none'")
+        raise ConfigError(
+            f"compile.backend = '{backend}' compiles the traced step; set compile.mode = 'trace' "
+            "or compile.backend = 'none'"
+        )
     if cudagraphs and backend != "inductor":
         raise ConfigError("compile.cudagraphs = true needs compile.backend = 'inductor'")
     if cudagraphs and device.type != "cuda":
-        raise ConfigError(f"compile.cudagraphs = true needs a CUDA device, but the job runs on {device.type}; "
-                          "set compile.cudagraphs = false")
+        raise ConfigError(
+            f"compile.cudagraphs = true needs a CUDA device, but the job runs on {device.type}; "
+            "set compile.cudagraphs = false"
+        )
     if cudagraphs and regional:
         # One CUDA graph per region would re-record for each layer's own parameter addresses.
-        raise ConfigError("compile.cudagraphs = true replays the whole step as one CUDA graph, but compile.regional "
-                          "= true cuts it into regions; set compile.regional = false")
+        raise ConfigError(
+            "compile.cudagraphs = true replays the whole step as one CUDA graph, but compile.regional "
+            "= true cuts it into regions; set compile.regional = false"
+        )
 
 
 @dataclasses.dataclass
@@ -300,8 +311,9 @@ def _fake_inputs(gm: torch.fx.GraphModule, mode: FakeTensorMode) -> list[torch.T
     return fakes
 
 
-def functionalize_for_inductor(gm: torch.fx.GraphModule, fake_inputs: list[torch.Tensor],
-                               mode: FakeTensorMode) -> torch.fx.GraphModule:
+def functionalize_for_inductor(
+    gm: torch.fx.GraphModule, fake_inputs: list[torch.Tensor], mode: FakeTensorMode
+) -> torch.fx.GraphModule:
     """`gm` re-traced functional and decomposed for Inductor, in the same node order.
 
     Input mutations become a `copy_` into the input at the end of the graph.
@@ -311,8 +323,11 @@ def functionalize_for_inductor(gm: torch.fx.GraphModule, fake_inputs: list[torch
     from torch._inductor.decomposition import select_decomp_table
 
     with torch.no_grad(), mode:
-        return make_fx(torch.func.functionalize(gm, remove="mutations"),
-                       decomposition_table=select_decomp_table(), tracing_mode="real")(*fake_inputs)
+        return make_fx(
+            torch.func.functionalize(gm, remove="mutations"),
+            decomposition_table=select_decomp_table(),
+            tracing_mode="real",
+        )(*fake_inputs)
 
 
 def _dispatching_empty_strided(size, stride, dtype):
@@ -332,9 +347,16 @@ def _route_cpu_allocations_through_dispatch(compiled: Any) -> None:
         module_globals["empty_strided_cpu"] = _dispatching_empty_strided
 
 
-def _inductor(functional: torch.fx.GraphModule, fake_inputs: list[torch.Tensor], mode: FakeTensorMode, *,
-              static_input_idxs: Sequence[int], cudagraphs: bool, options: dict[str, Any] | None,
-              dying_inputs: Collection[int] = ()) -> Callable:
+def _inductor(
+    functional: torch.fx.GraphModule,
+    fake_inputs: list[torch.Tensor],
+    mode: FakeTensorMode,
+    *,
+    static_input_idxs: Sequence[int],
+    cudagraphs: bool,
+    options: dict[str, Any] | None,
+    dying_inputs: Collection[int] = (),
+) -> Callable:
     """`compile_fx_inner` on a functional graph, under the options that keep the graph's order
     (`dying_inputs`: see `pin_to_graph_order`)."""
     from torch._inductor import config as inductor_config
@@ -344,26 +366,31 @@ def _inductor(functional: torch.fx.GraphModule, fake_inputs: list[torch.Tensor],
     pin = PinToGraphOrder(dying_inputs)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        stack.enter_context(inductor_config.patch({**INDUCTOR_OPTIONS, "post_grad_custom_pre_pass": pin,
-                                                   **(options or {})}))
+        stack.enter_context(
+            inductor_config.patch({**INDUCTOR_OPTIONS, "post_grad_custom_pre_pass": pin, **(options or {})})
+        )
         stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(mode)))
         stack.enter_context(V.set_choices_handler(inductor_config.inductor_choices_class()))
         use_cudagraphs = BoxedBool(cudagraphs)
-        compiled = compile_fx_inner(functional, fake_inputs, cudagraphs=use_cudagraphs,
-                                    static_input_idxs=list(static_input_idxs))
+        compiled = compile_fx_inner(
+            functional, fake_inputs, cudagraphs=use_cudagraphs, static_input_idxs=list(static_input_idxs)
+        )
     if cudagraphs and not use_cudagraphs:
         # Inductor turns CUDA graphs off (and says why in its log) for e.g. CPU tensors mutated in the
         # step or inputs on several devices; running without them silently would misreport the mode.
-        raise UserError("compile.cudagraphs = true, but Inductor could not capture this step as a CUDA "
-                        "graph (run with TORCH_LOGS=cudagraphs for the reason, e.g. a CPU tensor the step "
-                        "updates); set compile.cudagraphs = false")
+        raise UserError(
+            "compile.cudagraphs = true, but Inductor could not capture this step as a CUDA "
+            "graph (run with TORCH_LOGS=cudagraphs for the reason, e.g. a CPU tensor the step "
+            "updates); set compile.cudagraphs = false"
+        )
     _route_cpu_allocations_through_dispatch(compiled)
     return compiled
 
 
 # FSDP's in-place gather (graph_trainer.distributed.fsdp); None where torch has no functional collectives.
-_OUT_GATHER = getattr(getattr(getattr(torch.ops, "_c10d_functional", None), "all_gather_into_tensor_out", None),
-                      "default", None)
+_OUT_GATHER = getattr(
+    getattr(getattr(torch.ops, "_c10d_functional", None), "all_gather_into_tensor_out", None), "default", None
+)
 
 
 def functional_collectives(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -380,8 +407,7 @@ def functional_collectives(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for node in list(graph.nodes):
         if _OUT_GATHER is not None and node.target is _OUT_GATHER:
             with graph.inserting_before(node):
-                gathered = graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default,
-                                               node.args[:3])
+                gathered = graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, node.args[:3])
             gathered.meta = dict(node.meta)
             node.replace_all_uses_with(gathered)
             graph.erase_node(node)
@@ -411,8 +437,13 @@ def _functional(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[to
     return functionalize_for_inductor(gm, fake_inputs, mode), fake_inputs, mode
 
 
-def compile_step_graph(gm: torch.fx.GraphModule, *, static_input_idxs: Sequence[int] = (),
-                       cudagraphs: bool = False, options: dict[str, Any] | None = None) -> CompiledStep:
+def compile_step_graph(
+    gm: torch.fx.GraphModule,
+    *,
+    static_input_idxs: Sequence[int] = (),
+    cudagraphs: bool = False,
+    options: dict[str, Any] | None = None,
+) -> CompiledStep:
     """Compile the step graph `gm` (flat tensor inputs, flat list output) with Inductor, as one graph.
 
     Args:
@@ -425,10 +456,12 @@ def compile_step_graph(gm: torch.fx.GraphModule, *, static_input_idxs: Sequence[
     """
     start = time.perf_counter()
     functional, fake_inputs, mode = _functional(functional_collectives(gm))
-    compiled = _inductor(functional, fake_inputs, mode, static_input_idxs=static_input_idxs, cudagraphs=cudagraphs,
-                         options=options)
-    return CompiledStep(fn=compiled, compile_time_s=time.perf_counter() - start, cudagraphs=cudagraphs,
-                        regions=1, distinct_regions=1)
+    compiled = _inductor(
+        functional, fake_inputs, mode, static_input_idxs=static_input_idxs, cudagraphs=cudagraphs, options=options
+    )
+    return CompiledStep(
+        fn=compiled, compile_time_s=time.perf_counter() - start, cudagraphs=cudagraphs, regions=1, distinct_regions=1
+    )
 
 
 def compile_regions(gm: torch.fx.GraphModule, *, options: dict[str, Any] | None = None) -> CompiledStep:
@@ -448,11 +481,23 @@ def compile_regions(gm: torch.fx.GraphModule, *, options: dict[str, Any] | None 
         dying = tuple(i for i, s in enumerate(region.inputs) if s in region.drops)
         key = (dedup_key(functional, fake_inputs), dying)
         if key not in compiled_by_key:
-            compiled_by_key[key] = _inductor(functional, fake_inputs, mode, static_input_idxs=(), cudagraphs=False,
-                                             options=options, dying_inputs=dying)
+            compiled_by_key[key] = _inductor(
+                functional,
+                fake_inputs,
+                mode,
+                static_input_idxs=(),
+                cudagraphs=False,
+                options=options,
+                dying_inputs=dying,
+            )
         fns.append(compiled_by_key[key])
-    return CompiledStep(fn=RegionalStep(plan, fns), compile_time_s=time.perf_counter() - start, cudagraphs=False,
-                        regions=len(plan.regions), distinct_regions=len(compiled_by_key))
+    return CompiledStep(
+        fn=RegionalStep(plan, fns),
+        compile_time_s=time.perf_counter() - start,
+        cudagraphs=False,
+        regions=len(plan.regions),
+        distinct_regions=len(compiled_by_key),
+    )
 
 
 def static_input_indices(layout: InputLayout) -> list[int]:
@@ -471,7 +516,8 @@ class InductorStage:
     Takes and returns the pipeline's `Transformed` (adding its `compile_time_s`).
     The graph itself (`traced.gm`) and its memory estimate stay the uncompiled
     ones (plus `functional_gather_bytes` with FSDP): the estimate is the
-    preflight's upper bound, and the graph is what passes, dumps and tests read. `GraphStep` adds up the compile times, logged
+    preflight's upper bound, and the graph is what passes, dumps and tests read. `GraphStep` adds up the
+    compile times, logged
     as `compile/inductor_time_s`.
 
     Args:
@@ -488,16 +534,23 @@ class InductorStage:
         if self.regional:
             traced.compiled = compile_regions(traced.gm)
         else:
-            traced.compiled = compile_step_graph(traced.gm, static_input_idxs=static_input_indices(traced.layout),
-                                                 cudagraphs=self.cudagraphs)
+            traced.compiled = compile_step_graph(
+                traced.gm, static_input_idxs=static_input_indices(traced.layout), cudagraphs=self.cudagraphs
+            )
         compiled = traced.compiled
         result.compile_time_s = compiled.compile_time_s
         extra = functional_gather_bytes(traced.gm)
         if extra and result.memory_estimate is not None:
-            result.memory_estimate = dataclasses.replace(result.memory_estimate,
-                                                         peak_bytes=result.memory_estimate.peak_bytes + extra)
-        how = (f"{compiled.regions} regions, {compiled.distinct_regions} distinct ones compiled" if self.regional
-               else "as one graph" + (" with CUDA graphs" if self.cudagraphs else ""))
-        logger.info(f"inductor: compiled the step in {compiled.compile_time_s:.1f} s ({how}); numerics are not "
-                    "bitwise with eager (fused kernels round differently)")
+            result.memory_estimate = dataclasses.replace(
+                result.memory_estimate, peak_bytes=result.memory_estimate.peak_bytes + extra
+            )
+        how = (
+            f"{compiled.regions} regions, {compiled.distinct_regions} distinct ones compiled"
+            if self.regional
+            else "as one graph" + (" with CUDA graphs" if self.cudagraphs else "")
+        )
+        logger.info(
+            f"inductor: compiled the step in {compiled.compile_time_s:.1f} s ({how}); numerics are not "
+            "bitwise with eager (fused kernels round differently)"
+        )
         return result

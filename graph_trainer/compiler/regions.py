@@ -28,7 +28,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
-from typing import Any, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -178,12 +179,21 @@ def split_into_regions(gm: torch.fx.GraphModule) -> RegionPlan:
         crossing = [n for n in crossing if region_of.get(n) == i]
         for node in crossing:
             if not isinstance(node.meta.get("val"), torch.Tensor):
-                raise NotImplementedError(f"region '{_describe(labels[node])}' would hand {node.format_node()} "
-                                          "(not a tensor) to a later region; compile.regional cannot cut here")
+                raise NotImplementedError(
+                    f"region '{_describe(labels[node])}' would hand {node.format_node()} "
+                    "(not a tensor) to a later region; compile.regional cannot cut here"
+                )
             slot[node] = len(slot)
         graph.output([env[n] for n in crossing])
-        regions.append(Region(label=_describe(labels[run[0]]), gm=torch.fx.GraphModule(torch.nn.Module(), graph),
-                              inputs=inputs, outputs=[slot[n] for n in crossing], drops=[]))
+        regions.append(
+            Region(
+                label=_describe(labels[run[0]]),
+                gm=torch.fx.GraphModule(torch.nn.Module(), graph),
+                inputs=inputs,
+                outputs=[slot[n] for n in crossing],
+                drops=[],
+            )
+        )
         readers.append(set(inputs))
     # A value read by no later region (and not returned) is dropped before its last reader runs.
     kept = {slot[owner(n)] for n in output_node.all_input_nodes}
@@ -194,10 +204,10 @@ def split_into_regions(gm: torch.fx.GraphModule) -> RegionPlan:
     for s, i in last_reader.items():
         if s not in kept and s >= len(placeholders):
             regions[i].drops.append(s)
-    result = [("slot", slot[owner(o)]) if isinstance(o, torch.fx.Node) else ("value", o)
-              for o in output_node.args[0]]
-    return RegionPlan(regions=regions, n_inputs=len(placeholders), constants=constants, n_slots=len(slot),
-                      result=result)
+    result = [("slot", slot[owner(o)]) if isinstance(o, torch.fx.Node) else ("value", o) for o in output_node.args[0]]
+    return RegionPlan(
+        regions=regions, n_inputs=len(placeholders), constants=constants, n_slots=len(slot), result=result
+    )
 
 
 def dedup_key(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Hashable:
@@ -224,7 +234,7 @@ class RegionalStep:
     def __call__(self, flat_inputs: list[torch.Tensor]) -> list[Any]:
         plan = self.plan
         values: list[Any] = [None] * plan.n_slots
-        values[:plan.n_inputs] = flat_inputs
+        values[: plan.n_inputs] = flat_inputs
         for s, constant in plan.constants.items():
             values[s] = constant
         for region, fn in zip(plan.regions, self.fns):

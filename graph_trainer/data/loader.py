@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
+from graph_trainer.data.tokenizer import Tokenizer
 from graph_trainer.errors import ConfigError, UserError, closest_match
 from graph_trainer.observability.log import get_logger
-from graph_trainer.data.tokenizer import Tokenizer
 
 logger = get_logger(__name__)
 
@@ -47,7 +47,7 @@ def embedded_documents() -> Iterator[str]:
 
 def _require_path(path: str, source: str) -> Path:
     if not path:
-        raise UserError(f"data.path is empty but data.source = \"{source}\" reads files; set data.path")
+        raise UserError(f'data.path is empty but data.source = "{source}" reads files; set data.path')
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(
@@ -84,9 +84,11 @@ def check_text(text: str, where: Path) -> None:
     sample = text[:_SAMPLE_CHARS]
     bad = sum(1 for _ in _CONTROL.finditer(sample))
     if sample and bad > MAX_NON_TEXT_FRACTION * len(sample):
-        raise UserError(f"data.path file '{where}' does not look like text: {100 * bad / len(sample):.0f}% of its "
-                        "first characters are invalid UTF-8 or control bytes; point data.path at UTF-8 text "
-                        "(data.source = text) or use data.source = synthetic")
+        raise UserError(
+            f"data.path file '{where}' does not look like text: {100 * bad / len(sample):.0f}% of its "
+            "first characters are invalid UTF-8 or control bytes; point data.path at UTF-8 text "
+            "(data.source = text) or use data.source = synthetic"
+        )
     replaced = text.count("\ufffd")
     if replaced:
         logger.warning(f"data.path file '{where}': {replaced} invalid UTF-8 sequences were replaced by U+FFFD")
@@ -120,7 +122,7 @@ def jsonl_documents(path: str) -> Iterator[str]:
                 text = record.get("text") if isinstance(record, dict) else None
                 if not isinstance(text, str):
                     raise UserError(
-                        f"{f}:{lineno}: no string \"text\" field; "
+                        f'{f}:{lineno}: no string "text" field; '
                         'each line of a data.path .jsonl file must look like {"text": "..."}'
                     )
                 yield text
@@ -283,8 +285,8 @@ def build_dataloader(
             )
     else:
         close = closest_match(source, list(SOURCES))
-        hint = f" (did you mean \"{close}\"?)" if close else ""
-        raise ConfigError(f"data.source \"{source}\" is unknown{hint}; valid sources: {', '.join(SOURCES)}")
+        hint = f' (did you mean "{close}"?)' if close else ""
+        raise ConfigError(f'data.source "{source}" is unknown{hint}; valid sources: {", ".join(SOURCES)}')
 
     needed = batch_size * world_size * (seq_len + 1)
     if stream.numel() < needed:

@@ -11,8 +11,9 @@ Two implementations behind one small interface (`Tokenizer`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 

@@ -44,7 +44,8 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,9 +53,9 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from graph_trainer.tracer.layers import transformer_layers
 from graph_trainer.tracer import node_meta
-from graph_trainer.tracer.capture import TraceError, TracedStep
+from graph_trainer.tracer.capture import TracedStep, TraceError
+from graph_trainer.tracer.layers import transformer_layers
 
 c10d = torch.ops._c10d_functional
 ROOT = ""  # the root unit's name
@@ -89,15 +90,20 @@ class AllGather(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, group: ShardGroup, reduce_dtype: torch.dtype | None, param_dtype: torch.dtype | None,
-                *shards: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        group: ShardGroup,
+        reduce_dtype: torch.dtype | None,
+        param_dtype: torch.dtype | None,
+        *shards: torch.Tensor,
+    ) -> torch.Tensor:
         ctx.group, ctx.reduce_dtype = group, reduce_dtype
         ctx.shapes = [s.shape for s in shards]
         ctx.dtype = shards[0].dtype
         numel = sum(s.numel() for s in shards)
         dtype = param_dtype or shards[0].dtype
         out = shards[0].new_empty(group.world_size * numel, dtype=dtype)
-        mine = out[group.rank * numel:(group.rank + 1) * numel]
+        mine = out[group.rank * numel : (group.rank + 1) * numel]
         # cat casts as it copies: no temporary low-precision copy of each shard.
         torch.cat([s.reshape(-1) for s in shards], out=mine)
         out = c10d.all_gather_into_tensor_out(mine, group.world_size, group.group_name, out=out)
@@ -112,7 +118,7 @@ class AllGather(torch.autograd.Function):
         grads, start = [], 0
         for shape in ctx.shapes:
             n = math.prod(shape)
-            grads.append(shard[start:start + n].view(shape))
+            grads.append(shard[start : start + n].view(shape))
             start += n
         return (None, None, None, *grads)
 
@@ -134,23 +140,35 @@ class Unit:
         return [module._parameters[attr] for (module, attr), *_ in self.slots]
 
 
-def _gather(unit: Unit, group: ShardGroup, shards: list[torch.Tensor], param_dtype: torch.dtype | None,
-            reduce_dtype: torch.dtype | None) -> list[torch.Tensor]:
+def _gather(
+    unit: Unit,
+    group: ShardGroup,
+    shards: list[torch.Tensor],
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> list[torch.Tensor]:
     """Full parameters of `unit` from this rank's shards: one all-gather, then each cut back to its shape."""
     n = group.world_size
     gathered = AllGather.apply(group, reduce_dtype, param_dtype, *shards).view(n, -1)
     full = []
     for piece, shape in zip(gathered.split([s.numel() for s in shards], dim=1), unit.shapes):
         rows = piece.shape[1] // max(1, math.prod(shape[1:]))
-        full.append(piece.reshape(n * rows, *shape[1:])[:shape[0]])
+        full.append(piece.reshape(n * rows, *shape[1:])[: shape[0]])
     return full
 
 
 class FSDP:
     """A model's parameters sharded over `group` (see the module docstring); built by `fully_shard_model`."""
 
-    def __init__(self, model: nn.Module, group: ShardGroup, units: list[Unit], *,
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        group: ShardGroup,
+        units: list[Unit],
+        *,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ):
         self.model, self.group, self.units = model, group, units
         # As FSDP2: a param_dtype the parameters already have casts nothing (and leaves the layers' inputs alone).
         if {t.dtype for u in units for t in u.current()} == {param_dtype}:
@@ -186,6 +204,7 @@ class FSDP:
         def loss(model: nn.Module, batch: Any) -> torch.Tensor:
             with self.gathered(ROOT):
                 return loss_fn(model, batch)
+
         return loss
 
     def norm_reduce(self, sq_norm: torch.Tensor) -> torch.Tensor:
@@ -214,8 +233,9 @@ class FSDP:
         return sum(t.numel() for u in self.units for t in u.current())
 
 
-def _param_slots(module: nn.Module, prefix: str, skip: set[str]) -> dict[int, tuple[nn.Parameter, str,
-                                                                                  list[tuple[nn.Module, str]]]]:
+def _param_slots(
+    module: nn.Module, prefix: str, skip: set[str]
+) -> dict[int, tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]]:
     """id(param) -> (param, first name, every slot holding it), over `module` minus submodules named in `skip`."""
     found: dict[int, tuple[nn.Parameter, str, list]] = {}
     for mod_name, mod in module.named_modules(prefix=prefix, remove_duplicate=False):
@@ -233,15 +253,20 @@ def _shard(p: torch.Tensor, group: ShardGroup) -> nn.Parameter:
     """This rank's row block of `p` (dim 0), zero-padded to ceil(rows / world_size) rows."""
     rows = math.ceil(p.shape[0] / group.world_size)
     start = min(group.rank * rows, p.shape[0])
-    block = p.detach()[start:start + rows]
+    block = p.detach()[start : start + rows]
     shard = torch.zeros((rows, *p.shape[1:]), dtype=p.dtype, device=p.device)
     if shard.device.type != "meta":
-        shard[:block.shape[0]].copy_(block)
+        shard[: block.shape[0]].copy_(block)
     return nn.Parameter(shard, requires_grad=p.requires_grad)
 
 
-def fully_shard_model(model: nn.Module, group: ShardGroup, *, param_dtype: torch.dtype | None = None,
-                      reduce_dtype: torch.dtype | None = None) -> FSDP:
+def fully_shard_model(
+    model: nn.Module,
+    group: ShardGroup,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> FSDP:
     """Replace every parameter of `model` by this rank's shard, in place, and install the gathers.
 
     Every rank must call it on an identically initialized model. Parameter names
@@ -299,15 +324,17 @@ def check_gathered(traced: TracedStep) -> TracedStep:
                     f"parameter {name} is read un-gathered (this rank's shard, {list(node.meta['val'].shape)}) "
                     f"by {user.target} in {where}: with parallelism.dp_shard a parameter is whole only inside its "
                     "own layer's forward (layer parameters) or the loss function (the others)",
-                    fix="compute with it there, or use --parallelism.dp_replicate")
+                    fix="compute with it there, or use --parallelism.dp_replicate",
+                )
     return traced
 
 
 def _gathered_forward(fsdp: FSDP, name: str, forward: Callable, *args: Any, **kwargs: Any) -> Any:
     if fsdp.param_dtype is not None:
         # FSDP2's cast_forward_inputs: e.g. the RoPE tables reach each layer in the parameters' dtype.
-        args, kwargs = pytree.tree_map_only(torch.Tensor, functools.partial(_cast_floating, fsdp.param_dtype),
-                                            (args, kwargs))
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, functools.partial(_cast_floating, fsdp.param_dtype), (args, kwargs)
+        )
     with fsdp.gathered(name):
         return forward(*args, **kwargs)
 

@@ -29,10 +29,10 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from graph_trainer.distributed.fsdp import ShardGroup
+from graph_trainer.errors import UserError
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.runtime.device import resolve_device
-from graph_trainer.errors import UserError
-from graph_trainer.distributed.fsdp import ShardGroup
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -109,8 +109,10 @@ def _launch_env(env: Mapping[str, str]) -> tuple[int, int, int] | None:
         rank, world_size = int(env.get("RANK", "0")), int(env["WORLD_SIZE"])
         local_rank = int(env.get("LOCAL_RANK", str(rank)))
     except ValueError:
-        raise UserError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers, got "
-                        f"{ {k: env.get(k) for k in LAUNCH_ENV} }; launch with torchrun") from None
+        raise UserError(
+            f"RANK/WORLD_SIZE/LOCAL_RANK must be integers, got "
+            f"{ {k: env.get(k) for k in LAUNCH_ENV} }; launch with torchrun"
+        ) from None
     if world_size < 1 or not 0 <= rank < world_size:
         raise UserError(f"RANK {rank} is outside WORLD_SIZE {world_size}; launch with torchrun")
     return rank, world_size, local_rank
@@ -124,9 +126,11 @@ def data_parallel_degree(cfg: JobConfig) -> tuple[str, int]:
     """
     shard, replicate = cfg.parallelism.dp_shard, cfg.parallelism.dp_replicate
     if shard > 1 and replicate > 1:
-        raise UserError(f"parallelism.dp_shard = {shard} with parallelism.dp_replicate = {replicate} (HSDP) is "
-                        "not supported; use one of them: --parallelism.dp_shard N (FSDP) or "
-                        "--parallelism.dp_replicate N (replicated)")
+        raise UserError(
+            f"parallelism.dp_shard = {shard} with parallelism.dp_replicate = {replicate} (HSDP) is "
+            "not supported; use one of them: --parallelism.dp_shard N (FSDP) or "
+            "--parallelism.dp_replicate N (replicated)"
+        )
     return ("dp_replicate", replicate) if replicate > 1 else ("dp_shard", shard)
 
 
@@ -137,15 +141,19 @@ def check_launch(cfg: JobConfig, env: Mapping[str, str] | None = None) -> tuple[
     launched = _launch_env(env)
     if launched is None:
         if dp > 1:
-            raise UserError(f"parallelism.{option} = {dp} needs one process per rank; launch with "
-                            f"`torchrun --nproc_per_node {dp} -m graph_trainer ...` or set "
-                            f"parallelism.{option} = 1")
+            raise UserError(
+                f"parallelism.{option} = {dp} needs one process per rank; launch with "
+                f"`torchrun --nproc_per_node {dp} -m graph_trainer ...` or set "
+                f"parallelism.{option} = 1"
+            )
         return 0, 1, 0
     rank, world_size, local_rank = launched
     if world_size != dp:
-        raise UserError(f"WORLD_SIZE = {world_size} (processes launched) but parallelism.{option} = {dp}; "
-                        f"pass --parallelism.{option} {world_size} or launch with "
-                        f"`torchrun --nproc_per_node {dp}`")
+        raise UserError(
+            f"WORLD_SIZE = {world_size} (processes launched) but parallelism.{option} = {dp}; "
+            f"pass --parallelism.{option} {world_size} or launch with "
+            f"`torchrun --nproc_per_node {dp}`"
+        )
     return rank, world_size, local_rank
 
 
@@ -153,9 +161,11 @@ def single_process(cfg: JobConfig) -> DistInfo:
     """DistInfo of a run that is not distributed; raises UserError if the config or launch asks for ranks."""
     _, world_size, _ = check_launch(cfg)
     if world_size > 1:
-        raise UserError(f"this process was launched as one of {world_size} ranks but the trainer was built "
-                        "without a process group; start it through `python -m graph_trainer` "
-                        "(graph_trainer.distributed.launch.init_distributed)")
+        raise UserError(
+            f"this process was launched as one of {world_size} ranks but the trainer was built "
+            "without a process group; start it through `python -m graph_trainer` "
+            "(graph_trainer.distributed.launch.init_distributed)"
+        )
     return DistInfo(0, 1, resolve_device(cfg.training.device))
 
 
@@ -169,19 +179,25 @@ def init_distributed(cfg: JobConfig) -> DistInfo:
     if world_size == 1:
         return DistInfo(0, 1, device)
     if not dist.is_available():
-        raise UserError("data parallelism needs torch.distributed, which this torch build lacks; install a "
-                        "torch build with distributed support or set parallelism.dp_shard/dp_replicate = 1")
+        raise UserError(
+            "data parallelism needs torch.distributed, which this torch build lacks; install a "
+            "torch build with distributed support or set parallelism.dp_shard/dp_replicate = 1"
+        )
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
-            raise UserError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA devices; "
-                            "launch at most one process per GPU (torchrun --nproc_per_node)")
+            raise UserError(
+                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA devices; "
+                "launch at most one process per GPU (torchrun --nproc_per_node)"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         if not dist.is_gloo_available():
-            raise UserError("data parallelism on CPU needs the gloo backend, which this torch build lacks; "
-                            "install a torch build with gloo or set parallelism.dp_shard/dp_replicate = 1")
+            raise UserError(
+                "data parallelism on CPU needs the gloo backend, which this torch build lacks; "
+                "install a torch build with gloo or set parallelism.dp_shard/dp_replicate = 1"
+            )
         backend = "gloo"
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
@@ -202,8 +218,10 @@ def planning_shard_group(cfg: JobConfig) -> Iterator[ShardGroup | None]:
     try:  # private, but it is torch's own fake backend (registers "fake" on import)
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError as e:  # pragma: no cover - torch without its testing package
-        raise UserError(f"--dry-run with parallelism.dp_shard > 1 needs torch's fake process group ({e}); "
-                        "plan with parallelism.dp_shard = 1") from None
+        raise UserError(
+            f"--dry-run with parallelism.dp_shard > 1 needs torch's fake process group ({e}); "
+            "plan with parallelism.dp_shard = 1"
+        ) from None
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
         yield ShardGroup.of(dist.group.WORLD)
@@ -236,5 +254,13 @@ def destroy(info: DistInfo, *, wait_for_all: bool = False, timeout_s: float = 12
         gc.collect()
 
 
-__all__ = ["DistInfo", "GradAverager", "check_launch", "data_parallel_degree", "single_process", "init_distributed", "planning_shard_group",
-           "destroy"]
+__all__ = [
+    "DistInfo",
+    "GradAverager",
+    "check_launch",
+    "data_parallel_degree",
+    "single_process",
+    "init_distributed",
+    "planning_shard_group",
+    "destroy",
+]

@@ -19,14 +19,14 @@ import functools
 from typing import Any
 
 import torch.nn as nn
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from graph_trainer.job_config.schema import ActivationCheckpointConfig
-from graph_trainer.errors import ConfigError
 from graph_trainer.distributed.fsdp import layer_forward
-from graph_trainer.tracer.layers import transformer_layers
-from graph_trainer.passes.op_patterns import OpPattern, parse_overrides
+from graph_trainer.errors import ConfigError
+from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.passes.graph_utils import is_attention, is_matmul
+from graph_trainer.passes.op_patterns import OpPattern, parse_overrides
+from graph_trainer.tracer.layers import transformer_layers
 
 
 def _policy_factory(selective_op: bool, save: list[OpPattern], recompute: list[OpPattern]):
@@ -72,12 +72,16 @@ def apply_eager_checkpointing(model: nn.Module, ac: ActivationCheckpointConfig) 
     if ac.mode == "none":
         return []
     if ac.mode == "budget":
-        raise ConfigError("activation_checkpoint.mode = 'budget' is graph-only; use --compile.mode trace "
-                          "or choose selective/full for eager")
+        raise ConfigError(
+            "activation_checkpoint.mode = 'budget' is graph-only; use --compile.mode trace "
+            "or choose selective/full for eager"
+        )
     save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
     if any(p.module is not None for p in save + recompute):
-        raise ConfigError("module-qualified save_list/recompute_list entries ('<glob>::aten.<op>') are "
-                          "graph-only; use --compile.mode trace or plain 'aten.<op>' entries")
+        raise ConfigError(
+            "module-qualified save_list/recompute_list entries ('<glob>::aten.<op>') are "
+            "graph-only; use --compile.mode trace or plain 'aten.<op>' entries"
+        )
     layers = transformer_layers(model)
     selective_op = ac.mode == "selective" and ac.selective_ac_option == "op"
     if ac.mode == "selective" and not selective_op:

@@ -26,9 +26,16 @@ class EagerStep:
     Without `optimizer` the update stays with the caller.
     """
 
-    def __init__(self, model: nn.Module, *, loss_fn: LossFn = lm_loss, max_norm: float = 0.0,
-                 grad_reduce: GradReduce | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 norm_reduce: NormReduce | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        loss_fn: LossFn = lm_loss,
+        max_norm: float = 0.0,
+        grad_reduce: GradReduce | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        norm_reduce: NormReduce | None = None,
+    ):
         self.model = model
         self.loss_fn = loss_fn
         self.max_norm = max_norm

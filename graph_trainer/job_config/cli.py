@@ -12,10 +12,17 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from graph_trainer.job_config.schema import JobConfig, section_fields, sections
-from graph_trainer.job_config.load import apply_toml, load_toml, resolve_config_path, set_value, shipped_configs, validate
-from graph_trainer.job_config.values import limits_text, parse_cli_value, type_parts
 from graph_trainer.errors import ConfigError, did_you_mean
+from graph_trainer.job_config.load import (
+    apply_toml,
+    load_toml,
+    resolve_config_path,
+    set_value,
+    shipped_configs,
+    validate,
+)
+from graph_trainer.job_config.schema import JobConfig, section_fields, sections
+from graph_trainer.job_config.values import limits_text, parse_cli_value, type_parts
 
 _NO_VALUE = object()  # argparse const for an option given without a value
 
@@ -57,41 +64,48 @@ def build_parser(values: JobConfig | None = None, values_from: str | None = None
     The help shows `values` (a config file's, named `values_from`) as each option's
     default; without them, the built-in defaults.
     """
-    shown = ("the built-in ones (with --config NAME, that config's)" if values is None
-             else f"{values_from}'s values")
+    shown = "the built-in ones (with --config NAME, that config's)" if values is None else f"{values_from}'s values"
     parser = _Parser(
         prog="python -m graph_trainer",
         usage="%(prog)s [--config NAME_OR_PATH] [--print-config] [--dry-run] [--section.key VALUE ...]",
         description="Train a Llama-class model with the whole training step captured as one FX graph.\n"
-                    f"Defaults shown below: {shown}.",
+        f"Defaults shown below: {shown}.",
         epilog="VALUE is read as a TOML value when it parses as one (numbers, true/false, [lists]), "
-               "else as a string. A bool option given without a value means true. Command-line "
-               "values override the config file.",
+        "else as a string. A bool option given without a value means true. Command-line "
+        "values override the config file.",
         add_help=False,
         allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
-    parser.add_argument("--config", metavar="NAME_OR_PATH",
-                        help="TOML config: a shipped name (" + ", ".join(shipped_configs()) +
-                             ") or a path to a file")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config as TOML and exit")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="trace the step on fake tensors and report the memory plan; no training")
+    parser.add_argument(
+        "--config",
+        metavar="NAME_OR_PATH",
+        help="TOML config: a shipped name (" + ", ".join(shipped_configs()) + ") or a path to a file",
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="trace the step on fake tensors and report the memory plan; no training"
+    )
     for sec_name, sec_cls in sections().items():
         group = parser.add_argument_group(f"[{sec_name}]")
         for name, f in section_fields(sec_cls).items():
-            value = (f.default_factory() if f.default is dataclasses.MISSING else f.default) if values is None \
+            value = (
+                (f.default_factory() if f.default is dataclasses.MISSING else f.default)
+                if values is None
                 else getattr(getattr(values, sec_name), name)
+            )
             default = "flavor's value" if value is None else repr(value)
             limits = limits_text(f.metadata)
             extra = f"; {limits}" if limits else ""
             # Only bools may omit the value (`--checkpoint.resume` means true).
             optional_value = {"nargs": "?", "const": _NO_VALUE} if bool in type_parts(f.type) else {}
             group.add_argument(
-                f"--{sec_name}.{name}", dest=f"{sec_name}.{name}", metavar=_metavar(f),
-                default=argparse.SUPPRESS, **optional_value,
+                f"--{sec_name}.{name}",
+                dest=f"{sec_name}.{name}",
+                metavar=_metavar(f),
+                default=argparse.SUPPRESS,
+                **optional_value,
                 help=f"{f.metadata['help']} (default: {default}{extra})".replace("%", "%%"),
             )
     return parser
@@ -109,8 +123,12 @@ def help_text(config: str | None = None) -> str:
 
 def _attach_dash_values(argv: list[str]) -> list[str]:
     """Rewrite `--optimizer.lr -1e-3` as `--optimizer.lr=-1e-3`: argparse would take '-1e-3' for an option."""
-    valued = {f"--{s}.{k}" for s, cls in sections().items()
-              for k, f in section_fields(cls).items() if bool not in type_parts(f.type)}
+    valued = {
+        f"--{s}.{k}"
+        for s, cls in sections().items()
+        for k, f in section_fields(cls).items()
+        if bool not in type_parts(f.type)
+    }
     out: list[str] = []
     i = 0
     while i < len(argv):
@@ -138,8 +156,13 @@ def parse_cli(argv: list[str]) -> CliOptions:
     values = vars(known)
     # argparse keeps only the last occurrence of each option; that is the one that wins anyway.
     overrides = [(k, None if v is _NO_VALUE else v) for k, v in values.items() if "." in k]
-    return CliOptions(config=values["config"], print_config=values["print_config"],
-                      dry_run=values["dry_run"], help=values["help"], overrides=overrides)
+    return CliOptions(
+        config=values["config"],
+        print_config=values["print_config"],
+        dry_run=values["dry_run"],
+        help=values["help"],
+        overrides=overrides,
+    )
 
 
 def build_config(opts: CliOptions) -> JobConfig:

@@ -16,9 +16,9 @@ from typing import Any
 
 import tomli_w
 
+from graph_trainer.errors import ConfigError, did_you_mean
 from graph_trainer.job_config.schema import JobConfig, section_fields, sections
 from graph_trainer.job_config.values import check_limits, coerce, value_desc
-from graph_trainer.errors import ConfigError, did_you_mean
 
 # Located relative to this file, so `--config llama3_debug` works from any cwd: an installed
 # wheel carries them as package data (graph_trainer/configs/, see pyproject.toml), a source
@@ -37,9 +37,11 @@ def apply_toml(cfg: JobConfig, data: dict[str, Any], where: str) -> None:
             hint = f" (did you mean '{homes[0]}'?)" if homes else ""
             raise ConfigError(f"{where}: key '{sec_name}' must be inside a [section]{hint}")
         if sec_name not in known:
-            raise ConfigError(f"{where}: unknown section '[{sec_name}]'"
-                              f"{did_you_mean(sec_name, list(known))}; "
-                              f"sections are {', '.join(known)}")
+            raise ConfigError(
+                f"{where}: unknown section '[{sec_name}]'"
+                f"{did_you_mean(sec_name, list(known))}; "
+                f"sections are {', '.join(known)}"
+            )
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: '{sec_name}' must be a [{sec_name}] table, got {value_desc(table)}")
         fields = section_fields(known[sec_name])
@@ -63,7 +65,6 @@ def set_value(section: Any, sec_name: str, key: str, value: Any, fields: dict, w
 OP_PATTERN = re.compile(
     r"^(?:(?P<module>[A-Za-z0-9_.*?\[\]]+)::)?aten\.(?P<op>[A-Za-z_][A-Za-z0-9_]*)(?:\.(?P<overload>[A-Za-z_][A-Za-z0-9_]*))?$"
 )
-
 
 
 def validate(cfg: JobConfig) -> None:
@@ -90,11 +91,12 @@ def validate(cfg: JobConfig) -> None:
 
     data = cfg.data
     if data.source in ("text", "jsonl") and not data.path:
-        raise ConfigError(f"data.path is required for data.source = '{data.source}': "
-                          f"set --data.path to the input file")
+        raise ConfigError(f"data.path is required for data.source = '{data.source}': set --data.path to the input file")
     if data.source not in ("text", "jsonl") and data.path:
-        raise ConfigError(f"data.path is set ({data.path!r}) but data.source = '{data.source}' does not "
-                          f"read files: set --data.source text or jsonl, or clear data.path")
+        raise ConfigError(
+            f"data.path is set ({data.path!r}) but data.source = '{data.source}' does not "
+            f"read files: set --data.source text or jsonl, or clear data.path"
+        )
     if not data.tokenizer:
         raise ConfigError("data.tokenizer must be 'byte' or a path to a tokenizer.json, got ''")
 
@@ -106,17 +108,16 @@ def validate(cfg: JobConfig) -> None:
                 raise ConfigError(
                     f"activation_checkpoint.{list_name}[{i}] must look like 'aten.<op>[.<overload>]' "
                     f"or '<module glob>::aten.<op>' (e.g. 'aten.mm', 'layers.*.attention::aten.mm'), "
-                    f"got {pattern!r}")
+                    f"got {pattern!r}"
+                )
     both = sorted(set(ac.save_list) & set(ac.recompute_list))
     if both:
-        raise ConfigError(f"activation_checkpoint: {both[0]!r} is in both save_list and recompute_list; "
-                          f"keep it in one")
+        raise ConfigError(f"activation_checkpoint: {both[0]!r} is in both save_list and recompute_list; keep it in one")
 
     if not cfg.checkpoint.folder:
         raise ConfigError("checkpoint.folder must be a non-empty path, got ''")
     if cfg.checkpoint.resume and not cfg.checkpoint.enable:
-        raise ConfigError("checkpoint.resume = true needs checkpoint.enable = true: "
-                          "add --checkpoint.enable")
+        raise ConfigError("checkpoint.resume = true needs checkpoint.enable = true: add --checkpoint.enable")
     if not cfg.job.dump_folder:
         raise ConfigError("job.dump_folder must be a non-empty path, got ''")
     _check_mixed_precision(cfg)
@@ -127,7 +128,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             f"training.seq_len must be <= the model's max_seq_len ({max_seq_len} for "
             f"{cfg.model.name}/{cfg.model.flavor}), got {cfg.training.seq_len}: lower "
-            f"--training.seq_len or raise --model.max_seq_len")
+            f"--training.seq_len or raise --model.max_seq_len"
+        )
 
 
 def _check_mixed_precision(cfg: JobConfig) -> None:
@@ -137,13 +139,17 @@ def _check_mixed_precision(cfg: JobConfig) -> None:
         value = getattr(t, key)
         if value != "float32" and shard <= 1:
             # An error, not an ignored option: a user who asked for bf16 must not silently train in fp32.
-            raise ConfigError(f"training.{key} = {value!r} is FSDP's and needs parallelism.dp_shard > 1 (got "
-                              f"{shard}): set --parallelism.dp_shard N, or drop it and use --training.dtype "
-                              "bfloat16 (autocast) for one process or dp_replicate")
+            raise ConfigError(
+                f"training.{key} = {value!r} is FSDP's and needs parallelism.dp_shard > 1 (got "
+                f"{shard}): set --parallelism.dp_shard N, or drop it and use --training.dtype "
+                "bfloat16 (autocast) for one process or dp_replicate"
+            )
     if t.mixed_precision_param != "float32" and t.dtype == "bfloat16":
-        raise ConfigError("training.dtype = 'bfloat16' (autocast over float32 parameters) and "
-                          "training.mixed_precision_param = 'bfloat16' (bfloat16 gathered parameters) both set the "
-                          "compute dtype: drop --training.dtype (auto means no autocast with bfloat16 parameters)")
+        raise ConfigError(
+            "training.dtype = 'bfloat16' (autocast over float32 parameters) and "
+            "training.mixed_precision_param = 'bfloat16' (bfloat16 gathered parameters) both set the "
+            "compute dtype: drop --training.dtype (auto means no autocast with bfloat16 parameters)"
+        )
 
 
 def parse_ac_option(option: str | int) -> str | int:
@@ -179,8 +185,10 @@ def resolve_config_path(name_or_path: str) -> Path:
             return candidate
     shipped = shipped_configs()
     stem = name_or_path.removesuffix(".toml")
-    raise ConfigError(f"config '{name_or_path}' not found in the current directory or {CONFIGS_DIR}"
-                      f"{did_you_mean(stem, shipped)}; shipped configs: {', '.join(shipped) or 'none'}")
+    raise ConfigError(
+        f"config '{name_or_path}' not found in the current directory or {CONFIGS_DIR}"
+        f"{did_you_mean(stem, shipped)}; shipped configs: {', '.join(shipped) or 'none'}"
+    )
 
 
 def load_toml(path: Path) -> dict[str, Any]:
@@ -205,7 +213,9 @@ def load_toml(path: Path) -> dict[str, Any]:
 
 def config_to_toml(cfg: JobConfig) -> str:
     """The config as TOML text that loads back to an equal JobConfig (None values are omitted)."""
-    return tomli_w.dumps({
-        name: {key: value for key, value in dataclasses.asdict(getattr(cfg, name)).items() if value is not None}
-        for name in sections()
-    })
+    return tomli_w.dumps(
+        {
+            name: {key: value for key, value in dataclasses.asdict(getattr(cfg, name)).items() if value is not None}
+            for name in sections()
+        }
+    )

@@ -31,17 +31,25 @@ from typing import Any
 
 import torch
 
-from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.schema import JobConfig
 
 # section.key -> why a resumed run cannot take a new value.
 _DATA = "the saved data position only fits the saved data, batch shape and order"
 _MODEL = "the saved weights belong to the saved architecture"
 REFUSED: dict[str, str] = {
-    "training.local_batch_size": _DATA, "training.seq_len": _DATA, "training.seed": _DATA,
-    "data.source": _DATA, "data.path": _DATA, "data.tokenizer": _DATA, "parallelism.dp_shard": _DATA,
-    **{f"model.{f.name}": _MODEL for f in dataclasses.fields(JobConfig().model)
-       if f.name not in ("dropout", "rope_theta", "use_rope_scaling", "max_seq_len", "norm_eps")},
+    "training.local_batch_size": _DATA,
+    "training.seq_len": _DATA,
+    "training.seed": _DATA,
+    "data.source": _DATA,
+    "data.path": _DATA,
+    "data.tokenizer": _DATA,
+    "parallelism.dp_shard": _DATA,
+    **{
+        f"model.{f.name}": _MODEL
+        for f in dataclasses.fields(JobConfig().model)
+        if f.name not in ("dropout", "rope_theta", "use_rope_scaling", "max_seq_len", "norm_eps")
+    },
 }
 # Options that say how to start, not what to train: their change is expected and not logged.
 _NOT_COMPARED = ("checkpoint.resume", "job.overwrite")
@@ -80,16 +88,22 @@ def _global_batch(config: dict[str, Any]) -> int:
 
 def _reshard_refusal(before: dict[str, Any], now: dict[str, Any], checkpoint: Path) -> UserError:
     n, batch = now["parallelism.dp_shard"], _global_batch(before)
-    fix = (f"--training.local_batch_size {batch // n} to keep it" if batch % n == 0
-           else f"a parallelism.dp_shard that divides {batch}")
-    return UserError(f"cannot resume {checkpoint} on parallelism.dp_shard {n} with training.local_batch_size "
-                     f"{now['training.local_batch_size']}: the global batch (dp_shard x local_batch_size) would be "
-                     f"{_global_batch(now)} instead of {batch}, and the saved data position counts batches of "
-                     f"{batch}; resume with {fix}")
+    fix = (
+        f"--training.local_batch_size {batch // n} to keep it"
+        if batch % n == 0
+        else f"a parallelism.dp_shard that divides {batch}"
+    )
+    return UserError(
+        f"cannot resume {checkpoint} on parallelism.dp_shard {n} with training.local_batch_size "
+        f"{now['training.local_batch_size']}: the global batch (dp_shard x local_batch_size) would be "
+        f"{_global_batch(now)} instead of {batch}, and the saved data position counts batches of "
+        f"{batch}; resume with {fix}"
+    )
 
 
-def compare_on_resume(saved: dict[str, dict[str, Any]], cfg: JobConfig, checkpoint: Path, *,
-                      reshardable: bool = False) -> list[str]:
+def compare_on_resume(
+    saved: dict[str, dict[str, Any]], cfg: JobConfig, checkpoint: Path, *, reshardable: bool = False
+) -> list[str]:
     """Lines naming each honoured change against the checkpoint's config; UserError if any change is refused.
 
     With `reshardable` (a sharded checkpoint), `parallelism.dp_shard` and `training.local_batch_size`
@@ -107,17 +121,27 @@ def compare_on_resume(saved: dict[str, dict[str, Any]], cfg: JobConfig, checkpoi
     if refused:
         what = ", ".join(f"{k} {now[k]!r} (checkpoint: {before[k]!r})" for k in refused)
         fix = " ".join(_as_flag(k, before[k]) for k in refused)
-        raise UserError(f"cannot resume {checkpoint} with changed {what}: {REFUSED[refused[0]]}; "
-                        f"resume with {fix}, or start a new job.dump_folder")
+        raise UserError(
+            f"cannot resume {checkpoint} with changed {what}: {REFUSED[refused[0]]}; "
+            f"resume with {fix}, or start a new job.dump_folder"
+        )
     lines = [f"{k}: {before[k]!r} in the checkpoint, {now[k]!r} now (honoured)" for k in changed if k not in REFUSED]
     if resharded:
-        lines += [f"{k}: {before[k]!r} in the checkpoint, {now[k]!r} now (resharded: the global batch of "
-                  f"{_global_batch(now)} and the data position are unchanged)" for k in _RESHARD if k in changed]
+        lines += [
+            f"{k}: {before[k]!r} in the checkpoint, {now[k]!r} now (resharded: the global batch of "
+            f"{_global_batch(now)} and the data position are unchanged)"
+            for k in _RESHARD
+            if k in changed
+        ]
     return lines
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                         optimizer_state: dict[str, Any], scheduler_state: dict[str, Any]) -> None:
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    optimizer_state: dict[str, Any],
+    scheduler_state: dict[str, Any],
+) -> None:
     """Load the optimizer and schedule state of a checkpoint, keeping this run's hyperparameters.
 
     torch's `load_state_dict` also restores each group's lr, betas, eps, weight decay,

@@ -70,18 +70,29 @@ class TrainingConfig:
     seed: int = _opt(0, "random seed for initialization and data")
     deterministic: bool = _opt(False, "use deterministic algorithms (bitwise reproducible runs)")
     max_norm: float = _opt(1.0, "gradient clipping max norm; <= 0 disables clipping")
-    dtype: str = _opt("auto", "parameter/compute dtype; auto = float32 on CPU, bfloat16 on CUDA",
-                      choices=("auto", "float32", "bfloat16"))
+    dtype: str = _opt(
+        "auto",
+        "parameter/compute dtype; auto = float32 on CPU, bfloat16 on CUDA",
+        choices=("auto", "float32", "bfloat16"),
+    )
     device: str = _opt("auto", "device to train on; auto = cuda when available", choices=("auto", "cpu", "cuda"))
-    loss_chunk_size: int = _opt(0, "tokens per chunk of the output projection + loss (logits recomputed in the "
-                                    "backward); 0 = all tokens at once", ge=0)
+    loss_chunk_size: int = _opt(
+        0,
+        "tokens per chunk of the output projection + loss (logits recomputed in the backward); 0 = all tokens at once",
+        ge=0,
+    )
     # FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype), under torchtitan's names.
     mixed_precision_param: str = _opt(
-        "float32", "dp_shard: dtype the parameters are all-gathered and computed in (FSDP2's param_dtype); the "
-        "shards, gradients and AdamW state stay float32", choices=("float32", "bfloat16"))
+        "float32",
+        "dp_shard: dtype the parameters are all-gathered and computed in (FSDP2's param_dtype); the "
+        "shards, gradients and AdamW state stay float32",
+        choices=("float32", "bfloat16"),
+    )
     mixed_precision_reduce: str = _opt(
-        "float32", "dp_shard: dtype the gradients are reduce-scattered in (FSDP2's reduce_dtype), then cast to "
-        "float32", choices=("float32", "bfloat16"))
+        "float32",
+        "dp_shard: dtype the gradients are reduce-scattered in (FSDP2's reduce_dtype), then cast to float32",
+        choices=("float32", "bfloat16"),
+    )
 
 
 @dataclass
@@ -91,8 +102,11 @@ class OptimizerConfig:
     betas: list[float] = _opt([0.9, 0.95], "AdamW beta1, beta2", ge=0, lt=1)
     eps: float = _opt(1e-8, "AdamW epsilon", gt=0)
     weight_decay: float = _opt(0.1, "decoupled weight decay", ge=0)
-    implementation: str = _opt("auto", "AdamW update outside the graph; auto = fused on CUDA, single_tensor on CPU",
-                               choices=("auto", "single_tensor", "foreach", "fused"))
+    implementation: str = _opt(
+        "auto",
+        "AdamW update outside the graph; auto = fused on CUDA, single_tensor on CPU",
+        choices=("auto", "single_tensor", "foreach", "fused"),
+    )
 
 
 @dataclass
@@ -104,8 +118,11 @@ class LRSchedulerConfig:
 
 @dataclass
 class DataConfig:
-    source: str = _opt("embedded", "training text: embedded corpus, a text file, a jsonl file, or random tokens",
-                       choices=("embedded", "text", "jsonl", "synthetic"))
+    source: str = _opt(
+        "embedded",
+        "training text: embedded corpus, a text file, a jsonl file, or random tokens",
+        choices=("embedded", "text", "jsonl", "synthetic"),
+    )
     path: str = _opt("", "input file (required for source text|jsonl)")
     tokenizer: str = _opt("byte", "'byte' (256 bytes + BOS/EOS) or a path to a HF tokenizer.json")
 
@@ -114,7 +131,8 @@ class DataConfig:
 class ActivationCheckpointConfig:
     mode: str = _opt("none", "activation checkpointing", choices=("none", "selective", "full", "budget"))
     selective_ac_option: str | int = _opt(
-        "op", "selective: 'op' = save compute-heavy ops, N = checkpoint every N-th layer")
+        "op", "selective: 'op' = save compute-heavy ops, N = checkpoint every N-th layer"
+    )
     memory_budget: float = _opt(0.5, "budget: <= 1 = fraction of no-AC activation memory, > 1 = GiB", gt=0)
     save_list: list[str] = _opt([], "ops always saved, e.g. 'aten.mm' or 'layers.*.attention::aten.mm'")
     recompute_list: list[str] = _opt([], "ops always recomputed, same syntax as save_list")
@@ -122,20 +140,29 @@ class ActivationCheckpointConfig:
 
 @dataclass
 class CompileConfig:
-    mode: str = _opt("trace", "trace = whole step as one FX graph; eager = plain PyTorch baseline",
-                     choices=("trace", "eager"))
+    mode: str = _opt(
+        "trace", "trace = whole step as one FX graph; eager = plain PyTorch baseline", choices=("trace", "eager")
+    )
     trace_optimizer: bool = _opt(False, "include the optimizer update in the traced graph")
     on_shape_change: str = _opt("retrace", "what to do when a batch has a new shape", choices=("retrace", "error"))
     dump_graphs: bool = _opt(False, "write the traced graphs (before/after passes) to the dump folder")
     disable_passes: list[str] = _opt([], "graph passes to skip, by registry name")
     log_saved_activations: bool = _opt(False, "log which activations the step graph keeps for backward")
-    backend: str = _opt("none", "none = run the traced graph op by op (bitwise with eager); inductor = compile "
-                        "the final graph with Inductor (faster, not bitwise)", choices=("none", "inductor"))
-    cudagraphs: bool = _opt(False, "CUDA only, with backend inductor and regional = false: replay the whole step "
-                            "as one CUDA graph")
-    regional: bool = _opt(True, "with backend inductor: compile each layer's forward, backward and update once and "
-                          "reuse it for identical layers (compile time independent of depth); false = the whole step "
-                          "as one graph")
+    backend: str = _opt(
+        "none",
+        "none = run the traced graph op by op (bitwise with eager); inductor = compile "
+        "the final graph with Inductor (faster, not bitwise)",
+        choices=("none", "inductor"),
+    )
+    cudagraphs: bool = _opt(
+        False, "CUDA only, with backend inductor and regional = false: replay the whole step as one CUDA graph"
+    )
+    regional: bool = _opt(
+        True,
+        "with backend inductor: compile each layer's forward, backward and update once and "
+        "reuse it for identical layers (compile time independent of depth); false = the whole step "
+        "as one graph",
+    )
 
 
 @dataclass
@@ -158,12 +185,17 @@ class CheckpointConfig:
 class ParallelismConfig:
     dp_shard: int = _opt(1, "FSDP degree (processes): parameters, gradients and optimizer state sharded", ge=1)
     fsdp_reshard_after_forward: str = _opt(
-        "default", "dp_shard: re-gather parameters in the backward (always), keep the forward's gather (never), "
-        "or re-gather the layers and keep the root (default)", choices=("default", "always", "never"))
-    fsdp_prefetch: bool = _opt(False, "dp_shard: issue each layer's all-gather while the previous layer "
-                               "computes (overlap; one more layer's parameters alive)")
-    dp_replicate: int = _opt(1, "replicated data-parallel degree (processes): full copies, gradients all-reduced",
-                             ge=1)
+        "default",
+        "dp_shard: re-gather parameters in the backward (always), keep the forward's gather (never), "
+        "or re-gather the layers and keep the root (default)",
+        choices=("default", "always", "never"),
+    )
+    fsdp_prefetch: bool = _opt(
+        False,
+        "dp_shard: issue each layer's all-gather while the previous layer "
+        "computes (overlap; one more layer's parameters alive)",
+    )
+    dp_replicate: int = _opt(1, "replicated data-parallel degree (processes): full copies, gradients all-reduced", ge=1)
 
 
 @dataclass

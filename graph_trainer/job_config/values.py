@@ -32,7 +32,8 @@ def _type_name(tp: Any) -> str:
 
 def value_desc(value: Any) -> str:
     kind = {bool: "bool", int: "int", float: "float", str: "string", list: "list", dict: "table"}.get(
-        type(value), type(value).__name__)
+        type(value), type(value).__name__
+    )
     return f"{value!r} ({kind})"
 
 
@@ -67,15 +68,13 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
                 try:
                     out.append(_coerce_scalar(item, elem))
                 except TypeError:
-                    raise ConfigError(
-                        f"{key}[{i}] expects a {_type_name(elem)}, got {value_desc(item)}") from None
+                    raise ConfigError(f"{key}[{i}] expects a {_type_name(elem)}, got {value_desc(item)}") from None
             return out
         try:
             return _coerce_scalar(value, part)
         except TypeError:
             continue
-    raise ConfigError(f"{key} expects {'an' if expected[0] in 'aeiou' else 'a'} {expected}, "
-                      f"got {value_desc(value)}")
+    raise ConfigError(f"{key} expects {'an' if expected[0] in 'aeiou' else 'a'} {expected}, got {value_desc(value)}")
 
 
 def parse_cli_value(raw: str, tp: Any) -> Any:
@@ -93,8 +92,9 @@ def parse_cli_value(raw: str, tp: Any) -> Any:
     if str in parts and not isinstance(value, str) and not any(_accepts(p, value) for p in parts):
         return raw
     if any(typing.get_origin(p) is list for p in parts) and isinstance(value, str):
-        return [parse_cli_value(item.strip(), typing.get_args(parts[0])[0])
-                for item in value.split(",") if item.strip()]
+        return [
+            parse_cli_value(item.strip(), typing.get_args(parts[0])[0]) for item in value.split(",") if item.strip()
+        ]
     return value
 
 
@@ -124,7 +124,6 @@ def check_limits(key: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
             if name in meta and not holds(item, meta[name]):
                 each = " (each element)" if isinstance(value, list) else ""
                 raise ConfigError(f"{key} must be {word} {meta[name]}{each}, got {value!r}")
-
 
 
 def limits_text(meta: typing.Mapping[str, Any]) -> str:

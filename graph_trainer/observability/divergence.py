@@ -79,13 +79,16 @@ class DivergenceGuard:
 
     def check_before_save(self, step: int, loss: float, params: Iterable[torch.Tensor]) -> None:
         if self.first_loss is not None and loss > MAX_LOSS_GROWTH * max(self.first_loss, 1.0):
-            raise TrainingDiverged(f"the loss exploded to {loss:.4g} at step {step} "
-                                   f"(this run started at {self.first_loss:.4g})")
+            raise TrainingDiverged(
+                f"the loss exploded to {loss:.4g} at step {step} (this run started at {self.first_loss:.4g})"
+            )
         norm = self._norm(params)
         if not math.isfinite(norm):
             raise TrainingDiverged(f"the parameters after step {step} are not finite (norm {norm})")
         if self.ref_norm is not None and norm > MAX_NORM_GROWTH * self.ref_norm:
-            raise TrainingDiverged(f"the parameter norm exploded to {norm:.4g} after step {step} "
-                                   f"(it was {self.ref_norm:.4g} at step {self.ref_step}; "
-                                   f"more than {MAX_NORM_GROWTH:g}x is not a sane update)")
+            raise TrainingDiverged(
+                f"the parameter norm exploded to {norm:.4g} after step {step} "
+                f"(it was {self.ref_norm:.4g} at step {self.ref_step}; "
+                f"more than {MAX_NORM_GROWTH:g}x is not a sane update)"
+            )
         self.ref_norm, self.ref_step = norm, step

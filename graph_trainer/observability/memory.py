@@ -57,7 +57,8 @@ def cublas_workspace_bytes(config: str | None, compute_capability: tuple[int, in
 
     `config` is CUBLAS_WORKSPACE_CONFIG (":SIZE_KiB:COUNT" pairs, e.g. ":4096:8" =
     32 MiB; set without a pair it means 0, as in torch). Unset, torch uses 32 MiB on
-    sm90 (H100/H200) and 8.125 MiB elsewhere. Unknown capability (planning without a GPU) is taken as sm90, the GPUs this
+    sm90 (H100/H200) and 8.125 MiB elsewhere. Unknown capability (planning without a GPU) is taken as
+    sm90, the GPUs this
     project's big configs target. It stays allocated for the process's life, so
     it counts in every step's active peak.
     """
@@ -151,10 +152,20 @@ class LiveTensorTracker(TorchDispatchMode):
         A storage alive now and born before the peak was alive at the peak; e.g. the
         gradients a step returns, of which only some exist at a mid-backward peak.
         """
-        keys = {s._cdata for t in tree_iter(tensors) if isinstance(t, torch.Tensor)
-                for s in [_storage_of(t, self.count_fake)] if s is not None}
-        return sum(nbytes for key in keys if key in self._live
-                   for nbytes, _, birth in [self._live[key]] if birth <= self._peak_birth)
+        keys = {
+            s._cdata
+            for t in tree_iter(tensors)
+            if isinstance(t, torch.Tensor)
+            for s in [_storage_of(t, self.count_fake)]
+            if s is not None
+        }
+        return sum(
+            nbytes
+            for key in keys
+            if key in self._live
+            for nbytes, _, birth in [self._live[key]]
+            if birth <= self._peak_birth
+        )
 
     def forget(self) -> None:
         """Stop tracking every storage; current and peak go to 0."""

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from graph_trainer.errors import ConfigError
-from graph_trainer.runtime.fsutil import atomic_write_text
 from graph_trainer.observability.units import GIB
+from graph_trainer.runtime.fsutil import atomic_write_text
 
 SCHEMA_VERSION = 1
 SUMMARY_FILE = "summary.json"
@@ -275,4 +275,3 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

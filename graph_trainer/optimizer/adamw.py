@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from graph_trainer.errors import ConfigError
 from graph_trainer.observability.memory import allocated_bytes
-
 
 # How torch.optim.AdamW runs its update when it runs outside the graph (eager mode, or the
 # traced step without compile.trace_optimizer). Each allocates different scratch on top of
@@ -42,26 +42,37 @@ def choose_adamw_implementation(requested: str, device: torch.device, *, trace_o
     """
     if trace_optimizer:
         if requested not in ("auto", "single_tensor"):
-            raise ConfigError(f"optimizer.implementation = {requested!r} cannot run inside the graph: "
-                              "compile.trace_optimizer traces the single-tensor AdamW update; set "
-                              "optimizer.implementation = 'auto' or compile.trace_optimizer = false")
+            raise ConfigError(
+                f"optimizer.implementation = {requested!r} cannot run inside the graph: "
+                "compile.trace_optimizer traces the single-tensor AdamW update; set "
+                "optimizer.implementation = 'auto' or compile.trace_optimizer = false"
+            )
         return "single_tensor"
     if requested == "auto":
         return "fused" if device.type == "cuda" else "single_tensor"
     if requested not in ADAMW_IMPLEMENTATIONS:
-        raise ConfigError(f"optimizer.implementation must be auto|{'|'.join(ADAMW_IMPLEMENTATIONS)}, "
-                          f"got {requested!r}")
+        raise ConfigError(f"optimizer.implementation must be auto|{'|'.join(ADAMW_IMPLEMENTATIONS)}, got {requested!r}")
     return requested
 
 
 def _implementation_flags(implementation: str) -> dict[str, bool]:
-    return {"single_tensor": {"foreach": False, "fused": False},
-            "foreach": {"foreach": True, "fused": False},
-            "fused": {"foreach": False, "fused": True}}[implementation]
+    return {
+        "single_tensor": {"foreach": False, "fused": False},
+        "foreach": {"foreach": True, "fused": False},
+        "fused": {"foreach": False, "fused": True},
+    }[implementation]
 
 
-def build_optimizer(model: nn.Module, *, name: str, lr: float, betas: tuple[float, float],
-                    eps: float, weight_decay: float, implementation: str = "single_tensor") -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module,
+    *,
+    name: str,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    implementation: str = "single_tensor",
+) -> torch.optim.AdamW:
     """AdamW over every trainable parameter (one group, decoupled weight decay).
 
     `implementation` (see ADAMW_IMPLEMENTATIONS) is passed to torch explicitly, so
@@ -70,12 +81,12 @@ def build_optimizer(model: nn.Module, *, name: str, lr: float, betas: tuple[floa
     if name.lower() != "adamw":
         raise ConfigError(f"optimizer.name: only 'AdamW' is supported, got {name!r}")
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                             **_implementation_flags(implementation))
+    return torch.optim.AdamW(
+        params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_implementation_flags(implementation)
+    )
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_type: str,
-              min_lr_factor: float) -> float:
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_factor: float) -> float:
     """Multiplier of the base LR for optimizer step `step` (0-based): linear warmup, then decay."""
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
@@ -92,13 +103,15 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_type: str
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
-                       decay_type: str, min_lr_factor: float) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_factor: float
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over `lr_factor`; step it once after every optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps,
-                               decay_type=decay_type, min_lr_factor=min_lr_factor),
+        lambda step: lr_factor(
+            step, warmup_steps=warmup_steps, total_steps=total_steps, decay_type=decay_type, min_lr_factor=min_lr_factor
+        ),
     )
 
 
@@ -208,8 +221,9 @@ def eager_step_scratch_bytes(optimizer: torch.optim.AdamW, device: torch.device 
     return peak
 
 
-def clip_grads_(grads: list[torch.Tensor], max_norm: float,
-                norm_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def clip_grads_(
+    grads: list[torch.Tensor], max_norm: float, norm_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     """Scale `grads` in place so their global L2 norm is at most `max_norm`; returns the norm before clipping.
 
     With sharded gradients, `norm_reduce` maps this rank's squared norm to the
@@ -243,13 +257,15 @@ class GraphAdamW:
 
     def __init__(self, optimizer: torch.optim.AdamW):
         if not isinstance(optimizer, torch.optim.AdamW):
-            raise ConfigError("compile.trace_optimizer supports torch.optim.AdamW only; "
-                              "set compile.trace_optimizer = false")
+            raise ConfigError(
+                "compile.trace_optimizer supports torch.optim.AdamW only; set compile.trace_optimizer = false"
+            )
         for group in optimizer.param_groups:
             for key in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
                 if group.get(key):
-                    raise ConfigError(f"compile.trace_optimizer cannot trace AdamW({key}=True); "
-                                      "set compile.trace_optimizer = false")
+                    raise ConfigError(
+                        f"compile.trace_optimizer cannot trace AdamW({key}=True); set compile.trace_optimizer = false"
+                    )
             if isinstance(group["lr"], torch.Tensor):
                 raise ConfigError("compile.trace_optimizer needs a float learning rate, got a tensor")
         self.optimizer = optimizer
@@ -278,7 +294,8 @@ class GraphAdamW:
         return out
 
     def host_scalars(self) -> list[torch.Tensor]:
-        """0-d float64 tensors for the coming step: per parameter (decay factor, sqrt of bias correction 2, -step size)."""
+        """0-d float64 tensors for the coming step: per parameter (decay factor, sqrt of bias correction 2,
+        -step size)."""
         out = []
         for p, group in zip(self.params, self._groups):
             lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
@@ -290,13 +307,18 @@ class GraphAdamW:
             out += [torch.full((), v, dtype=torch.float64) for v in values]
         return out
 
-    def update_(self, params: list[torch.Tensor], grads: list[torch.Tensor],
-                state: list[torch.Tensor], scalars: list[torch.Tensor]) -> None:
+    def update_(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        state: list[torch.Tensor],
+        scalars: list[torch.Tensor],
+    ) -> None:
         """The traced AdamW update, in place; constants (betas, eps) are baked into the graph."""
         for i, (p, g, group) in enumerate(zip(params, grads, self._groups)):
             beta1, beta2 = group["betas"]
-            step_t, exp_avg, exp_avg_sq = state[3 * i: 3 * i + 3]
-            decay, bias_correction2_sqrt, neg_step_size = scalars[3 * i: 3 * i + 3]
+            step_t, exp_avg, exp_avg_sq = state[3 * i : 3 * i + 3]
+            decay, bias_correction2_sqrt, neg_step_size = scalars[3 * i : 3 * i + 3]
             step_t.add_(1)
             if group["weight_decay"] != 0:
                 p.mul_(decay)
@@ -322,8 +344,7 @@ class EagerUpdate:
     @classmethod
     def of(cls, optimizer: torch.optim.AdamW, implementation: str, device: torch.device) -> EagerUpdate:
         """The update `optimizer.step()` runs on `device` (its state must exist: `init_adamw_state`)."""
-        return cls(implementation, adamw_state_bytes(optimizer, device),
-                   eager_step_scratch_bytes(optimizer, device))
+        return cls(implementation, adamw_state_bytes(optimizer, device), eager_step_scratch_bytes(optimizer, device))
 
 
 def whole_step_peak(estimate: Any, update: EagerUpdate | None) -> tuple[int, dict[str, int], bool]:

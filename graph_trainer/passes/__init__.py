@@ -25,18 +25,19 @@ step (`graph_trainer.tracer.GraphStep(model, transform=...)`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
-from graph_trainer.job_config.schema import ActivationCheckpointConfig, JobConfig
-from graph_trainer.job_config.load import parse_ac_option
 from graph_trainer.errors import ConfigError
+from graph_trainer.job_config.load import parse_ac_option
+from graph_trainer.job_config.schema import ActivationCheckpointConfig, JobConfig
 from graph_trainer.observability.log import get_logger
-from graph_trainer.passes.op_patterns import parse_overrides
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
-from graph_trainer.passes.fsdp_gather import POLICIES as FSDP_GATHER_POLICIES, tag_fsdp_gathers
+from graph_trainer.passes.fsdp_gather import POLICIES as FSDP_GATHER_POLICIES
+from graph_trainer.passes.fsdp_gather import tag_fsdp_gathers
 from graph_trainer.passes.fsdp_prefetch import prefetch_fsdp_gathers
 from graph_trainer.passes.memory_policy import MODES, memory_policy
+from graph_trainer.passes.op_patterns import parse_overrides
 from graph_trainer.passes.pipeline import GraphPass, PassContext, Pipeline, check_disabled
 from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer.capture import TracedStep
@@ -58,18 +59,48 @@ def _only_with_fsdp(ac: ActivationCheckpointConfig) -> bool:
 
 
 REGISTRY: tuple[GraphPass, ...] = (
-    GraphPass("dce", lambda gm, ctx: dead_code_elimination(gm), True, _always,
-              "dead-code elimination; in-place and random ops survive"),
-    GraphPass("remove_noops", lambda gm, ctx: remove_noops(gm), True, _always,
-              "remove detach/alias, same-shape views and t(t(x))"),
-    GraphPass("memory_policy", lambda gm, ctx: memory_policy(gm, ctx.ac, input_categories=ctx.input_categories),
-              True, _policy_asked, "tag save/recompute per op (selective / full / budget, plus overrides)"),
-    GraphPass("fsdp_gather", lambda gm, ctx: gm, True, _only_with_fsdp,
-              "tag re-gather (recompute) or keep (save) of each FSDP unit's parameter gather"),
-    GraphPass("remat", lambda gm, ctx: rematerialize(gm), True, _policy_asked,
-              "duplicate recomputed forward ops just before their first backward use"),
-    GraphPass("fsdp_prefetch", lambda gm, ctx: prefetch_fsdp_gathers(gm), True, _only_with_fsdp,
-              "issue each FSDP all-gather right after the previous one's wait (overlaps communication)"),
+    GraphPass(
+        "dce",
+        lambda gm, ctx: dead_code_elimination(gm),
+        True,
+        _always,
+        "dead-code elimination; in-place and random ops survive",
+    ),
+    GraphPass(
+        "remove_noops",
+        lambda gm, ctx: remove_noops(gm),
+        True,
+        _always,
+        "remove detach/alias, same-shape views and t(t(x))",
+    ),
+    GraphPass(
+        "memory_policy",
+        lambda gm, ctx: memory_policy(gm, ctx.ac, input_categories=ctx.input_categories),
+        True,
+        _policy_asked,
+        "tag save/recompute per op (selective / full / budget, plus overrides)",
+    ),
+    GraphPass(
+        "fsdp_gather",
+        lambda gm, ctx: gm,
+        True,
+        _only_with_fsdp,
+        "tag re-gather (recompute) or keep (save) of each FSDP unit's parameter gather",
+    ),
+    GraphPass(
+        "remat",
+        lambda gm, ctx: rematerialize(gm),
+        True,
+        _policy_asked,
+        "duplicate recomputed forward ops just before their first backward use",
+    ),
+    GraphPass(
+        "fsdp_prefetch",
+        lambda gm, ctx: prefetch_fsdp_gathers(gm),
+        True,
+        _only_with_fsdp,
+        "issue each FSDP all-gather right after the previous one's wait (overlaps communication)",
+    ),
 )
 
 
@@ -78,9 +109,15 @@ def available_passes() -> list[str]:
     return [p.name for p in REGISTRY]
 
 
-def pipeline_for(ac: ActivationCheckpointConfig, *, disable_passes: Sequence[str] = (),
-                 dump_dir: Path | None = None, log_saved_activations: bool = False,
-                 fsdp_gather: str | None = None, fsdp_prefetch: bool = False) -> Pipeline:
+def pipeline_for(
+    ac: ActivationCheckpointConfig,
+    *,
+    disable_passes: Sequence[str] = (),
+    dump_dir: Path | None = None,
+    log_saved_activations: bool = False,
+    fsdp_gather: str | None = None,
+    fsdp_prefetch: bool = False,
+) -> Pipeline:
     """The pipeline for an activation-checkpointing section: enabled passes in registry order, minus `disable_passes`.
 
     Validates before anything is traced. `fsdp_gather` is the FSDP gather policy
@@ -99,18 +136,23 @@ def pipeline_for(ac: ActivationCheckpointConfig, *, disable_passes: Sequence[str
     if ac.mode != "none":
         for name in ("memory_policy", "remat"):
             if name in disable_passes:
-                raise ConfigError(f"compile.disable_passes has {name!r}, but activation_checkpoint.mode = "
-                                  f"'{ac.mode}' needs it (without it the step would run with no checkpointing); "
-                                  f"remove {name!r} from compile.disable_passes or set "
-                                  "--activation_checkpoint.mode none")
+                raise ConfigError(
+                    f"compile.disable_passes has {name!r}, but activation_checkpoint.mode = "
+                    f"'{ac.mode}' needs it (without it the step would run with no checkpointing); "
+                    f"remove {name!r} from compile.disable_passes or set "
+                    "--activation_checkpoint.mode none"
+                )
     elif ac.save_list or ac.recompute_list:
-        logger.info("activation_checkpoint.save_list/recompute_list are ignored with "
-                    "activation_checkpoint.mode = 'none'")
+        logger.info(
+            "activation_checkpoint.save_list/recompute_list are ignored with activation_checkpoint.mode = 'none'"
+        )
     wanted = {p.name for p in REGISTRY if p.enabled(ac)}
     if fsdp_gather is not None:
         if fsdp_gather not in FSDP_GATHER_POLICIES:
-            raise ConfigError(f"parallelism.fsdp_reshard_after_forward must be one of "
-                              f"{'|'.join(FSDP_GATHER_POLICIES)}, got {fsdp_gather!r}")
+            raise ConfigError(
+                f"parallelism.fsdp_reshard_after_forward must be one of "
+                f"{'|'.join(FSDP_GATHER_POLICIES)}, got {fsdp_gather!r}"
+            )
         wanted |= {"fsdp_gather"} | ({"remat"} if fsdp_gather != "never" else set())
         wanted |= {"fsdp_prefetch"} if fsdp_prefetch else set()
     passes = [_bound(p, fsdp_gather) for p in REGISTRY if p.name in wanted and p.name not in disable_passes]
@@ -131,17 +173,25 @@ def build_pipeline(cfg: JobConfig, *, dump_dir: Path | None) -> Pipeline:
     """
     c = cfg.compile
     sharded = cfg.parallelism.dp_shard > 1
-    return pipeline_for(cfg.activation_checkpoint, disable_passes=c.disable_passes,
-                        dump_dir=dump_dir if c.dump_graphs else None,
-                        log_saved_activations=c.log_saved_activations,
-                        fsdp_gather=cfg.parallelism.fsdp_reshard_after_forward if sharded else None,
-                        fsdp_prefetch=sharded and cfg.parallelism.fsdp_prefetch)
+    return pipeline_for(
+        cfg.activation_checkpoint,
+        disable_passes=c.disable_passes,
+        dump_dir=dump_dir if c.dump_graphs else None,
+        log_saved_activations=c.log_saved_activations,
+        fsdp_gather=cfg.parallelism.fsdp_reshard_after_forward if sharded else None,
+        fsdp_prefetch=sharded and cfg.parallelism.fsdp_prefetch,
+    )
 
 
-def memory_policy_transform(mode: str = "selective", *, selective_ac_option: str | int = "op",
-                            memory_budget: float = 0.5, save_list: Sequence[str] = (),
-                            recompute_list: Sequence[str] = (), dump_dir: Path | None = None,
-                            ) -> Callable[[TracedStep], Transformed]:
+def memory_policy_transform(
+    mode: str = "selective",
+    *,
+    selective_ac_option: str | int = "op",
+    memory_budget: float = 0.5,
+    save_list: Sequence[str] = (),
+    recompute_list: Sequence[str] = (),
+    dump_dir: Path | None = None,
+) -> Callable[[TracedStep], Transformed]:
     """The pass pipeline with a memory policy, for your own model: pass it as `GraphStep(model, transform=...)`.
 
     The same passes the trainer runs (clean-up, `memory_policy`, `remat`) and the
@@ -171,11 +221,23 @@ def memory_policy_transform(mode: str = "selective", *, selective_ac_option: str
     """
     if memory_budget <= 0:
         raise ConfigError(f"memory_budget must be > 0 (a fraction <= 1 or GiB > 1), got {memory_budget}")
-    ac = ActivationCheckpointConfig(mode=mode, selective_ac_option=parse_ac_option(selective_ac_option),
-                                    memory_budget=memory_budget, save_list=list(save_list),
-                                    recompute_list=list(recompute_list))
+    ac = ActivationCheckpointConfig(
+        mode=mode,
+        selective_ac_option=parse_ac_option(selective_ac_option),
+        memory_budget=memory_budget,
+        save_list=list(save_list),
+        recompute_list=list(recompute_list),
+    )
     return pipeline_for(ac, dump_dir=dump_dir)
 
 
-__all__ = ["REGISTRY", "GraphPass", "PassContext", "Pipeline", "available_passes", "build_pipeline",
-           "memory_policy_transform", "pipeline_for"]
+__all__ = [
+    "REGISTRY",
+    "GraphPass",
+    "PassContext",
+    "Pipeline",
+    "available_passes",
+    "build_pipeline",
+    "memory_policy_transform",
+    "pipeline_for",
+]

@@ -31,18 +31,24 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError
+from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.observability.log import get_logger
+from graph_trainer.passes.graph_utils import (
+    is_attention,
+    is_matmul,
+    is_mutating,
+    layer_forward_nodes,
+    mutated_args,
+    storage_keys,
+)
 from graph_trainer.passes.op_patterns import OpPattern, parse_overrides
-from graph_trainer.passes.graph_utils import (is_attention, is_matmul, is_mutating, layer_forward_nodes,
-                                              mutated_args, storage_keys)
 from graph_trainer.passes.remat import peak_after_remat
 from graph_trainer.tracer import node_meta
 
@@ -94,8 +100,7 @@ def analyze(gm: torch.fx.GraphModule) -> StepStructure:
             forced[n] = "written in place later"
         elif any(last_write.get(k, -1) > index[n] for a in n.all_input_nodes for k in storage_keys(a)):
             forced[n] = "reads a tensor written in place later"
-        elif any(u.op == "output" or (node_meta.is_forward(u) and node_meta.layer_id(u) != region)
-                 for u in n.users):
+        elif any(u.op == "output" or (node_meta.is_forward(u) and node_meta.layer_id(u) != region) for u in n.users):
             forced[n] = "layer boundary"
     return StepStructure(layer_nodes, forced)
 
@@ -107,8 +112,7 @@ Decisions = dict[torch.fx.Node, CheckpointPolicy]
 
 def policy_full(structure: StepStructure, layers: set[int] | None = None) -> Decisions:
     """Recompute every op in the given layers (default: all), attention included; save everything in the others."""
-    return {n: RECOMPUTE if layers is None or node_meta.layer_id(n) in layers else SAVE
-            for n in structure.layer_nodes}
+    return {n: RECOMPUTE if layers is None or node_meta.layer_id(n) in layers else SAVE for n in structure.layer_nodes}
 
 
 def policy_every_nth_layer(structure: StepStructure, n_th: int) -> Decisions:
@@ -133,8 +137,9 @@ def policy_selective_op(structure: StepStructure) -> Decisions:
     return decisions
 
 
-def apply_overrides(structure: StepStructure, decisions: Decisions, save: list[OpPattern],
-                    recompute: list[OpPattern]) -> Decisions:
+def apply_overrides(
+    structure: StepStructure, decisions: Decisions, save: list[OpPattern], recompute: list[OpPattern]
+) -> Decisions:
     """Per-op overrides win over the policy (save_list over recompute_list); boundaries stay saved.
 
     Raises:
@@ -147,9 +152,11 @@ def apply_overrides(structure: StepStructure, decisions: Decisions, save: list[O
         elif hit := next((p for p in recompute if p.matches(n)), None):
             reason = structure.forced.get(n)
             if reason in ("random op", "in-place op"):
-                raise ConfigError(f"activation_checkpoint.recompute_list entry {hit.text!r} matches "
-                                  f"{n.target} in {node_meta.module_fqn(n)!r}, a {reason} that is never "
-                                  "recomputed; remove the entry or restrict it with a module glob")
+                raise ConfigError(
+                    f"activation_checkpoint.recompute_list entry {hit.text!r} matches "
+                    f"{n.target} in {node_meta.module_fqn(n)!r}, a {reason} that is never "
+                    "recomputed; remove the entry or restrict it with a module glob"
+                )
             out[n] = RECOMPUTE
     return out
 
@@ -188,8 +195,9 @@ def policy_for(ac: ActivationCheckpointConfig) -> Callable[[StepStructure], Deci
     raise ValueError(f"no tagging policy for activation_checkpoint.mode {ac.mode!r}")
 
 
-def tag_activation_checkpoint(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, *,
-                              input_categories: list[str] | None = None) -> torch.fx.GraphModule:
+def tag_activation_checkpoint(
+    gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, *, input_categories: list[str] | None = None
+) -> torch.fx.GraphModule:
     """Tag the layer ops of `gm` with save/recompute for mode selective or full (see module docstring).
 
     In `full` mode, saving or recomputing the (non-random) attention outputs is
@@ -215,8 +223,9 @@ def tag_activation_checkpoint(gm: torch.fx.GraphModule, ac: ActivationCheckpoint
     return gm
 
 
-def warn_if_nothing_recomputed(gm: torch.fx.GraphModule, mode: str, structure: StepStructure,
-                               decisions: Decisions) -> None:
+def warn_if_nothing_recomputed(
+    gm: torch.fx.GraphModule, mode: str, structure: StepStructure, decisions: Decisions
+) -> None:
     """Warn when a selective/full plan frees no activation: it then saves what mode 'none' saves,
     which would otherwise go unnoticed (e.g. when the model's transformer layers were not found).
 
@@ -226,11 +235,16 @@ def warn_if_nothing_recomputed(gm: torch.fx.GraphModule, mode: str, structure: S
     kept = {k for n in gm.graph.nodes if decisions.get(n) != RECOMPUTE for k in storage_keys(n)}
     if any(d == RECOMPUTE and not set(storage_keys(n)) <= kept for n, d in decisions.items()):
         return
-    why = ("no transformer layers were found in the model" if not structure.layer_nodes
-           else f"every tensor made in the layers ({len(structure.layer_nodes)} ops) stays saved")
-    logger.warning(f"activation_checkpoint.mode = {mode!r} recomputes nothing, so it saves no memory over "
-                   f"'none': {why}; if the model's blocks are elsewhere, name their container "
-                   "(trace_step(..., layers='model.layers'))")
+    why = (
+        "no transformer layers were found in the model"
+        if not structure.layer_nodes
+        else f"every tensor made in the layers ({len(structure.layer_nodes)} ops) stays saved"
+    )
+    logger.warning(
+        f"activation_checkpoint.mode = {mode!r} recomputes nothing, so it saves no memory over "
+        f"'none': {why}; if the model's blocks are elsewhere, name their container "
+        "(trace_step(..., layers='model.layers'))"
+    )
 
 
 def policy_name(node: torch.fx.Node) -> str:

@@ -39,19 +39,28 @@ An infeasible budget is reported with the smallest probed peak.
 from __future__ import annotations
 
 import math
+
 import torch.fx
 
-from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError
+from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.observability.log import get_logger
-from graph_trainer.passes.op_patterns import parse_overrides
-from graph_trainer.passes.activation_checkpoint import (RECOMPUTE, SAVE, Decisions, StepStructure,
-                                                        analyze, apply_overrides, finalize, write_tags)
+from graph_trainer.observability.units import GIB
+from graph_trainer.passes.activation_checkpoint import (
+    RECOMPUTE,
+    SAVE,
+    Decisions,
+    StepStructure,
+    analyze,
+    apply_overrides,
+    finalize,
+    write_tags,
+)
 from graph_trainer.passes.graph_utils import is_view, node_flops, storage_key, storage_keys, tensors
 from graph_trainer.passes.memory_estimate import estimate_peak_memory
+from graph_trainer.passes.op_patterns import parse_overrides
 from graph_trainer.passes.remat import peak_after_remat
 from graph_trainer.tracer import node_meta
-from graph_trainer.observability.units import GIB
 
 MAX_PROBES = 48
 
@@ -69,8 +78,9 @@ def _backward_storages(gm: torch.fx.GraphModule) -> set[int]:
     return keys
 
 
-def rank_candidates(structure: StepStructure, pinned: set[torch.fx.Node],
-                    saved_storages: set[int]) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
+def rank_candidates(
+    structure: StepStructure, pinned: set[torch.fx.Node], saved_storages: set[int]
+) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
     """(candidates in greedy order, free nodes tagged recompute regardless)."""
     order = {n: i for i, n in enumerate(structure.layer_nodes)}
     layer_set = set(structure.layer_nodes)
@@ -84,8 +94,11 @@ def rank_candidates(structure: StepStructure, pinned: set[torch.fx.Node],
         if is_view(n) or not (owned & saved_storages):
             free.add(n)
         else:
-            gains[n] = sum(int(t.untyped_storage().nbytes()) for t in tensors(n.meta.get("val"))
-                           if storage_key(t) in owned & saved_storages)
+            gains[n] = sum(
+                int(t.untyped_storage().nbytes())
+                for t in tensors(n.meta.get("val"))
+                if storage_key(t) in owned & saved_storages
+            )
 
     def cost(n: torch.fx.Node) -> int:
         total, stack, seen = node_flops(n), [*n.all_input_nodes], set()
@@ -108,8 +121,9 @@ def probe_points(n: int) -> list[int]:
     return sorted({round(i * n / steps) for i in range(steps + 1)}) if n else [0]
 
 
-def tag_memory_budget(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, *,
-                      input_categories: list[str] | None = None) -> torch.fx.GraphModule:
+def tag_memory_budget(
+    gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, *, input_categories: list[str] | None = None
+) -> torch.fx.GraphModule:
     """Tag `gm` so its estimated peak fits `ac.memory_budget` with the fewest recompute FLOPs (see module docstring).
 
     In place; returns `gm`.
@@ -136,8 +150,10 @@ def tag_memory_budget(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, 
 
     if no_ac.peak_bytes <= target:
         write_tags(gm, structure, {})  # the no-AC graph fits: recompute nothing
-        logger.info(f"memory_budget: the no-AC peak {no_ac.peak_bytes / GIB:.4f} GiB fits the target "
-                    f"{target / GIB:.4f} GiB; nothing recomputed")
+        logger.info(
+            f"memory_budget: the no-AC peak {no_ac.peak_bytes / GIB:.4f} GiB fits the target "
+            f"{target / GIB:.4f} GiB; nothing recomputed"
+        )
         return gm
     chosen_k, smallest = None, no_ac.peak_bytes
     for k in probe_points(len(candidates)):
@@ -150,15 +166,20 @@ def tag_memory_budget(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, 
     if chosen_k is None:
         write_tags(gm, structure, {})  # leave no half-made choice behind
         smallest -= no_ac.input_bytes
-        needed = (math.ceil(smallest / activations * 1000) / 1000 if as_fraction
-                  else math.ceil(smallest / GIB * 1000) / 1000)
+        needed = (
+            math.ceil(smallest / activations * 1000) / 1000 if as_fraction else math.ceil(smallest / GIB * 1000) / 1000
+        )
         unit = "(fraction of the no-AC activation memory)" if as_fraction else "GiB"
-        raise ConfigError(f"activation_checkpoint.memory_budget {ac.memory_budget} is infeasible: the smallest "
-                          f"reachable activation memory is {smallest / GIB:.4f} GiB, a budget of {needed} {unit}; "
-                          f"set --activation_checkpoint.memory_budget {needed} or more, or lower the batch size "
-                          "or sequence length")
+        raise ConfigError(
+            f"activation_checkpoint.memory_budget {ac.memory_budget} is infeasible: the smallest "
+            f"reachable activation memory is {smallest / GIB:.4f} GiB, a budget of {needed} {unit}; "
+            f"set --activation_checkpoint.memory_budget {needed} or more, or lower the batch size "
+            "or sequence length"
+        )
     write_tags(gm, structure, decisions_for(chosen_k))
     flops = sum(node_flops(n) for n in candidates[:chosen_k])
-    logger.info(f"memory_budget: target peak {target / GIB:.4f} GiB; recompute {chosen_k}/{len(candidates)} "
-                f"candidates (~{flops / 1e9:.3f} GFLOP of recompute, not counting free ops)")
+    logger.info(
+        f"memory_budget: target peak {target / GIB:.4f} GiB; recompute {chosen_k}/{len(candidates)} "
+        f"candidates (~{flops / 1e9:.3f} GFLOP of recompute, not counting free ops)"
+    )
     return gm

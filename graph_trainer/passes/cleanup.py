@@ -30,8 +30,12 @@ def _same_layout(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     va, vb = a.meta.get("val"), b.meta.get("val")
     if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
         return False
-    return (va.shape == vb.shape and va.stride() == vb.stride() and va.dtype == vb.dtype
-            and va.storage_offset() == vb.storage_offset())
+    return (
+        va.shape == vb.shape
+        and va.stride() == vb.stride()
+        and va.dtype == vb.dtype
+        and va.storage_offset() == vb.storage_offset()
+    )
 
 
 def _noop_source(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -43,8 +47,11 @@ def _noop_source(node: torch.fx.Node) -> torch.fx.Node | None:
         return src if _same_layout(node, src) else None
     if node.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         # _unsafe_view / reshape may copy; only a same-layout result is an alias of its input.
-        same_storage = (isinstance(node.meta.get("val"), torch.Tensor) and isinstance(src.meta.get("val"), torch.Tensor)
-                        and storage_key(node.meta["val"]) == storage_key(src.meta["val"]))
+        same_storage = (
+            isinstance(node.meta.get("val"), torch.Tensor)
+            and isinstance(src.meta.get("val"), torch.Tensor)
+            and storage_key(node.meta["val"]) == storage_key(src.meta["val"])
+        )
         return src if same_storage and _same_layout(node, src) else None
     if node.target == aten.t.default and src.op == "call_function" and src.target == aten.t.default:
         inner = src.args[0]

@@ -42,8 +42,12 @@ def _issue_chain(gather: torch.fx.Node) -> list[torch.fx.Node]:
     # Ops that write into the buffers (the shards' copy) use them without being inputs of the gather.
     for n in list(chain):
         for user in n.users:
-            if user not in chain and node_meta.fsdp_unit(user) == unit and user.op == "call_function" and any(
-                    u is gather for u in user.users):
+            if (
+                user not in chain
+                and node_meta.fsdp_unit(user) == unit
+                and user.op == "call_function"
+                and any(u is gather for u in user.users)
+            ):
                 chain.add(user)
     order = {n: i for i, n in enumerate(gather.graph.nodes)}
     return sorted(chain, key=order.__getitem__)

@@ -19,13 +19,15 @@ aten = torch.ops.aten
 # Compute-intensive ops whose outputs selective AC saves. Matmuls are counted for
 # the "recompute every second matmul" rule; selective saves every attention output.
 MATMUL_OPS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm})
-ATTENTION_OPS = frozenset({
-    aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._scaled_dot_product_flash_attention,
-    aten._scaled_dot_product_efficient_attention,
-    aten._scaled_dot_product_cudnn_attention,
-    aten._scaled_dot_product_fused_attention_overrideable,
-})
+ATTENTION_OPS = frozenset(
+    {
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_cudnn_attention,
+        aten._scaled_dot_product_fused_attention_overrideable,
+    }
+)
 
 
 def packet(node_or_target: Any) -> Any:
@@ -42,8 +44,6 @@ def is_attention(target: Any) -> bool:
     return packet(target) in ATTENTION_OPS
 
 
-
-
 def tensors(val: Any) -> list[torch.Tensor]:
     """Tensors inside a node value (a tensor, a tuple/list of them, or nothing)."""
     return [t for t in tree_iter(val) if isinstance(t, torch.Tensor)]
@@ -58,8 +58,6 @@ def storage_key(t: torch.Tensor) -> int:
 def storage_keys(node: torch.fx.Node) -> set[int]:
     """Identities of the storages the node's (fake) value lives in."""
     return {storage_key(t) for t in tensors(node.meta.get("val"))}
-
-
 
 
 def is_mutating(node: torch.fx.Node) -> bool:
@@ -99,10 +97,10 @@ def _flop_formulas() -> dict[Any, Any]:
     from torch.utils.flop_counter import flop_registry  # a public name, though not documented
 
     formulas = dict(flop_registry)
-    for cpu_op, same_math in ((aten._scaled_dot_product_flash_attention_for_cpu,
-                               aten._scaled_dot_product_flash_attention),
-                              (aten._scaled_dot_product_flash_attention_for_cpu_backward,
-                               aten._scaled_dot_product_flash_attention_backward)):
+    for cpu_op, same_math in (
+        (aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention),
+        (aten._scaled_dot_product_flash_attention_for_cpu_backward, aten._scaled_dot_product_flash_attention_backward),
+    ):
         if cpu_op not in formulas and same_math in formulas:
             formulas[cpu_op] = formulas[same_math]
     return formulas
@@ -125,7 +123,6 @@ def node_flops(node: torch.fx.Node) -> int:
         return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
 
     return int(formula(*tree_map(val, node.args), **tree_map(val, node.kwargs), out_val=node.meta.get("val")))
-
 
 
 def refresh_duplicated_values(graph: torch.fx.Graph) -> None:
@@ -161,8 +158,11 @@ def refresh_duplicated_values(graph: torch.fx.Graph) -> None:
 
 def layer_forward_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """Forward op nodes inside a transformer layer, in graph order."""
-    return [n for n in gm.graph.nodes
-            if n.op == "call_function" and node_meta.is_forward(n) and node_meta.layer_id(n) is not None]
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and node_meta.is_forward(n) and node_meta.layer_id(n) is not None
+    ]
 
 
 def count_nodes(gm: torch.fx.GraphModule) -> int:
@@ -171,4 +171,3 @@ def count_nodes(gm: torch.fx.GraphModule) -> int:
 
 def node_by_name(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
     return {n.name: n for n in gm.graph.nodes}
-

@@ -44,9 +44,9 @@ import torch.fx
 from torch.utils._pytree import tree_iter
 
 from graph_trainer.observability.memory import allocated_bytes, process_cublas_workspace_bytes
+from graph_trainer.observability.units import to_gib
 from graph_trainer.passes.graph_utils import is_matmul, storage_key, tensors
 from graph_trainer.tracer import node_meta
-from graph_trainer.observability.units import to_gib
 
 INPUT = "input"
 CONSTANT = "constant"
@@ -140,9 +140,7 @@ def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
     index = {n: i for i, n in enumerate(nodes)}
     placeholders = [n for n in nodes if n.op == "placeholder"]
     if input_categories is not None and len(input_categories) != len(placeholders):
-        raise ValueError(
-            f"input_categories has {len(input_categories)} entries for {len(placeholders)} graph inputs"
-        )
+        raise ValueError(f"input_categories has {len(input_categories)} entries for {len(placeholders)} graph inputs")
     in_cat = dict(zip(placeholders, input_categories or [INPUT] * len(placeholders)))
     device_type = graph_device_type(gm)
     output_node = next(n for n in reversed(nodes) if n.op == "output")
@@ -227,9 +225,7 @@ def _workspace_bytes(gm: torch.fx.GraphModule) -> int:
     return process_cublas_workspace_bytes(torch.device("cuda"))
 
 
-def estimate_peak_memory(
-    gm: torch.fx.GraphModule, *, input_categories: list[str] | None = None
-) -> MemoryEstimate:
+def estimate_peak_memory(gm: torch.fx.GraphModule, *, input_categories: list[str] | None = None) -> MemoryEstimate:
     """Peak live tensor bytes while `gm` runs under no_grad, by storage-level liveness over `meta['val']`.
 
     `input_categories`: one label per placeholder in graph order (e.g. "parameter",

@@ -25,8 +25,9 @@ from graph_trainer.passes.budget import tag_memory_budget
 MODES = ("none", "selective", "full", "budget")
 
 
-def memory_policy(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, *,
-                  input_categories: list[str] | None = None) -> torch.fx.GraphModule:
+def memory_policy(
+    gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, *, input_categories: list[str] | None = None
+) -> torch.fx.GraphModule:
     """Tag `gm`'s layer ops save/recompute as `ac.mode` asks (see module docstring). In place; returns `gm`.
 
     Args:

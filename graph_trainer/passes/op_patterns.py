@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -46,13 +47,17 @@ class OpPattern:
     def matches_op(self, op: Any) -> bool:
         """True when the ATen op (an OpOverload) is this pattern's op; the module glob is not consulted."""
         packet = getattr(op, "overloadpacket", None)
-        return (packet is not None and packet._qualified_op_name == self.op
-                and (self.overload is None or op._overloadname == self.overload))
+        return (
+            packet is not None
+            and packet._qualified_op_name == self.op
+            and (self.overload is None or op._overloadname == self.overload)
+        )
 
     def matches(self, node: torch.fx.Node) -> bool:
         """True when the graph node runs this pattern's op inside a module matching its glob."""
         return self.matches_op(node.target) and (
-            self.module is None or fqn_matches(node_meta.module_fqn(node), self.module))
+            self.module is None or fqn_matches(node_meta.module_fqn(node), self.module)
+        )
 
 
 def parse_op_pattern(text: str, where: str) -> OpPattern:
@@ -67,17 +72,21 @@ def parse_op_pattern(text: str, where: str) -> OpPattern:
         raise ConfigError(f"{where}: {text!r} is not {SYNTAX}")
     packet = getattr(torch.ops.aten, parts[1], None)
     if not isinstance(packet, torch._ops.OpOverloadPacket):
-        raise ConfigError(f"{where}: {text!r} names no ATen op 'aten.{parts[1]}'; "
-                          "use names as they appear in the dumped graph (e.g. aten.mm, aten.silu)")
+        raise ConfigError(
+            f"{where}: {text!r} names no ATen op 'aten.{parts[1]}'; "
+            "use names as they appear in the dumped graph (e.g. aten.mm, aten.silu)"
+        )
     overload = parts[2] if len(parts) == 3 else None
     if overload is not None and overload not in packet.overloads():
-        raise ConfigError(f"{where}: aten.{parts[1]} has no overload {overload!r}; "
-                          f"choose one of {', '.join(packet.overloads())}")
+        raise ConfigError(
+            f"{where}: aten.{parts[1]} has no overload {overload!r}; choose one of {', '.join(packet.overloads())}"
+        )
     return OpPattern(text, module or None, packet._qualified_op_name, overload)
 
 
-def parse_overrides(save_list: Sequence[str], recompute_list: Sequence[str], *,
-                    section: str = "activation_checkpoint") -> tuple[list[OpPattern], list[OpPattern]]:
+def parse_overrides(
+    save_list: Sequence[str], recompute_list: Sequence[str], *, section: str = "activation_checkpoint"
+) -> tuple[list[OpPattern], list[OpPattern]]:
     """(save patterns, recompute patterns), validated; errors name `section`.save_list[i] / .recompute_list[i]."""
     save = [parse_op_pattern(p, f"{section}.save_list[{i}]") for i, p in enumerate(save_list)]
     recompute = [parse_op_pattern(p, f"{section}.recompute_list[{i}]") for i, p in enumerate(recompute_list)]

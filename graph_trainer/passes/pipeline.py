@@ -12,14 +12,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch.fx
 
-from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.errors import ConfigError, did_you_mean
+from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.observability.log import get_logger
+from graph_trainer.observability.units import MIB
 from graph_trainer.passes.activation_checkpoint import policy_name
 from graph_trainer.passes.graph_utils import count_nodes, node_by_name
 from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_tensors
@@ -27,7 +28,6 @@ from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep
 from graph_trainer.tracer.executor import Transformed
 from graph_trainer.tracer.summary import graph_summary
-from graph_trainer.observability.units import MIB
 
 logger = get_logger(__name__)
 
@@ -60,11 +60,15 @@ def check_disabled(names: list[str], registry: list[GraphPass]) -> None:
     known = [p.name for p in registry]
     for name in names:
         if name in RENAMED:
-            raise ConfigError(f"compile.disable_passes: pass {name!r} is now part of {RENAMED[name]!r}; "
-                              f"write --compile.disable_passes {RENAMED[name]}")
+            raise ConfigError(
+                f"compile.disable_passes: pass {name!r} is now part of {RENAMED[name]!r}; "
+                f"write --compile.disable_passes {RENAMED[name]}"
+            )
         if name not in known:
-            raise ConfigError(f"compile.disable_passes: unknown pass {name!r}{did_you_mean(name, known)}; "
-                              f"available passes: {', '.join(known)}")
+            raise ConfigError(
+                f"compile.disable_passes: unknown pass {name!r}{did_you_mean(name, known)}; "
+                f"available passes: {', '.join(known)}"
+            )
 
 
 class Pipeline:
@@ -77,8 +81,14 @@ class Pipeline:
         log_saved_activations: log the tensors kept for the backward after the passes.
     """
 
-    def __init__(self, passes: list[GraphPass], ac: ActivationCheckpointConfig, *, dump_dir: Path | None = None,
-                 log_saved_activations: bool = False):
+    def __init__(
+        self,
+        passes: list[GraphPass],
+        ac: ActivationCheckpointConfig,
+        *,
+        dump_dir: Path | None = None,
+        log_saved_activations: bool = False,
+    ):
         self.passes = passes
         self.ac = ac
         self.dump_dir = dump_dir
@@ -103,8 +113,10 @@ class Pipeline:
             if dump is not None:
                 _dump(gm, dump / f"{i:02d}_after_{p.name}.py")
         est = estimate_peak_memory(gm, input_categories=ctx.input_categories)
-        logger.info(f"memory estimate: peak {est.peak_bytes / MIB:.2f} MiB at {est.peak_node} "
-                 f"({est.peak_module_fqn or 'top level'}), saved for backward {est.saved_bytes / MIB:.2f} MiB")
+        logger.info(
+            f"memory estimate: peak {est.peak_bytes / MIB:.2f} MiB at {est.peak_node} "
+            f"({est.peak_module_fqn or 'top level'}), saved for backward {est.saved_bytes / MIB:.2f} MiB"
+        )
         if self.log_saved_activations:
             logger.info(saved_activation_report(gm))
         if dump is not None:
@@ -123,15 +135,19 @@ def saved_activation_report(gm: torch.fx.GraphModule, limit: int | None = 50) ->
     saved = saved_tensors(gm)
     nodes = node_by_name(gm)
     per_layer: dict[str, int] = defaultdict(int)
-    lines = [f"saved activations: {len(saved)} tensors, {sum(s.nbytes for s in saved) / MIB:.2f} MiB",
-             f"  {'bytes':>12}  {'dtype':<9} {'shape':<22} {'policy':<9} {'op':<40} module"]
+    lines = [
+        f"saved activations: {len(saved)} tensors, {sum(s.nbytes for s in saved) / MIB:.2f} MiB",
+        f"  {'bytes':>12}  {'dtype':<9} {'shape':<22} {'policy':<9} {'op':<40} module",
+    ]
     for i, s in enumerate(saved):
         node = nodes[s.node]
         layer = node_meta.layer_id(node)
         per_layer["outside layers" if layer is None else f"layer {layer}"] += s.nbytes
         if limit is None or i < limit:
-            lines.append(f"  {s.nbytes:>12,}  {str(s.dtype).removeprefix('torch.'):<9} {str(list(s.shape)):<22} "
-                         f"{policy_name(node):<9} {s.op:<40} {s.module_fqn}")
+            lines.append(
+                f"  {s.nbytes:>12,}  {str(s.dtype).removeprefix('torch.'):<9} {str(list(s.shape)):<22} "
+                f"{policy_name(node):<9} {s.op:<40} {s.module_fqn}"
+            )
     if limit is not None and len(saved) > limit:
         lines.append(f"  ... {len(saved) - limit} smaller tensors")
     lines.append("  per layer:")

@@ -21,24 +21,29 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graph_trainer.builder import (adamw_implementation_for, autocast_loss, build_job_optimizer, build_model,
-                                   optimizer_in_graph, shard_model)
-from graph_trainer.job_config.schema import JobConfig
-from graph_trainer.runtime.device import compute_dtype, resolve_device, resolve_dtype
-from graph_trainer.eager.step import EagerStep
-from graph_trainer.eager.checkpointing import apply_eager_checkpointing
-from graph_trainer.errors import UserError
+from graph_trainer.builder import (
+    adamw_implementation_for,
+    autocast_loss,
+    build_job_optimizer,
+    build_model,
+    optimizer_in_graph,
+    shard_model,
+)
 from graph_trainer.distributed.fsdp import FSDP, ShardGroup, check_gathered
+from graph_trainer.eager.checkpointing import apply_eager_checkpointing
+from graph_trainer.eager.step import EagerStep
+from graph_trainer.errors import UserError
+from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import quiet
 from graph_trainer.observability.memory import LiveTensorTracker
+from graph_trainer.observability.units import KIB, to_gib
 from graph_trainer.optimizer.adamw import EagerUpdate, GraphAdamW, whole_step_peak
 from graph_trainer.passes import build_pipeline
 from graph_trainer.passes.graph_utils import node_flops
+from graph_trainer.runtime.device import compute_dtype, resolve_device, resolve_dtype
 from graph_trainer.tracer.capture import trace_step
-from graph_trainer.observability.units import KIB, to_gib
 from models.llama3.model import num_params
 
 AC_MODES = ("none", "selective", "full", "budget")
@@ -66,8 +71,15 @@ def meta_model(cfg: JobConfig) -> nn.Module:
     return build_model(cfg, None)
 
 
-def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
-              loss_fn: Callable | None = None, log_passes: bool = False, fsdp: FSDP | None = None) -> StepPlan:
+def plan_step(
+    cfg: JobConfig,
+    model: nn.Module,
+    device: torch.device,
+    *,
+    loss_fn: Callable | None = None,
+    log_passes: bool = False,
+    fsdp: FSDP | None = None,
+) -> StepPlan:
     """Trace `model` (meta) for `device` with cfg's AC mode, apply the pipeline, and read the estimate.
 
     With `fsdp` (the model sharded by `fully_shard_model`) the plan is one rank's.
@@ -75,8 +87,10 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
     `log_passes`: log the pipeline's pass timings and estimate (the preflight of the step that runs).
     """
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
-    batch = {"input": torch.empty(b, s, dtype=torch.long, device="meta"),
-             "labels": torch.empty(b, s, dtype=torch.long, device="meta")}
+    batch = {
+        "input": torch.empty(b, s, dtype=torch.long, device="meta"),
+        "labels": torch.empty(b, s, dtype=torch.long, device="meta"),
+    }
     in_graph = optimizer_in_graph(cfg)
     implementation = adamw_implementation_for(cfg, device)
     torch_optimizer = build_job_optimizer(cfg, model, device)  # the trainer's, state included
@@ -87,9 +101,15 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
         loss_fn = fsdp.wrap_loss(loss_fn)
     pipeline = build_pipeline(cfg, dump_dir=None)  # validates the passes before the (long) trace
     start = time.perf_counter()
-    traced = trace_step(model, batch, max_norm=cfg.training.max_norm, loss_fn=loss_fn,
-                        optimizer=GraphAdamW(torch_optimizer) if in_graph else None, device=device,
-                        norm_reduce=fsdp.norm_reduce if fsdp is not None else None)
+    traced = trace_step(
+        model,
+        batch,
+        max_norm=cfg.training.max_norm,
+        loss_fn=loss_fn,
+        optimizer=GraphAdamW(torch_optimizer) if in_graph else None,
+        device=device,
+        norm_reduce=fsdp.norm_reduce if fsdp is not None else None,
+    )
     if fsdp is not None:
         traced = check_gathered(traced)
     # The trace is of a batch on the meta device; the step's batches live on `device`.
@@ -108,11 +128,18 @@ def plan_step(cfg: JobConfig, model: nn.Module, device: torch.device, *,
         where = f"the eager AdamW update ({implementation})"
     else:
         where = f"{est.peak_node} ({est.peak_op})" + (f" in {est.peak_module_fqn}" if est.peak_module_fqn else "")
-    return StepPlan(ac_mode=cfg.activation_checkpoint.mode, peak_bytes=peak,
-                    saved_bytes=est.saved_bytes, peak_by_category=by_category,
-                    peak_where=where, flops=sum(node_flops(n) for n in result.traced.gm.graph.nodes),
-                    num_params=fsdp.num_params() if fsdp is not None else num_params(model), trace_time_s=elapsed,
-                    optimizer="in graph" if in_graph else implementation, step_graph=result)
+    return StepPlan(
+        ac_mode=cfg.activation_checkpoint.mode,
+        peak_bytes=peak,
+        saved_bytes=est.saved_bytes,
+        peak_by_category=by_category,
+        peak_where=where,
+        flops=sum(node_flops(n) for n in result.traced.gm.graph.nodes),
+        num_params=fsdp.num_params() if fsdp is not None else num_params(model),
+        trace_time_s=elapsed,
+        optimizer="in graph" if in_graph else implementation,
+        step_graph=result,
+    )
 
 
 @dataclasses.dataclass
@@ -154,18 +181,24 @@ def eager_step_peak(cfg: JobConfig, device: torch.device) -> EagerStepPeak:
     with FakeTensorMode():
         _materialize_fake(model, device)
         apply_eager_checkpointing(model, cfg.activation_checkpoint)
-        batch = {"input": torch.zeros(b, s, dtype=torch.long, device=device),
-                 "labels": torch.zeros(b, s, dtype=torch.long, device=device)}
+        batch = {
+            "input": torch.zeros(b, s, dtype=torch.long, device=device),
+            "labels": torch.zeros(b, s, dtype=torch.long, device=device),
+        }
         step = EagerStep(model, loss_fn=loss_fn, max_norm=cfg.training.max_norm)
         tracker = LiveTensorTracker(count_fake=True)
         tracker.track_existing([list(model.parameters()), list(model.buffers()), batch])
         try:
             with tracker:
                 step(batch)
-            held = tracker.bytes_at_peak([list(model.parameters()), list(model.buffers()), batch,
-                                          [p.grad for p in model.parameters()]])
-            return EagerStepPeak(peak_bytes=tracker.peak_bytes, end_bytes=tracker.current_bytes,
-                                 activation_bytes=tracker.peak_bytes - held)
+            held = tracker.bytes_at_peak(
+                [list(model.parameters()), list(model.buffers()), batch, [p.grad for p in model.parameters()]]
+            )
+            return EagerStepPeak(
+                peak_bytes=tracker.peak_bytes,
+                end_bytes=tracker.current_bytes,
+                activation_bytes=tracker.peak_bytes - held,
+            )
         finally:
             tracker.forget()
 
@@ -188,8 +221,9 @@ def _with_mode(cfg: JobConfig, mode: str) -> JobConfig:
     return other
 
 
-def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None = None,
-              shard_group: ShardGroup | None = None) -> StepPlan:
+def preflight(
+    cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None = None, shard_group: ShardGroup | None = None
+) -> StepPlan:
     """Refuse (UserError, exit 2) a job whose predicted step peak exceeds the device's free memory.
 
     With `shard_group` (FSDP) the plan is this rank's.
@@ -204,8 +238,9 @@ def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None 
     available = available_bytes(device)
     if plan.peak_bytes <= available:
         return plan
-    parts = ", ".join(f"{cat} {to_gib(n):.2f}" for cat, n in
-                      sorted(plan.peak_by_category.items(), key=lambda kv: -kv[1])[:4])
+    parts = ", ".join(
+        f"{cat} {to_gib(n):.2f}" for cat, n in sorted(plan.peak_by_category.items(), key=lambda kv: -kv[1])[:4]
+    )
     hints = []
     activations = plan.peak_by_category.get("activation", 0)
     fixed = plan.peak_bytes - activations  # parameters, optimizer state, batch (and gradients made by then)
@@ -226,11 +261,15 @@ def preflight(cfg: JobConfig, device: torch.device, *, loss_fn: Callable | None 
     if hints:
         fix = "; would fit: " + " or ".join(hints)
     else:
-        fix = (f"; everything but the activations already needs {to_gib(fixed):.2f} GiB, so no batch "
-               "size or activation_checkpoint mode fits: use a device with more memory or a smaller model")
-    raise UserError(f"the step needs about {to_gib(plan.peak_bytes):.2f} GiB but {device.type} has "
-                    f"{to_gib(available):.2f} GiB available (at the peak, GiB: {parts}){fix}; "
-                    "--dry-run prints the full plan")
+        fix = (
+            f"; everything but the activations already needs {to_gib(fixed):.2f} GiB, so no batch "
+            "size or activation_checkpoint mode fits: use a device with more memory or a smaller model"
+        )
+    raise UserError(
+        f"the step needs about {to_gib(plan.peak_bytes):.2f} GiB but {device.type} has "
+        f"{to_gib(available):.2f} GiB available (at the peak, GiB: {parts}){fix}; "
+        "--dry-run prints the full plan"
+    )
 
 
 def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Callable[[str], None] = print) -> None:
@@ -249,17 +288,22 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
         t = cfg.training
         dtype = str(compute_dtype(t.dtype, device, t.mixed_precision_param)).removeprefix("torch.")
         per_rank = f", one rank of {group.world_size} (FSDP, dp_shard)" if group is not None else ""
-        print_fn(f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {t.local_batch_size} x "
-                 f"seq {t.seq_len}, device {device.type}{per_rank}, compute dtype {dtype}, fake tensors only "
-                 f"(clipping and the AdamW update included: {update})")
-        print_fn(f"{'ac mode':10} {'peak GiB':>9} {'saved GiB':>10} {'params':>15} {'TFLOP/step':>11} "
-                 f"{'plan s':>7}  peak at")
+        print_fn(
+            f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {t.local_batch_size} x "
+            f"seq {t.seq_len}, device {device.type}{per_rank}, compute dtype {dtype}, fake tensors only "
+            f"(clipping and the AdamW update included: {update})"
+        )
+        print_fn(
+            f"{'ac mode':10} {'peak GiB':>9} {'saved GiB':>10} {'params':>15} {'TFLOP/step':>11} {'plan s':>7}  peak at"
+        )
         for mode in AC_MODES:
             try:
                 plan = plan_step(_with_mode(cfg, mode), model, device, fsdp=fsdp)
             except UserError as e:
                 print_fn(f"{mode:10} not plannable: {e}")
                 continue
-            print_fn(f"{mode:10} {to_gib(plan.peak_bytes):9.2f} {to_gib(plan.saved_bytes):10.2f} "
-                     f"{plan.num_params:15,} {plan.flops / 1e12:11.2f} {plan.trace_time_s:7.1f}  {plan.peak_where}")
+            print_fn(
+                f"{mode:10} {to_gib(plan.peak_bytes):9.2f} {to_gib(plan.saved_bytes):10.2f} "
+                f"{plan.num_params:15,} {plan.flops / 1e12:11.2f} {plan.trace_time_s:7.1f}  {plan.peak_where}"
+            )
     print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")

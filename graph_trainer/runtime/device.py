@@ -15,8 +15,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("training.device = 'cuda' but no CUDA device is available; "
-                        "use training.device = 'cpu' or 'auto'")
+        raise UserError(
+            "training.device = 'cuda' but no CUDA device is available; use training.device = 'cpu' or 'auto'"
+        )
     return torch.device(name)
 
 
@@ -57,8 +58,12 @@ def set_determinism(seed: int, deterministic: bool, device: torch.device) -> Non
 
 # Dense peak TFLOP/s per GPU by (name fragment, dtype), from the vendors' data sheets (no sparsity).
 _PEAK_TFLOPS = {
-    ("H200", torch.bfloat16): 989.0, ("H100", torch.bfloat16): 989.0, ("A100", torch.bfloat16): 312.0,
-    ("H200", torch.float32): 67.0, ("H100", torch.float32): 67.0, ("A100", torch.float32): 19.5,
+    ("H200", torch.bfloat16): 989.0,
+    ("H100", torch.bfloat16): 989.0,
+    ("A100", torch.bfloat16): 312.0,
+    ("H200", torch.float32): 67.0,
+    ("H100", torch.float32): 67.0,
+    ("A100", torch.float32): 19.5,
 }
 
 

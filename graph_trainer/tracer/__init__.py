@@ -7,9 +7,26 @@ batch signature and runs the graph every step. `node_meta` is the metadata
 contract the graph passes read.
 """
 
-from graph_trainer.tracer.capture import (GradReduce, GraphOptimizer, InputLayout, TraceError, TracedStep,
-                                          batch_signature, trace_step)
+from graph_trainer.tracer.capture import (
+    GradReduce,
+    GraphOptimizer,
+    InputLayout,
+    TracedStep,
+    TraceError,
+    batch_signature,
+    trace_step,
+)
 from graph_trainer.tracer.executor import GraphStep, TraceStats, Transformed
 
-__all__ = ["GradReduce", "GraphOptimizer", "GraphStep", "InputLayout", "TraceError", "TraceStats", "TracedStep",
-           "Transformed", "batch_signature", "trace_step"]
+__all__ = [
+    "GradReduce",
+    "GraphOptimizer",
+    "GraphStep",
+    "InputLayout",
+    "TraceError",
+    "TraceStats",
+    "TracedStep",
+    "Transformed",
+    "batch_signature",
+    "trace_step",
+]

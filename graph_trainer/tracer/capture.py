@@ -21,9 +21,9 @@ import linecache
 import os
 import time
 import traceback
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from collections.abc import Mapping
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.fx
@@ -35,10 +35,10 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer.errors import UserError
-from graph_trainer.tracer.layers import transformer_layers
 from graph_trainer.loss import lm_loss
 from graph_trainer.optimizer.adamw import clip_grads_
 from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.layers import transformer_layers
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 # Maps the raw gradients to the ones clipped and applied, e.g. averaged over data-parallel
@@ -77,8 +77,13 @@ class GraphOptimizer(Protocol):
 
     def host_scalars(self) -> list[torch.Tensor]: ...
 
-    def update_(self, params: list[torch.Tensor], grads: list[torch.Tensor],
-                state: list[torch.Tensor], scalars: list[torch.Tensor]) -> None: ...
+    def update_(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        state: list[torch.Tensor],
+        scalars: list[torch.Tensor],
+    ) -> None: ...
 
     def after_step(self) -> None: ...
 
@@ -101,8 +106,7 @@ class InputLayout:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return (len(self.param_names), len(self.buffer_names), self.num_batch,
-                self.num_opt_state, self.num_scalars)
+        return (len(self.param_names), len(self.buffer_names), self.num_batch, self.num_opt_state, self.num_scalars)
 
     @property
     def categories(self) -> list[str]:
@@ -114,7 +118,7 @@ class InputLayout:
         """Split flat inputs into [params, buffers, batch leaves, optimizer state, scalars]."""
         out, start = [], 0
         for n in self.sizes:
-            out.append(list(flat[start:start + n]))
+            out.append(list(flat[start : start + n]))
             start += n
         return out
 
@@ -143,7 +147,8 @@ def batch_signature(batch: Any) -> tuple:
     (for a Python constant, its type and value)."""
     leaves, _ = pytree.tree_flatten_with_path(as_pytree(batch))
     return tuple(
-        (pytree.keystr(path), tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor)
+        (pytree.keystr(path), tuple(t.shape), t.dtype, t.device.type)
+        if isinstance(t, torch.Tensor)
         else (pytree.keystr(path), type(t).__name__, t)
         for path, t in leaves
     )
@@ -178,16 +183,21 @@ def check_no_compiled_autograd() -> None:
     except ImportError:  # pragma: no cover - torch without dynamo
         pass
     if enabled:
-        raise TraceError("torch._dynamo compiled autograd is enabled, but graph_trainer already traces "
-                         "the backward into the step graph; turn compiled autograd off "
-                         "(torch._dynamo.config.compiled_autograd = False)", fix=None)
+        raise TraceError(
+            "torch._dynamo compiled autograd is enabled, but graph_trainer already traces "
+            "the backward into the step graph; turn compiled autograd off "
+            "(torch._dynamo.config.compiled_autograd = False)",
+            fix=None,
+        )
 
 
 # Advice for a model that checkpoints itself: the graph's own memory policy does the same job.
-USE_MEMORY_POLICY = ("turn it off (Hugging Face: model.gradient_checkpointing_disable(), or "
-                     "activation_checkpointing_disable() in transformers 5) and use graph_trainer's "
-                     "memory policy instead: GraphStep(model, transform=graph_trainer.passes."
-                     "memory_policy_transform('full'))")
+USE_MEMORY_POLICY = (
+    "turn it off (Hugging Face: model.gradient_checkpointing_disable(), or "
+    "activation_checkpointing_disable() in transformers 5) and use graph_trainer's "
+    "memory policy instead: GraphStep(model, transform=graph_trainer.passes."
+    "memory_policy_transform('full'))"
+)
 
 
 def check_no_module_checkpointing(model: nn.Module) -> None:
@@ -200,9 +210,13 @@ def check_no_module_checkpointing(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if getattr(module, "gradient_checkpointing", False) is True:  # the flag transformers sets
             where = f"module '{name}'" if name else f"the model ({type(model).__name__})"
-            raise TraceError(f"{where} has gradient checkpointing on (e.g. Hugging Face's "
-                             "gradient_checkpointing_enable() or activation_checkpointing_enable()): it re-runs layers with torch.utils.checkpoint "
-                             "during the backward, which a traced step cannot follow", fix=USE_MEMORY_POLICY)
+            raise TraceError(
+                f"{where} has gradient checkpointing on (e.g. Hugging Face's "
+                "gradient_checkpointing_enable() or activation_checkpointing_enable()): it re-runs layers with "
+                "torch.utils.checkpoint "
+                "during the backward, which a traced step cannot follow",
+                fix=USE_MEMORY_POLICY,
+            )
 
 
 class _ModuleAnnotator:
@@ -247,6 +261,7 @@ class _ModuleAnnotator:
             ctx = fx_traceback.annotate(tags)
             ctx.__enter__()
             self.stack.append((fqn, ctx))
+
         return hook
 
     def _exit(self, module, args, output):
@@ -340,11 +355,15 @@ def _explain(exc: BaseException) -> str:
     name = type(exc).__name__
     checkpoint_py = os.path.join("torch", "utils", "checkpoint.py")
     if any(frame.filename.endswith(checkpoint_py) for frame in traceback.extract_tb(exc.__traceback__)):
-        return ("the model calls torch.utils.checkpoint, which re-runs code during the backward outside the "
-                f"traced parameters; {USE_MEMORY_POLICY}")
+        return (
+            "the model calls torch.utils.checkpoint, which re-runs code during the backward outside the "
+            f"traced parameters; {USE_MEMORY_POLICY}"
+        )
     if "DataDependent" in name or "GuardOnDataDependent" in name:
-        return ("the step reads a tensor's value in Python (data-dependent control flow, .item(), "
-                "bool(tensor)), which a trace on fake tensors cannot know")
+        return (
+            "the step reads a tensor's value in Python (data-dependent control flow, .item(), "
+            "bool(tensor)), which a trace on fake tensors cannot know"
+        )
     text = str(exc).lower()
     if "UnsupportedOperator" in name or ("fake" in text and "impl" in text):
         return "an op has no fake-tensor implementation (register one with torch.library.register_fake)"
@@ -367,8 +386,9 @@ def trainable_parameter_names(model: nn.Module) -> tuple[str, ...]:
 
 def _fake_like(mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     with mode:
-        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
-                                   device=device if device is not None else t.device)
+        fake = torch.empty_strided(
+            t.shape, t.stride(), dtype=t.dtype, device=device if device is not None else t.device
+        )
     return fake
 
 
@@ -416,25 +436,34 @@ def trace_step(
     buffers = dict(model.named_buffers())
     grad_names = trainable_parameter_names(model)
     if not grad_names:
-        raise TraceError("no parameter of the model requires grad, so there is nothing to train",
-                         fix="set requires_grad=True on the parameters to train")
+        raise TraceError(
+            "no parameter of the model requires grad, so there is nothing to train",
+            fix="set requires_grad=True on the parameters to train",
+        )
     if optimizer is not None and [id(p) for p in optimizer.params] != [id(params[n]) for n in grad_names]:
-        raise TraceError("the traced optimizer must hold exactly the model's trainable parameters "
-                         "(requires_grad=True), in model.named_parameters() order; build it from "
-                         "[p for p in model.parameters() if p.requires_grad]", fix=None)
+        raise TraceError(
+            "the traced optimizer must hold exactly the model's trainable parameters "
+            "(requires_grad=True), in model.named_parameters() order; build it from "
+            "[p for p in model.parameters() if p.requires_grad]",
+            fix=None,
+        )
     batch = as_pytree(batch)
     all_leaves, batch_spec = pytree.tree_flatten_with_path(batch)
     for path, leaf in all_leaves:
         if not isinstance(leaf, (torch.Tensor, *CONSTANT_LEAF_TYPES)):
-            raise TraceError(f"batch leaf {pytree.keystr(path)} is a {type(leaf).__name__}: a batch may hold "
-                             "tensors and Python bool/int/float/str/None constants (the graph is specialized on "
-                             "the constants' values)", fix="convert it to a tensor or drop it from the batch")
+            raise TraceError(
+                f"batch leaf {pytree.keystr(path)} is a {type(leaf).__name__}: a batch may hold "
+                "tensors and Python bool/int/float/str/None constants (the graph is specialized on "
+                "the constants' values)",
+                fix="convert it to a tensor or drop it from the batch",
+            )
     all_leaves = [leaf for _, leaf in all_leaves]
     batch_leaves = [leaf for leaf in all_leaves if isinstance(leaf, torch.Tensor)]
     opt_state = optimizer.state_tensors() if optimizer is not None else []
     scalars = optimizer.host_scalars() if optimizer is not None else []
-    layout = InputLayout(tuple(params), tuple(buffers), batch_spec, len(batch_leaves),
-                         len(opt_state), len(scalars), grad_names)
+    layout = InputLayout(
+        tuple(params), tuple(buffers), batch_spec, len(batch_leaves), len(opt_state), len(scalars), grad_names
+    )
 
     annotator = _ModuleAnnotator(model, layers)
     failure: dict[str, Any] = {}
@@ -443,14 +472,12 @@ def trace_step(
         p_list, b_list, leaves, state, host = layout.split(list(flat))
         try:
             with fx_traceback.annotate({node_meta.PHASE: node_meta.FORWARD}):
-                tensors = {**dict(zip(layout.param_names, p_list)),
-                           **dict(zip(layout.buffer_names, b_list))}
+                tensors = {**dict(zip(layout.param_names, p_list)), **dict(zip(layout.buffer_names, b_list))}
                 # functional_call's own mechanism, but around loss_fn rather than forward alone;
                 # tie_weights lets tied modules (e.g. the output projection) follow the one name.
                 with torch.nn.utils.stateless._reparametrize_module(model, tensors, tie_weights=True):
                     tensor_leaves = iter(leaves)
-                    batch_now = [next(tensor_leaves) if isinstance(leaf, torch.Tensor) else leaf
-                                 for leaf in all_leaves]
+                    batch_now = [next(tensor_leaves) if isinstance(leaf, torch.Tensor) else leaf for leaf in all_leaves]
                     loss = loss_fn(model, pytree.tree_unflatten(batch_now, layout.batch_spec))
             _link_backward_to_forward(loss.grad_fn)
             by_name = dict(zip(layout.param_names, p_list))
@@ -488,8 +515,7 @@ def trace_step(
     _tag_optimizer_ops(gm.graph, layout, annotator)
     _mark_random_ops(gm.graph)
     gm.recompile()
-    return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch),
-                      trace_time_s=trace_time)
+    return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch), trace_time_s=trace_time)
 
 
 def _tag_optimizer_ops(graph: torch.fx.Graph, layout: InputLayout, annotator: _ModuleAnnotator) -> None:
@@ -549,5 +575,14 @@ def _trace_error(exc: Exception, failure: dict, failure_dir: Path | None) -> Tra
     return TraceError(msg)
 
 
-__all__ = ["TraceError", "TracedStep", "InputLayout", "GraphOptimizer", "GradReduce", "NormReduce", "trace_step",
-           "batch_signature", "check_no_compiled_autograd"]
+__all__ = [
+    "TraceError",
+    "TracedStep",
+    "InputLayout",
+    "GraphOptimizer",
+    "GradReduce",
+    "NormReduce",
+    "trace_step",
+    "batch_signature",
+    "check_no_compiled_autograd",
+]

@@ -14,21 +14,29 @@ computed about it (the memory estimate of the final graph).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from graph_trainer.errors import UserError
-from graph_trainer.observability.log import get_logger
 from graph_trainer.loss import lm_loss
+from graph_trainer.observability.log import get_logger
 from graph_trainer.optimizer.adamw import EagerUpdate, adamw_implementation, whole_step_peak
 from graph_trainer.step import StepOutput, StepReport
-from graph_trainer.tracer.capture import (GradReduce, GraphOptimizer, LossFn, NormReduce, TracedStep,
-                                          batch_signature, batch_tensors, trace_step,
-                                          trainable_parameter_names)
+from graph_trainer.tracer.capture import (
+    GradReduce,
+    GraphOptimizer,
+    LossFn,
+    NormReduce,
+    TracedStep,
+    batch_signature,
+    batch_tensors,
+    trace_step,
+    trainable_parameter_names,
+)
 
 if TYPE_CHECKING:
     from graph_trainer.passes.memory_estimate import MemoryEstimate
@@ -93,12 +101,22 @@ class GraphStep:
         norm_reduce: makes the clipping norm global for sharded gradients (see `trace_step`).
     """
 
-    def __init__(self, model: nn.Module, *, loss_fn: LossFn = lm_loss, max_norm: float = 0.0,
-                 optimizer: GraphOptimizer | None = None, on_shape_change: str = "retrace",
-                 transform: Transform | None = None, device: torch.device | None = None,
-                 failure_dir: Path | None = None, grad_reduce: GradReduce | None = None,
-                 eager_optimizer: torch.optim.AdamW | None = None, layers: str | None = None,
-                 norm_reduce: NormReduce | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        loss_fn: LossFn = lm_loss,
+        max_norm: float = 0.0,
+        optimizer: GraphOptimizer | None = None,
+        on_shape_change: str = "retrace",
+        transform: Transform | None = None,
+        device: torch.device | None = None,
+        failure_dir: Path | None = None,
+        grad_reduce: GradReduce | None = None,
+        eager_optimizer: torch.optim.AdamW | None = None,
+        layers: str | None = None,
+        norm_reduce: NormReduce | None = None,
+    ):
         if on_shape_change not in ("retrace", "error"):
             raise UserError(f"compile.on_shape_change: expected retrace|error, got {on_shape_change!r}")
         if optimizer is not None and eager_optimizer is not None:
@@ -138,8 +156,11 @@ class GraphStep:
         """The graph for `batch`'s signature, tracing (and transforming) it if needed."""
         signature = batch_signature(batch)
         trainable = trainable_parameter_names(self.model)
-        if self.traced is not None and self.traced.signature == signature \
-                and self.traced.layout.grad_names == trainable:
+        if (
+            self.traced is not None
+            and self.traced.signature == signature
+            and self.traced.layout.grad_names == trainable
+        ):
             return self.traced
         if self._reusable is not None:
             (result, source), self._reusable = self._reusable, None
@@ -148,20 +169,35 @@ class GraphStep:
                 self._count_trace(result.traced)
                 self._install(result)
                 return self.traced
-            logger.info(f"tracing the step: the trace made by {source} does not fit the batch "
-                        f"({describe_change(result.traced.signature, signature)})")
+            logger.info(
+                f"tracing the step: the trace made by {source} does not fit the batch "
+                f"({describe_change(result.traced.signature, signature)})"
+            )
         if self.traced is not None:
-            reason = describe_change(self.traced.signature, signature) if self.traced.signature != signature \
+            reason = (
+                describe_change(self.traced.signature, signature)
+                if self.traced.signature != signature
                 else "the set of parameters with requires_grad=True changed"
+            )
             if self.on_shape_change == "error":
-                raise UserError(f"the batch signature changed ({reason}) and compile.on_shape_change = "
-                                "'error'; keep shapes fixed or set compile.on_shape_change = 'retrace'")
+                raise UserError(
+                    f"the batch signature changed ({reason}) and compile.on_shape_change = "
+                    "'error'; keep shapes fixed or set compile.on_shape_change = 'retrace'"
+                )
             logger.info(f"retracing the step: {reason}")
             self.stats.reasons.append(reason)
-        traced = trace_step(self.model, batch, loss_fn=self.loss_fn, max_norm=self.max_norm,
-                            optimizer=self.optimizer, device=self.device,
-                            failure_dir=self.failure_dir, grad_reduce=self.grad_reduce, layers=self.layers,
-                            norm_reduce=self.norm_reduce)
+        traced = trace_step(
+            self.model,
+            batch,
+            loss_fn=self.loss_fn,
+            max_norm=self.max_norm,
+            optimizer=self.optimizer,
+            device=self.device,
+            failure_dir=self.failure_dir,
+            grad_reduce=self.grad_reduce,
+            layers=self.layers,
+            norm_reduce=self.norm_reduce,
+        )
         self._count_trace(traced)
         result = self.transform(traced) if self.transform is not None else traced
         self._install(result if isinstance(result, Transformed) else Transformed(result))
@@ -204,9 +240,14 @@ class GraphStep:
     def report(self) -> StepReport:
         """Trace stats, and the current graph's estimated peak widened to the eager update when there is one."""
         s = self.stats
-        out = StepReport(updates_inside=self.optimizer is not None, trace_count=s.count, trace_time_s=s.total_time_s,
-                         retrace_reasons=list(s.reasons), compile_time_s=s.compile_time_s,
-                         cuda_graphs=bool(getattr(self.traced and self.traced.compiled, "cudagraphs", False)))
+        out = StepReport(
+            updates_inside=self.optimizer is not None,
+            trace_count=s.count,
+            trace_time_s=s.total_time_s,
+            retrace_reasons=list(s.reasons),
+            compile_time_s=s.compile_time_s,
+            cuda_graphs=bool(getattr(self.traced and self.traced.compiled, "cudagraphs", False)),
+        )
         if self.memory_estimate is not None:
             out.estimated_peak_bytes = whole_step_peak(self.memory_estimate, self._update_cost())[0]
             out.saved_activation_bytes = self.memory_estimate.saved_bytes
@@ -215,6 +256,7 @@ class GraphStep:
     def _update_cost(self) -> EagerUpdate | None:
         if self.eager_optimizer is not None and self._eager_update is None:
             device = self.device or self._params[0].device
-            self._eager_update = EagerUpdate.of(self.eager_optimizer,
-                                                adamw_implementation(self.eager_optimizer.param_groups[0]), device)
+            self._eager_update = EagerUpdate.of(
+                self.eager_optimizer, adamw_implementation(self.eager_optimizer.param_groups[0]), device
+            )
         return self._eager_update

@@ -63,19 +63,24 @@ def transformer_layers(model: nn.Module, container: str | None = None) -> dict[s
             return {}
         container = candidates[0]
         if len(candidates) > 1:
-            logger.warning(f"took '{container}' as the model's transformer layers, but {candidates[1:]} "
-                           "also look like a stack of blocks; activation checkpointing recomputes inside the "
-                           f"layers only, so name them: trace_step(..., layers='{container}') or "
-                           "GraphStep(..., layers=...)")
+            logger.warning(
+                f"took '{container}' as the model's transformer layers, but {candidates[1:]} "
+                "also look like a stack of blocks; activation checkpointing recomputes inside the "
+                f"layers only, so name them: trace_step(..., layers='{container}') or "
+                "GraphStep(..., layers=...)"
+            )
     else:
         names = [name for name, _ in model.named_modules() if name]
         try:
             module = model.get_submodule(container)
         except AttributeError:
-            raise UserError(f"layers={container!r}: the model has no submodule of that name"
-                            f"{did_you_mean(container, names)}") from None
+            raise UserError(
+                f"layers={container!r}: the model has no submodule of that name{did_you_mean(container, names)}"
+            ) from None
         if not list(module.children()):
-            raise UserError(f"layers={container!r} has no child modules; name the module that holds the "
-                            "transformer blocks (e.g. 'model.layers')")
+            raise UserError(
+                f"layers={container!r} has no child modules; name the module that holds the "
+                "transformer blocks (e.g. 'model.layers')"
+            )
     blocks = model.get_submodule(container).named_children()
     return {f"{container}.{child}": i for i, (child, _) in enumerate(blocks)}

@@ -20,7 +20,9 @@ MODULE_FQN = "module_fqn"
 LAYER_ID = "layer_id"
 RANDOM = "random"  # True on ops that draw from an RNG: they must run exactly once
 REMATERIALIZED = "rematerialized"  # True on the backward copy of a recomputed forward op (passes.remat)
-FSDP_UNIT = "fsdp_unit"  # name of the FSDP unit whose parameter all-gather made the node (graph_trainer.distributed.fsdp)
+FSDP_UNIT = (
+    "fsdp_unit"  # name of the FSDP unit whose parameter all-gather made the node (graph_trainer.distributed.fsdp)
+)
 
 FORWARD = "forward"
 BACKWARD = "backward"

@@ -13,8 +13,10 @@ def graph_summary(gm: torch.fx.GraphModule, top: int = 25) -> str:
     """Op counts per phase, the most frequent ops per phase, and the modules with the most ops."""
     ops = [n for n in gm.graph.nodes if n.op == "call_function"]
     by_phase = Counter(node_meta.phase(n) or "none" for n in ops)
-    lines = [f"{len(ops)} ops, {sum(n.op == 'placeholder' for n in gm.graph.nodes)} inputs",
-             "by phase: " + ", ".join(f"{p} {c}" for p, c in by_phase.most_common())]
+    lines = [
+        f"{len(ops)} ops, {sum(n.op == 'placeholder' for n in gm.graph.nodes)} inputs",
+        "by phase: " + ", ".join(f"{p} {c}" for p, c in by_phase.most_common()),
+    ]
     recomputed = sum(node_meta.is_rematerialized(n) for n in ops)
     if recomputed:
         lines.append(f"recomputed in the backward: {recomputed}")

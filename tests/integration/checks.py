@@ -66,8 +66,9 @@ def _error_line(stderr: str) -> str:
     return (errors or lines or ["(no stderr)"])[-1]
 
 
-def check_test(test: IntegrationTest, outcome: RunOutcome, outcomes: Mapping[str, RunOutcome],
-               *, on_cpu: bool = True) -> Verdict:
+def check_test(
+    test: IntegrationTest, outcome: RunOutcome, outcomes: Mapping[str, RunOutcome], *, on_cpu: bool = True
+) -> Verdict:
     """Check `test`'s expectations; `outcomes` maps every test name run this session to its outcome."""
     if outcome.skip_reason is not None:
         return Verdict(SKIPPED, skip_reason=outcome.skip_reason)
@@ -78,7 +79,7 @@ def check_test(test: IntegrationTest, outcome: RunOutcome, outcomes: Mapping[str
     n = len(test.runs)
     if outcome.timed_out:
         return Verdict(FAILED, [f"timed out after {test.timeout_s:.0f} s (invocation {len(codes)}/{n})"])
-    for i, code in enumerate(codes[:n - 1]):
+    for i, code in enumerate(codes[: n - 1]):
         if code != 0:
             return Verdict(FAILED, [f"invocation {i + 1}/{n} exited {code}, expected 0"])
     if len(codes) != n:
@@ -134,8 +135,9 @@ def _check_own_metrics(test: IntegrationTest, m: RunMetrics | None, on_cpu: bool
         if len(m.losses) < 2:
             failures.append("falling loss needs at least 2 steps")
         elif not m.losses[-1] < m.losses[0]:
-            failures.append(f"loss did not fall: {m.losses[0]:.6f} at step {m.steps[0]} -> "
-                            f"{m.losses[-1]:.6f} at step {m.steps[-1]}")
+            failures.append(
+                f"loss did not fall: {m.losses[0]:.6f} at step {m.steps[0]} -> {m.losses[-1]:.6f} at step {m.steps[-1]}"
+            )
     if exp.trace_count is not None and m.trace_count != exp.trace_count:
         got = "none logged" if m.trace_count is None else m.trace_count
         failures.append(f"{TAG_TRACE_COUNT} = {got}, expected {exp.trace_count}")
@@ -152,8 +154,10 @@ def _check_own_metrics(test: IntegrationTest, m: RunMetrics | None, on_cpu: bool
         elif m.peak_active_bytes is None:
             failures.append("a memory estimate is logged but no measured peak")
         elif m.estimated_peak_bytes != m.peak_active_bytes:
-            failures.append(f"estimated peak {m.estimated_peak_bytes:,} B != measured {m.peak_active_bytes:,} B "
-                            f"({m.estimated_peak_bytes - m.peak_active_bytes:+,} B)")
+            failures.append(
+                f"estimated peak {m.estimated_peak_bytes:,} B != measured {m.peak_active_bytes:,} B "
+                f"({m.estimated_peak_bytes - m.peak_active_bytes:+,} B)"
+            )
     return failures
 
 
@@ -179,8 +183,9 @@ def _check_references(test: IntegrationTest, m: RunMetrics, outcomes: Mapping[st
     if exp.bitwise_equal_to:
         failures += compare_bitwise(m, outcomes[exp.bitwise_equal_to].metrics, exp.bitwise_equal_to)
     if exp.peak_ratio:
-        failures += compare_peak(m, outcomes[exp.peak_ratio.reference].metrics, exp.peak_ratio.reference,
-                                 exp.peak_ratio.ratio)
+        failures += compare_peak(
+            m, outcomes[exp.peak_ratio.reference].metrics, exp.peak_ratio.reference, exp.peak_ratio.ratio
+        )
     if exp.loss_close_to:
         name, rtol = exp.loss_close_to
         failures += compare_close(m, outcomes[name].metrics, name, rtol)
@@ -211,8 +216,10 @@ def compare_peak(m: RunMetrics, ref: RunMetrics, ref_name: str, ratio: float) ->
         return [f"no {TAG_ACTIVE} in TensorBoard for {missing}"]
     limit = ref.peak_active_gib * ratio
     if m.peak_active_gib > limit:
-        return [f"peak active {m.peak_active_gib * 1024:.2f} MiB > {ratio:.2f} x {ref_name}'s "
-                f"{ref.peak_active_gib * 1024:.2f} MiB (ratio {m.peak_active_gib / ref.peak_active_gib:.3f})"]
+        return [
+            f"peak active {m.peak_active_gib * 1024:.2f} MiB > {ratio:.2f} x {ref_name}'s "
+            f"{ref.peak_active_gib * 1024:.2f} MiB (ratio {m.peak_active_gib / ref.peak_active_gib:.3f})"
+        ]
     return []
 
 

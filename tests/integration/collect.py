@@ -110,12 +110,14 @@ class RunMetrics:
 
     def as_json(self) -> dict[str, Any]:
         """JSON-safe dict (non-finite floats as strings, like summary.json)."""
+
         def safe(v: Any) -> Any:
             if isinstance(v, float) and not math.isfinite(v):
                 return repr(v)
             if isinstance(v, list):
                 return [safe(x) for x in v]
             return v
+
         out = {k: safe(v) for k, v in self.__dict__.items()}
         out["final_loss"] = safe(self.final_loss)
         return out

@@ -18,14 +18,34 @@ QUICK = ("quick", "full")
 FULL = ("full",)
 
 # Small enough that one run takes seconds on 2 cores; deterministic so pairs can be bitwise.
-TINY = ("--config", "llama3_debug.toml", "--model.n_layers", "2", "--training.seq_len", "64",
-        "--training.local_batch_size", "2", "--training.deterministic", "true")
+TINY = (
+    "--config",
+    "llama3_debug.toml",
+    "--model.n_layers",
+    "2",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.deterministic",
+    "true",
+)
 TINY_STEPS = 5
 # For the mode family: at seq 64 x batch 2 the peak is the optimizer update, the
 # same with or without activation checkpointing; at seq 256 x batch 4 activations
 # dominate, so the AC peak comparisons mean something (and budgets >= ~0.5 are feasible).
-SMALL = ("--config", "llama3_debug.toml", "--model.n_layers", "2", "--training.seq_len", "256",
-         "--training.local_batch_size", "4", "--training.deterministic", "true")
+SMALL = (
+    "--config",
+    "llama3_debug.toml",
+    "--model.n_layers",
+    "2",
+    "--training.seq_len",
+    "256",
+    "--training.local_batch_size",
+    "4",
+    "--training.deterministic",
+    "true",
+)
 # The shipped debug model as configured (6 layers, seq 512, batch 16).
 DEBUG = ("--config", "llama3_debug.toml", "--training.deterministic", "true")
 DEBUG_STEPS = 10
@@ -58,30 +78,60 @@ def mode_family(prefix: str, base: tuple[str, ...], suites: tuple[str, ...], ste
     traced = Expect(steps=steps, trace_count=1, bitwise_equal_to=eager, estimate_matches_measured=True)
 
     def test(name: str, args: tuple[str, ...], expect: Expect, description: str) -> IntegrationTest:
-        return IntegrationTest(name=prefix + name, runs=(base + args,), suites=suites, expect=expect,
-                               description=description)
+        return IntegrationTest(
+            name=prefix + name, runs=(base + args,), suites=suites, expect=expect, description=description
+        )
 
     return [
         test("eager", EAGER, Expect(steps=steps), "plain PyTorch baseline"),
-        test("trace", TRACE, traced, "whole step as one graph: losses and digests bitwise equal to eager, estimate == measured"),
-        test("trace_optimizer", TRACE + ("--compile.trace_optimizer", "true"), traced,
-             "AdamW traced into the step graph: bitwise equal to eager"),
-        test("eager_selective", EAGER + _ac("selective"), Expect(steps=steps, bitwise_equal_to=eager),
-             "eager torch.utils.checkpoint, selective policy"),
-        test("trace_selective", TRACE + _ac("selective"),
-             replace(traced, peak_ratio=PeakRatio(f"{prefix}eager_selective", 1.00)),
-             "graph selective AC: peak <= eager selective AC"),
-        test("eager_full", EAGER + _ac("full"), Expect(steps=steps, bitwise_equal_to=eager),
-             "eager torch.utils.checkpoint of every block"),
-        test("trace_full", TRACE + _ac("full"),
-             replace(traced, peak_ratio=PeakRatio(f"{prefix}eager_full", 1.00)),
-             "graph full AC: peak <= eager full AC"),
-        test("budget_high", TRACE + _ac("budget", "--activation_checkpoint.memory_budget", "0.9"),
-             replace(traced, peak_ratio=PeakRatio(f"{prefix}trace", 1.00)),
-             "memory budget 0.9 of no-AC activations: peak <= no AC"),
-        test("budget_low", TRACE + _ac("budget", "--activation_checkpoint.memory_budget", "0.6"),
-             replace(traced, peak_ratio=PeakRatio(f"{prefix}budget_high", 1.00)),
-             "memory budget 0.6: peak <= budget 0.9 (monotonic)"),
+        test(
+            "trace",
+            TRACE,
+            traced,
+            "whole step as one graph: losses and digests bitwise equal to eager, estimate == measured",
+        ),
+        test(
+            "trace_optimizer",
+            TRACE + ("--compile.trace_optimizer", "true"),
+            traced,
+            "AdamW traced into the step graph: bitwise equal to eager",
+        ),
+        test(
+            "eager_selective",
+            EAGER + _ac("selective"),
+            Expect(steps=steps, bitwise_equal_to=eager),
+            "eager torch.utils.checkpoint, selective policy",
+        ),
+        test(
+            "trace_selective",
+            TRACE + _ac("selective"),
+            replace(traced, peak_ratio=PeakRatio(f"{prefix}eager_selective", 1.00)),
+            "graph selective AC: peak <= eager selective AC",
+        ),
+        test(
+            "eager_full",
+            EAGER + _ac("full"),
+            Expect(steps=steps, bitwise_equal_to=eager),
+            "eager torch.utils.checkpoint of every block",
+        ),
+        test(
+            "trace_full",
+            TRACE + _ac("full"),
+            replace(traced, peak_ratio=PeakRatio(f"{prefix}eager_full", 1.00)),
+            "graph full AC: peak <= eager full AC",
+        ),
+        test(
+            "budget_high",
+            TRACE + _ac("budget", "--activation_checkpoint.memory_budget", "0.9"),
+            replace(traced, peak_ratio=PeakRatio(f"{prefix}trace", 1.00)),
+            "memory budget 0.9 of no-AC activations: peak <= no AC",
+        ),
+        test(
+            "budget_low",
+            TRACE + _ac("budget", "--activation_checkpoint.memory_budget", "0.6"),
+            replace(traced, peak_ratio=PeakRatio(f"{prefix}budget_high", 1.00)),
+            "memory budget 0.6: peak <= budget 0.9 (monotonic)",
+        ),
     ]
 
 
@@ -93,15 +143,23 @@ def _resume_tests() -> list[IntegrationTest]:
     """
     base = TINY + ("--lr_scheduler.decay_type", "none")
     return [
-        IntegrationTest(name="resume_reference", runs=(base + _steps(6),), suites=QUICK,
-                        expect=Expect(steps=6, trace_count=1), description="6 steps without interruption"),
+        IntegrationTest(
+            name="resume_reference",
+            runs=(base + _steps(6),),
+            suites=QUICK,
+            expect=Expect(steps=6, trace_count=1),
+            description="6 steps without interruption",
+        ),
         IntegrationTest(
             name="resume",
-            runs=(base + _steps(3) + ("--checkpoint.enable", "true", "--checkpoint.interval", "3"),
-                  base + _steps(6) + ("--checkpoint.enable", "true", "--checkpoint.resume", "true")),
+            runs=(
+                base + _steps(3) + ("--checkpoint.enable", "true", "--checkpoint.interval", "3"),
+                base + _steps(6) + ("--checkpoint.enable", "true", "--checkpoint.resume", "true"),
+            ),
             suites=QUICK,
             expect=Expect(steps=6, trace_count=1, bitwise_equal_to="resume_reference"),
-            description="3 steps + checkpoint, then resumed to 6: same losses and digests as 6 straight"),
+            description="3 steps + checkpoint, then resumed to 6: same losses and digests as 6 straight",
+        ),
         *_sharded_resume_tests(base),
     ]
 
@@ -110,16 +168,28 @@ def _sharded_resume_tests(base: tuple[str, ...]) -> list[IntegrationTest]:
     """The same on 2 FSDP ranks: every rank saves its shards into one DCP folder and loads them back."""
     fsdp = base + ("--parallelism.dp_shard", "2")
     return [
-        IntegrationTest(name="dp_shard_resume_reference", runs=(fsdp + _steps(6),), suites=FULL, nproc=2,
-                        requires=("distributed",), expect=Expect(steps=6, trace_count=1),
-                        description="torchrun 2 FSDP ranks, 6 steps without interruption"),
         IntegrationTest(
-            name="dp_shard_resume", suites=FULL, nproc=2, requires=("distributed",),
-            runs=(fsdp + _steps(3) + ("--checkpoint.enable", "true", "--checkpoint.interval", "3"),
-                  fsdp + _steps(6) + ("--checkpoint.enable", "true", "--checkpoint.resume", "true")),
+            name="dp_shard_resume_reference",
+            runs=(fsdp + _steps(6),),
+            suites=FULL,
+            nproc=2,
+            requires=("distributed",),
+            expect=Expect(steps=6, trace_count=1),
+            description="torchrun 2 FSDP ranks, 6 steps without interruption",
+        ),
+        IntegrationTest(
+            name="dp_shard_resume",
+            suites=FULL,
+            nproc=2,
+            requires=("distributed",),
+            runs=(
+                fsdp + _steps(3) + ("--checkpoint.enable", "true", "--checkpoint.interval", "3"),
+                fsdp + _steps(6) + ("--checkpoint.enable", "true", "--checkpoint.resume", "true"),
+            ),
             expect=Expect(steps=6, trace_count=1, bitwise_equal_to="dp_shard_resume_reference"),
             description="torchrun 2 FSDP ranks: 3 steps + sharded (DCP) checkpoint, then resumed to 6: same "
-                        "losses and digests as 6 straight"),
+            "losses and digests as 6 straight",
+        ),
     ]
 
 
@@ -128,11 +198,20 @@ def _variant_tests() -> list[IntegrationTest]:
     tests = []
     for variant, args in (("tied", ("--model.tie_embeddings", "true")), ("dropout", ("--model.dropout", "0.1"))):
         tests += [
-            IntegrationTest(name=f"eager_{variant}", runs=(TINY + _steps(TINY_STEPS) + args + EAGER,), suites=FULL,
-                            expect=Expect(steps=TINY_STEPS), description=f"eager, {variant} variant"),
-            IntegrationTest(name=f"trace_{variant}", runs=(TINY + _steps(TINY_STEPS) + args + TRACE,), suites=FULL,
-                            expect=Expect(steps=TINY_STEPS, trace_count=1, bitwise_equal_to=f"eager_{variant}"),
-                            description=f"traced, {variant} variant: bitwise equal to eager"),
+            IntegrationTest(
+                name=f"eager_{variant}",
+                runs=(TINY + _steps(TINY_STEPS) + args + EAGER,),
+                suites=FULL,
+                expect=Expect(steps=TINY_STEPS),
+                description=f"eager, {variant} variant",
+            ),
+            IntegrationTest(
+                name=f"trace_{variant}",
+                runs=(TINY + _steps(TINY_STEPS) + args + TRACE,),
+                suites=FULL,
+                expect=Expect(steps=TINY_STEPS, trace_count=1, bitwise_equal_to=f"eager_{variant}"),
+                description=f"traced, {variant} variant: bitwise equal to eager",
+            ),
         ]
     return tests
 
@@ -141,46 +220,73 @@ def _cli_tests() -> list[IntegrationTest]:
     """Front-end behaviour: the 8B dry run on fake tensors and user errors with exit 2."""
     no_training = dict(trains=False, falling_loss=False, finite_loss=False)
     return [
-        IntegrationTest(name="dry_run_8b", runs=(("--config", "llama3_8b.toml", "--dry-run"),), suites=QUICK,
-                        # 8,030,261,248 is Llama-3 8B's published parameter count.
-                        expect=Expect(stdout_contains=("llama3/8B", "8,030,261,248"), **no_training),
-                        description="memory plan of Llama-3 8B on fake tensors, no real allocation"),
-        IntegrationTest(name="bad_config_unknown_key", runs=(("--config", "llama3_debug.toml", "--training.stepz", "5"),),
-                        suites=QUICK,
-                        expect=Expect(exit_code=2, stderr_contains=(
-                            "error: unknown option '--training.stepz'", "did you mean '--training.steps'"),
-                            **no_training),
-                        description="a typo exits 2 with a did-you-mean, no traceback"),
-        IntegrationTest(name="bad_config_ac_mode",
-                        runs=(("--config", "llama3_debug.toml", "--activation_checkpoint.mode", "sometimes"),),
-                        suites=QUICK,
-                        expect=Expect(exit_code=2, stderr_contains=(
-                            "error: activation_checkpoint.mode must be one of",), **no_training),
-                        description="an invalid choice exits 2 naming the allowed values"),
+        IntegrationTest(
+            name="dry_run_8b",
+            runs=(("--config", "llama3_8b.toml", "--dry-run"),),
+            suites=QUICK,
+            # 8,030,261,248 is Llama-3 8B's published parameter count.
+            expect=Expect(stdout_contains=("llama3/8B", "8,030,261,248"), **no_training),
+            description="memory plan of Llama-3 8B on fake tensors, no real allocation",
+        ),
+        IntegrationTest(
+            name="bad_config_unknown_key",
+            runs=(("--config", "llama3_debug.toml", "--training.stepz", "5"),),
+            suites=QUICK,
+            expect=Expect(
+                exit_code=2,
+                stderr_contains=("error: unknown option '--training.stepz'", "did you mean '--training.steps'"),
+                **no_training,
+            ),
+            description="a typo exits 2 with a did-you-mean, no traceback",
+        ),
+        IntegrationTest(
+            name="bad_config_ac_mode",
+            runs=(("--config", "llama3_debug.toml", "--activation_checkpoint.mode", "sometimes"),),
+            suites=QUICK,
+            expect=Expect(
+                exit_code=2, stderr_contains=("error: activation_checkpoint.mode must be one of",), **no_training
+            ),
+            description="an invalid choice exits 2 naming the allowed values",
+        ),
     ]
 
 
 def _distributed_tests() -> list[IntegrationTest]:
     """Data parallel over 2 processes (gloo on CPU) vs one process with the same global batch."""
     return [
-        IntegrationTest(name="dp_reference", runs=(TINY + _steps(TINY_STEPS) + ("--training.local_batch_size", "4"),),
-                        suites=FULL, expect=Expect(steps=TINY_STEPS, trace_count=1), description="one process, global batch 4"),
         IntegrationTest(
-            name="dp_shard_2", runs=(TINY + _steps(TINY_STEPS) + ("--parallelism.dp_shard", "2"),), suites=FULL, nproc=2,
+            name="dp_reference",
+            runs=(TINY + _steps(TINY_STEPS) + ("--training.local_batch_size", "4"),),
+            suites=FULL,
+            expect=Expect(steps=TINY_STEPS, trace_count=1),
+            description="one process, global batch 4",
+        ),
+        IntegrationTest(
+            name="dp_shard_2",
+            runs=(TINY + _steps(TINY_STEPS) + ("--parallelism.dp_shard", "2"),),
+            suites=FULL,
+            nproc=2,
             requires=("distributed",),
             # The all-gathers and reduce-scatters are inside the step graph; the estimate counts their buffers.
-            expect=Expect(steps=TINY_STEPS, trace_count=1, loss_close_to=("dp_reference", 1e-4),
-                          estimate_matches_measured=True),
+            expect=Expect(
+                steps=TINY_STEPS, trace_count=1, loss_close_to=("dp_reference", 1e-4), estimate_matches_measured=True
+            ),
             description="torchrun 2 ranks x batch 2, FSDP (sharded parameters, gathers and reduce-scatters inside "
-                        "the step graph): same losses as one process x batch 4 (to rtol 1e-4), estimate == measured"),
+            "the step graph): same losses as one process x batch 4 (to rtol 1e-4), estimate == measured",
+        ),
         IntegrationTest(
-            name="dp_replicate_2", runs=(TINY + _steps(TINY_STEPS) + ("--parallelism.dp_replicate", "2"),),
-            suites=FULL, nproc=2, requires=("distributed",),
+            name="dp_replicate_2",
+            runs=(TINY + _steps(TINY_STEPS) + ("--parallelism.dp_replicate", "2"),),
+            suites=FULL,
+            nproc=2,
+            requires=("distributed",),
             # The all-reduce is inside the step graph; its outputs are counted by the estimate too.
-            expect=Expect(steps=TINY_STEPS, trace_count=1, loss_close_to=("dp_reference", 1e-4),
-                          estimate_matches_measured=True),
+            expect=Expect(
+                steps=TINY_STEPS, trace_count=1, loss_close_to=("dp_reference", 1e-4), estimate_matches_measured=True
+            ),
             description="torchrun 2 ranks x batch 2, replicated, gradient all-reduce inside the step graph: same "
-                        "losses as one process x batch 4 (to rtol 1e-4), estimate == measured"),
+            "losses as one process x batch 4 (to rtol 1e-4), estimate == measured",
+        ),
     ]
 
 

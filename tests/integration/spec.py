@@ -39,13 +39,13 @@ class Expect:
     stderr_contains: tuple[str, ...] = ()
     stdout_contains: tuple[str, ...] = ()
     trains: bool = True
-    steps: int | None = None              # exact number of logged steps
+    steps: int | None = None  # exact number of logged steps
     finite_loss: bool = True
-    falling_loss: bool = True             # last loss < first loss
-    trace_count: int | None = None        # e.g. 1: the step was traced once and reused
-    max_peak_gib: float | None = None     # absolute limit on peak active memory
+    falling_loss: bool = True  # last loss < first loss
+    trace_count: int | None = None  # e.g. 1: the step was traced once and reused
+    max_peak_gib: float | None = None  # absolute limit on peak active memory
     peak_ratio: PeakRatio | None = None
-    bitwise_equal_to: str | None = None   # every loss and the final digests equal to this test's
+    bitwise_equal_to: str | None = None  # every loss and the final digests equal to this test's
     loss_close_to: tuple[str, float] | None = None  # (test, rtol): same steps, losses within rtol
     estimate_matches_measured: bool = False  # on CPU, when an estimate is logged
     # When the (last) run exits 2 with this fragment in stderr, the feature is not
@@ -54,8 +54,11 @@ class Expect:
 
     def references(self) -> list[str]:
         """Names of the other tests these expectations compare against."""
-        refs = [self.bitwise_equal_to, self.peak_ratio.reference if self.peak_ratio else None,
-                self.loss_close_to[0] if self.loss_close_to else None]
+        refs = [
+            self.bitwise_equal_to,
+            self.peak_ratio.reference if self.peak_ratio else None,
+            self.loss_close_to[0] if self.loss_close_to else None,
+        ]
         return [r for r in refs if r is not None]
 
     def needs_memory(self) -> bool:

@@ -51,10 +51,26 @@ def test_dropout_really_changes_the_run(tmp_path):
 
 def _run_in_subprocess(folder: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "graph_trainer", "--config", "llama3_debug", *TINY,
-                           "--training.steps", "5", "--activation_checkpoint.mode", "selective",
-                           "--job.dump_folder", str(folder)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "graph_trainer",
+            "--config",
+            "llama3_debug",
+            *TINY,
+            "--training.steps",
+            "5",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--job.dump_folder",
+            str(folder),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads((folder / "summary.json").read_text())
 

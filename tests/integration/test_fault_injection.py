@@ -68,8 +68,13 @@ def test_sigkill_anywhere_then_resume_is_bitwise_equal_to_an_uninterrupted_run(t
     for trial in range(TRIALS):
         dump = tmp_path / f"trial{trial}"
         aimed = trial % 2 == 0
-        proc = start(*args, "--job.dump_folder", str(dump), cwd=tmp_path,
-                     python=[sys.executable, "-c", SLOW_DISK] if aimed else None)
+        proc = start(
+            *args,
+            "--job.dump_folder",
+            str(dump),
+            cwd=tmp_path,
+            python=[sys.executable, "-c", SLOW_DISK] if aimed else None,
+        )
         wait_for_step(proc, 1)
         if aimed:
             _kill_during_write(proc, dump / "checkpoint", nth=rng.randint(1, int(STEPS)))
@@ -91,7 +96,9 @@ def test_sigkill_anywhere_then_resume_is_bitwise_equal_to_an_uninterrupted_run(t
         assert not any((dump / "checkpoint").glob(".step-*.tmp")), "the resumed run cleans up torn writes"
         assert checkpoints(dump)[-1] == f"step-{int(STEPS):08d}.pt"
         matches += 1
-    print(f"\nfault injection: {TRIALS} trials, {mid_write} killed mid-write, {TRIALS - restarts - complete} "
-          f"resumed from a checkpoint, {restarts} started again (killed before the first checkpoint), {complete} "
-          f"had finished before the kill, {matches} bitwise matches")
+    print(
+        f"\nfault injection: {TRIALS} trials, {mid_write} killed mid-write, {TRIALS - restarts - complete} "
+        f"resumed from a checkpoint, {restarts} started again (killed before the first checkpoint), {complete} "
+        f"had finished before the kill, {matches} bitwise matches"
+    )
     assert mid_write >= 1 and matches == TRIALS

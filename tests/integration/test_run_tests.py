@@ -32,15 +32,33 @@ SHA_A, SHA_B = "a" * 64, "b" * 64
 # ---------------------------------------------------------------------------
 
 
-def metrics(losses: list[float], *, peak_gib: float | None = 0.05, est_bytes: int | None = None,
-            active_bytes: int | None = None, trace_count: int | None = 1, params: str = SHA_A,
-            grads: str = SHA_A) -> RunMetrics:
+def metrics(
+    losses: list[float],
+    *,
+    peak_gib: float | None = 0.05,
+    est_bytes: int | None = None,
+    active_bytes: int | None = None,
+    trace_count: int | None = 1,
+    params: str = SHA_A,
+    grads: str = SHA_A,
+) -> RunMetrics:
     """A consistent RunMetrics: TensorBoard holds the float32 of the exact summary.json losses."""
     steps = list(range(1, len(losses) + 1))
-    return RunMetrics(tb_steps=steps, tb_losses=[as_float32(x) for x in losses], peak_active_gib=peak_gib,
-                      trace_count=trace_count, steps=steps, losses=list(losses), peak_active_bytes=active_bytes,
-                      estimated_peak_bytes=est_bytes, params_sha256=params, grads_sha256=grads,
-                      status="ok", has_tensorboard=True, has_summary=True)
+    return RunMetrics(
+        tb_steps=steps,
+        tb_losses=[as_float32(x) for x in losses],
+        peak_active_gib=peak_gib,
+        trace_count=trace_count,
+        steps=steps,
+        losses=list(losses),
+        peak_active_bytes=active_bytes,
+        estimated_peak_bytes=est_bytes,
+        params_sha256=params,
+        grads_sha256=grads,
+        status="ok",
+        has_tensorboard=True,
+        has_summary=True,
+    )
 
 
 def ok(m: RunMetrics, n_runs: int = 1) -> RunOutcome:
@@ -48,8 +66,9 @@ def ok(m: RunMetrics, n_runs: int = 1) -> RunOutcome:
 
 
 def decl(name: str, runs: int = 1, **expect) -> IntegrationTest:
-    return IntegrationTest(name=name, runs=(("--config", "llama3_debug.toml"),) * runs, suites=("quick",),
-                           expect=Expect(**expect))
+    return IntegrationTest(
+        name=name, runs=(("--config", "llama3_debug.toml"),) * runs, suites=("quick",), expect=Expect(**expect)
+    )
 
 
 LOSSES = [5.9, 5.7, 5.5]
@@ -129,7 +148,9 @@ def test_absolute_peak_limit():
     assert check(decl("a", max_peak_gib=0.1), ok(metrics(LOSSES, peak_gib=0.05))).status == PASSED
     v = check(decl("a", max_peak_gib=0.01), ok(metrics(LOSSES, peak_gib=0.05)))
     assert "> limit 0.01 GiB" in v.failures[0]
-    assert "no memory/max_active(GiB)" in check(decl("a", max_peak_gib=1), ok(metrics(LOSSES, peak_gib=None))).failures[0]
+    assert (
+        "no memory/max_active(GiB)" in check(decl("a", max_peak_gib=1), ok(metrics(LOSSES, peak_gib=None))).failures[0]
+    )
 
 
 def test_estimate_must_equal_measured_on_cpu_only_when_logged():
@@ -145,7 +166,9 @@ def test_estimate_must_equal_measured_on_cpu_only_when_logged():
 
 def test_timeout_and_earlier_invocation_failures():
     t = decl("a", runs=2)
-    assert check(t, RunOutcome(exit_codes=[0, -9], timed_out=True)).failures == ["timed out after 900 s (invocation 2/2)"]
+    assert check(t, RunOutcome(exit_codes=[0, -9], timed_out=True)).failures == [
+        "timed out after 900 s (invocation 2/2)"
+    ]
     assert check(t, RunOutcome(exit_codes=[3])).failures == ["invocation 1/2 exited 3, expected 0"]
 
 
@@ -225,10 +248,18 @@ def _log(folder: Path, steps: range, total: int, losses: dict[int, float]) -> No
 
     with MetricsLogger(folder, enable_tensorboard=True, log_freq=1, total_steps=total) as logger:
         for step in steps:
-            logger.log_step(step, {"loss": losses[step], "tokens_per_s": 100.0 * step,
-                                   "peak_active_bytes": 1000 * step, "peak_reserved_bytes": 2000 * step,
-                                   "estimated_peak_bytes": 1000 * step, "trace_count": 1,
-                                   "trace_time_s": 0.25})
+            logger.log_step(
+                step,
+                {
+                    "loss": losses[step],
+                    "tokens_per_s": 100.0 * step,
+                    "peak_active_bytes": 1000 * step,
+                    "peak_reserved_bytes": 2000 * step,
+                    "estimated_peak_bytes": 1000 * step,
+                    "trace_count": 1,
+                    "trace_time_s": 0.25,
+                },
+            )
         logger.set_final({"status": "ok", "params_sha256": SHA_A, "grads_sha256": SHA_B})
 
 
@@ -252,7 +283,7 @@ def test_collect_run_reads_tensorboard_and_summary(tmp_path):
 
 
 def test_collect_run_after_resume_keeps_one_value_per_step(tmp_path):
-    first = {1: 6.0, 2: 5.9, 3: 99.0}        # step 3 of the first run is redone by the resumed run
+    first = {1: 6.0, 2: 5.9, 3: 99.0}  # step 3 of the first run is redone by the resumed run
     second = {3: 5.8, 4: 5.7}
     _log(tmp_path, range(1, 4), 4, first)
     _log(tmp_path, range(3, 5), 4, second)
@@ -293,9 +324,21 @@ def test_dependencies_are_pulled_in_transitively():
 
 def test_declared_tests_cover_the_promises():
     names = {t.name for t in TESTS}
-    for required in ("eager", "trace", "trace_optimizer", "trace_selective", "eager_selective", "trace_full",
-                     "eager_full", "budget_low", "budget_high", "dry_run_8b", "bad_config_unknown_key",
-                     "resume", "dp_shard_2"):
+    for required in (
+        "eager",
+        "trace",
+        "trace_optimizer",
+        "trace_selective",
+        "eager_selective",
+        "trace_full",
+        "eager_full",
+        "budget_low",
+        "budget_high",
+        "dry_run_8b",
+        "bad_config_unknown_key",
+        "resume",
+        "dp_shard_2",
+    ):
         assert required in names
     quick = [t for t in TESTS if "quick" in t.suites]
     quick_names = {t.name for t in quick}
@@ -306,12 +349,12 @@ def test_declared_tests_cover_the_promises():
 @pytest.mark.parametrize("t", TESTS, ids=lambda t: t.name)
 def test_declared_invocations_parse_as_the_trainer_expects(t, tmp_path):
     """Every declared command line is a valid config, or fails with the declared message, without running."""
-    from graph_trainer.job_config.cli import load_config
     from graph_trainer.errors import UserError
+    from graph_trainer.job_config.cli import load_config
 
     for args in t.runs:
         argv = run_tests.build_command(t, args, tmp_path / t.name, track_memory=True)
-        argv = argv[argv.index("graph_trainer") + 1:]
+        argv = argv[argv.index("graph_trainer") + 1 :]
         if t.expect.exit_code == 2:
             with pytest.raises(UserError) as info:
                 load_config(argv)
@@ -330,8 +373,10 @@ def test_declared_invocations_parse_as_the_trainer_expects(t, tmp_path):
 def _runs_with_memory() -> list[run_tests.TestRun]:
     full = metrics(LOSSES, peak_gib=0.012)
     full.estimated_peak_gib = 0.012
-    return [run_tests.TestRun(decl("eager"), ok(metrics(LOSSES, peak_gib=0.03)), []),
-            run_tests.TestRun(decl("trace_full"), ok(full), [])]
+    return [
+        run_tests.TestRun(decl("eager"), ok(metrics(LOSSES, peak_gib=0.03)), []),
+        run_tests.TestRun(decl("trace_full"), ok(full), []),
+    ]
 
 
 def test_chart_is_a_png_matplotlib_reads_back(tmp_path):
@@ -347,8 +392,7 @@ def test_chart_is_a_png_matplotlib_reads_back(tmp_path):
     assert {(0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)} <= colors
 
 
-def test_without_matplotlib_the_runner_says_how_to_get_the_chart_and_writes_the_rest(tmp_path, capsys,
-                                                                                     monkeypatch):
+def test_without_matplotlib_the_runner_says_how_to_get_the_chart_and_writes_the_rest(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # `import` of it raises ImportError
     runs = _runs_with_memory()
     for r in runs:
@@ -413,8 +457,12 @@ def test_runner_on_expected_failure_tests_end_to_end(tmp_path, capsys):
 
 
 def test_failed_check_exits_1_and_shows_stderr_tail(tmp_path, capsys, monkeypatch):
-    bad = IntegrationTest(name="must_fail", runs=(("--config", "llama3_debug.toml", "--training.stepz", "1"),),
-                          suites=("quick",), expect=Expect(exit_code=0, trains=False))
+    bad = IntegrationTest(
+        name="must_fail",
+        runs=(("--config", "llama3_debug.toml", "--training.stepz", "1"),),
+        suites=("quick",),
+        expect=Expect(exit_code=0, trains=False),
+    )
     monkeypatch.setattr(run_tests, "load_tests", lambda: [bad])
     assert run_tests.main([str(tmp_path / "out"), "--test", "must_fail"]) == 1
     text = capsys.readouterr().out
@@ -441,8 +489,13 @@ def test_counts_line_and_table():
 @pytest.mark.integration
 def test_run_tests_end_to_end_on_one_tiny_training_run(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(REPO / "run_tests.py"), str(out), "--test", "resume_reference",
-                           "--collect-peak-memory"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "run_tests.py"), str(out), "--test", "resume_reference", "--collect-peak-memory"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.rstrip().splitlines()[-1] == "1 passed, 0 failed"
     (result,) = json.loads((out / "results.json").read_text())["tests"]

@@ -17,10 +17,26 @@ pytestmark = pytest.mark.integration
 # Enough tokens that activations dominate the peak; a shallow and a deep model, because graph
 # `full` saves attention outputs in the first and recomputes them in the second.
 SHAPES = {
-    "4 layers": ["--model.n_layers", "4", "--model.dim", "128", "--training.seq_len", "128",
-                 "--training.local_batch_size", "4"],
-    "12 layers": ["--model.n_layers", "12", "--model.dim", "64", "--training.seq_len", "256",
-                  "--training.local_batch_size", "4"],
+    "4 layers": [
+        "--model.n_layers",
+        "4",
+        "--model.dim",
+        "128",
+        "--training.seq_len",
+        "128",
+        "--training.local_batch_size",
+        "4",
+    ],
+    "12 layers": [
+        "--model.n_layers",
+        "12",
+        "--model.dim",
+        "64",
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "4",
+    ],
 }
 SHAPE = SHAPES["4 layers"]
 RATIO_LIMIT = 1.00

@@ -10,9 +10,24 @@ from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer, TrainResult
 
 # GQA (4 query heads, 2 KV heads), small enough for CPU, deterministic kernels.
-TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.deterministic", "true",
-        "--metrics.enable_tensorboard", "false"]
+TINY = [
+    "--model.n_layers",
+    "2",
+    "--model.dim",
+    "64",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.deterministic",
+    "true",
+    "--metrics.enable_tensorboard",
+    "false",
+]
 
 MODES = {
     "eager": ["--compile.mode", "eager"],
@@ -26,8 +41,18 @@ MODES = {
 
 def train(folder: Path, *overrides: str, steps: int = 5, base: list[str] = TINY) -> tuple[TrainResult, Trainer]:
     """Train `steps` steps of the debug config with `base` + `overrides` into `folder`."""
-    cfg, _ = load_config(["--config", "llama3_debug", *base, "--training.steps", str(steps),
-                          "--job.dump_folder", str(folder), *overrides])
+    cfg, _ = load_config(
+        [
+            "--config",
+            "llama3_debug",
+            *base,
+            "--training.steps",
+            str(steps),
+            "--job.dump_folder",
+            str(folder),
+            *overrides,
+        ]
+    )
     try:
         trainer = Trainer(cfg)
         return trainer.train(), trainer
