@@ -27,7 +27,8 @@ import torch  # noqa: E402
 
 from graph_trainer.job_config.cli import load_config  # noqa: E402
 from graph_trainer.observability.units import to_gib  # noqa: E402
-from graph_trainer.plan import planner  # noqa: E402
+from graph_trainer.plan.eager_baseline import eager_step_peak  # noqa: E402
+from graph_trainer.plan.step_plan import plan_config  # noqa: E402
 
 # The shapes the GPU measurements used: 1B at batch 4 x 2048, 8B as shipped (1 x 8192); losses chunked as shipped.
 CONFIGS = {
@@ -54,10 +55,10 @@ def main() -> None:
             cfg, _ = load_config(
                 [*CONFIGS[name], "--activation_checkpoint.mode", mode, "--compile.trace_optimizer", "false"]
             )
-            estimate = planner.plan_step(cfg, planner.meta_model(cfg), cpu).step_graph.memory_estimate
+            estimate = plan_config(cfg, cpu).step_graph.memory_estimate
             held = sum(n for cat, n in estimate.peak_bytes_by_category.items() if cat in NOT_ACTIVATIONS)
             graph_act = estimate.peak_bytes - held
-            eager = planner.eager_step_peak(cfg, cpu)
+            eager = eager_step_peak(cfg, cpu)
             print(
                 f"{name:7} {mode:10} {to_gib(estimate.peak_bytes):11.2f} {to_gib(eager.peak_bytes):11.2f} "
                 f"{to_gib(graph_act):10.2f} {to_gib(eager.activation_bytes):10.2f} "

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from graph_trainer.optimizer.adamw import GraphAdamW
+from graph_trainer.optimizer import GraphAdamW
 from graph_trainer.passes import memory_policy_transform
 from graph_trainer.tracer import GraphStep
 

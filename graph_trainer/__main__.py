@@ -35,20 +35,23 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         # Imported here: the trainer pulls in torch and the models, which --help and config errors don't need.
         if opts.dry_run:
-            from graph_trainer.plan.planner import dry_run
+            from graph_trainer.plan.dry_run import dry_run
 
             dry_run(cfg)
             return 0
         from graph_trainer.distributed.launch import destroy, init_distributed
+
+        # The launch is checked before the trainer's heavy imports, so every rank of a bad launch says why before
+        # torchrun stops the others.
+        mesh = init_distributed(cfg)  # one rank of torchrun's launch, or the only process
         from graph_trainer.trainer import Trainer
 
-        dist = init_distributed(cfg)  # one rank of torchrun's launch, or the only process
         finished = False
         try:
-            Trainer(cfg, dist=dist).train()
+            Trainer(cfg, mesh=mesh).train()
             finished = True
         finally:
-            destroy(dist, wait_for_all=finished)
+            destroy(mesh, wait_for_all=finished)
         return 0
     except UserError as e:
         return _report(e, EXIT_USER_ERROR)

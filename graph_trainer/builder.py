@@ -1,30 +1,40 @@
-"""Building a job's model, optimizer and step from its config: one builder for the preflight and the trainer.
+"""The one job builder: what a config builds before the loop, for the trainer, the planner and the benchmarks.
 
-The preflight (`graph_trainer.plan.planner`) builds the same model (on the meta
-device), the same optimizer and the same step as the trainer, so it plans the
-step that runs: the same loss, the same update (in the graph or eager, with the
-implementation the run uses) and the same pass pipeline.
+    data = build_data(cfg, mesh)                        # tokenizer + this data-parallel rank's batches
+    job = build_job(cfg, mesh, vocab_needed=data.tokenizer.vocab_size)
+    step = job.build_step()                             # eager or traced (+ passes, + compile stage)
+
+`build_job(..., materialize=False)` builds the same job on the meta device: the preflight and `--dry-run`
+plan exactly the step that runs (the same loss, the same parallelisms, the same update in the graph or
+eager with the implementation the run uses, the same pass pipeline) without allocating it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from graph_trainer.distributed.fsdp import FSDP, ShardGroup, check_gathered, fully_shard_model
+from graph_trainer.data.loader import PackedBatchLoader, build_dataloader
+from graph_trainer.data.tokenizer import Tokenizer, build_tokenizer
+from graph_trainer.distributed.mesh import Mesh
+from graph_trainer.distributed.parallelism import ParallelModel
+from graph_trainer.distributed.parallelize import parallelize_model
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args
+from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.loss import build_lm_loss
 from graph_trainer.optimizer.adamw import GraphAdamW, build_optimizer, choose_adamw_implementation, init_adamw_state
-from graph_trainer.runtime.device import DTYPES
+from graph_trainer.optimizer.lr_schedule import build_lr_scheduler
+from graph_trainer.runtime.device import resolve_dtype
 from graph_trainer.step import TrainStep
-from graph_trainer.tracer.capture import GradReduce, LossFn, TraceError
-from models import get_model_spec
+from graph_trainer.tracer.capture import LossFn, TraceError
+from models.common.spec import ModelSpec
 
 
 def autocast_loss(dtype: torch.dtype, device: torch.device, chunk_size: int = 0) -> LossFn:
@@ -51,6 +61,32 @@ def cli_trace_errors():
         raise TraceError(e.problem, fix="fix the code or run with --compile.mode eager") from e
 
 
+@dataclasses.dataclass
+class JobData:
+    """The tokenizer and this data-parallel rank's batches."""
+
+    tokenizer: Tokenizer
+    loader: PackedBatchLoader
+
+
+def build_data(cfg: JobConfig, mesh: Mesh) -> JobData:
+    """The configured tokenizer and the batches of this rank's data-parallel slice (tensor-parallel peers, when
+    there are any, read the same batches)."""
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    t = cfg.training
+    loader = build_dataloader(
+        cfg.data.source,
+        cfg.data.path,
+        tokenizer,
+        batch_size=t.local_batch_size,
+        seq_len=t.seq_len,
+        seed=t.seed,
+        rank=mesh.data_rank,
+        world_size=mesh.data_size,
+    )
+    return JobData(tokenizer, loader)
+
+
 def build_model(cfg: JobConfig, device: torch.device | None, *, vocab_needed: int = 0) -> nn.Module:
     """The configured model: on the meta device (shapes only) when `device` is None, else materialized on
     `device` and initialized with `training.seed`.
@@ -72,16 +108,6 @@ def build_model(cfg: JobConfig, device: torch.device | None, *, vocab_needed: in
     torch.manual_seed(cfg.training.seed)
     model.init_weights()
     return model
-
-
-def shard_model(cfg: JobConfig, model: nn.Module, group: ShardGroup | None) -> FSDP | None:
-    """FSDP over `group` (None: no sharding, returns None), with the configured mixed precision; in place."""
-    if group is None:
-        return None
-    t = cfg.training
-    return fully_shard_model(
-        model, group, param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce]
-    )
 
 
 def optimizer_in_graph(cfg: JobConfig) -> bool:
@@ -112,87 +138,179 @@ def build_job_optimizer(cfg: JobConfig, model: nn.Module, device: torch.device) 
     return optimizer
 
 
-def build_step(
-    cfg: JobConfig,
-    model: nn.Module,
-    optimizer: torch.optim.AdamW,
-    device: torch.device,
-    *,
-    loss_fn: LossFn,
-    grad_reduce: GradReduce | None = None,
-    dump_dir: Path | None = None,
-    failure_dir: Path | None = None,
-    planned_graph: Any = None,
-    fsdp: FSDP | None = None,
-) -> TrainStep:
-    """The job's training step: eager (`compile.mode eager`) or traced with the pass pipeline and compile stage.
+def job_loss(cfg: JobConfig, device: torch.device) -> LossFn:
+    """The job's loss before any parallelism wraps it: chunked as configured, under autocast when asked."""
+    t = cfg.training
+    return autocast_loss(resolve_dtype(t.dtype, device, t.mixed_precision_param), device, t.loss_chunk_size)
 
-    The step runs the optimizer update itself: in the graph with `compile.trace_optimizer`, else eagerly after it.
 
-    Args:
-        dump_dir: where `compile.dump_graphs` writes the graphs (None: nowhere).
-        failure_dir: where a failing trace leaves its partial graph.
-        planned_graph: the preflight's final graph of this step (`StepPlan.step_graph`): the first
-            step runs it instead of tracing again when nothing differs between the two (see `_reusable`).
-        fsdp: the model's FSDP sharding (`parallelism.dp_shard`): the loss runs with the root unit
-            gathered, the clip norm is global, and a trace that reads a shard ungathered is refused.
+@dataclasses.dataclass
+class Job:
+    """A config built: the model with its parallelisms applied, the optimizer, LR schedule and loss.
 
-    Raises:
-        ConfigError: compile options that cannot run together, or a bad pass configuration.
+    `model` is on `mesh.device` (or on the meta device, for planning); `parallel` answers for the
+    parallelisms (none for one process); `loss_fn` is the loss as the parallelisms run it.
     """
-    from graph_trainer.compiler.inductor import check_compile_config
 
-    check_compile_config(
-        cfg.compile.backend, cfg.compile.cudagraphs, cfg.compile.mode, device, regional=cfg.compile.regional
-    )
-    norm_reduce = None
-    if fsdp is not None:
-        loss_fn, norm_reduce = fsdp.wrap_loss(loss_fn), fsdp.norm_reduce
-    if cfg.compile.mode == "eager":
+    cfg: JobConfig
+    mesh: Mesh
+    spec: ModelSpec
+    model: nn.Module
+    parallel: ParallelModel
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    loss_fn: LossFn
+
+    @property
+    def device(self) -> torch.device:
+        return self.mesh.device
+
+    def num_params(self) -> int:
+        """Parameters of the whole model (every rank's shards together), from the family's own count."""
+        return self.spec.num_params(self.model.args)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token at the job's sequence length, from the family's own formula."""
+        return self.spec.flops_per_token(self.model.args, self.cfg.training.seq_len)
+
+    def with_config(self, cfg: JobConfig) -> Job:
+        """The same model, optimizer and parallelisms under another config (e.g. another AC mode, to plan it)."""
+        return dataclasses.replace(self, cfg=cfg)
+
+    def build_step(
+        self,
+        *,
+        dump_dir: Path | None = None,
+        failure_dir: Path | None = None,
+        planned_graph: Any = None,
+        optimizer_update: bool = True,
+    ) -> TrainStep:
+        """The job's training step: eager (`compile.mode eager`) or traced with the pass pipeline and compile stage.
+
+        The step runs the optimizer update itself (unless `optimizer_update` is False): in the graph with
+        `compile.trace_optimizer`, else eagerly after it.
+
+        Args:
+            dump_dir: where `compile.dump_graphs` writes the graphs (None: nowhere).
+            failure_dir: where a failing trace leaves its partial graph.
+            planned_graph: the preflight's final graph of this step (`StepPlan.step_graph`): the first step runs
+                it instead of tracing again when nothing differs between the two (see `_reusable`).
+            optimizer_update: False leaves the update to the caller (the eager baseline plans without it).
+
+        Raises:
+            ConfigError: compile options that cannot run together, or a bad pass configuration.
+        """
+        from graph_trainer.compiler.inductor import check_compile_config
+
+        cfg = self.cfg
+        check_compile_config(
+            cfg.compile.backend, cfg.compile.cudagraphs, cfg.compile.mode, self.device, regional=cfg.compile.regional
+        )
+        if cfg.compile.mode == "eager":
+            return self.eager_step(optimizer_update=optimizer_update)
+        step = self.graph_step(dump_dir=dump_dir, failure_dir=failure_dir, optimizer_update=optimizer_update)
+        if planned_graph is not None and _reusable(cfg):
+            step.reuse_trace(planned_graph, "the preflight")
+        return step
+
+    def eager_step(self, *, optimizer_update: bool = True) -> TrainStep:
+        """The step run by plain autograd, with eager activation checkpointing as configured."""
         from graph_trainer.eager.checkpointing import apply_eager_checkpointing
         from graph_trainer.eager.step import EagerStep
 
-        apply_eager_checkpointing(model, cfg.activation_checkpoint)
+        apply_eager_checkpointing(self.model, self.cfg.activation_checkpoint)
         return EagerStep(
-            model,
-            loss_fn=loss_fn,
-            max_norm=cfg.training.max_norm,
-            grad_reduce=grad_reduce,
-            optimizer=optimizer,
-            norm_reduce=norm_reduce,
+            self.model,
+            loss_fn=self.loss_fn,
+            max_norm=self.cfg.training.max_norm,
+            grad_reduce=self.parallel.grad_reduce(),
+            optimizer=self.optimizer if optimizer_update else None,
+            norm_reduce=self.parallel.norm_reduce(),
         )
-    from graph_trainer.passes import build_pipeline
-    from graph_trainer.tracer.executor import GraphStep
 
-    passes = build_pipeline(cfg, dump_dir=dump_dir)
-    # With FSDP the graph as traced is checked first: every parameter read goes through its gather.
-    pipeline = passes if fsdp is None else (lambda traced: passes(check_gathered(traced)))
-    transform = pipeline
-    if cfg.compile.backend == "inductor":
-        from graph_trainer.compiler.inductor import InductorStage
+    def graph_step(
+        self,
+        *,
+        dump_dir: Path | None = None,
+        failure_dir: Path | None = None,
+        optimizer_update: bool = True,
+        compile_stage: bool = True,
+    ) -> Any:
+        """The traced step (`graph_trainer.tracer.GraphStep`) with the pass pipeline, and the compile stage when
+        `compile.backend` asks for it and `compile_stage` is True (the planner plans the graph it compiles)."""
+        from graph_trainer.passes import build_pipeline
+        from graph_trainer.tracer.executor import GraphStep
 
-        stage = InductorStage(cudagraphs=cfg.compile.cudagraphs, regional=cfg.compile.regional)
-        transform = lambda traced: stage(pipeline(traced))  # noqa: E731 (the pipeline, then the compile stage)
-    in_graph = optimizer_in_graph(cfg)
-    step = GraphStep(
-        model,
-        loss_fn=loss_fn,
-        max_norm=cfg.training.max_norm,
-        optimizer=GraphAdamW(optimizer) if in_graph else None,
-        eager_optimizer=None if in_graph else optimizer,
-        on_shape_change=cfg.compile.on_shape_change,
-        transform=transform,
-        device=device,
-        failure_dir=failure_dir,
-        grad_reduce=grad_reduce,
-        norm_reduce=norm_reduce,
+        cfg = self.cfg
+        passes = build_pipeline(cfg, dump_dir=dump_dir)
+        # The graph as traced is checked first (e.g. with FSDP: every parameter read goes through its gather).
+        pipeline = lambda traced: passes(self.parallel.check_traced(traced))  # noqa: E731
+        transform = pipeline
+        if compile_stage and cfg.compile.backend == "inductor":
+            from graph_trainer.compiler.inductor import InductorStage
+
+            stage = InductorStage(cudagraphs=cfg.compile.cudagraphs, regional=cfg.compile.regional)
+            transform = lambda traced: stage(pipeline(traced))  # noqa: E731 (the pipeline, then the compile stage)
+        optimizer = self.optimizer if optimizer_update else None
+        in_graph = optimizer is not None and optimizer_in_graph(cfg)
+        return GraphStep(
+            self.model,
+            loss_fn=self.loss_fn,
+            max_norm=cfg.training.max_norm,
+            optimizer=GraphAdamW(optimizer) if in_graph else None,
+            eager_optimizer=None if in_graph else optimizer,
+            on_shape_change=cfg.compile.on_shape_change,
+            transform=transform,
+            device=self.device,
+            failure_dir=failure_dir,
+            grad_reduce=self.parallel.grad_reduce(),
+            norm_reduce=self.parallel.norm_reduce(),
+            layers=self.spec.parallel_plan.layers,
+        )
+
+
+def _reusable(cfg: JobConfig) -> bool:
+    """Whether the preflight's graph is the step's: the preflight runs no compile stage and writes no graph dumps
+    (the run folder is not ready then); everything else it builds as the step does."""
+    return cfg.compile.backend == "none" and not cfg.compile.dump_graphs
+
+
+def build_job(cfg: JobConfig, mesh: Mesh, *, materialize: bool = True, vocab_needed: int = 0) -> Job:
+    """Build `cfg`'s job for this rank of `mesh`: the model (materialized on `mesh.device` and initialized, or on
+    the meta device for planning), its parallelisms applied, the optimizer with its state, the LR schedule and
+    the loss as the parallelisms run it.
+
+    Raises:
+        UserError: the tokenizer needs more ids than the model's vocabulary has, or the parallelisms refuse the model.
+    """
+    spec = get_model_spec(cfg.model.name)
+    model = build_model(cfg, mesh.device if materialize else None, vocab_needed=vocab_needed)
+    model.train()
+    # From here on, a sharded parameter is this rank's part of it (same names, smaller shapes).
+    parallel = parallelize_model(model, mesh, cfg, spec.parallel_plan)
+    optimizer = build_job_optimizer(cfg, model, mesh.device)
+    s = cfg.lr_scheduler
+    scheduler = build_lr_scheduler(
+        optimizer,
+        warmup_steps=s.warmup_steps,
+        total_steps=cfg.training.steps,
+        decay_type=s.decay_type,
+        min_lr_factor=s.min_lr_factor,
     )
-    if planned_graph is not None and _reusable(cfg, grad_reduce):
-        step.reuse_trace(planned_graph, "the preflight")
-    return step
+    loss_fn = parallel.wrap_loss(job_loss(cfg, mesh.device))
+    return Job(cfg, mesh, spec, model, parallel, optimizer, scheduler, loss_fn)
 
 
-def _reusable(cfg: JobConfig, grad_reduce: GradReduce | None) -> bool:
-    """Whether the preflight's graph is the step's: the preflight traces without the data-parallel gradient
-    reduction, runs no compile stage and writes no graph dumps (the run folder is not ready then)."""
-    return grad_reduce is None and cfg.compile.backend == "none" and not cfg.compile.dump_graphs
+__all__ = [
+    "Job",
+    "JobData",
+    "adamw_implementation_for",
+    "autocast_loss",
+    "build_data",
+    "build_job",
+    "build_job_optimizer",
+    "build_model",
+    "cli_trace_errors",
+    "job_loss",
+    "optimizer_in_graph",
+]

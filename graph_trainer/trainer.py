@@ -16,25 +16,12 @@ from typing import Any
 
 import torch
 
-from graph_trainer.builder import (
-    autocast_loss,
-    build_job_optimizer,
-    build_model,
-    build_step,
-    cli_trace_errors,
-    shard_model,
-)
+from graph_trainer.builder import build_data, build_job, cli_trace_errors
+from graph_trainer.checkpoint.checkpointer import build_checkpointer
 from graph_trainer.checkpoint.run_folder import CONFIG_FILE, RunFolder, inspect
-from graph_trainer.checkpoint.sharded import ShardedCheckpointManager, refuse_other_format
-from graph_trainer.checkpoint.single_file import (
-    CheckpointManager,
-    capture_rng_state,
-    load_model_state,
-    restore_rng_state,
-)
-from graph_trainer.data.loader import build_dataloader
-from graph_trainer.data.tokenizer import build_tokenizer
-from graph_trainer.distributed.launch import DistInfo, single_process
+from graph_trainer.checkpoint.single_file import capture_rng_state, restore_rng_state
+from graph_trainer.distributed.launch import single_process
+from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import config_to_toml
 from graph_trainer.job_config.resume import compare_on_resume, load_optimizer_state, stored_config
@@ -45,12 +32,11 @@ from graph_trainer.observability.log import configure_console, get_logger
 from graph_trainer.observability.memory import MemoryMonitor
 from graph_trainer.observability.metrics import SUMMARY_FILE, TB_SUBDIR, MetricsLogger
 from graph_trainer.observability.units import to_gib
-from graph_trainer.optimizer.adamw import build_lr_scheduler, resync_lr
-from graph_trainer.plan.planner import preflight
+from graph_trainer.optimizer.lr_schedule import resync_lr
+from graph_trainer.plan.preflight import preflight
 from graph_trainer.runtime.device import compute_dtype, peak_flops, resolve_dtype, set_determinism
 from graph_trainer.runtime.fsutil import atomic_write_text
 from graph_trainer.runtime.interrupts import Interrupted, StopRequest
-from models.llama3.model import flops_per_token, num_params
 
 logger = get_logger(__name__)
 
@@ -85,83 +71,63 @@ class Trainer:
     `train()` runs `training.steps` steps (continuing from a checkpoint with
     `checkpoint.resume`) and returns a `TrainResult`.
 
-    With `dist` from `graph_trainer.distributed.launch.init_distributed`, this is one rank
-    of a data-parallel job: it trains on its slice of the data, the step averages
-    gradients over the ranks, and only rank 0 logs and saves (with FSDP every rank saves
-    its own shards, see `graph_trainer.checkpoint.sharded`). Without it, the job
-    must be a single process.
+    With `mesh` from `graph_trainer.distributed.launch.init_distributed`, this is one rank
+    of a parallel job: it trains on its data-parallel slice of the data, the step's
+    parallelisms (`graph_trainer.distributed`) reduce what they must, and only rank 0
+    logs (checkpoints: rank 0 for replicated weights, every rank its own shards for
+    sharded ones, see `graph_trainer.checkpoint`). Without it, the job must be a single
+    process.
     """
 
-    def __init__(self, cfg: JobConfig, *, dist: DistInfo | None = None):
+    def __init__(self, cfg: JobConfig, *, mesh: Mesh | None = None):
         self.cfg = cfg
-        self.dist = dist if dist is not None else single_process(cfg)
-        rank, world_size = self.dist.rank, self.dist.world_size
-        self.rank, self.world_size = rank, world_size
-        configure_console(rank)  # rank 0 prints progress; the others only warnings and errors
-        self.device = self.dist.device
+        self.mesh = mesh if mesh is not None else single_process(cfg)
+        self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
+        configure_console(self.rank)  # rank 0 prints progress; the others only warnings and errors
+        self.device = self.mesh.device
         self.compute_dtype = compute_dtype(cfg.training.dtype, self.device, cfg.training.mixed_precision_param)
         self.autocast_dtype = resolve_dtype(cfg.training.dtype, self.device, cfg.training.mixed_precision_param)
         # Everything is validated before the first write: folders (read only), data, tokenizer, preflight,
         # model and checkpoint. Only then is a replaced run's folder cleared (`_prepare_run_folder`).
         self.run_folder = inspect_run_folder(cfg)
         self.dump_folder = self.run_folder.dump_folder
-        tokenizer = build_tokenizer(cfg.data.tokenizer)
-        self.dataloader = build_dataloader(
-            cfg.data.source,
-            cfg.data.path,
-            tokenizer,
-            batch_size=cfg.training.local_batch_size,
-            seq_len=cfg.training.seq_len,
-            seed=cfg.training.seed,
-            rank=rank,
-            world_size=world_size,
-        )
+        data = build_data(cfg, self.mesh)
+        self.dataloader = data.loader
         set_determinism(cfg.training.seed, cfg.training.deterministic, self.device)
-
-        loss_fn = autocast_loss(self.autocast_dtype, self.device, cfg.training.loss_chunk_size)
         with cli_trace_errors():
-            plan = preflight(cfg, self.device, loss_fn=loss_fn, shard_group=self.dist.shard_group())
+            plan = preflight(cfg, self.mesh)
         logger.info(
             f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
             f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)"
         )
-        self.model = build_model(cfg, self.device, vocab_needed=tokenizer.vocab_size)
-        self.model.train()
+        # The job the preflight planned, materialized: from here on a sharded parameter is this rank's part of it.
+        job = build_job(cfg, self.mesh, vocab_needed=data.tokenizer.vocab_size)
+        self.model, self.parallel = job.model, job.parallel
+        self.optimizer, self.scheduler = job.optimizer, job.scheduler
         self.model_args = self.model.args
-        self.num_params = num_params(self.model)
-        # FSDP: from here on the model's parameters are this rank's shards (same names, fewer rows).
-        shard_group = self.dist.shard_group()
-        self.fsdp = shard_model(cfg, self.model, shard_group)
+        self.num_params = job.num_params()
+        self.flops_per_token = job.flops_per_token()
         logger.info(
             f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
             f"device {self.device}, compute dtype {str(self.compute_dtype).removeprefix('torch.')}, "
-            f"mode {cfg.compile.mode}"
-        )
-        # The optimizer the preflight modelled (fused on CUDA, single-tensor on CPU), its state made up front.
-        self.optimizer = build_job_optimizer(cfg, self.model, self.device)
-        s = cfg.lr_scheduler
-        self.scheduler = build_lr_scheduler(
-            self.optimizer,
-            warmup_steps=s.warmup_steps,
-            total_steps=cfg.training.steps,
-            decay_type=s.decay_type,
-            min_lr_factor=s.min_lr_factor,
+            f"mode {cfg.compile.mode}, {self.parallel.describe()}"
         )
         # Every rank traces the same graph; one copy of the dumps is enough.
-        self.step_fn = build_step(
-            cfg,
-            self.model,
-            self.optimizer,
-            self.device,
-            loss_fn=loss_fn,
-            grad_reduce=self.dist.grad_reduce(),
-            fsdp=self.fsdp,
-            dump_dir=self.dump_folder / "graphs" if rank == 0 else None,
+        self.step_fn = job.build_step(
+            dump_dir=self.dump_folder / "graphs" if self.rank == 0 else None,
             failure_dir=self.dump_folder / "graphs",
             planned_graph=plan.step_graph,
         )
         self.memory = MemoryMonitor(self.device, track=cfg.metrics.track_memory)
-        self.checkpointer = self._checkpointer()
+        c = cfg.checkpoint
+        self.checkpointer = build_checkpointer(
+            self.run_folder.checkpoint_folder,
+            self.parallel,
+            self.optimizer,
+            enable=c.enable,
+            interval=c.interval,
+            keep_latest_k=c.keep_latest_k,
+        )
         self.step = 0
         if cfg.checkpoint.resume:
             self._resume()
@@ -169,37 +135,14 @@ class Trainer:
         self.already_complete = cfg.checkpoint.resume and self.step >= cfg.training.steps
         if not self.already_complete:
             self._prepare_run_folder()
-        self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
         self.peak_flops = peak_flops(self.device, self.compute_dtype)
-
-    def _checkpointer(self) -> CheckpointManager:
-        """Single-file checkpoints written by rank 0, or with FSDP a DCP folder every rank writes its shards to."""
-        c = self.cfg.checkpoint
-        if self.fsdp is not None:
-            return ShardedCheckpointManager(
-                self.run_folder.checkpoint_folder,
-                fsdp=self.fsdp,
-                optimizer=self.optimizer,
-                group=self.dist.group,
-                device=self.device,
-                enable=c.enable,
-                interval=c.interval,
-                keep_latest_k=c.keep_latest_k,
-            )
-        # Replicated weights: rank 0's copy is every rank's.
-        return CheckpointManager(
-            self.run_folder.checkpoint_folder,
-            enable=c.enable and self.rank == 0,
-            interval=c.interval,
-            keep_latest_k=c.keep_latest_k,
-        )
 
     def _prepare_run_folder(self) -> None:
         """The first write: clear a replaced run (its recorded files only), start the manifest, write config.toml.
 
         Rank 0 writes; every rank has finished its checks (barrier) before anything is deleted.
         """
-        self.dist.barrier()
+        self.mesh.barrier()
         if self.rank == 0:
             manifest = self.run_folder.prepare()
             self.checkpointer.record, self.checkpointer.owns = manifest.record, manifest.owns
@@ -209,7 +152,7 @@ class Trainer:
             atomic_write_text(self.dump_folder / CONFIG_FILE, config_to_toml(self.cfg))
             # Files that later appear here (TensorBoard events, graph dumps) are adopted as ours.
             self._preexisting = {p for d in (TB_SUBDIR, "graphs") for p in (self.dump_folder / d).rglob("*")}
-        self.dist.barrier()
+        self.mesh.barrier()
 
     def _adopt_new_files(self) -> None:
         if self.rank == 0:
@@ -219,7 +162,7 @@ class Trainer:
     def _resume(self) -> None:
         latest = self.checkpointer.latest_step()
         if latest is None:
-            refuse_other_format(self.checkpointer.folder, sharded=self.fsdp is not None)
+            self.checkpointer.refuse_other_format()
             if self.run_folder.holds_started_run():
                 # Not "drop --checkpoint.resume": a plain rerun is refused too, and would send the user back here.
                 raise UserError(
@@ -232,14 +175,7 @@ class Trainer:
                 "drop --checkpoint.resume to start a new run"
             )
         path = self.checkpointer.path(latest)
-        check_config = functools.partial(self._compare_config, path=path)
-        if isinstance(self.checkpointer, ShardedCheckpointManager):
-            # Refuse a changed option before every rank reads its shards (a large read at scale).
-            state = self.checkpointer.load(latest, before_tensors=check_config)
-        else:
-            state = self.checkpointer.load(latest)
-            load_model_state(self.model, state["model"])  # shapes first: the message names the tensor
-            check_config(state)
+        state = self.checkpointer.restore(latest, self.model, functools.partial(self._compare_config, path=path))
         # This run's config sets the hyperparameters (a new optimizer.lr takes effect); the checkpoint the state.
         load_optimizer_state(self.optimizer, self.scheduler, state["optimizer"], state["lr_scheduler"])
         resync_lr(self.scheduler)
@@ -287,9 +223,9 @@ class Trainer:
                 loss, grad_norm = self.step_fn(batch)  # the optimizer update included
         self.scheduler.step()
         # The logged loss is the mean over ranks (equal-sized local batches), all-reduced outside the graph.
-        loss_value = self.dist.global_average(loss).item()  # syncs the device, so the step time below is real
+        loss_value = self.mesh.global_average(loss).item()  # syncs the device, so the step time below is real
         step_time = time.perf_counter() - start
-        tokens = batch["input"].numel() * self.world_size
+        tokens = batch["input"].numel() * self.mesh.data_size  # tensor-parallel peers share their batch
         record = {
             "loss": loss_value,
             "grad_norm": grad_norm.item(),
@@ -340,9 +276,9 @@ class Trainer:
             config_toml=config_to_toml(cfg),
         )
         # Sharded parameters: each rank sees part of the norm; the ranks must stop (or save) together.
-        guard = DivergenceGuard(self.dist.sum_over_ranks if self.fsdp is not None else None)
+        guard = DivergenceGuard(self.parallel.shard_sum())
         guard.start(self.model.parameters(), self.step)
-        group = self.dist.group if self.dist.is_distributed else None
+        group = self.mesh.world_group
         with metrics, self._adopting_files(), StopRequest() as stop:
             data = iter(self.dataloader)
             while self.step < cfg.training.steps:

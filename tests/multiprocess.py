@@ -61,7 +61,7 @@ def train_runs(
             dump = [] if "--job.dump_folder" in overrides else ["--job.dump_folder", f"{out}/{name}"]
             cfg, _ = load_config([*args, *overrides, *dump])
             info = info or init_distributed(cfg)
-            trainer = Trainer(cfg, dist=info)
+            trainer = Trainer(cfg, mesh=info)
             result = trainer.train()
             torch.use_deterministic_algorithms(False)
             yield name, trainer, result
@@ -102,7 +102,8 @@ def train_fully_shard(cfg: Any, rank: int, world: int, mp_policy: Any = None) ->
     from graph_trainer.data.loader import build_dataloader
     from graph_trainer.data.tokenizer import build_tokenizer
     from graph_trainer.loss import lm_loss
-    from graph_trainer.optimizer.adamw import build_lr_scheduler, build_optimizer
+    from graph_trainer.optimizer.adamw import build_optimizer
+    from graph_trainer.optimizer.lr_schedule import build_lr_scheduler
 
     torch.use_deterministic_algorithms(True)
     tokenizer = build_tokenizer(cfg.data.tokenizer)

@@ -92,12 +92,12 @@ def test_main_dispatches_dry_run_and_train(monkeypatch):
     calls = []
     monkeypatch.setitem(
         sys.modules,
-        "graph_trainer.plan.planner",
+        "graph_trainer.plan.dry_run",
         types.SimpleNamespace(dry_run=lambda cfg: calls.append(("dry_run", cfg))),
     )
 
     class FakeTrainer:
-        def __init__(self, cfg: JobConfig, dist=None):
+        def __init__(self, cfg: JobConfig, mesh=None):
             self.cfg = cfg
 
         def train(self):
@@ -113,12 +113,12 @@ def test_main_turns_user_errors_into_exit_2_and_interrupts_into_130(monkeypatch,
     def fail(cfg):
         raise UserError("dump folder is not empty: pass --job.overwrite")
 
-    monkeypatch.setitem(sys.modules, "graph_trainer.plan.planner", types.SimpleNamespace(dry_run=fail))
+    monkeypatch.setitem(sys.modules, "graph_trainer.plan.dry_run", types.SimpleNamespace(dry_run=fail))
     assert cli.main(["--dry-run"]) == 2
     assert capsys.readouterr().err == "error: dump folder is not empty: pass --job.overwrite\n"
 
     def interrupt(cfg):
         raise KeyboardInterrupt
 
-    monkeypatch.setitem(sys.modules, "graph_trainer.plan.planner", types.SimpleNamespace(dry_run=interrupt))
+    monkeypatch.setitem(sys.modules, "graph_trainer.plan.dry_run", types.SimpleNamespace(dry_run=interrupt))
     assert cli.main(["--dry-run"]) == 130

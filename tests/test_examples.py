@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from graph_trainer.eager.step import EagerStep
-from graph_trainer.optimizer.adamw import GraphAdamW
+from graph_trainer.optimizer import GraphAdamW
 from graph_trainer.passes import memory_policy_transform
 from graph_trainer.tracer import GraphStep, trace_step
 

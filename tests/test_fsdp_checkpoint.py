@@ -59,7 +59,7 @@ def _save(out: str, name: str, trainer: Trainer, result, rank: int) -> None:
     Path(out, f"{name}.rank{rank}.json").write_text(
         json.dumps({"losses": result.losses, "params": result.params_sha256})
     )
-    full = trainer.fsdp.full_state()
+    full = trainer.parallel.full_state()
     if rank == 0:
         torch.save(full, Path(out, f"{name}.params.pt"))
 
@@ -68,7 +68,7 @@ def _refused(cfg_args: list[str], info_args, out: str, name: str, rank: int) -> 
     """Build a trainer that must refuse to resume; write the one-line message (rank 0)."""
     cfg, _ = load_config(cfg_args)
     try:
-        Trainer(cfg, dist=info_args)
+        Trainer(cfg, mesh=info_args)
         message = None
     except UserError as e:
         message = str(e)

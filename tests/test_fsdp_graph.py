@@ -20,13 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from graph_trainer.builder import shard_model
+from graph_trainer.builder import build_job
 from graph_trainer.distributed.fsdp import check_gathered
-from graph_trainer.distributed.launch import planning_shard_group
+from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.loss import build_lm_loss, lm_loss
 from graph_trainer.passes import build_pipeline
-from graph_trainer.plan.planner import meta_model
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TraceError, trace_step
 
@@ -62,24 +61,25 @@ ALL_REDUCE = "_c10d_functional.all_reduce.default"
 
 @pytest.fixture(scope="module")
 def group():
+    """Rank 0 of 2 on torch's fake process group: the mesh every trace of this module is planned on."""
     cfg, _ = load_config(TINY)
-    with planning_shard_group(cfg) as g:
-        yield g
+    with planning_mesh(ParallelDims.from_config(cfg.parallelism), torch.device("cpu")) as mesh:
+        yield mesh
 
 
-def _trace(group, *args: str, loss_fn=lm_loss):
+def _trace(mesh, *args: str, loss_fn=lm_loss):
     cfg, _ = load_config([*TINY, *args])
-    model = meta_model(cfg)
-    fsdp = shard_model(cfg, model, group)
+    job = build_job(cfg, mesh, materialize=False)
+    (fsdp,) = job.parallel.parts
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
     batch = {"input": torch.zeros(b, s, dtype=torch.long), "labels": torch.zeros(b, s, dtype=torch.long)}
     traced = trace_step(
-        model,
+        job.model,
         batch,
-        loss_fn=fsdp.wrap_loss(loss_fn),
+        loss_fn=job.parallel.wrap_loss(loss_fn),
         max_norm=cfg.training.max_norm,
         device="cpu",
-        norm_reduce=fsdp.norm_reduce,
+        norm_reduce=job.parallel.norm_reduce(),
     )
     return cfg, fsdp, traced
 
@@ -132,9 +132,9 @@ def test_final_graph_gathers_per_policy(group, mode, policy):
     assert waits == 2 * UNITS + 1 + regathered
     # A re-gathered unit's forward gather is dead before the backward: nothing saved reads it.
     regathered_units = {
-        node_meta.fsdp_unit(n)
+        node_meta.gathered_unit(n)
         for n in gm.graph.nodes
-        if node_meta.is_rematerialized(n) and node_meta.fsdp_unit(n) is not None
+        if node_meta.is_rematerialized(n) and node_meta.gathered_unit(n) is not None
     }
     assert len(regathered_units) == regathered
 
@@ -154,7 +154,7 @@ def test_tied_model_gathers_the_shared_weight_once_and_reads_no_shard(group):
     assert {attr for _, attr in tied} == {"weight"}  # tok_embeddings.weight and output.weight: one parameter
     assert check_gathered(traced) is traced
     gathers = [n for n in traced.gm.graph.nodes if str(n.target) == GATHER]
-    assert sorted(node_meta.fsdp_unit(n) for n in gathers) == sorted(u.name for u in fsdp.units)
+    assert sorted(node_meta.gathered_unit(n) for n in gathers) == sorted(u.name for u in fsdp.units)
     assert len(gathers) == UNITS
 
 
@@ -226,7 +226,7 @@ def test_prefetch_issues_each_gather_right_after_the_previous_wait(group):
             wait = next(u for u in previous.users if "wait_tensor" in str(u.target))
             between = nodes[nodes.index(wait) + 1 : nodes.index(gather)]
             # Only the gather's own buffer preparation sits between: no compute of the previous unit.
-            assert all(node_meta.fsdp_unit(n) == node_meta.fsdp_unit(gather) for n in between), between
+            assert all(node_meta.gathered_unit(n) == node_meta.gathered_unit(gather) for n in between), between
 
 
 BF16 = ["--training.mixed_precision_param", "bfloat16"]

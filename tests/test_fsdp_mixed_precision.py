@@ -109,7 +109,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             "peaks": peaks(result.records),
         }
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
-        full = trainer.fsdp.full_state()
+        full = trainer.parallel.full_state()
         if rank == 0:
             torch.save(full, Path(out, f"{name}.params.pt"))
 

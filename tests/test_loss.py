@@ -16,7 +16,7 @@ from graph_trainer.eager.step import EagerStep
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.loss import IGNORE_INDEX, build_lm_loss, chunked_lm_loss, lm_loss
-from graph_trainer.plan import planner
+from graph_trainer.plan.step_plan import plan_config
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import trace_step
 from models.llama3.model import ModelArgs, Transformer
@@ -97,7 +97,7 @@ def test_chunking_lowers_the_planned_peak_where_the_loss_was_the_peak():
     plans = {}
     for chunk in (0, 128):
         cfg, _ = load_config([*flags, "--training.loss_chunk_size", str(chunk)])
-        plans[chunk] = planner.plan_step(cfg, planner.meta_model(cfg), torch.device("cpu"))
+        plans[chunk] = plan_config(cfg, torch.device("cpu"))
     logits_bytes = 4 * 256 * 8192 * 4
     assert plans[0].peak_bytes - plans[128].peak_bytes >= 2 * logits_bytes
 

@@ -8,9 +8,12 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer.errors import ConfigError
-from models import MODELS, build_model_args, get_model_spec
+from graph_trainer.job_config.model_args import build_model_args, get_model_spec
+from models import MODELS
+from models.common.rope import apply_rotary
+from models.common.spec import ModelArgsError
 from models.llama3 import LLAMA3_FLAVORS, ModelArgs, Transformer, ffn_hidden_dim, flops_per_token, num_params
-from models.llama3.model import apply_rotary, rope_frequencies
+from models.llama3.model import rope_frequencies
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32)
 
@@ -115,9 +118,11 @@ def test_forward_is_causal():
     assert not torch.equal(a[:, 8:], b[:, 8:])
 
 
-def test_sequence_longer_than_max_seq_len_is_a_config_error():
+def test_sequence_longer_than_max_seq_len_is_an_error_naming_max_seq_len():
+    # The model raises ValueError (models/ import no graph_trainer); a job refuses the same seq_len earlier, as a
+    # config error (tests/test_config.py).
     model = Transformer(TINY)
-    with pytest.raises(ConfigError, match="max_seq_len"):
+    with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, TINY.max_seq_len + 1, dtype=torch.long))
 
 
@@ -267,14 +272,29 @@ def test_registry_builds_args_with_non_none_overrides():
         (lambda: build_model_args("llama", "8B", {}), r"model 'llama'.*Did you mean 'llama3'"),
         (lambda: get_model_spec("gpt"), r"unknown model 'gpt'; available: llama3"),
         (lambda: build_model_args("llama3", "8B", {"n_layer": 2}), r"field 'n_layer'.*Did you mean 'n_layers'"),
-        (lambda: ModelArgs(dim=100, n_heads=3), r"not divisible by n_heads"),
-        (lambda: ModelArgs(dim=64, n_heads=4, n_kv_heads=3), r"not a multiple of n_kv_heads"),
-        (lambda: ModelArgs(dim=64, n_heads=4, dropout=1.0), r"dropout"),
+        (lambda: build_model_args("llama3", "debugmodel", {"dim": 100, "n_heads": 3}), r"not divisible by n_heads"),
+        (lambda: build_model_args("llama3", "debugmodel", {"n_kv_heads": 3}), r"not a multiple of n_kv_heads"),
+        (lambda: build_model_args("llama3", "debugmodel", {"dropout": 1.0}), r"dropout"),
     ],
 )
 def test_user_mistakes_are_config_errors(call, pattern):
     with pytest.raises(ConfigError, match=pattern):
         call()
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"dim": 100, "n_heads": 3}, r"not divisible by n_heads"),
+        ({"dim": 64, "n_heads": 4, "n_kv_heads": 3}, r"not a multiple of n_kv_heads"),
+        ({"dim": 64, "n_heads": 4, "dropout": 1.0}, r"dropout"),
+    ],
+)
+def test_impossible_model_args_raise_the_models_own_error(kwargs, pattern):
+    # models/ import nothing from graph_trainer: the family raises ModelArgsError, the registry (above) turns it
+    # into the ConfigError a user sees.
+    with pytest.raises(ModelArgsError, match=pattern):
+        ModelArgs(**kwargs)
 
 
 def test_flavors_are_immutable():

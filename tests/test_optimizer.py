@@ -12,19 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graph_trainer.builder import build_model
 from graph_trainer.errors import ConfigError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.observability.memory import LiveTensorTracker
-from graph_trainer.optimizer.adamw import (
-    EagerUpdate,
-    GraphAdamW,
-    adamw_state_bytes,
-    build_optimizer,
-    choose_adamw_implementation,
-    eager_step_scratch_bytes,
-    init_adamw_state,
-)
-from graph_trainer.plan import planner
+from graph_trainer.optimizer.adamw import GraphAdamW, build_optimizer, choose_adamw_implementation, init_adamw_state
+from graph_trainer.optimizer.update_memory import EagerUpdate, adamw_state_bytes, eager_step_scratch_bytes
+from graph_trainer.plan.step_plan import plan_config
 from tests.integration.trainer_runs import TINY, train
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -107,7 +101,7 @@ def test_fused_state_keeps_its_step_on_the_parameter_device_as_torch_does():
 def test_8b_cuda_choice_needs_no_scratch_where_foreach_needed_all_parameters():
     """Why the H200 run died: foreach's `_foreach_sqrt` holds a copy of every parameter (29.9 GiB)."""
     cfg, _ = load_config(["--config", "llama3_8b"])
-    model = planner.meta_model(cfg)
+    model = build_model(cfg, None)  # on the meta device
     implementation = choose_adamw_implementation(cfg.optimizer.implementation, CUDA, trace_optimizer=False)
     assert implementation == "fused"
 
@@ -132,7 +126,7 @@ def test_plan_with_the_cuda_choice_models_the_update_after_the_graph():
     plans = {}
     for name in IMPLEMENTATIONS:
         cfg, _ = load_config([*small, "--optimizer.implementation", name])
-        plans[name] = planner.plan_step(cfg, planner.meta_model(cfg), CPU)
+        plans[name] = plan_config(cfg, CPU)
     param_bytes = plans["fused"].num_params * 4
     for plan in plans.values():
         assert sum(plan.peak_by_category.values()) == plan.peak_bytes
@@ -144,7 +138,7 @@ def test_plan_with_the_cuda_choice_models_the_update_after_the_graph():
     assert single.peak_where == "the eager AdamW update (single_tensor)"
     assert plans["foreach"].peak_bytes - single.peak_bytes == param_bytes - single.peak_by_category["optimizer_scratch"]
     cfg, _ = load_config([*small, "--compile.trace_optimizer", "true"])
-    assert planner.plan_step(cfg, planner.meta_model(cfg), CPU).optimizer == "in graph"
+    assert plan_config(cfg, CPU).optimizer == "in graph"
 
 
 @pytest.mark.parametrize("implementation", ["foreach", "fused"])

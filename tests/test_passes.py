@@ -189,3 +189,74 @@ def test_node_flops_are_what_flop_counter_mode_counts():
     # CPU attention, which torch does not count, is counted with the formula of the same math on CUDA.
     attention = [n for n in gm.graph.nodes if is_attention(n.target)]
     assert attention and all(node_flops(n) > 0 for n in attention)
+
+
+# --------------------------------------------------------------------------- the pass contract
+
+
+def test_a_pass_whose_prerequisite_does_not_run_is_refused_by_name_before_tracing():
+    """remat acts on recompute tags; with FSDP's gather policy disabled and no AC mode, nothing gives them."""
+    cfg = _cfg("--parallelism.dp_shard", "2", "--compile.disable_passes", "fsdp_gather")
+    with pytest.raises(ConfigError, match=r"pass 'remat' needs recompute tags.*fsdp_gather, memory_policy must run"):
+        build_pipeline(cfg, dump_dir=None)
+    with_gather = build_pipeline(_cfg("--parallelism.dp_shard", "2"), dump_dir=None)
+    assert [p.name for p in with_gather.passes] == ["dce", "remove_noops", "fsdp_gather", "remat"]
+
+
+def test_every_registered_pass_declares_its_contract():
+    from graph_trainer.passes import REGISTRY
+    from graph_trainer.passes.pipeline import check_needs
+
+    check_needs(list(REGISTRY), list(REGISTRY))  # in registry order every need is given by an earlier pass
+    for p in REGISTRY:
+        assert p.preserves_numerics_bitwise in (True, False) and p.doc, p.name
+        assert all(key.split(".")[0] in ("activation_checkpoint", "parallelism") for key in p.reads), p.name
+
+
+def _pipeline_with(extra_pass):
+    from graph_trainer.passes import PassConfig, Pipeline
+    from graph_trainer.passes.pipeline import GraphPass
+
+    cfg = _cfg()
+    first = GraphPass("dce", lambda gm, ctx: dead_code_elimination(gm), True, lambda c: True, "dce")
+    bad = GraphPass("bad_pass", extra_pass, True, lambda c: True, "breaks a rule")
+    return Pipeline([first, bad], PassConfig(cfg.activation_checkpoint, cfg.parallelism))
+
+
+def test_a_pass_that_leaves_an_invalid_graph_is_named_with_the_passes_before_it():
+    from graph_trainer.passes.pipeline import PassError
+
+    def dangling(gm):
+        node = next(n for n in gm.graph.nodes if n.op == "call_function")
+        with gm.graph.inserting_before(next(iter(gm.graph.nodes))):  # a use before its definition
+            gm.graph.call_function(torch.ops.aten.neg.default, (node,))
+        return gm
+
+    model, batch = _model_and_batch(dropout=0.0)
+    with pytest.raises(PassError, match=r"pass 'bad_pass' left an invalid graph .*passes run before it: dce"):
+        _pipeline_with(lambda gm, ctx: dangling(gm))(trace_step(model, batch))
+
+
+def test_a_pass_that_writes_a_graph_input_is_refused():
+    from graph_trainer.passes.pipeline import PassError
+
+    def write_a_parameter(gm):
+        param = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        out = gm.graph.output_node()
+        with gm.graph.inserting_before(out):
+            gm.graph.call_function(torch.ops.aten.zero_.default, (param,))
+        gm.recompile()
+        return gm
+
+    model, batch = _model_and_batch(dropout=0.0)
+    with pytest.raises(PassError, match=r"pass 'bad_pass' writes graph inputs the traced step did not write"):
+        _pipeline_with(lambda gm, ctx: write_a_parameter(gm))(trace_step(model, batch))
+
+
+def test_collective_ops_are_recognised_as_op_objects():
+    from graph_trainer.passes import graph_utils
+
+    c10d = torch.ops._c10d_functional
+    assert c10d.all_gather_into_tensor_out in graph_utils.ALL_GATHER_OPS
+    assert c10d.reduce_scatter_tensor in graph_utils.REDUCE_SCATTER_OPS
+    assert c10d.wait_tensor in graph_utils.WAIT_OPS and c10d.wait_tensor not in graph_utils.COLLECTIVE_OPS

@@ -12,9 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from graph_trainer.builder import build_job
+from graph_trainer.distributed.mesh import Mesh, ParallelDims
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
-from graph_trainer.plan import planner
+from graph_trainer.plan import preflight as preflight_module
+from graph_trainer.plan.eager_baseline import eager_step_peak
+from graph_trainer.plan.preflight import preflight
+from graph_trainer.plan.step_plan import plan_config, plan_step, with_ac_mode
 
 REPO = Path(__file__).resolve().parents[1]
 # Activations dominate at this shape, so AC modes differ in peak.
@@ -30,12 +35,9 @@ def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 def test_plan_of_meta_model_orders_modes_by_memory():
     cfg, _ = load_config(["--config", "llama3_debug", *SMALL])
-    model = planner.meta_model(cfg)
-    assert all(p.device.type == "meta" for p in model.parameters())
-    plans = {
-        mode: planner.plan_step(planner._with_mode(cfg, mode), model, torch.device("cpu"))
-        for mode in ("none", "selective", "full")
-    }
+    job = build_job(cfg, Mesh(ParallelDims(), 0, torch.device("cpu")), materialize=False)
+    assert all(p.device.type == "meta" for p in job.model.parameters())
+    plans = {mode: plan_step(job.with_config(with_ac_mode(cfg, mode))) for mode in ("none", "selective", "full")}
     assert plans["none"].peak_bytes > plans["selective"].peak_bytes > plans["full"].peak_bytes
     assert plans["none"].saved_bytes > plans["selective"].saved_bytes > plans["full"].saved_bytes
     assert plans["full"].flops > plans["none"].flops  # recompute costs FLOPs
@@ -44,11 +46,13 @@ def test_plan_of_meta_model_orders_modes_by_memory():
 
 def test_preflight_refusal_names_sizes_and_what_would_fit(monkeypatch):
     cfg, _ = load_config(["--config", "llama3_debug", *SMALL])
-    plan = planner.plan_step(cfg, planner.meta_model(cfg), torch.device("cpu"))
+    plan = plan_config(cfg, torch.device("cpu"))
     fixed = plan.peak_bytes - plan.peak_by_category["activation"]
-    monkeypatch.setattr(planner, "available_bytes", lambda device: fixed + plan.peak_by_category["activation"] // 3)
+    monkeypatch.setattr(
+        preflight_module, "available_bytes", lambda device: fixed + plan.peak_by_category["activation"] // 3
+    )
     with pytest.raises(UserError) as info:
-        planner.preflight(cfg, torch.device("cpu"))
+        preflight(cfg, Mesh(ParallelDims(), 0, torch.device("cpu")))
     msg = str(info.value)
     assert "needs about" in msg and "available" in msg and "would fit" in msg
     assert "--training.local_batch_size" in msg or "--activation_checkpoint.mode full" in msg
@@ -75,7 +79,7 @@ def test_dry_run_plans_with_the_configured_compute_dtype():
     plans = {}
     for dtype in ("float32", "bfloat16"):
         cfg, _ = load_config(["--config", "llama3_debug", *SMALL, "--training.dtype", dtype])
-        plans[dtype] = planner.plan_step(cfg, planner.meta_model(cfg), torch.device("cpu"))
+        plans[dtype] = plan_config(cfg, torch.device("cpu"))
     # bf16 autocast keeps the matmul outputs saved for backward in half the bytes.
     assert plans["bfloat16"].saved_bytes < plans["float32"].saved_bytes
 
@@ -102,7 +106,7 @@ def test_eager_step_peak_on_fake_tensors_equals_the_real_eager_step(mode, chunk)
         ["--config", "llama3_debug", *SMALL, "--activation_checkpoint.mode", mode, "--training.loss_chunk_size", chunk]
     )
     cpu = torch.device("cpu")
-    planned = planner.eager_step_peak(cfg, cpu)
+    planned = eager_step_peak(cfg, cpu)
 
     model = build_model(cfg, cpu)
     apply_eager_checkpointing(model, cfg.activation_checkpoint)

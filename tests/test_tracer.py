@@ -13,13 +13,13 @@ import torch.nn.functional as F
 
 from graph_trainer.eager.step import EagerStep
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.model_args import build_model_args
 from graph_trainer.loss import IGNORE_INDEX
 from graph_trainer.observability.memory import LiveTensorTracker
 from graph_trainer.optimizer.adamw import GraphAdamW
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TraceError, trace_step
 from graph_trainer.tracer.executor import GraphStep
-from models import build_model_args
 from models.llama3 import Transformer
 
 

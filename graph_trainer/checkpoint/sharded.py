@@ -40,11 +40,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from graph_trainer.checkpoint.single_file import CheckpointManager, check_compatible
-from graph_trainer.distributed.fsdp import FSDP
+from graph_trainer.distributed.parallelism import ParallelModel
 from graph_trainer.errors import UserError
 from graph_trainer.observability.log import get_logger
 from graph_trainer.runtime.fsutil import TEMP_SUFFIX, atomic_write, fsync_dir, remove_path
@@ -76,26 +74,18 @@ class ShardedCheckpointManager(CheckpointManager):
         self,
         folder: Path,
         *,
-        fsdp: FSDP,
+        parallel: ParallelModel,
         optimizer: torch.optim.Optimizer,
-        group: dist.ProcessGroup,
-        device: torch.device,
         enable: bool,
         interval: int,
         keep_latest_k: int,
     ) -> None:
         super().__init__(folder, enable=enable, interval=interval, keep_latest_k=keep_latest_k)
-        self.fsdp, self.optimizer, self.group = fsdp, optimizer, group
-        self.rank, self.world_size = fsdp.group.rank, fsdp.group.world_size
-        self.mesh = DeviceMesh.from_group(group, device.type)
+        self.parallel, self.optimizer, self.group = parallel, optimizer, parallel.mesh.world_group
+        self.rank, self.world_size = parallel.mesh.rank, parallel.mesh.world_size
         # Full shape of every name a shard is held under (tied weights have two names, one shard).
-        full_by_id = {id(t): shape for u in fsdp.units for t, shape in zip(u.current(), u.shapes)}
-        self.full_shapes = {
-            name: full_by_id[id(p)]
-            for name, p in fsdp.model.named_parameters(remove_duplicate=False)
-            if id(p) in full_by_id
-        }
-        names = {id(p): name for name, p in fsdp.model.named_parameters()}
+        self.full_shapes = parallel.full_shapes()
+        names = {id(p): name for name, p in parallel.model.named_parameters()}
         self.param_names = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
     def path(self, step: int) -> Path:
@@ -110,29 +100,15 @@ class ShardedCheckpointManager(CheckpointManager):
 
     # --- the tensors, as DCP sees them -------------------------------------------------------------------
 
-    def _logical(self, shard: torch.Tensor, full_shape: torch.Size) -> DTensor:
-        """`shard` (padded rows included) as this rank's part of a DTensor of `full_shape`, padding cut off."""
-        rows = shard.shape[0]
-        valid = max(0, min(rows, full_shape[0] - self.rank * rows))
-        stride = torch.empty(full_shape, device="meta").stride()
-        return DTensor.from_local(
-            shard.detach()[:valid], self.mesh, [Shard(0)], run_check=False, shape=full_shape, stride=stride
-        )
-
     def _tensors(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> dict[str, Any]:
         """What DCP saves or loads into: sharded tensors as DTensors (views of `model_state`/`optimizer_state`)."""
-        model = {
-            name: self._logical(t, self.full_shapes[name]) if name in self.full_shapes else t.detach()
-            for name, t in model_state.items()
-        }
+        model = {name: self.parallel.logical(name, t.detach()) for name, t in model_state.items()}
         optimizer = {}
         for index, state in optimizer_state["state"].items():
             name = self.param_names[index]
             shard_shape = model_state[name].shape
             optimizer[name] = {
-                k: self._logical(v, self.full_shapes[name])
-                if isinstance(v, torch.Tensor) and v.shape == shard_shape
-                else v
+                k: self.parallel.logical(name, v) if isinstance(v, torch.Tensor) and v.shape == shard_shape else v
                 for k, v in state.items()
             }
         return {_MODEL: model, _OPTIMIZER: optimizer}
@@ -197,7 +173,7 @@ class ShardedCheckpointManager(CheckpointManager):
         self._check_shapes(reader.read_metadata(), path)
         if before_tensors is not None:
             before_tensors(plain)
-        model_state, optimizer_state = self.fsdp.model.state_dict(), self.optimizer.state_dict()
+        model_state, optimizer_state = self.parallel.model.state_dict(), self.optimizer.state_dict()
         dcp.load(self._tensors(model_state, optimizer_state), storage_reader=reader, process_group=self.group)
         if saved_world != self.world_size:
             logger.info(
@@ -206,6 +182,14 @@ class ShardedCheckpointManager(CheckpointManager):
             )
         logger.info(f"loaded {path} ({self.world_size} ranks) in {time.perf_counter() - start:.2f} s")
         return {_MODEL: model_state, _OPTIMIZER: optimizer_state, **plain}
+
+    def restore(self, step: int, model: torch.nn.Module, check: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Every rank: load `step` into `model` (this manager's) and the optimizer; `check(plain state)` runs
+        after the shapes and before any rank reads its shards, so a refused resume costs no large read."""
+        return self.load(step, before_tensors=check)
+
+    def refuse_other_format(self) -> None:
+        refuse_other_format(self.folder, sharded=True)
 
     def _existing(self, step: int | None) -> Path:
         if step is None:
@@ -250,7 +234,7 @@ class ShardedCheckpointManager(CheckpointManager):
         }
         expected = {
             name: torch.empty(self.full_shapes.get(name, t.shape), dtype=t.dtype, device="meta")
-            for name, t in self.fsdp.model.state_dict().items()
+            for name, t in self.parallel.model.state_dict().items()
         }
         check_compatible(expected, found)
 

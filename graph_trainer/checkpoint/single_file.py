@@ -136,6 +136,20 @@ class CheckpointManager:
     def _ours(self, path: Path) -> bool:
         return self.owns is None or self.owns(path)
 
+    def restore(self, step: int, model: torch.nn.Module, check: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Load `step` and its model state into `model`; `check(state)` runs after the shapes were checked
+        (a mismatch names the tensor first). Returns the whole state."""
+        state = self.load(step)
+        load_model_state(model, state["model"])
+        check(state)
+        return state
+
+    def refuse_other_format(self) -> None:
+        """UserError when the folder holds only checkpoints of the sharded format, which this job cannot read."""
+        from graph_trainer.checkpoint.sharded import refuse_other_format  # the sharded format builds on this one
+
+        refuse_other_format(self.folder, sharded=False)
+
     def load(self, step: int | None = None, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
         """Load the checkpoint for `step` (default: the latest) with `weights_only=True`."""
         if step is None:

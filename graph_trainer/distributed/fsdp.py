@@ -33,9 +33,14 @@ gradients arrive in `param_dtype`, are cast to `reduce_dtype` (None: reduced as
 they arrive) for the reduce-scatter, and the reduced shard is cast back to the
 shard's dtype. Shards, their gradients and AdamW state keep the shards' dtype.
 
-In the traced graph the gather's nodes carry `custom["fsdp_unit"]` (and no
-layer id, so activation checkpointing leaves them alone); the `fsdp_gather`
-pass then decides, per unit, whether the backward re-gathers or keeps them.
+In the traced graph every node of a gather carries the collective tag
+(`node_meta.COLLECTIVE`: kind "fsdp", role "param_gather", its unit and the
+unit's layer) and no layer id, so activation checkpointing leaves them alone;
+the `fsdp_gather` pass then decides, per unit, whether the backward re-gathers
+or keeps them. The reduce-scatters and the clip norm's all-reduce carry the tag
+too, with roles "grad_reduce" and "norm_reduce".
+
+`FSDP` is this package's `Parallelism` for the mesh's `dp_shard` dimension.
 """
 
 from __future__ import annotations
@@ -53,12 +58,17 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from graph_trainer.distributed.mesh import Mesh
+from graph_trainer.distributed.parallelism import Parallelism
+from graph_trainer.runtime.device import DTYPES
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep, TraceError
 from graph_trainer.tracer.layers import transformer_layers
 
 c10d = torch.ops._c10d_functional
 ROOT = ""  # the root unit's name
+KIND = "fsdp"  # the collective tag's kind
+MESH_DIM = "dp_shard"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +78,11 @@ class ShardGroup:
     rank: int
     world_size: int
     group_name: str
+    group: dist.ProcessGroup | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, group: dist.ProcessGroup) -> ShardGroup:
-        return cls(dist.get_rank(group), dist.get_world_size(group), group.group_name)
+        return cls(dist.get_rank(group), dist.get_world_size(group), group.group_name, group)
 
 
 class AllGather(torch.autograd.Function):
@@ -95,9 +106,10 @@ class AllGather(torch.autograd.Function):
         group: ShardGroup,
         reduce_dtype: torch.dtype | None,
         param_dtype: torch.dtype | None,
+        reduce_tag: dict[str, Any] | None,
         *shards: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.group, ctx.reduce_dtype = group, reduce_dtype
+        ctx.group, ctx.reduce_dtype, ctx.reduce_tag = group, reduce_dtype, reduce_tag
         ctx.shapes = [s.shape for s in shards]
         ctx.dtype = shards[0].dtype
         numel = sum(s.numel() for s in shards)
@@ -112,15 +124,16 @@ class AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         g: ShardGroup = ctx.group
-        grad = grad.contiguous().to(ctx.reduce_dtype or grad.dtype)
-        shard = c10d.wait_tensor(c10d.reduce_scatter_tensor(grad, "sum", g.world_size, g.group_name))
-        shard = shard.div_(g.world_size).to(ctx.dtype)
+        with fx_traceback.annotate({node_meta.COLLECTIVE: ctx.reduce_tag}):
+            grad = grad.contiguous().to(ctx.reduce_dtype or grad.dtype)
+            shard = c10d.wait_tensor(c10d.reduce_scatter_tensor(grad, "sum", g.world_size, g.group_name))
+            shard = shard.div_(g.world_size).to(ctx.dtype)
         grads, start = [], 0
         for shape in ctx.shapes:
             n = math.prod(shape)
             grads.append(shard[start : start + n].view(shape))
             start += n
-        return (None, None, None, *grads)
+        return (None, None, None, None, *grads)
 
 
 @dataclasses.dataclass
@@ -131,6 +144,11 @@ class Unit:
     shapes: list[torch.Size]  # full (unpadded) shape of each parameter
     slots: list[list[tuple[nn.Module, str]]]  # per parameter: every (module, attribute) holding it (tied weights)
     param_names: list[str]  # per parameter: its name in model.named_parameters()
+    layer: int | None = None  # the transformer layer the unit is (None: the root)
+
+    def tag(self, role: str) -> dict[str, Any]:
+        """The collective tag of this unit's gather (`node_meta.PARAM_GATHER`) or gradient reduction."""
+        return node_meta.collective_tag(KIND, role, self.name, self.layer)
 
     def shard_rows(self, world_size: int) -> list[int]:
         return [math.ceil(s[0] / world_size) for s in self.shapes]
@@ -149,7 +167,8 @@ def _gather(
 ) -> list[torch.Tensor]:
     """Full parameters of `unit` from this rank's shards: one all-gather, then each cut back to its shape."""
     n = group.world_size
-    gathered = AllGather.apply(group, reduce_dtype, param_dtype, *shards).view(n, -1)
+    reduce_tag = unit.tag(node_meta.GRAD_REDUCE)
+    gathered = AllGather.apply(group, reduce_dtype, param_dtype, reduce_tag, *shards).view(n, -1)
     full = []
     for piece, shape in zip(gathered.split([s.numel() for s in shards], dim=1), unit.shapes):
         rows = piece.shape[1] // max(1, math.prod(shape[1:]))
@@ -157,8 +176,11 @@ def _gather(
     return full
 
 
-class FSDP:
+class FSDP(Parallelism):
     """A model's parameters sharded over `group` (see the module docstring); built by `fully_shard_model`."""
+
+    kind = KIND
+    label = "FSDP"
 
     def __init__(
         self,
@@ -175,6 +197,24 @@ class FSDP:
             param_dtype = None
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self._by_name = {u.name: u for u in units}
+        self._full_shapes = self.full_shapes()
+        self.device_mesh: Any = None  # the 1-D DeviceMesh of `group`, for `logical` (set by `apply`)
+
+    @classmethod
+    def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> FSDP | None:
+        """FSDP over the mesh's `dp_shard` dimension with the configured mixed precision; None when its degree is 1."""
+        if mesh.size(MESH_DIM) == 1:
+            return None
+        t = cfg.training
+        fsdp = fully_shard_model(
+            model,
+            ShardGroup.of(mesh.group(MESH_DIM)),
+            param_dtype=DTYPES[t.mixed_precision_param],
+            reduce_dtype=DTYPES[t.mixed_precision_reduce],
+            layers=plan.layers,
+        )
+        fsdp.device_mesh = mesh.device_mesh[MESH_DIM]
+        return fsdp
 
     @contextlib.contextmanager
     def gathered(self, name: str):
@@ -183,7 +223,7 @@ class FSDP:
         shards = unit.current()
         # The nodes of the gather belong to no layer: the fsdp_gather pass, not activation checkpointing,
         # decides whether the backward reads them or gathers again.
-        with fx_traceback.annotate({node_meta.FSDP_UNIT: name, node_meta.LAYER_ID: None}):
+        with fx_traceback.annotate({node_meta.COLLECTIVE: unit.tag(node_meta.PARAM_GATHER), node_meta.LAYER_ID: None}):
             full = _gather(unit, self.group, shards, self.param_dtype, self.reduce_dtype)
         for slots, t in zip(unit.slots, full):
             for module, attr in slots:
@@ -207,10 +247,54 @@ class FSDP:
 
         return loss
 
-    def norm_reduce(self, sq_norm: torch.Tensor) -> torch.Tensor:
+    def norm_reduce(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self._global_sq_norm
+
+    def _global_sq_norm(self, sq_norm: torch.Tensor) -> torch.Tensor:
         """The global squared gradient norm from this rank's: summed over the ranks (a traceable all-reduce)."""
-        g = self.group
-        return c10d.wait_tensor(c10d.all_reduce(sq_norm, "sum", g.group_name))
+        with fx_traceback.annotate({node_meta.COLLECTIVE: node_meta.collective_tag(KIND, node_meta.NORM_REDUCE)}):
+            return c10d.wait_tensor(c10d.all_reduce(sq_norm, "sum", self.group.group_name))
+
+    def check_traced(self, traced: TracedStep) -> TracedStep:
+        return check_gathered(traced)
+
+    def shard_sum(self) -> Callable[[float], float]:
+        return self._sum_over_group
+
+    def _sum_over_group(self, value: float) -> float:
+        total = torch.tensor(value, dtype=torch.float64, device=self._device())
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group.group)
+        return total.item()
+
+    def _device(self) -> torch.device:
+        return self.units[0].current()[0].device
+
+    def full_shapes(self) -> dict[str, torch.Size]:
+        """The logical (unpadded) shape of every parameter, under each name it is held by (tied weights: two)."""
+        full_by_id = {id(t): shape for u in self.units for t, shape in zip(u.current(), u.shapes)}
+        return {
+            name: full_by_id[id(p)]
+            for name, p in self.model.named_parameters(remove_duplicate=False)
+            if id(p) in full_by_id
+        }
+
+    def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """`local` (a shard of `name`, padding rows included, or a tensor shaped like one, e.g. an AdamW moment)
+        as this rank's part of a DTensor of the parameter's full shape, the padding cut off.
+
+        Our shards are torch.chunk row blocks, the layout of DTensor's `Shard(0)` for an uneven dim 0, so DCP
+        can cut the saved tensors for any number of ranks on load."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        full_shape = self._full_shapes.get(name)
+        if full_shape is None:
+            return local
+        rows = local.shape[0]
+        valid = max(0, min(rows, full_shape[0] - self.group.rank * rows))
+        stride = torch.empty(full_shape, device="meta").stride()
+        return DTensor.from_local(
+            local.detach()[:valid], self.device_mesh, [Shard(0)], run_check=False, shape=full_shape, stride=stride
+        )
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered whole (unpadded), by name: for comparisons and exports, not for training.
@@ -266,19 +350,22 @@ def fully_shard_model(
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    layers: str | None = None,
 ) -> FSDP:
     """Replace every parameter of `model` by this rank's shard, in place, and install the gathers.
 
     Every rank must call it on an identically initialized model. Parameter names
     and order (`model.named_parameters()`) are unchanged; only shapes change.
     `param_dtype` / `reduce_dtype`: mixed precision as FSDP2's `MixedPrecisionPolicy`
-    (see the module docstring); None keeps the parameters' dtype.
+    (see the module docstring); None keeps the parameters' dtype. `layers` names the
+    container of the transformer blocks, each one unit (None: found as the tracer finds it).
 
     Raises:
         ValueError: a 0-dimensional parameter (it has no dim 0 to shard).
     """
-    layers = list(transformer_layers(model))
-    groups = [(name, model.get_submodule(name), set()) for name in layers] + [(ROOT, model, set(layers))]
+    layer_index = transformer_layers(model, layers)
+    blocks = list(layer_index)
+    groups = [(name, model.get_submodule(name), set()) for name in blocks] + [(ROOT, model, set(blocks))]
     units = []
     for name, module, skip in groups:
         found = _param_slots(module, name, skip)
@@ -294,9 +381,9 @@ def fully_shard_model(
             shapes.append(p.shape)
             slots.append(where)
             names.append(pname)
-        units.append(Unit(name, shapes, slots, names))
+        units.append(Unit(name, shapes, slots, names, layer_index.get(name)))
     fsdp = FSDP(model, group, units, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for name in layers:
+    for name in blocks:
         if name in fsdp._by_name:
             layer = model.get_submodule(name)
             layer.forward = functools.partial(_gathered_forward, fsdp, name, type(layer).forward.__get__(layer))
@@ -318,7 +405,7 @@ def check_gathered(traced: TracedStep) -> TracedStep:
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     for name, node in zip(traced.layout.param_names, placeholders):
         for user in node.users:
-            if node_meta.fsdp_unit(user) is None and node_meta.phase(user) != node_meta.OPTIMIZER:
+            if node_meta.gathered_unit(user) is None and node_meta.phase(user) != node_meta.OPTIMIZER:
                 where = node_meta.module_fqn(user) or "the loss function (outside model.forward)"
                 raise TraceError(
                     f"parameter {name} is read un-gathered (this rank's shard, {list(node.meta['val'].shape)}) "

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.loss import lm_loss
-from graph_trainer.optimizer.adamw import clip_grads_
+from graph_trainer.optimizer.clip import clip_grads_
 from graph_trainer.step import StepOutput, StepReport
 from graph_trainer.tracer.capture import GradReduce, LossFn, NormReduce
 

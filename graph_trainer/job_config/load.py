@@ -73,7 +73,7 @@ def validate(cfg: JobConfig) -> None:
     Normalizes in place: ints in float fields become floats, and a digit-string
     selective_ac_option becomes an int.
 
-    Resolves the model args through `models.build_model_args` (imported here so
+    Resolves the model args through `graph_trainer.job_config.model_args.build_model_args` (imported here so
     that loading a config does not import the models package until needed).
     """
     for sec_name, sec_cls in sections().items():
@@ -163,7 +163,7 @@ def parse_ac_option(option: str | int) -> str | int:
 
 def resolve_model_args(cfg: JobConfig) -> Any:
     """The model's ModelArgs: the flavor's values with `cfg.model` overrides applied."""
-    from models import build_model_args
+    from graph_trainer.job_config.model_args import build_model_args
 
     return build_model_args(cfg.model.name, cfg.model.flavor, cfg.model.overrides())
 

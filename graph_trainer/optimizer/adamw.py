@@ -1,4 +1,4 @@
-"""Optimizer, learning-rate schedule and gradient clipping.
+"""AdamW: building `torch.optim.AdamW` for a job, its state made up front, and its update traced into the graph.
 
 Eager mode uses `torch.optim.AdamW` as is. With `compile.trace_optimizer` the
 same update is traced into the step graph by `GraphAdamW`, which keeps its
@@ -8,16 +8,10 @@ do not care which mode ran) and reproduces its single-tensor update bit for bit.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.nn as nn
 
 from graph_trainer.errors import ConfigError
-from graph_trainer.observability.memory import allocated_bytes
 
 # How torch.optim.AdamW runs its update when it runs outside the graph (eager mode, or the
 # traced step without compile.trace_optimizer). Each allocates different scratch on top of
@@ -86,46 +80,6 @@ def build_optimizer(
     )
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_factor: float) -> float:
-    """Multiplier of the base LR for optimizer step `step` (0-based): linear warmup, then decay."""
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    if decay_type == "none":
-        return 1.0
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    if decay_type == "linear":
-        shape = 1.0 - progress
-    elif decay_type == "cosine":
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
-        raise ConfigError(f"lr_scheduler.decay_type: expected linear|cosine|none, got {decay_type!r}")
-    return min_lr_factor + (1.0 - min_lr_factor) * shape
-
-
-def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_factor: float
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR over `lr_factor`; step it once after every optimizer step."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: lr_factor(
-            step, warmup_steps=warmup_steps, total_steps=total_steps, decay_type=decay_type, min_lr_factor=min_lr_factor
-        ),
-    )
-
-
-def resync_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
-    """Set each group's lr from this run's schedule at the scheduler's position.
-
-    Needed after loading a checkpoint: the saved lr came from the saved run's
-    schedule, and a resumed run may have a different `training.steps` horizon.
-    """
-    for group, base_lr, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base_lr * fn(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
-
-
 def init_adamw_state(optimizer: torch.optim.AdamW, p: torch.Tensor) -> dict:
     """`p`'s AdamW state, created as torch.optim.AdamW would lazily create it on its first step.
 
@@ -161,87 +115,6 @@ def adamw_implementation(group: dict) -> str:
 
         _, foreach = _default_to_fused_or_foreach(list(group["params"]), differentiable=False, use_fused=False)
     return "foreach" if foreach else "single_tensor"
-
-
-def adamw_state_bytes(optimizer: torch.optim.AdamW, device: torch.device) -> int:
-    """Bytes of `optimizer`'s state held in `device`'s memory (as its allocator counts them).
-
-    exp_avg and exp_avg_sq always; the 0-d step counters only where they live on
-    that device: on a CPU run, or for fused/capturable groups (elsewhere torch
-    keeps them on the host).
-    """
-    total = 0
-    for state in optimizer.state.values():
-        for t in state.values():
-            if isinstance(t, torch.Tensor) and (device.type == "cpu" or t.device.type != "cpu"):
-                total += allocated_bytes(t.untyped_storage().nbytes(), device.type)
-    return total
-
-
-def eager_step_scratch_bytes(optimizer: torch.optim.AdamW, device: torch.device | None = None) -> int:
-    """Most bytes `torch.optim.AdamW.step()` holds beyond params, grads and state (its temporaries).
-
-    Per parameter group (the temporaries die when torch's update function returns), by the
-    update torch runs (torch 2.13's `torch/optim/adam.py`):
-
-    - single_tensor: for parameter i it builds `denom = (exp_avg_sq.sqrt() / c).add_(eps)`, two
-      temporaries of p_i's size, while the previous parameter's `denom` is still bound to
-      the loop variable; every other op is in place: max_i(size(p_{i-1}) + 2 * size(p_i)).
-    - foreach: per (device, dtype) bucket, `_foreach_sqrt(exp_avg_sqs)` makes one temporary
-      per parameter, all alive at once, while the previous bucket's list is still bound:
-      max_b(size(bucket_{b-1}) + size(bucket_b)); with one bucket, the size of all parameters.
-    - fused: every op is in place: 0.
-
-    Measured against `LiveTensorTracker` on CPU for all three (tests/test_optimizer.py);
-    the CUDA kernels allocate the same tensors. `device` (default: the parameters')
-    decides how each temporary is rounded by the allocator (`allocated_bytes`).
-
-    Raises:
-        ValueError: for capturable or differentiable groups, whose extra temporaries are not modelled.
-    """
-    peak = 0
-    for group in optimizer.param_groups:
-        if group.get("capturable") or group.get("differentiable"):
-            raise ValueError("eager_step_scratch_bytes does not model capturable or differentiable AdamW")
-        params = list(group["params"])
-        implementation = adamw_implementation(group)
-        if implementation == "fused" or not params:
-            continue
-        device_type = (device or params[0].device).type
-        if implementation == "single_tensor":
-            sizes = [allocated_bytes(p.numel() * p.element_size(), device_type) for p in params]
-            peak = max(peak, max((prev + 2 * cur for prev, cur in zip([0, *sizes], sizes)), default=0))
-            continue
-        buckets: dict[tuple, int] = {}  # insertion order = the order torch groups them in
-        for p in params:
-            key = (p.device, p.dtype)
-            buckets[key] = buckets.get(key, 0) + allocated_bytes(p.numel() * p.element_size(), device_type)
-        sizes = list(buckets.values())
-        peak = max(peak, max((prev + cur for prev, cur in zip([0, *sizes], sizes)), default=0))
-    return peak
-
-
-def clip_grads_(
-    grads: list[torch.Tensor], max_norm: float, norm_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> torch.Tensor:
-    """Scale `grads` in place so their global L2 norm is at most `max_norm`; returns the norm before clipping.
-
-    With sharded gradients, `norm_reduce` maps this rank's squared norm to the
-    global one (the sum over ranks), so every rank clips by the same factor.
-
-    The eager step and the traced step both call this very function, so the two
-    run the same ops in the same order (torch's `clip_grad_norm_` would pick a
-    foreach kernel for real tensors but not for fake ones).
-    """
-    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
-    total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-    if norm_reduce is not None:
-        total_norm = torch.sqrt(norm_reduce(total_norm * total_norm))
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
-    return total_norm
 
 
 class GraphAdamW:
@@ -330,38 +203,3 @@ class GraphAdamW:
     def after_step(self) -> None:
         """Tell the LR scheduler an update happened (it watches `optimizer.step`, which the graph bypasses)."""
         self.optimizer._opt_called = True  # the flag torch's LRScheduler reads
-
-
-@dataclasses.dataclass(frozen=True)
-class EagerUpdate:
-    """`torch.optim.AdamW.step()` run after the graph: its implementation, the state it keeps
-    alive through the whole step, and the scratch its update allocates."""
-
-    implementation: str
-    state_bytes: int
-    scratch_bytes: int
-
-    @classmethod
-    def of(cls, optimizer: torch.optim.AdamW, implementation: str, device: torch.device) -> EagerUpdate:
-        """The update `optimizer.step()` runs on `device` (its state must exist: `init_adamw_state`)."""
-        return cls(implementation, adamw_state_bytes(optimizer, device), eager_step_scratch_bytes(optimizer, device))
-
-
-def whole_step_peak(estimate: Any, update: EagerUpdate | None) -> tuple[int, dict[str, int], bool]:
-    """(peak bytes, bytes by category at the peak, whether the peak is in the eager update) of a step.
-
-    `estimate` is the graph's `MemoryEstimate` (`graph_trainer.passes.memory_estimate`);
-    with `update` None the update is in the graph. Otherwise the optimizer state
-    is alive throughout, and the update runs after the graph on what the graph
-    leaves alive (params, batch, grads) plus its scratch.
-    """
-    if update is None:
-        return estimate.peak_bytes, dict(estimate.peak_bytes_by_category), False
-    after_graph = sum(estimate.final_bytes_by_category.values()) + update.scratch_bytes
-    in_update = after_graph > estimate.peak_bytes
-    if in_update:
-        by_category = {**estimate.final_bytes_by_category, "optimizer_scratch": update.scratch_bytes}
-    else:
-        by_category = dict(estimate.peak_bytes_by_category)
-    by_category["optimizer_state"] = by_category.get("optimizer_state", 0) + update.state_bytes
-    return max(estimate.peak_bytes, after_graph) + update.state_bytes, by_category, in_update

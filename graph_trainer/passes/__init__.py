@@ -1,22 +1,24 @@
 """Graph passes over the traced step: the registry and the pipeline built from config.
 
-Fixed order (each may be turned off with `compile.disable_passes`):
+Fixed order (each may be turned off with `compile.disable_passes`); each pass declares when it runs (from the
+config sections it reads), which facts it needs from earlier passes and which it establishes:
 
-1. `dce`            dead-code elimination (keeps in-place and random ops)         bitwise
-2. `remove_noops`   drop detach/alias/same-shape views/t(t(x))                     bitwise
-3. `memory_policy`  tag save/recompute (activation_checkpoint.mode selective,
-                    full or budget, plus the save/recompute overrides)            bitwise
-4. `fsdp_gather`    tag re-gather/keep of each FSDP unit's parameter gather
-                    (parallelism.dp_shard > 1 only)                                 bitwise
-5. `remat`          duplicate recomputed ops into the backward                     bitwise
-6. `fsdp_prefetch`  issue each FSDP all-gather right after the previous one's wait
-                    (parallelism.fsdp_prefetch)                                     bitwise
+| # | pass            | runs when                                  | needs          | gives          | numerics |
+|---|-----------------|--------------------------------------------|----------------|----------------|----------|
+| 1 | `dce`           | always                                     |                |                | bitwise  |
+| 2 | `remove_noops`  | always                                     |                |                | bitwise  |
+| 3 | `memory_policy` | activation_checkpoint.mode != none         |                | recompute tags | bitwise  |
+| 4 | `fsdp_gather`   | parallelism.dp_shard > 1                   |                | recompute tags | bitwise  |
+| 5 | `remat`         | a policy tags anything to recompute        | recompute tags | rematerialized | bitwise  |
+| 6 | `fsdp_prefetch` | parallelism.dp_shard > 1 and fsdp_prefetch |                |                | bitwise  |
 
 The pipeline returns the final graph with its memory estimate (`Transformed`).
 Save/recompute is decided once (3, and 4 for gathered parameters, which 3 never
 tags) and made final by 5; nothing after `remat` re-decides it. With a mode
-other than `none`, 3 and 5 cannot be disabled: the
-step would silently run without the policy asked for.
+other than `none`, 3 and 5 cannot be disabled: the step would silently run
+without the policy asked for. A pass whose needs no earlier pass gives is
+refused by name before anything is traced. The rules every pass keeps are in
+passes/README.md; the pipeline checks them after each pass.
 
 `memory_policy_transform` gives the same pipeline to a user's own model and
 step (`graph_trainer.tracer.GraphStep(model, transform=...)`).
@@ -24,7 +26,6 @@ step (`graph_trainer.tracer.GraphStep(model, transform=...)`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -33,29 +34,40 @@ from graph_trainer.job_config.load import parse_ac_option
 from graph_trainer.job_config.schema import ActivationCheckpointConfig, JobConfig
 from graph_trainer.observability.log import get_logger
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
-from graph_trainer.passes.fsdp_gather import POLICIES as FSDP_GATHER_POLICIES
 from graph_trainer.passes.fsdp_gather import tag_fsdp_gathers
 from graph_trainer.passes.fsdp_prefetch import prefetch_fsdp_gathers
 from graph_trainer.passes.memory_policy import MODES, memory_policy
 from graph_trainer.passes.op_patterns import parse_overrides
-from graph_trainer.passes.pipeline import GraphPass, PassContext, Pipeline, check_disabled
+from graph_trainer.passes.pipeline import GraphPass, PassConfig, PassContext, Pipeline, check_disabled, check_needs
 from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer.capture import TracedStep
 from graph_trainer.tracer.executor import Transformed
 
 logger = get_logger(__name__)
 
+RECOMPUTE_TAGS = "recompute tags"  # node.meta["recompute"] / ["ac_graph_id"] on forward nodes
+REMATERIALIZED = "rematerialized"  # recomputed ops copied into the backward
 
-def _always(ac: ActivationCheckpointConfig) -> bool:
+
+def _always(config: PassConfig) -> bool:
     return True
 
 
-def _policy_asked(ac: ActivationCheckpointConfig) -> bool:
-    return ac.mode != "none"
+def _policy_asked(config: PassConfig) -> bool:
+    return config.ac.mode != "none"
 
 
-def _only_with_fsdp(ac: ActivationCheckpointConfig) -> bool:
-    return False  # switched on by `pipeline_for(fsdp_gather=...)`, which binds the gather policy
+def _sharded(config: PassConfig) -> bool:
+    return config.parallelism.dp_shard > 1
+
+
+def _anything_to_recompute(config: PassConfig) -> bool:
+    regathers = _sharded(config) and config.parallelism.fsdp_reshard_after_forward != "never"
+    return _policy_asked(config) or regathers
+
+
+def _prefetching(config: PassConfig) -> bool:
+    return _sharded(config) and config.parallelism.fsdp_prefetch
 
 
 REGISTRY: tuple[GraphPass, ...] = (
@@ -75,31 +87,39 @@ REGISTRY: tuple[GraphPass, ...] = (
     ),
     GraphPass(
         "memory_policy",
-        lambda gm, ctx: memory_policy(gm, ctx.ac, input_categories=ctx.input_categories),
+        lambda gm, ctx: memory_policy(gm, ctx.config.ac, input_categories=ctx.input_categories),
         True,
         _policy_asked,
         "tag save/recompute per op (selective / full / budget, plus overrides)",
+        reads=("activation_checkpoint",),
+        gives=(RECOMPUTE_TAGS,),
     ),
     GraphPass(
         "fsdp_gather",
-        lambda gm, ctx: gm,
+        lambda gm, ctx: tag_fsdp_gathers(gm, ctx.config.parallelism.fsdp_reshard_after_forward),
         True,
-        _only_with_fsdp,
-        "tag re-gather (recompute) or keep (save) of each FSDP unit's parameter gather",
+        _sharded,
+        "tag re-gather (recompute) or keep (save) of each unit's parameter gather",
+        reads=("parallelism.dp_shard", "parallelism.fsdp_reshard_after_forward"),
+        gives=(RECOMPUTE_TAGS,),
     ),
     GraphPass(
         "remat",
         lambda gm, ctx: rematerialize(gm),
         True,
-        _policy_asked,
+        _anything_to_recompute,
         "duplicate recomputed forward ops just before their first backward use",
+        reads=("activation_checkpoint.mode", "parallelism.fsdp_reshard_after_forward"),
+        needs=(RECOMPUTE_TAGS,),
+        gives=(REMATERIALIZED,),
     ),
     GraphPass(
         "fsdp_prefetch",
         lambda gm, ctx: prefetch_fsdp_gathers(gm),
         True,
-        _only_with_fsdp,
-        "issue each FSDP all-gather right after the previous one's wait (overlaps communication)",
+        _prefetching,
+        "issue each parameter all-gather right after the previous one's wait (overlaps communication)",
+        reads=("parallelism.dp_shard", "parallelism.fsdp_prefetch"),
     ),
 )
 
@@ -110,25 +130,22 @@ def available_passes() -> list[str]:
 
 
 def pipeline_for(
-    ac: ActivationCheckpointConfig,
+    config: PassConfig,
     *,
     disable_passes: Sequence[str] = (),
     dump_dir: Path | None = None,
     log_saved_activations: bool = False,
-    fsdp_gather: str | None = None,
-    fsdp_prefetch: bool = False,
 ) -> Pipeline:
-    """The pipeline for an activation-checkpointing section: enabled passes in registry order, minus `disable_passes`.
+    """The pipeline for `config`: the passes that it enables, in registry order, minus `disable_passes`.
 
-    Validates before anything is traced. `fsdp_gather` is the FSDP gather policy
-    (`parallelism.fsdp_reshard_after_forward`) of a sharded step, None otherwise:
-    it turns on `fsdp_gather`, and `remat` when the backward re-gathers;
-    `fsdp_prefetch` then turns on `fsdp_prefetch`.
+    Validates before anything is traced.
 
     Raises:
-        ConfigError: an unknown or renamed name in `disable_passes`, a policy pass
-            disabled while `ac.mode` asks for it, or an override entry naming no ATen op.
+        ConfigError: an unknown or renamed name in `disable_passes`, a policy pass disabled while
+            `activation_checkpoint.mode` asks for it, a pass whose needs no earlier pass gives, or an
+            override entry naming no ATen op.
     """
+    ac = config.ac
     check_disabled(list(disable_passes), list(REGISTRY))
     if ac.mode not in MODES:
         raise ConfigError(f"activation_checkpoint.mode must be one of {'|'.join(MODES)}, got {ac.mode!r}")
@@ -146,40 +163,20 @@ def pipeline_for(
         logger.info(
             "activation_checkpoint.save_list/recompute_list are ignored with activation_checkpoint.mode = 'none'"
         )
-    wanted = {p.name for p in REGISTRY if p.enabled(ac)}
-    if fsdp_gather is not None:
-        if fsdp_gather not in FSDP_GATHER_POLICIES:
-            raise ConfigError(
-                f"parallelism.fsdp_reshard_after_forward must be one of "
-                f"{'|'.join(FSDP_GATHER_POLICIES)}, got {fsdp_gather!r}"
-            )
-        wanted |= {"fsdp_gather"} | ({"remat"} if fsdp_gather != "never" else set())
-        wanted |= {"fsdp_prefetch"} if fsdp_prefetch else set()
-    passes = [_bound(p, fsdp_gather) for p in REGISTRY if p.name in wanted and p.name not in disable_passes]
-    return Pipeline(passes, ac, dump_dir=dump_dir, log_saved_activations=log_saved_activations)
-
-
-def _bound(p: GraphPass, fsdp_gather: str | None) -> GraphPass:
-    """`p`, with the FSDP gather policy bound into the `fsdp_gather` pass."""
-    if p.name != "fsdp_gather":
-        return p
-    return dataclasses.replace(p, run=lambda gm, ctx: tag_fsdp_gathers(gm, fsdp_gather))
+    passes = [p for p in REGISTRY if p.enabled(config) and p.name not in disable_passes]
+    check_needs(passes, list(REGISTRY))
+    return Pipeline(passes, config, dump_dir=dump_dir, log_saved_activations=log_saved_activations)
 
 
 def build_pipeline(cfg: JobConfig, *, dump_dir: Path | None) -> Pipeline:
-    """The pipeline a job's config asks for (`activation_checkpoint` and `compile` sections); see `pipeline_for`.
-
-    Graphs are written under `dump_dir` only with `compile.dump_graphs`.
-    """
+    """The pipeline a job's config asks for (`activation_checkpoint`, `parallelism` and `compile` sections); see
+    `pipeline_for`. Graphs are written under `dump_dir` only with `compile.dump_graphs`."""
     c = cfg.compile
-    sharded = cfg.parallelism.dp_shard > 1
     return pipeline_for(
-        cfg.activation_checkpoint,
+        PassConfig(cfg.activation_checkpoint, cfg.parallelism),
         disable_passes=c.disable_passes,
         dump_dir=dump_dir if c.dump_graphs else None,
         log_saved_activations=c.log_saved_activations,
-        fsdp_gather=cfg.parallelism.fsdp_reshard_after_forward if sharded else None,
-        fsdp_prefetch=sharded and cfg.parallelism.fsdp_prefetch,
     )
 
 
@@ -228,12 +225,13 @@ def memory_policy_transform(
         save_list=list(save_list),
         recompute_list=list(recompute_list),
     )
-    return pipeline_for(ac, dump_dir=dump_dir)
+    return pipeline_for(PassConfig(ac), dump_dir=dump_dir)
 
 
 __all__ = [
     "REGISTRY",
     "GraphPass",
+    "PassConfig",
     "PassContext",
     "Pipeline",
     "available_passes",

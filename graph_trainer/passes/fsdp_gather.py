@@ -1,9 +1,10 @@
 """FSDP gather policy: per unit, the backward either re-gathers its parameters or keeps the forward's gather.
 
-Reads `custom["fsdp_unit"]` (written by `graph_trainer.distributed.fsdp` on the nodes of
-each unit's all-gather and of the cuts that turn it back into parameters) and
-the tracer's `phase`. Writes torch's `node.meta["recompute"]` on those forward
-nodes, once:
+Reads the collective tag (`node_meta.gathered_unit`: written by the parallelism
+that gathers parameters, `graph_trainer.distributed.fsdp`, on the nodes of each
+unit's all-gather and of the cuts that turn it back into parameters) and the
+tracer's `phase`. Reads `parallelism.fsdp_reshard_after_forward`. Writes torch's
+`node.meta["recompute"]` on those forward nodes, once:
 - re-gather (FSDP's reshard-after-forward): `MUST_RECOMPUTE`, together with
   every view of a gathered parameter (`t`, `view`, ...) so that no forward
   view keeps the gathered storage alive; `remat` then copies the all-gather
@@ -47,7 +48,7 @@ def tag_fsdp_gathers(gm: torch.fx.GraphModule, policy: str) -> torch.fx.GraphMod
     for node in gm.graph.nodes:
         if not node_meta.is_forward(node):
             continue
-        unit = node_meta.fsdp_unit(node)
+        unit = node_meta.gathered_unit(node)
         if unit is not None:
             again = regathers(policy, unit)
             node.meta[node_meta.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE if again else CheckpointPolicy.MUST_SAVE

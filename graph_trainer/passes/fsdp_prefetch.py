@@ -1,7 +1,8 @@
 """FSDP prefetch: issue each unit's all-gather as soon as the previous one has arrived.
 
-Reads `custom["fsdp_unit"]` and `custom["rematerialized"]` (the backward's
-re-gathers are remat's copies), so it runs after `remat`. Within the forward,
+Reads the collective tag (`node_meta.gathered_unit`: which unit's parameter
+gather a node belongs to, whoever made it) and `custom["rematerialized"]` (the
+backward's re-gathers are remat's copies), so it runs after `remat`. Within the forward,
 and separately within the backward's re-gathers, the i-th all-gather (with the
 nodes that fill its send slot: the empty buffer, the shards' copy into it) is
 moved to just after the wait of the (i-1)-th. The collective then runs on the
@@ -20,22 +21,17 @@ from __future__ import annotations
 
 import torch.fx
 
+from graph_trainer.passes.graph_utils import is_all_gather, is_wait
 from graph_trainer.tracer import node_meta
-
-_GATHER_OPS = {"_c10d_functional.all_gather_into_tensor_out.default", "_c10d_functional.all_gather_into_tensor.default"}
-
-
-def _is_gather(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and str(node.target) in _GATHER_OPS
 
 
 def _issue_chain(gather: torch.fx.Node) -> list[torch.fx.Node]:
     """The gather and the FSDP-tagged nodes that prepare its buffers, in graph order."""
-    unit = node_meta.fsdp_unit(gather)
+    unit = node_meta.gathered_unit(gather)
     chain, stack = {gather}, list(gather.all_input_nodes)
     while stack:
         n = stack.pop()
-        if n in chain or n.op != "call_function" or node_meta.fsdp_unit(n) != unit:
+        if n in chain or n.op != "call_function" or node_meta.gathered_unit(n) != unit:
             continue
         chain.add(n)
         stack.extend(n.all_input_nodes)
@@ -44,7 +40,7 @@ def _issue_chain(gather: torch.fx.Node) -> list[torch.fx.Node]:
         for user in n.users:
             if (
                 user not in chain
-                and node_meta.fsdp_unit(user) == unit
+                and node_meta.gathered_unit(user) == unit
                 and user.op == "call_function"
                 and any(u is gather for u in user.users)
             ):
@@ -54,12 +50,12 @@ def _issue_chain(gather: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _wait_of(gather: torch.fx.Node) -> torch.fx.Node:
-    return next(u for u in gather.users if "wait_tensor" in str(u.target))
+    return next(u for u in gather.users if is_wait(u))
 
 
 def prefetch_fsdp_gathers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Move each FSDP all-gather up to just after the previous one's wait (see the module docstring)."""
-    gathers = [n for n in gm.graph.nodes if _is_gather(n) and node_meta.fsdp_unit(n) is not None]
+    gathers = [n for n in gm.graph.nodes if is_all_gather(n) and node_meta.gathered_unit(n) is not None]
     for rematerialized in (False, True):
         group = [g for g in gathers if node_meta.is_rematerialized(g) == rematerialized]
         for previous, gather in zip(group, group[1:]):
@@ -67,7 +63,6 @@ def prefetch_fsdp_gathers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             for n in _issue_chain(gather):
                 anchor.append(n)
                 anchor = n
-    gm.graph.lint()
     gm.recompile()
     return gm
 

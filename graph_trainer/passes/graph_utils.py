@@ -44,6 +44,49 @@ def is_attention(target: Any) -> bool:
     return packet(target) in ATTENTION_OPS
 
 
+# The collectives a parallelism may put in the graph (torch's functional collectives), by kind of traffic.
+_c10d = getattr(torch.ops, "_c10d_functional", None)  # absent from torch builds without distributed
+
+
+def _c10d_packets(*names: str) -> frozenset:
+    return frozenset(getattr(_c10d, n) for n in names if _c10d is not None and hasattr(_c10d, n))
+
+
+ALL_GATHER_OPS = _c10d_packets("all_gather_into_tensor", "all_gather_into_tensor_out")
+REDUCE_SCATTER_OPS = _c10d_packets("reduce_scatter_tensor")
+ALL_REDUCE_OPS = _c10d_packets("all_reduce", "all_reduce_")
+ALL_TO_ALL_OPS = _c10d_packets("all_to_all_single")
+WAIT_OPS = _c10d_packets("wait_tensor")
+COLLECTIVE_OPS = ALL_GATHER_OPS | REDUCE_SCATTER_OPS | ALL_REDUCE_OPS | ALL_TO_ALL_OPS
+TRAFFIC_KINDS = {"all_gather": ALL_GATHER_OPS, "reduce_scatter": REDUCE_SCATTER_OPS,
+                 "all_reduce": ALL_REDUCE_OPS, "all_to_all": ALL_TO_ALL_OPS}  # fmt: skip
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    """A functional collective (all-gather, reduce-scatter, all-reduce, all-to-all); its wait is not one."""
+    return node.op == "call_function" and packet(node) in COLLECTIVE_OPS
+
+
+def is_all_gather(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and packet(node) in ALL_GATHER_OPS
+
+
+def is_wait(node: torch.fx.Node) -> bool:
+    """The `wait_tensor` that makes a collective's result usable."""
+    return node.op == "call_function" and packet(node) in WAIT_OPS
+
+
+def is_c10d_op(node: torch.fx.Node) -> bool:
+    """Any `_c10d_functional` op: a collective or its wait."""
+    return is_collective(node) or is_wait(node)
+
+
+def traffic_kind(node: torch.fx.Node) -> str | None:
+    """'all_gather', 'reduce_scatter', 'all_reduce' or 'all_to_all' for a collective, else None."""
+    p = packet(node) if node.op == "call_function" else None
+    return next((kind for kind, ops in TRAFFIC_KINDS.items() if p in ops), None)
+
+
 def tensors(val: Any) -> list[torch.Tensor]:
     """Tensors inside a node value (a tensor, a tuple/list of them, or nothing)."""
     return [t for t in tree_iter(val) if isinstance(t, torch.Tensor)]

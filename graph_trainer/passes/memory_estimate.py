@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_iter
 
 from graph_trainer.observability.memory import allocated_bytes, process_cublas_workspace_bytes
 from graph_trainer.observability.units import to_gib
-from graph_trainer.passes.graph_utils import is_matmul, storage_key, tensors
+from graph_trainer.passes.graph_utils import is_collective, is_matmul, is_wait, storage_key, tensors
 from graph_trainer.tracer import node_meta
 
 INPUT = "input"
@@ -105,10 +105,6 @@ class _Storage:
     category: str = ACTIVATION
 
 
-_WAIT_TENSOR = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
-_WAIT_TENSOR = getattr(_WAIT_TENSOR, "default", None)
-
-
 def _returned_input(node: torch.fx.Node) -> torch.fx.Node | None:
     """The input a collective op hands back as its output, or None.
 
@@ -116,10 +112,9 @@ def _returned_input(node: torch.fx.Node) -> torch.fx.Node | None:
     op returns an input: `wait_tensor` returns the tensor the collective filled,
     and the `_out` variants return `out`. Without this they would count twice.
     """
-    if node.target is _WAIT_TENSOR:
+    if is_wait(node):
         return node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.name.startswith("_c10d_functional::"):
+    if not is_collective(node):
         return None
     return node_meta.written_input(node)
 

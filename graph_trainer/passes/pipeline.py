@@ -1,8 +1,10 @@
 """The pass pipeline: run the registered passes in their fixed order on each fresh trace.
 
 The pipeline (not the passes) decides the order. For each enabled pass it logs
-the time and the node-count change, and with `compile.dump_graphs` writes the
-graph's code before and after it. Finally it estimates the step's peak memory
+the time and the node-count change, checks the graph it left (`Graph.lint()`, and
+no graph input written that was not written before: see passes/README.md), and
+with `compile.dump_graphs` writes the graph's code before and after it. A broken
+rule is a `PassError` naming the pass and the passes that ran before it. Finally it estimates the step's peak memory
 and, with `compile.log_saved_activations`, prints the tensors kept for the
 backward. It returns both: `Transformed(traced, memory_estimate)`.
 """
@@ -18,11 +20,11 @@ from pathlib import Path
 import torch.fx
 
 from graph_trainer.errors import ConfigError, did_you_mean
-from graph_trainer.job_config.schema import ActivationCheckpointConfig
+from graph_trainer.job_config.schema import ActivationCheckpointConfig, ParallelismConfig
 from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.units import MIB
 from graph_trainer.passes.activation_checkpoint import policy_name
-from graph_trainer.passes.graph_utils import count_nodes, node_by_name
+from graph_trainer.passes.graph_utils import count_nodes, mutated_args, node_by_name
 from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_tensors
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep
@@ -33,26 +35,62 @@ logger = get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class PassContext:
-    """What a pass may read besides the graph: its config section and one memory category per input."""
+class PassConfig:
+    """The configuration sections passes may read (each pass declares which keys in `GraphPass.reads`)."""
 
     ac: ActivationCheckpointConfig
+    parallelism: ParallelismConfig = dataclasses.field(default_factory=ParallelismConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassContext:
+    """What a pass may read besides the graph: the configuration and one memory category per graph input."""
+
+    config: PassConfig
     input_categories: list[str]
 
 
 @dataclasses.dataclass(frozen=True)
 class GraphPass:
-    """A registered pass: `run(gm, ctx) -> gm` plus its name, numerics promise and when it is on."""
+    """A registered pass: `run(gm, ctx) -> gm`, its name, numerics promise, when it is on, and its contract.
+
+    `enabled(config)` decides from the configuration alone whether the pass runs; `reads` names the config
+    keys it reads. `needs` are facts an earlier pass of the pipeline must give (`gives`), e.g. the recompute
+    tags `remat` acts on: a pipeline where none does is refused before anything is traced.
+    """
 
     name: str
     run: Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
     preserves_numerics_bitwise: bool
-    enabled: Callable[[ActivationCheckpointConfig], bool]
+    enabled: Callable[[PassConfig], bool]
     doc: str
+    reads: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
+    gives: tuple[str, ...] = ()
+
+
+class PassError(RuntimeError):
+    """A pass broke a rule every pass keeps (a bug in the pass, not the user's input)."""
 
 
 # Passes merged into another, by their old name: `compile.disable_passes` names the new one.
 RENAMED = {"activation_checkpoint": "memory_policy", "memory_budget": "memory_policy"}
+
+
+def check_needs(passes: list[GraphPass], registry: list[GraphPass]) -> None:
+    """Raise ConfigError naming the first pass whose needs no earlier pass of `passes` gives (and the passes of
+    `registry` that would give them)."""
+    given: dict[str, str] = {}
+    for p in passes:
+        for fact in p.needs:
+            if fact not in given:
+                givers = sorted({q.name for q in registry if fact in q.gives} or {"an earlier pass"})
+                raise ConfigError(
+                    f"pass {p.name!r} needs {fact}, which no pass before it gives (passes: "
+                    f"{', '.join(q.name for q in passes)}); {', '.join(givers)} must run first: check "
+                    "compile.disable_passes"
+                )
+        given.update({fact: p.name for fact in p.gives})
 
 
 def check_disabled(names: list[str], registry: list[GraphPass]) -> None:
@@ -76,7 +114,7 @@ class Pipeline:
 
     Args:
         passes: the passes to run, in order.
-        ac: the activation-checkpointing section the memory-policy pass reads.
+        config: the configuration the passes read.
         dump_dir: where each trace's graphs are written (one `trace_<n>` folder each), or None.
         log_saved_activations: log the tensors kept for the backward after the passes.
     """
@@ -84,30 +122,32 @@ class Pipeline:
     def __init__(
         self,
         passes: list[GraphPass],
-        ac: ActivationCheckpointConfig,
+        config: PassConfig,
         *,
         dump_dir: Path | None = None,
         log_saved_activations: bool = False,
     ):
         self.passes = passes
-        self.ac = ac
+        self.config = config
         self.dump_dir = dump_dir
         self.log_saved_activations = log_saved_activations
         self.runs = 0  # traces transformed so far; names the dump subfolder
 
     def __call__(self, traced: TracedStep) -> Transformed:
         self.runs += 1
-        ctx = PassContext(self.ac, traced.layout.categories)
+        ctx = PassContext(self.config, traced.layout.categories)
         gm = traced.gm
         dump = self.dump_dir / f"trace_{self.runs}" if self.dump_dir is not None else None
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
             _dump(gm, dump / "00_traced.py")
+        written = written_inputs(gm)
         for i, p in enumerate(self.passes, start=1):
             before = count_nodes(gm)
             start = time.perf_counter()
             gm = p.run(gm, ctx)
             elapsed = time.perf_counter() - start
+            self._check(gm, i, written)
             after = count_nodes(gm)
             logger.info(f"pass {p.name}: {elapsed * 1000:.1f} ms, ops {before} -> {after} ({after - before:+d})")
             if dump is not None:
@@ -124,6 +164,28 @@ class Pipeline:
             (dump / "saved_tensors.txt").write_text(saved_activation_report(gm, limit=None) + "\n")
             logger.info(f"graphs written to {dump}")
         return Transformed(dataclasses.replace(traced, gm=gm), est)
+
+    def _check(self, gm: torch.fx.GraphModule, index: int, written: set[str]) -> None:
+        """PassError unless the graph the `index`-th pass left is well formed and writes no new graph input."""
+        name = self.passes[index - 1].name
+        earlier = ", ".join(p.name for p in self.passes[: index - 1]) or "none"
+        try:
+            gm.graph.lint()
+        except Exception as e:
+            problem = str(e).strip().splitlines()[0]  # lint's message goes on to print the whole graph
+            raise PassError(f"pass {name!r} left an invalid graph ({problem}); passes run before it: {earlier}") from e
+        new_writes = written_inputs(gm) - written
+        if new_writes:
+            raise PassError(
+                f"pass {name!r} writes graph inputs the traced step did not write ({sorted(new_writes)}); "
+                f"passes run before it: {earlier}"
+            )
+
+
+def written_inputs(gm: torch.fx.GraphModule) -> set[str]:
+    """Names of the graph inputs some op writes into (the traced update's parameters and state, ...)."""
+    placeholders = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    return {a.name for n in gm.graph.nodes for a in mutated_args(n) if a in placeholders}
 
 
 def _dump(gm: torch.fx.GraphModule, path: Path) -> None:

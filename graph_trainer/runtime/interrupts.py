@@ -19,17 +19,18 @@ Exit codes: 128 + the signal number, as shells report a death by signal
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from graph_trainer.observability.log import get_logger
-
 if TYPE_CHECKING:  # torch is imported only when needed, so --help stays fast
     import torch
 
-logger = get_logger(__name__)
+# A child of the `graph_trainer` logger (graph_trainer.observability.log), named without importing it: runtime is
+# the layer below observability.
+logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

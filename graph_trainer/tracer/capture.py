@@ -36,7 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer.errors import UserError
 from graph_trainer.loss import lm_loss
-from graph_trainer.optimizer.adamw import clip_grads_
+from graph_trainer.optimizer.clip import clip_grads_
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.layers import transformer_layers
 
@@ -429,11 +429,24 @@ def trace_step(
     Raises:
         TraceError: with the module FQN, source line and op that could not be traced.
     """
+    _check_traceable(model, optimizer)
+    device = torch.device(device) if device is not None else None
+    batch = as_pytree(batch)
+    layout, constants, inputs = _lay_out_inputs(model, batch, optimizer)
+    step = _StepFunction(model, layout, constants, loss_fn, max_norm, optimizer, grad_reduce, norm_reduce, layers)
+    gm, trace_time = _make_graph(step, _fake_inputs(inputs, layout, device), failure_dir)
+    _annotate_graph(gm, layout, step.annotator)
+    return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch), trace_time_s=trace_time)
+
+
+# The phases of `trace_step`, in order.
+
+
+def _check_traceable(model: nn.Module, optimizer: GraphOptimizer | None) -> None:
+    """Refuse, before tracing, what a trace cannot follow or what has nothing to train."""
     check_no_compiled_autograd()
     check_no_module_checkpointing(model)
-    device = torch.device(device) if device is not None else None
     params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
     grad_names = trainable_parameter_names(model)
     if not grad_names:
         raise TraceError(
@@ -447,9 +460,15 @@ def trace_step(
             "[p for p in model.parameters() if p.requires_grad]",
             fix=None,
         )
-    batch = as_pytree(batch)
-    all_leaves, batch_spec = pytree.tree_flatten_with_path(batch)
-    for path, leaf in all_leaves:
+
+
+def _lay_out_inputs(
+    model: nn.Module, batch: Any, optimizer: GraphOptimizer | None
+) -> tuple[InputLayout, list[Any], list[torch.Tensor]]:
+    """The graph's flat inputs: (their layout, every batch leaf in order with Python constants in place, the
+    live tensors whose shapes the inputs take: parameters, buffers, batch tensors, optimizer state, scalars)."""
+    leaves_with_paths, batch_spec = pytree.tree_flatten_with_path(batch)
+    for path, leaf in leaves_with_paths:
         if not isinstance(leaf, (torch.Tensor, *CONSTANT_LEAF_TYPES)):
             raise TraceError(
                 f"batch leaf {pytree.keystr(path)} is a {type(leaf).__name__}: a batch may hold "
@@ -457,65 +476,121 @@ def trace_step(
                 "the constants' values)",
                 fix="convert it to a tensor or drop it from the batch",
             )
-    all_leaves = [leaf for _, leaf in all_leaves]
-    batch_leaves = [leaf for leaf in all_leaves if isinstance(leaf, torch.Tensor)]
+    leaves = [leaf for _, leaf in leaves_with_paths]
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    batch_tensors_ = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     opt_state = optimizer.state_tensors() if optimizer is not None else []
     scalars = optimizer.host_scalars() if optimizer is not None else []
     layout = InputLayout(
-        tuple(params), tuple(buffers), batch_spec, len(batch_leaves), len(opt_state), len(scalars), grad_names
+        tuple(params),
+        tuple(buffers),
+        batch_spec,
+        len(batch_tensors_),
+        len(opt_state),
+        len(scalars),
+        trainable_parameter_names(model),
     )
+    return layout, leaves, [*params.values(), *buffers.values(), *batch_tensors_, *opt_state, *scalars]
 
-    annotator = _ModuleAnnotator(model, layers)
-    failure: dict[str, Any] = {}
 
-    def step(*flat: torch.Tensor) -> list[torch.Tensor]:
-        p_list, b_list, leaves, state, host = layout.split(list(flat))
+class _StepFunction:
+    """The function make_fx traces: flat inputs -> [loss, grad_norm, *grads], each phase annotated.
+
+    Parameters and buffers are swapped into the model for the forward (functional_call's own mechanism, but
+    around `loss_fn` rather than `forward` alone); the backward is `torch.autograd.grad`; the optimizer phase
+    clips and, with a traced optimizer, updates in place. A failure records the module it happened in.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: InputLayout,
+        batch_leaves: list[Any],
+        loss_fn: LossFn,
+        max_norm: float,
+        optimizer: GraphOptimizer | None,
+        grad_reduce: GradReduce | None,
+        norm_reduce: NormReduce | None,
+        layers: str | None,
+    ):
+        self.model, self.layout, self.batch_leaves, self.loss_fn = model, layout, batch_leaves, loss_fn
+        self.max_norm, self.optimizer = max_norm, optimizer
+        self.grad_reduce, self.norm_reduce = grad_reduce, norm_reduce
+        self.annotator = _ModuleAnnotator(model, layers)
+        self.failure: dict[str, Any] = {}
+
+    def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
+        params, buffers, batch, state, host = self.layout.split(list(flat))
         try:
-            with fx_traceback.annotate({node_meta.PHASE: node_meta.FORWARD}):
-                tensors = {**dict(zip(layout.param_names, p_list)), **dict(zip(layout.buffer_names, b_list))}
-                # functional_call's own mechanism, but around loss_fn rather than forward alone;
-                # tie_weights lets tied modules (e.g. the output projection) follow the one name.
-                with torch.nn.utils.stateless._reparametrize_module(model, tensors, tie_weights=True):
-                    tensor_leaves = iter(leaves)
-                    batch_now = [next(tensor_leaves) if isinstance(leaf, torch.Tensor) else leaf for leaf in all_leaves]
-                    loss = loss_fn(model, pytree.tree_unflatten(batch_now, layout.batch_spec))
-            _link_backward_to_forward(loss.grad_fn)
-            by_name = dict(zip(layout.param_names, p_list))
-            trained = [by_name[n] for n in layout.grad_names]
-            with fx_traceback.annotate({node_meta.PHASE: node_meta.BACKWARD}):
-                grads = list(torch.autograd.grad(loss, trained))
-                if grad_reduce is not None:
-                    grads = list(grad_reduce(grads))
-            with fx_traceback.annotate({node_meta.PHASE: node_meta.OPTIMIZER}), torch.no_grad():
-                grad_norm = clip_grads_(grads, max_norm, norm_reduce)
-                if optimizer is not None:
-                    optimizer.update_(trained, grads, state, host)
+            loss = self._forward(params, buffers, batch)
+            by_name = dict(zip(self.layout.param_names, params))
+            trained = [by_name[n] for n in self.layout.grad_names]
+            grads = self._backward(loss, trained)
+            grad_norm = self._update(trained, grads, state, host)
             return [loss, grad_norm, *grads]
         except Exception:
-            failure["module"] = annotator.current_module()
-            failure["graph"] = _partial_graph_code()
+            self.failure["module"] = self.annotator.current_module()
+            self.failure["graph"] = _partial_graph_code()
             raise
 
-    fake_mode = FakeTensorMode()
-    fake_inputs = [_fake_like(fake_mode, t, device).requires_grad_(t.requires_grad) for t in params.values()]
-    fake_inputs += [_fake_like(fake_mode, t, device) for t in buffers.values()]
-    fake_inputs += [_fake_like(fake_mode, t, device) for t in batch_leaves]
-    fake_inputs += [_fake_like(fake_mode, t, device) for t in opt_state]
-    fake_inputs += [_fake_like(fake_mode, t, None) for t in scalars]  # host scalars stay on the CPU
+    def _forward(self, params: list, buffers: list, batch: list) -> torch.Tensor:
+        layout = self.layout
+        with fx_traceback.annotate({node_meta.PHASE: node_meta.FORWARD}):
+            tensors = {**dict(zip(layout.param_names, params)), **dict(zip(layout.buffer_names, buffers))}
+            # tie_weights lets tied modules (e.g. the output projection) follow the one name.
+            with torch.nn.utils.stateless._reparametrize_module(self.model, tensors, tie_weights=True):
+                tensor_leaves = iter(batch)
+                leaves = [next(tensor_leaves) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.batch_leaves]
+                loss = self.loss_fn(self.model, pytree.tree_unflatten(leaves, layout.batch_spec))
+        _link_backward_to_forward(loss.grad_fn)
+        return loss
 
+    def _backward(self, loss: torch.Tensor, trained: list[torch.Tensor]) -> list[torch.Tensor]:
+        with fx_traceback.annotate({node_meta.PHASE: node_meta.BACKWARD}):
+            grads = list(torch.autograd.grad(loss, trained))
+            if self.grad_reduce is not None:
+                grads = list(self.grad_reduce(grads))
+        return grads
+
+    def _update(self, trained: list, grads: list, state: list, host: list) -> torch.Tensor:
+        with fx_traceback.annotate({node_meta.PHASE: node_meta.OPTIMIZER}), torch.no_grad():
+            grad_norm = clip_grads_(grads, self.max_norm, self.norm_reduce)
+            if self.optimizer is not None:
+                self.optimizer.update_(trained, grads, state, host)
+        return grad_norm
+
+
+def _fake_inputs(inputs: list[torch.Tensor], layout: InputLayout, device: torch.device | None) -> list[torch.Tensor]:
+    """Fake tensors shaped like `inputs` on `device`: nothing the size of a parameter is allocated."""
+    fake_mode = FakeTensorMode()
+    n_params, *_, n_scalars = layout.sizes
+    fakes = []
+    for i, t in enumerate(inputs):
+        on = None if i >= len(inputs) - n_scalars else device  # host scalars stay on the CPU
+        fake = _fake_like(fake_mode, t, on)
+        fakes.append(fake.requires_grad_(t.requires_grad) if i < n_params else fake)
+    return fakes
+
+
+def _make_graph(
+    step: _StepFunction, fake_inputs: list[torch.Tensor], failure_dir: Path | None
+) -> tuple[torch.fx.GraphModule, float]:
+    """make_fx of `step` on fake tensors (node metadata kept, modules annotated); its time."""
     start = time.perf_counter()
     try:
-        with fx_traceback.preserve_node_meta(), annotator.installed():
+        with fx_traceback.preserve_node_meta(), step.annotator.installed():
             gm = make_fx(step, tracing_mode="fake")(*fake_inputs)
     except Exception as exc:
-        raise _trace_error(exc, failure, failure_dir) from exc
-    trace_time = time.perf_counter() - start
+        raise _trace_error(exc, step.failure, failure_dir) from exc
+    return gm, time.perf_counter() - start
 
+
+def _annotate_graph(gm: torch.fx.GraphModule, layout: InputLayout, annotator: _ModuleAnnotator) -> None:
+    """What make_fx cannot annotate while tracing: backward and update ops' modules and layers, random ops."""
     _copy_forward_annotations(gm.graph)
     _tag_optimizer_ops(gm.graph, layout, annotator)
     _mark_random_ops(gm.graph)
     gm.recompile()
-    return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch), trace_time_s=trace_time)
 
 
 def _tag_optimizer_ops(graph: torch.fx.Graph, layout: InputLayout, annotator: _ModuleAnnotator) -> None:

@@ -24,7 +24,8 @@ import torch.nn as nn
 from graph_trainer.errors import UserError
 from graph_trainer.loss import lm_loss
 from graph_trainer.observability.log import get_logger
-from graph_trainer.optimizer.adamw import EagerUpdate, adamw_implementation, whole_step_peak
+from graph_trainer.optimizer.adamw import adamw_implementation
+from graph_trainer.optimizer.update_memory import EagerUpdate, whole_step_peak
 from graph_trainer.step import StepOutput, StepReport
 from graph_trainer.tracer.capture import (
     GradReduce,

@@ -20,9 +20,15 @@ MODULE_FQN = "module_fqn"
 LAYER_ID = "layer_id"
 RANDOM = "random"  # True on ops that draw from an RNG: they must run exactly once
 REMATERIALIZED = "rematerialized"  # True on the backward copy of a recomputed forward op (passes.remat)
-FSDP_UNIT = (
-    "fsdp_unit"  # name of the FSDP unit whose parameter all-gather made the node (graph_trainer.distributed.fsdp)
-)
+# On every node a parallelism made for one of its collectives (the collective itself, its wait, the buffers
+# it fills and the cuts of its result): {"kind": who made it, "role": what it is for, "unit": which group of
+# parameters ("" the root unit; None if none), "layer": the transformer layer it serves (None: outside them)}.
+# The node's phase is its PHASE, as for every node. Written by graph_trainer.distributed, read by the passes.
+COLLECTIVE = "collective"
+PARAM_GATHER = "param_gather"  # gathers a unit's parameters for the forward (FSDP); the backward may gather again
+GRAD_REDUCE = "grad_reduce"  # reduces gradients over data-parallel ranks (a reduce-scatter or an all-reduce)
+NORM_REDUCE = "norm_reduce"  # sums the squared gradient norm over the ranks that hold shards of the gradients
+ROLES = (PARAM_GATHER, GRAD_REDUCE, NORM_REDUCE)
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -67,9 +73,28 @@ def is_rematerialized(node: torch.fx.Node) -> bool:
     return bool(node.meta.get(CUSTOM, {}).get(REMATERIALIZED))
 
 
-def fsdp_unit(node: torch.fx.Node) -> str | None:
-    """The FSDP unit ('' for the root, else a layer FQN) whose parameter gather made the node, or None."""
-    return node.meta.get(CUSTOM, {}).get(FSDP_UNIT)
+def collective_tag(kind: str, role: str, unit: str | None = None, layer: int | None = None) -> dict[str, Any]:
+    """The `COLLECTIVE` annotation of a parallelism's collective (see the key's comment)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown collective role {role!r}; expected one of {ROLES}")
+    return {"kind": kind, "role": role, "unit": unit, "layer": layer}
+
+
+def collective(node: torch.fx.Node) -> dict[str, Any] | None:
+    """The node's `COLLECTIVE` annotation, or None for a node no parallelism made."""
+    return node.meta.get(CUSTOM, {}).get(COLLECTIVE)
+
+
+def collective_kind(node: torch.fx.Node) -> str | None:
+    """The parallelism ('fsdp', 'dp_replicate', ...) whose collective made the node, or None."""
+    tag = collective(node)
+    return tag["kind"] if tag is not None else None
+
+
+def gathered_unit(node: torch.fx.Node) -> str | None:
+    """The unit ('' for the root, else e.g. a layer FQN) whose parameter gather made the node, or None."""
+    tag = collective(node)
+    return tag["unit"] if tag is not None and tag["role"] == PARAM_GATHER else None
 
 
 def is_random(node: torch.fx.Node) -> bool:

@@ -1,5 +1,6 @@
-"""Llama 3: the model (`model.py`) and its named sizes (`flavors.py`)."""
+"""Llama 3: the model (`model.py`), its named sizes (`flavors.py`) and its registry entry (`SPEC`)."""
 
+from models.common.spec import ModelSpec, ParallelPlan
 from models.llama3.flavors import LLAMA3_FLAVORS
 from models.llama3.model import (
     ModelArgs,
@@ -10,8 +11,19 @@ from models.llama3.model import (
     num_params_from_args,
 )
 
+SPEC = ModelSpec(
+    name="llama3",
+    args_cls=ModelArgs,
+    model_cls=Transformer,
+    flavors=LLAMA3_FLAVORS,
+    num_params=num_params_from_args,
+    flops_per_token=flops_per_token,
+    parallel_plan=ParallelPlan(layers="layers"),
+)
+
 __all__ = [
     "LLAMA3_FLAVORS",
+    "SPEC",
     "ModelArgs",
     "Transformer",
     "ffn_hidden_dim",

@@ -1,6 +1,6 @@
 """Llama 3, in one file you can read top to bottom.
 
-Order follows the data: config, RMSNorm, rotary embeddings, attention,
+Order follows the data: config, rotary frequencies, attention,
 feed-forward, the transformer block, the model, then helpers that count
 parameters and FLOPs.
 
@@ -17,6 +17,7 @@ Big flavors are built without memory and materialized afterwards:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -24,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graph_trainer.errors import ConfigError
+from models.common.norms import RMSNorm
+from models.common.rope import RotaryEmbedding, apply_rotary
+from models.common.spec import ModelArgsError
 
 
 @dataclass(frozen=True)
@@ -53,20 +56,20 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads != 0:
-            raise ConfigError(
+            raise ModelArgsError(
                 f"model dim {self.dim} is not divisible by n_heads {self.n_heads}; pick n_heads that divides dim"
             )
         if (self.dim // self.n_heads) % 2 != 0:
-            raise ConfigError(
+            raise ModelArgsError(
                 f"head dim {self.dim // self.n_heads} is odd; RoPE needs an even head dim (change dim or n_heads)"
             )
         if self.n_heads % self.kv_heads != 0:
-            raise ConfigError(
+            raise ModelArgsError(
                 f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}; "
                 "pick n_kv_heads that divides n_heads"
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout {self.dropout} is outside [0, 1); set model dropout to e.g. 0.0 or 0.1")
+            raise ModelArgsError(f"dropout {self.dropout} is outside [0, 1); set model dropout to e.g. 0.0 or 0.1")
 
     @property
     def head_dim(self) -> int:
@@ -77,27 +80,8 @@ class ModelArgs:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
 
-# --------------------------------------------------------------------------- RMSNorm
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 for low-precision inputs."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-
 # --------------------------------------------------------------------------- rotary embeddings
+# RMSNorm, the cos/sin tables and the rotation itself are shared by the families: models/common/.
 
 
 def rope_frequencies(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
@@ -122,53 +106,9 @@ def rope_frequencies(args: ModelArgs, device: torch.device | str | None = None) 
     return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables, [max_seq_len, head_dim // 2] each.
-
-    Real-valued (not complex) so that every op in the traced graph is an ordinary
-    float op; non-persistent because they are derived from the config, not learned.
-    """
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        shape = (args.max_seq_len, args.head_dim // 2)
-        self.register_buffer("cos", torch.empty(shape), persistent=False)
-        self.register_buffer("sin", torch.empty(shape), persistent=False)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Recompute the tables in place (in float32, then cast to the buffers' dtype)."""
-        device = self.cos.device
-        if device.type == "meta":
-            return  # nothing to compute on meta; init_weights() after to_empty() fills them
-        positions = torch.arange(self.args.max_seq_len, device=device, dtype=torch.float32)
-        angles = torch.outer(positions, rope_frequencies(self.args, device))
-        with torch.no_grad():
-            self.cos.copy_(angles.cos())
-            self.sin.copy_(angles.sin())
-
-    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if seq_len > self.args.max_seq_len:
-            raise ConfigError(
-                f"sequence length {seq_len} exceeds the model's max_seq_len {self.args.max_seq_len}; "
-                "raise model max_seq_len or lower the training seq_len"
-            )
-        return self.cos[:seq_len], self.sin[:seq_len]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (x[2i], x[2i+1]) of x [B, S, H, head_dim] by position-dependent angles.
-
-    Adjacent channels form a pair, as in Meta's complex-number formulation, so
-    Meta's wq/wk weights load without permutation. Computed in float32.
-    """
-    x_pairs = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = x_pairs[..., 0], x_pairs[..., 1]
-    cos = cos[None, :, None, :]  # broadcast over batch and heads
-    sin = sin[None, :, None, :]
-    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
+def rotary_embedding(args: ModelArgs) -> RotaryEmbedding:
+    """The cos/sin tables of `rope_frequencies`; the tables and `apply_rotary` are in models/common/rope.py."""
+    return RotaryEmbedding(args.max_seq_len, args.head_dim // 2, functools.partial(rope_frequencies, args))
 
 
 # --------------------------------------------------------------------------- attention
@@ -282,7 +222,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.rope = RotaryEmbedding(args)
+        self.rope = rotary_embedding(args)
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)

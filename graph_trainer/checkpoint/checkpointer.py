@@ -1,0 +1,39 @@
+"""Which checkpoint format a job writes: decided by whether its parallelisms hold parameters in parts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from graph_trainer.checkpoint.sharded import ShardedCheckpointManager
+from graph_trainer.checkpoint.single_file import CheckpointManager
+from graph_trainer.distributed.parallelism import ParallelModel
+
+
+def build_checkpointer(
+    folder: Path,
+    parallel: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    *,
+    enable: bool,
+    interval: int,
+    keep_latest_k: int,
+) -> CheckpointManager:
+    """Sharded state: a DCP folder every rank writes its parts to. Whole state: one file, written by rank 0 (the
+    weights are the same on every rank)."""
+    if parallel.shards_state:
+        return ShardedCheckpointManager(
+            folder,
+            parallel=parallel,
+            optimizer=optimizer,
+            enable=enable,
+            interval=interval,
+            keep_latest_k=keep_latest_k,
+        )
+    return CheckpointManager(
+        folder, enable=enable and parallel.mesh.rank == 0, interval=interval, keep_latest_k=keep_latest_k
+    )
+
+
+__all__ = ["build_checkpointer"]

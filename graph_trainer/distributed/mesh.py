@@ -1,0 +1,179 @@
+"""The ranks of a job laid out once as a named `DeviceMesh`, and where this process stands in it.
+
+`ParallelDims` holds the degree of each parallelism (`parallelism.*`); their product is the number of
+processes. `Mesh` is this process's view: its rank, device, the torch `DeviceMesh` with one named dimension
+per parallelism of degree > 1, and the coordinates the data loader reads. Every parallelism takes its
+process group from here (`Mesh.group(name)`), so the layout is decided in one place.
+
+One process is the degenerate case: no process group, no `DeviceMesh`, every coordinate 0 of 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from graph_trainer.errors import UserError
+from graph_trainer.job_config.schema import ParallelismConfig
+
+# Mesh dimensions, outermost first (torchtitan's order): replicas, then shards within a replica.
+DIMS = ("dp_replicate", "dp_shard")
+DATA_PARALLEL = ("dp_replicate", "dp_shard")  # the dimensions over which ranks read different data
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelDims:
+    """The degree of each parallelism; `world_size` is their product."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+
+    @classmethod
+    def from_config(cls, p: ParallelismConfig) -> ParallelDims:
+        """The degrees `parallelism.*` asks for.
+
+        Raises:
+            UserError: a combination the trainer cannot run (dp_shard with dp_replicate, HSDP).
+        """
+        if p.dp_shard > 1 and p.dp_replicate > 1:
+            raise UserError(
+                f"parallelism.dp_shard = {p.dp_shard} with parallelism.dp_replicate = {p.dp_replicate} (HSDP) is "
+                "not supported; use one of them: --parallelism.dp_shard N (FSDP) or "
+                "--parallelism.dp_replicate N (replicated)"
+            )
+        return cls(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard)
+
+    def degrees(self) -> dict[str, int]:
+        """Every dimension's degree, outermost first."""
+        return {name: getattr(self, name) for name in DIMS}
+
+    @property
+    def world_size(self) -> int:
+        size = 1
+        for degree in self.degrees().values():
+            size *= degree
+        return size
+
+    def describe(self) -> str:
+        """e.g. 'dp_shard 8' or 'one process'."""
+        used = [f"{name} {n}" for name, n in self.degrees().items() if n > 1]
+        return " x ".join(used) or "one process"
+
+    def used(self) -> list[str]:
+        """The dimensions of degree > 1, outermost first."""
+        return [name for name, n in self.degrees().items() if n > 1]
+
+    def launch_hint(self) -> str:
+        """The options that ask for these degrees, e.g. '--parallelism.dp_shard 8'."""
+        used = [f"--parallelism.{name} {n}" for name, n in self.degrees().items() if n > 1]
+        return " ".join(used)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """This process's place in the job: rank, device, and the named `DeviceMesh` (None for one process)."""
+
+    dims: ParallelDims
+    rank: int
+    device: torch.device
+    device_mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.device_mesh is not None
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """Every rank of the job (None for one process)."""
+        return dist.group.WORLD if self.is_distributed else None
+
+    def size(self, name: str) -> int:
+        """The degree of dimension `name` (1 when the job does not use it)."""
+        return self.dims.degrees()[name]
+
+    def coordinate(self, name: str) -> int:
+        """This rank's index along dimension `name` (0 when the job does not use it)."""
+        if self.size(name) == 1:
+            return 0
+        return self.device_mesh.get_local_rank(name)
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """The process group of this rank's peers along dimension `name` (None when its degree is 1)."""
+        if self.size(name) == 1:
+            return None
+        return self.device_mesh.get_group(name)
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of the data this rank reads: its index among the data-parallel ranks."""
+        rank = 0
+        for name in DATA_PARALLEL:
+            rank = rank * self.size(name) + self.coordinate(name)
+        return rank
+
+    @property
+    def data_size(self) -> int:
+        """How many slices the data is cut into: the data-parallel degree."""
+        size = 1
+        for name in DATA_PARALLEL:
+            size *= self.size(name)
+        return size
+
+    def global_average(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` averaged over every rank (a new tensor; `t` itself for one process). For logging."""
+        if not self.is_distributed:
+            return t
+        total = t.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.world_group)
+        return total / self.world_size
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op for one process)."""
+        if self.is_distributed:
+            dist.barrier(group=self.world_group)
+
+
+def build_mesh(dims: ParallelDims, rank: int, device: torch.device) -> Mesh:
+    """The job's mesh over the process group already joined (or one process's, when `dims` asks for one)."""
+    if dims.world_size == 1:
+        return Mesh(dims, 0, device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    used = {name: n for name, n in dims.degrees().items() if n > 1}
+    device_mesh = init_device_mesh(device.type, tuple(used.values()), mesh_dim_names=tuple(used))
+    return Mesh(dims, rank, device, device_mesh)
+
+
+@contextlib.contextmanager
+def planning_mesh(dims: ParallelDims, device: torch.device) -> Iterator[Mesh]:
+    """Rank 0 of a job of `dims.world_size` ranks, for planning (--dry-run): torch's fake process group inside
+    this one process, which traces collectives but never communicates. One process: the plain mesh."""
+    if dims.world_size == 1:
+        yield Mesh(dims, 0, device)
+        return
+    if dist.is_initialized():
+        raise UserError("--dry-run plans one rank by itself; run it without torchrun")
+    try:  # private, but it is torch's own fake backend (registers "fake" on import)
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:  # pragma: no cover - torch without its testing package
+        raise UserError(
+            f"--dry-run with {dims.describe()} needs torch's fake process group ({e}); plan one process instead"
+        ) from None
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dims.world_size)
+    try:
+        # The fake backend has no device of its own: the mesh is laid out on the CPU, whatever device is planned.
+        mesh = build_mesh(dims, 0, torch.device("cpu"))
+        yield dataclasses.replace(mesh, device=device)
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = ["DATA_PARALLEL", "DIMS", "Mesh", "ParallelDims", "build_mesh", "planning_mesh"]

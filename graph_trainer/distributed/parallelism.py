@@ -1,0 +1,157 @@
+"""The parallelism seam: the small interface every parallelism implements, and a model parallelized by them.
+
+A `Parallelism` splits a step's work over one dimension of the mesh (`graph_trainer.distributed.mesh`).
+It is applied to the model in place by its `apply` (which returns None when the job does not use it), and
+then answers the few questions the step, the clip, the divergence guard and the checkpoint ask:
+
+- `wrap_loss`: the loss function as it must run (FSDP gathers the root unit around it);
+- `grad_reduce` / `norm_reduce`: hooks traced into the step graph after the backward (replication averages
+  the gradients; sharded gradients make the clip norm a sum over the ranks);
+- `check_traced`: refuse a traced step that the parallelism cannot run right;
+- `shard_sum`, `full_shapes`, `logical`, `full_state`: what the divergence guard, the checkpoint and
+  exports need of parameters that no rank holds whole.
+
+Every collective a parallelism puts in the graph is annotated with one tag (`node_meta.COLLECTIVE`: kind,
+role, unit, layer), so the passes count, size, keep or re-issue collectives without knowing who made them.
+
+`ParallelModel` composes the parallelisms a job uses. With none (one process) every answer is "nothing to
+do", so the trainer, the builder and the planner never ask whether a model is sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from graph_trainer.distributed.mesh import Mesh
+from graph_trainer.tracer.capture import GradReduce, LossFn, NormReduce, TracedStep
+
+
+class Parallelism:
+    """One way of splitting the work over a mesh dimension. Every method's default does nothing."""
+
+    kind: str = ""  # the `kind` of its collectives' tags, e.g. "fsdp"
+    label: str = ""  # what a user calls it, e.g. "FSDP"
+
+    def wrap_loss(self, loss_fn: LossFn) -> LossFn:
+        """`loss_fn` as it must run under this parallelism."""
+        return loss_fn
+
+    def grad_reduce(self) -> GradReduce | None:
+        """Traced after `autograd.grad`, before clipping: maps the raw gradients to the ones applied."""
+        return None
+
+    def norm_reduce(self) -> NormReduce | None:
+        """Maps this rank's squared gradient norm to the global one (sharded gradients)."""
+        return None
+
+    def check_traced(self, traced: TracedStep) -> TracedStep:
+        """`traced` unchanged, or a `TraceError` naming what this parallelism cannot run."""
+        return traced
+
+    def shard_sum(self) -> Callable[[float], float] | None:
+        """Turns a per-rank sum over this rank's parameter shards into the sum over the whole parameters (a
+        collective, outside the graph: the divergence guard's parameter norm); None when nothing is sharded."""
+        return None
+
+    def full_shapes(self) -> dict[str, torch.Size]:
+        """Logical shape of every parameter this parallelism shards, by every name it is held under."""
+        return {}
+
+    def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """`local` (this rank's part of `name`, or of a tensor shaped like it) as a tensor of its logical shape:
+        a DTensor for sharded state, `local` itself otherwise. Used by checkpoints."""
+        return local
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter this parallelism shards, gathered whole (a collective: every rank calls it)."""
+        return {}
+
+
+# Each parallelism's `apply(model, mesh, cfg, plan) -> Parallelism | None`, in the order they are applied.
+Apply = Callable[..., Parallelism | None]
+
+
+class ParallelModel:
+    """A model and the parallelisms applied to it, answering for all of them (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, parts: Sequence[Parallelism] = ()):
+        self.model, self.mesh, self.parts = model, mesh, list(parts)
+
+    @property
+    def shards_state(self) -> bool:
+        """Whether some parameter is held in parts (then every rank checkpoints its own)."""
+        return bool(self.full_shapes())
+
+    def describe(self) -> str:
+        """e.g. 'FSDP' or 'one process'."""
+        return " + ".join(p.label for p in self.parts) or "one process"
+
+    def wrap_loss(self, loss_fn: LossFn) -> LossFn:
+        for part in self.parts:
+            loss_fn = part.wrap_loss(loss_fn)
+        return loss_fn
+
+    def grad_reduce(self) -> GradReduce | None:
+        return _chain([p.grad_reduce() for p in self.parts])
+
+    def norm_reduce(self) -> NormReduce | None:
+        return _chain([p.norm_reduce() for p in self.parts])
+
+    def check_traced(self, traced: TracedStep) -> TracedStep:
+        for part in self.parts:
+            traced = part.check_traced(traced)
+        return traced
+
+    def shard_sum(self) -> Callable[[float], float] | None:
+        return _chain([p.shard_sum() for p in self.parts])
+
+    def full_shapes(self) -> dict[str, torch.Size]:
+        shapes: dict[str, torch.Size] = {}
+        for part in self.parts:
+            shapes.update(part.full_shapes())
+        return shapes
+
+    def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        for part in self.parts:
+            local = part.logical(name, local)
+        return local
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, by name (sharded ones gathered): for comparisons and exports."""
+        state = {name: p.detach().clone() for name, p in self.model.named_parameters()}
+        for part in self.parts:
+            state.update(part.full_state())
+        return state
+
+
+def _chain(hooks: list[Callable[[Any], Any] | None]) -> Callable[[Any], Any] | None:
+    """The hooks applied in order, or None when there are none (the step then traces no hook at all)."""
+    hooks = [h for h in hooks if h is not None]
+    if not hooks:
+        return None
+    if len(hooks) == 1:
+        return hooks[0]
+
+    def chained(value: Any) -> Any:
+        for hook in hooks:
+            value = hook(value)
+        return value
+
+    return chained
+
+
+def parallelize(model: nn.Module, mesh: Mesh, cfg: Any, plan: Any, appliers: Sequence[Apply]) -> ParallelModel:
+    """Apply each parallelism of `appliers` that the job uses to `model`, in place, in order.
+
+    `plan` is the model family's `ParallelPlan` (models/common/spec.py): which modules are the layers, and
+    later which are column- or row-parallel. An applier returns None when its degree is 1.
+    """
+    parts = [part for apply in appliers if (part := apply(model, mesh, cfg, plan)) is not None]
+    return ParallelModel(model, mesh, parts)
+
+
+__all__ = ["Apply", "ParallelModel", "Parallelism", "parallelize"]

@@ -1,0 +1,30 @@
+"""Applying a job's parallelisms to its model: the one place that lists them, in the order they apply.
+
+    parallel = parallelize_model(model, mesh, cfg, spec.parallel_plan)
+
+A new parallelism is a module in this package whose class implements `Parallelism` and has an
+`apply(model, mesh, cfg, plan)` that returns None when the job does not use it; add it to `PARALLELISMS`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from graph_trainer.distributed.fsdp import FSDP
+from graph_trainer.distributed.mesh import Mesh
+from graph_trainer.distributed.parallelism import Apply, ParallelModel, parallelize
+from graph_trainer.distributed.replicate import Replicate
+
+# Fully sharded data parallelism shards what the others leave whole, so it comes after any that split
+# parameters themselves; replication averages the gradients FSDP has already reduced within a replica.
+PARALLELISMS: tuple[Apply, ...] = (FSDP.apply, Replicate.apply)
+
+
+def parallelize_model(model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ParallelModel:
+    """`model` with every parallelism the job uses applied in place (none for one process)."""
+    return parallelize(model, mesh, cfg, plan, PARALLELISMS)
+
+
+__all__ = ["PARALLELISMS", "parallelize_model"]

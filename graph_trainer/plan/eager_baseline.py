@@ -1,0 +1,72 @@
+"""The eager step's exact memory, from a run on fake tensors: the baseline a graph plan is compared with."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from graph_trainer.builder import build_job
+from graph_trainer.distributed.mesh import Mesh, ParallelDims
+from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.observability.memory import LiveTensorTracker
+
+
+@dataclasses.dataclass
+class EagerStepPeak:
+    """The eager step's memory (forward, loss, backward, clipping; no update), from a run on fake tensors."""
+
+    peak_bytes: int  # the step's peak: parameters, batch, gradients made so far and activations
+    end_bytes: int  # alive when the step returns: parameters, batch and gradients
+    activation_bytes: int  # at the peak: everything but parameters, buffers, batch and gradients
+
+
+def _materialize_fake(model: nn.Module, device: torch.device) -> None:
+    """Give a meta model fake tensors on `device` in place; a tensor shared by modules (tied weights) stays shared."""
+    fakes: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for slots, as_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in slots.items():
+                if t is None:
+                    continue
+                if id(t) not in fakes:
+                    fake = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    fakes[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if as_param else fake
+                slots[name] = fakes[id(t)]
+
+
+def eager_step_peak(cfg: JobConfig, device: torch.device) -> EagerStepPeak:
+    """Run cfg's eager step (`compile.mode eager`, with its torch.utils.checkpoint policy) on fake tensors.
+
+    The live-tensor tracker counts the fake tensors as the memory they stand for, so this is the eager step's
+    exact CPU peak (checked against a real run in tests/test_planner.py) at the cost of a trace, with nothing
+    allocated. The AdamW update is left out (torch's update cannot run on fake tensors); its state and scratch
+    are the same in both modes. It is one process's step: `parallelism` is not modelled.
+    """
+    job = build_job(cfg, Mesh(ParallelDims(), 0, device), materialize=False)
+    b, s = cfg.training.local_batch_size, cfg.training.seq_len
+    with FakeTensorMode():
+        _materialize_fake(job.model, device)
+        step = job.eager_step(optimizer_update=False)
+        batch = {name: torch.zeros(b, s, dtype=torch.long, device=device) for name in ("input", "labels")}
+        model = job.model
+        tracker = LiveTensorTracker(count_fake=True)
+        tracker.track_existing([list(model.parameters()), list(model.buffers()), batch])
+        try:
+            with tracker:
+                step(batch)
+            held = tracker.bytes_at_peak(
+                [list(model.parameters()), list(model.buffers()), batch, [p.grad for p in model.parameters()]]
+            )
+            return EagerStepPeak(
+                peak_bytes=tracker.peak_bytes,
+                end_bytes=tracker.current_bytes,
+                activation_bytes=tracker.peak_bytes - held,
+            )
+        finally:
+            tracker.forget()
+
+
+__all__ = ["EagerStepPeak", "eager_step_peak"]

@@ -1,0 +1,51 @@
+"""The registry entry of a model family, and the error a family raises for impossible model arguments.
+
+The trainer builds, counts and parallelizes a model through its `ModelSpec` alone, so a new family plugs in
+by adding one entry to `models.MODELS` (see models/README.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+
+class ModelArgsError(ValueError):
+    """Model arguments that cannot build a model (e.g. a width that the heads do not divide).
+
+    The message names the field and the fix; the trainer reports it to the user as a config error.
+    """
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How a family's modules map onto the parallelisms, declared by the family and applied by the trainer.
+
+    `layers` is the container of the repeated transformer blocks: fully sharded data parallelism gathers
+    each block as one unit and everything else as the root unit, and activation checkpointing works
+    block by block.
+    """
+
+    layers: str = "layers"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the trainer needs to build one model family and report on it.
+
+    `num_params(args)` counts the parameters (tied weights once); `flops_per_token(args, seq_len)` is the
+    training FLOPs per token (forward + backward) used for MFU. For a mixture of experts both count what a
+    token activates, so MFU stays honest (`num_params` the total, `active_params` the activated ones).
+    """
+
+    name: str
+    args_cls: type
+    model_cls: type[nn.Module]
+    flavors: Mapping[str, Any]
+    num_params: Callable[[Any], int]
+    flops_per_token: Callable[[Any, int], float]
+    parallel_plan: ParallelPlan = field(default_factory=ParallelPlan)
+    active_params: Callable[[Any], int] | None = None  # None: every parameter is active (a dense model)

@@ -1,0 +1,99 @@
+"""The layout table in docs/architecture.md is the law of imports: each folder imports only what its row allows.
+
+The test reads the table itself, so the documented direction and the enforced one cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TABLE = REPO / "docs" / "architecture.md"
+ENTRY_POINTS = {"graph_trainer.__main__", "graph_trainer.export"}
+ALIASES = {"graph_trainer/tracer/compiled.py"}  # the documented re-export (see the table's note)
+ALWAYS = {"errors"}
+
+
+def _rows() -> dict[str, set[str]]:
+    """Unit ('models', 'runtime', 'loss', ...) -> the units its row says it may import."""
+    rows = {}
+    for line in TABLE.read_text().splitlines():
+        m = re.match(r"\| `(?:graph_trainer/)?([\w]+)(?:/|\.py)` \| .* \| (.*) \|$", line)
+        if m:
+            allowed = m.group(2)
+            rows[m.group(1)] = set() if allowed.startswith("nothing") else {a.strip() for a in allowed.split(",")}
+    return rows
+
+
+def _closure(rows: dict[str, set[str]]) -> dict[str, set[str]]:
+    closed = {}
+    for unit in rows:
+        seen, stack = set(), list(rows[unit] | ALWAYS)
+        while stack:
+            name = stack.pop()
+            if name not in seen:
+                seen.add(name)
+                stack.extend(rows.get(name, set()))
+        closed[unit] = seen
+    return closed
+
+
+def _unit(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "models":
+        return "models"
+    return parts[1] if parts[0] == "graph_trainer" and len(parts) > 1 else None
+
+
+def _imports(path: Path) -> list[str]:
+    """Modules imported by `path`, leaving out imports under `if TYPE_CHECKING:` (they never run)."""
+    tree = ast.parse(path.read_text())
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+    return found
+
+
+def _module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def test_the_table_covers_every_folder_and_top_level_module():
+    rows = _rows()
+    units = {_unit(_module_name(p)) for p in (REPO / "graph_trainer").rglob("*.py")} - {None}
+    units -= {m.split(".")[1] for m in ENTRY_POINTS} | {"__init__"}
+    units.discard("configs")
+    assert units <= set(rows), f"not in docs/architecture.md's table: {sorted(units - set(rows))}"
+    assert "models" in rows
+
+
+def test_every_import_follows_the_table():
+    allowed = _closure(_rows())
+    broken = []
+    for path in sorted([*(REPO / "graph_trainer").rglob("*.py"), *(REPO / "models").rglob("*.py")]):
+        module = _module_name(path)
+        unit = "models" if module.startswith("models") else _unit(module)
+        if module in ENTRY_POINTS or unit is None or str(path.relative_to(REPO)) in ALIASES:
+            continue
+        for imported in _imports(path):
+            target = _unit(imported)
+            if target is not None and target != unit and target not in allowed[unit]:
+                broken.append(f"{path.relative_to(REPO)} imports {imported} ({unit} may not import {target})")
+    assert not broken, "\n".join(broken)
+
+
+def test_models_import_nothing_from_graph_trainer():
+    for path in (REPO / "models").rglob("*.py"):
+        assert not [m for m in _imports(path) if m.split(".")[0] == "graph_trainer"], path
