@@ -35,6 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parent
 if str(REPO_ROOT) not in sys.path:  # so `tests.integration` imports from any cwd
     sys.path.insert(0, str(REPO_ROOT))
 
+from graph_trainer.distributed.launch import trainer_command  # noqa: E402
 from graph_trainer.errors import did_you_mean  # noqa: E402
 from graph_trainer.observability.units import MIB_PER_GIB  # noqa: E402
 from tests.integration.checks import FAILED, PASSED, SKIPPED, RunOutcome, Verdict, check_test  # noqa: E402
@@ -85,20 +86,7 @@ def memory_needed(tests: list[IntegrationTest]) -> set[str]:
 
 def build_command(test: IntegrationTest, args: tuple[str, ...], dump_folder: Path, track_memory: bool) -> list[str]:
     """The argv of one invocation: the trainer CLI (under torchrun when nproc > 1) plus runner flags."""
-    launcher = [sys.executable, "-m", "graph_trainer"]
-    if test.nproc > 1:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nnodes",
-            "1",
-            "--nproc_per_node",
-            str(test.nproc),
-            "-m",
-            "graph_trainer",
-        ]
+    launcher = trainer_command(test.nproc)
     return [
         *launcher,
         *args,

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from graph_trainer.distributed.launch import trainer_command
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = [
     "--config",
@@ -41,16 +43,7 @@ def run(out: Path, ranks: int, option: str | None, steps: int, extra: tuple[str,
     args = [*MODEL, "--training.steps", str(steps), "--job.dump_folder", str(folder), "--job.overwrite", "true", *extra]
     if option:
         cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nnodes",
-            "1",
-            "--nproc_per_node",
-            str(ranks),
-            "-m",
-            "graph_trainer",
+            *trainer_command(ranks),
             *args,
             f"--parallelism.{option}",
             str(ranks),

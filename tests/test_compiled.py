@@ -31,25 +31,9 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.observability.memory import LiveTensorTracker
 from graph_trainer.trainer import Trainer
+from tests.tiny import TINY as TINY_RUN
 
-TINY = [
-    "--model.n_layers",
-    "2",
-    "--model.dim",
-    "64",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.deterministic",
-    "true",
-    "--metrics.enable_tensorboard",
-    "false",
-]
+TINY = TINY_RUN
 LOSS_RTOL = 1e-4
 GRAD_RTOL = 1e-4
 

@@ -19,12 +19,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graph_trainer.distributed.launch import check_launch
+from graph_trainer.distributed.launch import check_launch, trainer_command
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.tracer import node_meta
 from graph_trainer.trainer import Trainer
 from tests.multiprocess import assert_peaks_match, free_port, peaks, spawn_ranks, step_graph_nodes, train_runs
+from tests.tiny import TINY as TINY_RUN
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -36,28 +37,7 @@ pytestmark = [
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
 STEPS = 3
-TINY = [
-    "--config",
-    "llama3_debug",
-    "--model.n_layers",
-    "2",
-    "--model.dim",
-    "64",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.deterministic",
-    "true",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--training.steps",
-    str(STEPS),
-]
+TINY = ["--config", "llama3_debug", *TINY_RUN, "--training.steps", str(STEPS)]
 RUNS = {
     "eager": ["--compile.mode", "eager"],
     "trace": ["--compile.mode", "trace"],
@@ -125,16 +105,7 @@ def test_torchrun_two_ranks_close_to_one_process_with_the_global_batch(tmp_path)
     """CLI under torchrun, 2 x batch 2, vs in-process 1 x batch 4: same losses up to summation order."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        str(WORLD),
-        "-m",
-        "graph_trainer",
+        *trainer_command(WORLD),
         *TINY,
         "--parallelism.dp_replicate",
         str(WORLD),
@@ -213,20 +184,7 @@ def test_torchrun_world_size_not_dp_shard_exits_2_on_every_rank(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     # Each rank's stderr in its own file (--redirects 2): on one shared pipe the ranks' lines can interleave.
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        str(WORLD),
-        "--log-dir",
-        str(tmp_path / "logs"),
-        "--redirects",
-        "2",
-        "-m",
-        "graph_trainer",
+        *trainer_command(WORLD, torchrun_args=["--log-dir", str(tmp_path / "logs"), "--redirects", "2"]),
         *TINY,
         "--parallelism.dp_shard",
         "4",

@@ -31,6 +31,7 @@ from tests.multiprocess import (
     train_fully_shard,
     train_runs,
 )
+from tests.tiny import DETERMINISTIC, TINY_BATCH, tiny_model
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -43,30 +44,8 @@ pytestmark = [
 STEPS = 5
 LAYERS = 2
 UNITS = LAYERS + 1  # one per layer, plus the root (embeddings, final norm, output projection)
-TINY = [
-    "--config",
-    "llama3_debug",
-    "--model.n_layers",
-    str(LAYERS),
-    "--model.dim",
-    "64",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.deterministic",
-    "true",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--training.steps",
-    str(STEPS),
-    "--training.max_norm",
-    "1.0",
-]
+TINY = ["--config", "llama3_debug", *tiny_model(LAYERS), *TINY_BATCH, *DETERMINISTIC]
+TINY += ["--training.steps", str(STEPS), "--training.max_norm", "1.0"]
 TRACE = ["--compile.mode", "trace"]
 RUNS = {
     "eager": ["--compile.mode", "eager"],

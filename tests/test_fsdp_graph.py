@@ -28,32 +28,15 @@ from graph_trainer.loss import build_lm_loss, lm_loss
 from graph_trainer.passes import build_pipeline
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TraceError, trace_step
+from tests.tiny import TINY_BATCH, tiny_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = 2
 UNITS = LAYERS + 1
-TINY = [
-    "--config",
-    "llama3_debug",
-    "--model.n_layers",
-    str(LAYERS),
-    "--model.dim",
-    "64",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.max_norm",
-    "1.0",
-    "--parallelism.dp_shard",
-    "2",
-]
+TINY = ["--config", "llama3_debug", *tiny_model(LAYERS), *TINY_BATCH, "--training.max_norm", "1.0"]
+TINY += ["--parallelism.dp_shard", "2"]
 GATHER = "_c10d_functional.all_gather_into_tensor_out.default"
 REDUCE_SCATTER = "_c10d_functional.reduce_scatter_tensor.default"
 ALL_REDUCE = "_c10d_functional.all_reduce.default"

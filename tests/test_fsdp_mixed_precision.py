@@ -27,6 +27,7 @@ from tests.multiprocess import (
     train_fully_shard,
     train_runs,
 )
+from tests.tiny import TINY as TINY_RUN
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -38,32 +39,8 @@ pytestmark = [
 
 WORLD = 2
 STEPS = 5
-TINY = [
-    "--config",
-    "llama3_debug",
-    "--model.n_layers",
-    "2",
-    "--model.dim",
-    "64",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.deterministic",
-    "true",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--training.steps",
-    str(STEPS),
-    "--training.max_norm",
-    "1.0",
-    "--parallelism.dp_shard",
-    str(WORLD),
-]
+TINY = ["--config", "llama3_debug", *TINY_RUN, "--training.steps", str(STEPS), "--training.max_norm", "1.0"]
+TINY += ["--parallelism.dp_shard", str(WORLD)]
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
 REDUCE_BF16 = ["--training.mixed_precision_reduce", "bfloat16"]
 EAGER, TRACE = ["--compile.mode", "eager"], ["--compile.mode", "trace"]

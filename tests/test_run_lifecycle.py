@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from graph_trainer.distributed.launch import trainer_command
 from tests.test_run_folder import REPO, TINY, cli, one_line_error
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1"]
@@ -229,16 +230,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves(tmp_
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nnodes",
-            "1",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "graph_trainer",
+            *trainer_command(2),
             *TINY,
             f"--parallelism.{parallelism}",
             "2",

@@ -15,26 +15,10 @@ import torch
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer, TrainingDiverged
+from tests.tiny import TINY as TINY_RUN
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "--model.n_layers",
-    "2",
-    "--model.dim",
-    "64",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.deterministic",
-    "true",
-    "--metrics.enable_tensorboard",
-    "false",
-]
+TINY = TINY_RUN
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,18 @@ from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.runtime.device import resolve_device
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def trainer_command(
+    nproc_per_node: int = 1, *, python: str | None = None, torchrun_args: Sequence[str] = ()
+) -> list[str]:
+    """The argv that starts the trainer CLI: `python -m graph_trainer`, or under torchrun on one node with
+    `nproc_per_node` processes (`torchrun_args`, e.g. `--log-dir`, go before the module). Append the options."""
+    python = python or sys.executable
+    if nproc_per_node == 1:
+        return [python, "-m", "graph_trainer"]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node"]
+    return [python, *torchrun, str(nproc_per_node), *torchrun_args, "-m", "graph_trainer"]
 
 
 def _launch_env(env: Mapping[str, str]) -> tuple[int, int, int] | None:
@@ -152,4 +165,4 @@ def destroy(mesh: Mesh, *, wait_for_all: bool = False, timeout_s: float = 120.0)
         gc.collect()
 
 
-__all__ = ["check_launch", "destroy", "init_distributed", "single_process"]
+__all__ = ["check_launch", "destroy", "init_distributed", "single_process", "trainer_command"]

@@ -8,26 +8,10 @@ import torch
 
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer, TrainResult
+from tests.tiny import TINY as TINY_RUN
 
 # GQA (4 query heads, 2 KV heads), small enough for CPU, deterministic kernels.
-TINY = [
-    "--model.n_layers",
-    "2",
-    "--model.dim",
-    "64",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.deterministic",
-    "true",
-    "--metrics.enable_tensorboard",
-    "false",
-]
+TINY = TINY_RUN
 
 MODES = {
     "eager": ["--compile.mode", "eager"],
