@@ -92,6 +92,32 @@ def test_model_overrides_reach_the_model_args():
     assert isinstance(cfg.model.rope_theta, float)
 
 
+def test_torchtitan_option_names_are_aliases_of_ours(tmp_path):
+    cfg, _ = load_config(["--parallelism.data_parallel_shard_degree", "2"])
+    assert cfg.parallelism.dp_shard == 2
+    path = _write(tmp_path, "[parallelism]\ndata_parallel_replicate_degree = 3\n")
+    cfg, _ = load_config(["--config", path])
+    assert cfg.parallelism.dp_replicate == 3
+    # The canonical name is the one written back.
+    assert "dp_replicate = 3" in config_to_toml(cfg) and "data_parallel" not in config_to_toml(cfg)
+    assert "--parallelism.data_parallel_shard_degree" in help_text()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--training.max_norm", "nan"],
+        ["--optimizer.lr", "inf"],
+        ["--optimizer.lr=-inf"],
+        ["--optimizer.betas", "[0.9, nan]"],
+        ["--activation_checkpoint.memory_budget", "inf"],
+    ],
+)
+def test_every_float_option_refuses_nan_and_inf(argv):
+    message = _error(argv)
+    assert "must be a finite number" in message and argv[0].split("=")[0].lstrip("-") in message
+
+
 def test_bool_flag_without_value_means_true():
     cfg, _ = load_config(
         [

@@ -100,8 +100,10 @@ def build_parser(values: JobConfig | None = None, values_from: str | None = None
             extra = f"; {limits}" if limits else ""
             # Only bools may omit the value (`--checkpoint.resume` means true).
             optional_value = {"nargs": "?", "const": _NO_VALUE} if bool in type_parts(f.type) else {}
+            alias = [f"--{sec_name}.{f.metadata['alias']}"] if "alias" in f.metadata else []
             group.add_argument(
                 f"--{sec_name}.{name}",
+                *alias,
                 dest=f"{sec_name}.{name}",
                 metavar=_metavar(f),
                 default=argparse.SUPPRESS,
@@ -124,10 +126,11 @@ def help_text(config: str | None = None) -> str:
 def _attach_dash_values(argv: list[str]) -> list[str]:
     """Rewrite `--optimizer.lr -1e-3` as `--optimizer.lr=-1e-3`: argparse would take '-1e-3' for an option."""
     valued = {
-        f"--{s}.{k}"
+        f"--{s}.{key}"
         for s, cls in sections().items()
         for k, f in section_fields(cls).items()
         if bool not in type_parts(f.type)
+        for key in (k, f.metadata.get("alias", k))
     }
     out: list[str] = []
     i = 0

@@ -17,7 +17,7 @@ from typing import Any
 import tomli_w
 
 from graph_trainer.errors import ConfigError, did_you_mean
-from graph_trainer.job_config.schema import JobConfig, section_fields, sections
+from graph_trainer.job_config.schema import JobConfig, field_aliases, section_fields, sections
 from graph_trainer.job_config.values import check_limits, coerce, value_desc
 
 # Located relative to this file, so `--config llama3_debug` works from any cwd: an installed
@@ -51,7 +51,10 @@ def apply_toml(cfg: JobConfig, data: dict[str, Any], where: str) -> None:
 
 
 def set_value(section: Any, sec_name: str, key: str, value: Any, fields: dict, where: str) -> None:
-    """Type-check and set one value; `where` (the file, or "" for the command line) prefixes errors."""
+    """Type-check and set one value; `where` (the file, or "" for the command line) prefixes errors.
+
+    `key` may be a field's declared alias (e.g. torchtitan's `tensor_parallel_degree` for `tp`)."""
+    key = field_aliases(type(section)).get(key, key)
     full = f"{sec_name}.{key}"
     if key not in fields:
         suggestion = did_you_mean(full, [f"{sec_name}.{k}" for k in fields])

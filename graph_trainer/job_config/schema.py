@@ -15,13 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def _opt(default: Any, help: str, **limits: Any) -> Any:
+def _opt(default: Any, help: str, alias: str | None = None, **limits: Any) -> Any:
     """A dataclass field with its meaning and limits kept next to its default.
 
     limits: `choices` (allowed values), `ge`, `gt`, `le`, `lt` (numeric bounds,
     applied to each element for list fields); see `config_values.check_limits`.
+    alias: a second name for the same key (torchtitan's, where it names the option differently), accepted in
+    TOML files and on the command line; the field's own name stays canonical (`--print-config` writes it).
     """
     meta = {"help": help, **limits}
+    if alias is not None:
+        meta["alias"] = alias
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -183,7 +187,12 @@ class CheckpointConfig:
 
 @dataclass
 class ParallelismConfig:
-    dp_shard: int = _opt(1, "FSDP degree (processes): parameters, gradients and optimizer state sharded", ge=1)
+    dp_shard: int = _opt(
+        1,
+        "FSDP degree (processes): parameters, gradients and optimizer state sharded",
+        alias="data_parallel_shard_degree",
+        ge=1,
+    )
     fsdp_reshard_after_forward: str = _opt(
         "default",
         "dp_shard: re-gather parameters in the backward (always), keep the forward's gather (never), "
@@ -195,7 +204,12 @@ class ParallelismConfig:
         "dp_shard: issue each layer's all-gather while the previous layer "
         "computes (overlap; one more layer's parameters alive)",
     )
-    dp_replicate: int = _opt(1, "replicated data-parallel degree (processes): full copies, gradients all-reduced", ge=1)
+    dp_replicate: int = _opt(
+        1,
+        "replicated data-parallel degree (processes): full copies, gradients all-reduced",
+        alias="data_parallel_replicate_degree",
+        ge=1,
+    )
 
 
 @dataclass
@@ -223,3 +237,8 @@ def sections() -> dict[str, type]:
 def section_fields(section_cls: type) -> dict[str, dataclasses.Field]:
     """Field name -> dataclass field of one section class."""
     return {f.name: f for f in dataclasses.fields(section_cls)}
+
+
+def field_aliases(section_cls: type) -> dict[str, str]:
+    """Alias -> canonical field name, for the fields of one section class that declare one."""
+    return {f.metadata["alias"]: f.name for f in dataclasses.fields(section_cls) if "alias" in f.metadata}

@@ -5,6 +5,7 @@ Shared by TOML loading and command-line overrides (`graph_trainer.job_config.loa
 Every mistake raises `ConfigError` naming the key, what is expected and what was given.
 """
 
+import math
 import operator
 import tomllib
 import types
@@ -116,6 +117,11 @@ def check_limits(key: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
     """Apply a field's declared `choices` and bounds (to each element of a list)."""
     if value is None:
         return
+    for item in value if isinstance(value, list) else [value]:
+        # Every float option, declared bounds or not: nan and inf are never a setting (a nan max_norm once
+        # trained without a word, an inf lr until the divergence guard stopped it).
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ConfigError(f"{key} must be a finite number, got {item!r}: give a real value")
     if "choices" in meta and value not in meta["choices"]:
         raise ConfigError(f"{key} must be one of {'|'.join(meta['choices'])}, got {value!r}")
     for item in value if isinstance(value, list) else [value]:
