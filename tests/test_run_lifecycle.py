@@ -1,7 +1,7 @@
 """A run's life after its start: divergence, resume with changed options, resuming a finished run, signals.
 
 Issue 8, defects 3 to 6. Each test drives `python -m graph_trainer` in a subprocess
-(the helpers of `tests.test_run_folder`) and asserts the exit code, the one-line
+(the helpers of `tests.checkpoint.test_run_folder`) and asserts the exit code, the one-line
 message and the files left behind.
 """
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from graph_trainer.distributed.launch import trainer_command
-from tests.test_run_folder import REPO, TINY, cli, one_line_error
+from tests.checkpoint.test_run_folder import REPO, TINY, cli, one_line_error
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1"]
 # Bitwise-reproducible and independent of training.steps (no decay horizon), so an interrupted run

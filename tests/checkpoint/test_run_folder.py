@@ -18,7 +18,7 @@ import pytest
 
 from graph_trainer.checkpoint.run_folder import MANIFEST_FILE, Manifest, remove_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = [
     "--config",
     "llama3_debug",

@@ -34,7 +34,7 @@ pytestmark = [
     ),
 ]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 STEPS = 3
 TINY = ["--config", "llama3_debug", *TINY_RUN, "--training.steps", str(STEPS)]
