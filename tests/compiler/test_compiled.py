@@ -117,7 +117,7 @@ def test_compiled_step_gradients_and_in_place_update_match_the_graph(traced_and_
 
 
 def test_compiled_step_is_not_bitwise_and_says_so(traced_and_compiled):
-    """The declared numerics: close, not equal (if this ever becomes bitwise, update the README)."""
+    """The declared numerics: close, not equal (if this ever becomes bitwise, update docs/compile.md)."""
     traced, inputs, compiled = traced_and_compiled
     ref, out, _, _ = _run_both(traced, inputs, compiled)
     assert not all(torch.equal(r, o) for r, o in zip(ref, out))
