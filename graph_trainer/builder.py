@@ -138,6 +138,18 @@ def build_job_optimizer(cfg: JobConfig, model: nn.Module, device: torch.device) 
     return optimizer
 
 
+def build_job_scheduler(cfg: JobConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """The job's learning-rate schedule over `cfg.training.steps` steps."""
+    s = cfg.lr_scheduler
+    return build_lr_scheduler(
+        optimizer,
+        warmup_steps=s.warmup_steps,
+        total_steps=cfg.training.steps,
+        decay_type=s.decay_type,
+        min_lr_factor=s.min_lr_factor,
+    )
+
+
 def job_loss(cfg: JobConfig, device: torch.device) -> LossFn:
     """The job's loss before any parallelism wraps it: chunked as configured, under autocast when asked."""
     t = cfg.training
@@ -289,14 +301,7 @@ def build_job(cfg: JobConfig, mesh: Mesh, *, materialize: bool = True, vocab_nee
     # From here on, a sharded parameter is this rank's part of it (same names, smaller shapes).
     parallel = parallelize_model(model, mesh, cfg, spec.parallel_plan)
     optimizer = build_job_optimizer(cfg, model, mesh.device)
-    s = cfg.lr_scheduler
-    scheduler = build_lr_scheduler(
-        optimizer,
-        warmup_steps=s.warmup_steps,
-        total_steps=cfg.training.steps,
-        decay_type=s.decay_type,
-        min_lr_factor=s.min_lr_factor,
-    )
+    scheduler = build_job_scheduler(cfg, optimizer)
     loss_fn = parallel.wrap_loss(job_loss(cfg, mesh.device))
     return Job(cfg, mesh, spec, model, parallel, optimizer, scheduler, loss_fn)
 
@@ -309,6 +314,7 @@ __all__ = [
     "build_data",
     "build_job",
     "build_job_optimizer",
+    "build_job_scheduler",
     "build_model",
     "cli_trace_errors",
     "job_loss",
