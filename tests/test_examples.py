@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from graph_trainer.eager.step import EagerStep
@@ -31,6 +32,7 @@ def test_tracer_api_page_shows_the_example_verbatim():
     assert f"```python\n{EXAMPLE.read_text()}```\n" in page
 
 
+@pytest.mark.integration  # the example in a subprocess (the docs' command, verbatim)
 def test_example_runs_as_a_script_and_traces_once():
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run(

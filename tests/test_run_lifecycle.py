@@ -20,6 +20,9 @@ import torch
 from graph_trainer.distributed.launch import trainer_command
 from tests.checkpoint.test_run_folder import REPO, TINY, cli, one_line_error
 
+# Every test here drives whole runs of `python -m graph_trainer` (resume, signals): over a few seconds each.
+pytestmark = pytest.mark.integration
+
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1"]
 # Bitwise-reproducible and independent of training.steps (no decay horizon), so an interrupted run
 # resumed to N steps can be compared with an uninterrupted N-step run whatever step the signal hit.
@@ -220,7 +223,6 @@ def _worker_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.integration  # a torchrun launch of two ranks
 @pytest.mark.parametrize("parallelism,suffix", [("dp_replicate", ".pt"), ("dp_shard", ".dcp")])
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves(tmp_path, parallelism, suffix):
     """Ranks agree on the stop (an all-reduced flag): a signal to one rank must neither hang the other
