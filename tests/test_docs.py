@@ -202,3 +202,21 @@ def test_cheap_trainer_command_runs_verbatim(command, tmp_path):
         assert tomllib.loads(proc.stdout)["model"]["flavor"] == "debugmodel"
     if "--training.steps 1" in command:
         assert any((tmp_path / "outputs" / "graphs" / "graphs").iterdir())
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped (but - and _), spaces as dashes."""
+    headings = [line.lstrip("#").strip() for line in FENCE.sub("", text).splitlines() if line.startswith("#")]
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_links_between_pages_resolve():
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", page.read_text())):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.relative_to(REPO)} links to a missing {target}"
+            if anchor:
+                assert anchor in _anchors(linked.read_text()), f"{page.relative_to(REPO)}: no heading for {target}"
