@@ -353,6 +353,18 @@ def test_a_resume_wins_over_initial_load_path(tmp_path):
         initial_weights(cfg)
 
 
+def test_initial_load_in_hf_false_is_refused_and_an_export_never_overwrites(tmp_path):
+    from graph_trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="initial_load_in_hf = false"):
+        load_config(["--checkpoint.initial_load_path", "x", "--checkpoint.initial_load_in_hf", "false"])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="already exists"):
+        save_hf(Transformer(our_args()).state_dict(), Llama3StateDictAdapter(our_args()), tmp_path / "out")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp folder left behind
+
+
 # --------------------------------------------------------------------------- end to end
 
 

@@ -207,13 +207,14 @@ def load_hf_weights(
     that is missing, extra, or of another shape.
     """
     start = time.perf_counter()
-    params = _unique_parameters(model)
+    params = _unique_parameters(model, adapter)
     _check_names(folder, adapter, params)
     total = 0
+    full_shapes = parallel.full_shapes()
     for name, (param, slots) in params.items():
-        if not adapter.in_hf_files(name):
-            continue  # a tied parameter, filled under its other name
-        loaded = nn.Parameter(_read_local(folder, adapter, parallel, name, param, device), param.requires_grad)
+        full_shape = tuple(full_shapes.get(name, param.shape))
+        loaded = _read_local(folder, adapter, name, param, parallel.local_slices(name, param), full_shape, device)
+        loaded = nn.Parameter(loaded, param.requires_grad)
         for module, attr in slots:
             module._parameters[attr] = loaded
         total += loaded.numel() * loaded.element_size()
@@ -230,43 +231,56 @@ def load_hf_weights(
     return report
 
 
-def _unique_parameters(model: nn.Module) -> dict[str, tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
-    """First name -> (parameter, every (module, attribute) slot holding it): a tied weight is one entry."""
-    by_id: dict[int, tuple[str, nn.Parameter, list]] = {}
+def _unique_parameters(model: nn.Module, adapter: Any) -> dict[str, tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """Name in the files -> (parameter, every (module, attribute) slot holding it): a tied weight is one entry,
+    under the name its tensor has in the files (the embedding's, not the output projection's)."""
+    by_id: dict[int, tuple[list[str], nn.Parameter, list]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for attr, p in module._parameters.items():
             if p is not None:
-                name = f"{mod_name}.{attr}" if mod_name else attr
-                by_id.setdefault(id(p), (name, p, []))[2].append((module, attr))
-    return {name: (p, slots) for name, p, slots in by_id.values()}
+                names, _, slots = by_id.setdefault(id(p), ([], p, []))
+                names.append(f"{mod_name}.{attr}" if mod_name else attr)
+                slots.append((module, attr))
+    return {
+        next((n for n in names if adapter.in_hf_files(n)), names[0]): (p, slots) for names, p, slots in by_id.values()
+    }
 
 
 def _check_names(folder: HFFolder, adapter: Any, params: Mapping[str, Any]) -> None:
     wanted = {adapter.hf_name(n) for n in params if adapter.in_hf_files(n)}
-    for hf_name in sorted(wanted - folder.files.keys()):
-        raise UserError(f"{folder.path} has no tensor {hf_name}, which the model needs; check the model folder")
-    for hf_name in sorted(folder.files.keys() - wanted):
-        name = adapter.our_name(hf_name)
-        if name is not None and not adapter.in_hf_files(name):
-            continue  # a tied output projection saved anyway: the embedding is the weight (as transformers does)
-        if hf_name.endswith("rotary_emb.inv_freq"):
-            continue  # older exports saved RoPE's frequencies, which the config determines
-        raise UserError(f"{folder.path} holds tensor {hf_name}, which the model does not have; check the model folder")
+    missing = sorted(wanted - folder.files.keys())
+    if missing:
+        raise UserError(f"{folder.path} has no tensor {missing[0]}, which the model needs; check the model folder")
+    extra = [name for name in sorted(folder.files.keys() - wanted) if not _ignorable(adapter, name)]
+    if extra:
+        raise UserError(f"{folder.path} holds tensor {extra[0]}, which the model does not have; check the model folder")
+
+
+def _ignorable(adapter: Any, hf_name: str) -> bool:
+    """A tensor of the folder that the model rightly has no slot for."""
+    name = adapter.our_name(hf_name)
+    if name is not None and not adapter.in_hf_files(name):
+        return True  # a tied output projection saved anyway: the embedding is the weight (as transformers does)
+    return hf_name.endswith("rotary_emb.inv_freq")  # older exports saved RoPE's frequencies, which the config sets
 
 
 def _read_local(
-    folder: HFFolder, adapter: Any, parallel: ParallelModel, name: str, param: torch.Tensor, device: Any
+    folder: HFFolder,
+    adapter: Any,
+    name: str,
+    param: torch.Tensor,
+    local: tuple[slice, ...],
+    full_shape: tuple[int, ...],
+    device: Any,
 ) -> torch.Tensor:
-    """This rank's part of parameter `name` (shaped like `param`, padding rows zero), read from the folder."""
+    """This rank's part `local` of parameter `name` (shaped like `param`, padding rows zero), from the folder."""
     hf_name = adapter.hf_name(name)
-    local = parallel.local_slices(name, param)
     rows, rest = local[0], local[1:]
     block = adapter.rows_read_together(name)
     # Whole blocks around this rank's rows: the adapter converts (permutes) a block at a time.
     first, end = rows.start // block * block, math.ceil(rows.stop / block) * block
     with _safetensors().safe_open(folder.files[hf_name], framework="pt", device="cpu") as f:
         sliced = f.get_slice(hf_name)
-        full_shape = tuple(parallel.full_shapes().get(name, param.shape))
         if tuple(sliced.get_shape()) != full_shape:
             raise UserError(
                 f"{folder.path}: tensor {hf_name} has shape {tuple(sliced.get_shape())} but the model expects "
