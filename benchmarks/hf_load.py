@@ -104,29 +104,37 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--file-dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--naive", action="store_true", help="also measure load_file + load_state_dict")
+    parser.add_argument("--repeat", type=int, default=2, help="measurements of each, alternating (noise shows)")
+    parser.add_argument("--folder", type=Path, help="write the model here, or reuse it (default: a temp folder)")
     a = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gt_hf_bench_") as tmp:
-        folder = Path(tmp) / "hf"
-        start = time.perf_counter()
-        _, model_bytes, largest = write_random_hf(
-            folder, dim=a.dim, n_layers=a.layers, vocab_size=a.vocab, dtype=getattr(torch, a.file_dtype)
-        )
+        folder = a.folder or Path(tmp) / "hf"
+        model_bytes = sum(p.numel() * 4 for p in _meta_params(a))
+        if not folder.exists():
+            start = time.perf_counter()
+            write_random_hf(
+                folder, dim=a.dim, n_layers=a.layers, vocab_size=a.vocab, dtype=getattr(torch, a.file_dtype)
+            )
+            print(f"wrote {folder} in {time.perf_counter() - start:.1f} s")
         file_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         print(
-            f"wrote {file_bytes / 2**30:.2f} GiB of {a.file_dtype} safetensors in {time.perf_counter() - start:.1f} s"
+            f"model: dim {a.dim}, {a.layers} layers, vocab {a.vocab}: {model_bytes / 2**30:.2f} GiB in float32; "
+            f"files {file_bytes / 2**30:.2f} GiB"
         )
-        print(
-            f"model: dim {a.dim}, {a.layers} layers, vocab {a.vocab}: {model_bytes / 2**30:.2f} GiB in float32, "
-            f"largest tensor {largest / 2**20:.0f} MiB"
-        )
-        for naive in (False, True) if a.naive else (False,):
-            r = _measure(folder, a, naive)
-            what = "load_file + load_state_dict" if naive else "initial_load_path loader"
-            growth = r["peak_growth_bytes"]
-            print(
-                f"{what}: {r['seconds']:.2f} s, peak RSS growth {growth / 2**30:.2f} GiB "
-                f"= {growth / model_bytes:.2f} x the model"
-            )
+        for _ in range(a.repeat):
+            for naive in (False, True) if a.naive else (False,):
+                r = _measure(folder, a, naive)
+                what = "load_file + load_state_dict" if naive else "initial_load_path loader"
+                growth = r["peak_growth_bytes"]
+                print(
+                    f"{what}: {r['seconds']:.2f} s, peak RSS growth {growth / 2**30:.2f} GiB "
+                    f"= {growth / model_bytes:.2f} x the model"
+                )
+
+
+def _meta_params(a: argparse.Namespace) -> list[torch.nn.Parameter]:
+    with torch.device("meta"):
+        return list(Transformer(bench_args(a.dim, a.layers, a.vocab)).parameters())
 
 
 if __name__ == "__main__":

@@ -88,13 +88,20 @@ def our_args(*, tie: bool = False, layers: int = 2, scaling: bool = False):
     return args
 
 
-def load_ours(folder: Path, args, parts=()) -> Transformer:
-    """Our model built on meta, its parallelisms `parts` applied, filled from the Hugging Face `folder`."""
+def load_ours(folder: Path, args) -> Transformer:
+    """Our model built on meta, filled from the Hugging Face `folder`."""
+    return load_sharded(folder, args, None)[0]
+
+
+def load_sharded(folder: Path, args, group: ShardGroup | None):
+    """(our model, its FSDP or None): built on meta, sharded as rank `group.rank` of `group` (None: whole), then
+    filled from the Hugging Face `folder`."""
     with torch.device("meta"):
         model = Transformer(args)
-    parallel = ParallelModel(model, None, [part(model) for part in parts])
+    fsdp = fully_shard_model(model, group) if group is not None else None
+    parallel = ParallelModel(model, None, [fsdp] if fsdp else [])
     Pretrained.open(folder, LLAMA, args).load_into(model, parallel, torch.device("cpu"))
-    return model
+    return model, fsdp
 
 
 @pytest.fixture(scope="module")
@@ -195,20 +202,24 @@ def test_ours_to_hf_to_ours_is_bitwise_and_transformers_loads_it(tmp_path, tie, 
         torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=LOGITS_ATOL, rtol=0)
 
 
-def test_each_fsdp_rank_reads_exactly_its_rows(hf_folder):
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_each_fsdp_rank_reads_exactly_its_rows(tmp_path, tie):
     """3 ranks (uneven rows; shard boundaries cut through heads, so q/k are read by whole heads around them):
-    each rank's shards are the rows of the whole loaded model, padding zero, bitwise."""
-    args = our_args()
-    whole = load_ours(hf_folder, args).state_dict()
+    each rank's shards are the rows of the whole loaded model, padding zero, bitwise; a tied weight stays one
+    shard in both of its slots, where FSDP's gather finds it."""
+    hf_llama(tie=tie).save_pretrained(tmp_path / "hf")
+    args = our_args(tie=tie)
+    whole = load_ours(tmp_path / "hf", args).state_dict()
     world = 3
     shards = []
     for rank in range(world):
         group = ShardGroup(rank, world, "unused")  # sharding itself needs no process group
-        model = load_ours(hf_folder, args, parts=[lambda m, g=group: fully_shard_model(m, g, layers="layers")])
-        shards.append(dict(model.named_parameters()))
+        model, fsdp = load_sharded(tmp_path / "hf", args, group)
+        shards.append(dict(model.named_parameters(remove_duplicate=False)))
+        assert (model.output.weight is model.tok_embeddings.weight) == tie
+        for unit in fsdp.units:  # every slot of a parameter holds the one loaded shard
+            assert all(m._parameters[a] is t for t, slots in zip(unit.current(), unit.slots) for m, a in slots)
     for name, full in whole.items():
-        if name not in shards[0]:
-            continue  # a buffer
         rows = shards[0][name].shape[0]
         assert rows == -(-full.shape[0] // world)
         stacked = torch.cat([s[name] for s in shards])
