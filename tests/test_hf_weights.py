@@ -202,6 +202,16 @@ def test_ours_to_hf_to_ours_is_bitwise_and_transformers_loads_it(tmp_path, tie, 
         torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=LOGITS_ATOL, rtol=0)
 
 
+def test_bfloat16_export_holds_the_rounded_weights(tmp_path):
+    args = our_args()
+    model = Transformer(args)
+    save_hf(model.state_dict(), Llama3StateDictAdapter(args), tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    back = load_ours(tmp_path / "bf16", args)  # read into float32 parameters
+    for name, t in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t.to(torch.bfloat16).float()), name
+
+
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_each_fsdp_rank_reads_exactly_its_rows(tmp_path, tie):
     """3 ranks (uneven rows; shard boundaries cut through heads, so q/k are read by whole heads around them):
