@@ -7,7 +7,7 @@ Writes a random model of the 1B flavor's shape (RoPE scaling, tied embeddings; `
 `--vocab` change it) as a Hugging Face folder in a temporary place, then loads it in a fresh process
 and reports the seconds and the growth of the peak resident memory (VmHWM, reset before the load through
 /proc/self/clear_refs) against the model's own size. `--naive` also measures the one-liner this loader
-replaces (`safetensors.torch.load_file` + `load_state_dict` after a random init).
+replaces (materialize the model, `safetensors.torch.load_file`, `load_state_dict`).
 """
 
 from __future__ import annotations
@@ -62,28 +62,34 @@ def _reset_peak() -> None:
 
 
 def load_and_measure(folder: str, dim: int, n_layers: int, vocab_size: int, naive: bool = False) -> str:
-    """In a fresh process: load `folder` into the meta-built model; JSON with seconds and peak RSS growth."""
+    """In a fresh process: load `folder` into the meta-built model; JSON with seconds and peak RSS growth.
+
+    `naive`: the one-liner instead (materialize the model, read the whole file, `load_state_dict`), timed from the
+    same meta model, so both figures include allocating the model's memory."""
     args = bench_args(dim, n_layers, vocab_size)
     with torch.device("meta"):
         model = Transformer(args)
-    if naive:
-        from safetensors.torch import load_file
-
-        model = Transformer(args)  # the usual way: a random model first, then the file whole
     _reset_peak()
     before = _status("VmRSS")
     start = time.perf_counter()
     if naive:
-        state = Llama3StateDictAdapter(args).from_hf(load_file(Path(folder) / "model.safetensors"))
-        model.load_state_dict(state)
+        _naive_load(model, args, Path(folder))
     else:
         Pretrained.open(folder, MODELS["llama3"], args).load_into(model, ParallelModel(model, None), "cpu")
     seconds = time.perf_counter() - start
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if naive:
-        before -= model_bytes  # the random model existed before the load: count it, as the loader counts its own
     report = {"seconds": seconds, "peak_growth_bytes": _status("VmHWM") - before, "model_bytes": model_bytes}
     return json.dumps(report)
+
+
+def _naive_load(model: Transformer, args, folder: Path) -> None:
+    from safetensors.torch import load_file
+
+    model.to_empty(device="cpu")
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight  # to_empty unties them
+    model.init_buffers()
+    model.load_state_dict(Llama3StateDictAdapter(args).from_hf(load_file(folder / "model.safetensors")))
 
 
 def _measure(folder: Path, a: argparse.Namespace, naive: bool) -> dict:
