@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from graph_trainer.checkpoint.hf import Pretrained
 from graph_trainer.data.loader import PackedBatchLoader, build_dataloader
 from graph_trainer.data.tokenizer import Tokenizer, build_tokenizer
 from graph_trainer.distributed.mesh import Mesh
@@ -85,6 +86,19 @@ def build_data(cfg: JobConfig, mesh: Mesh) -> JobData:
         world_size=mesh.data_size,
     )
     return JobData(tokenizer, loader)
+
+
+def initial_weights(cfg: JobConfig) -> Pretrained | None:
+    """The pretrained weights the job starts from (`checkpoint.initial_load_path`), opened and checked against the
+    model (no tensor read yet); None for random weights, and for a resume, whose checkpoint wins.
+
+    Raises:
+        UserError: the folder is not a Hugging Face model folder of the configured model.
+    """
+    c = cfg.checkpoint
+    if not c.initial_load_path or c.resume:
+        return None
+    return Pretrained.open(c.initial_load_path, get_model_spec(cfg.model.name), resolve_model_args(cfg))
 
 
 def build_model(cfg: JobConfig, device: torch.device | None, *, vocab_needed: int = 0) -> nn.Module:
@@ -288,18 +302,25 @@ def _reusable(cfg: JobConfig) -> bool:
 
 
 def build_job(cfg: JobConfig, mesh: Mesh, *, materialize: bool = True, vocab_needed: int = 0) -> Job:
-    """Build `cfg`'s job for this rank of `mesh`: the model (materialized on `mesh.device` and initialized, or on
-    the meta device for planning), its parallelisms applied, the optimizer with its state, the LR schedule and
-    the loss as the parallelisms run it.
+    """Build `cfg`'s job for this rank of `mesh`: the model (materialized on `mesh.device` and initialized, or
+    filled from `checkpoint.initial_load_path`, or on the meta device for planning), its parallelisms applied,
+    the optimizer with its state, the LR schedule and the loss as the parallelisms run it.
 
     Raises:
-        UserError: the tokenizer needs more ids than the model's vocabulary has, or the parallelisms refuse the model.
+        UserError: the tokenizer needs more ids than the model's vocabulary has, the parallelisms refuse the model,
+            or the pretrained weights do not fit it.
     """
     spec = get_model_spec(cfg.model.name)
-    model = build_model(cfg, mesh.device if materialize else None, vocab_needed=vocab_needed)
+    pretrained = initial_weights(cfg)
+    # Pretrained weights are read into the meta-built model after the parallelisms cut it: a rank reads only
+    # its own shards, and the full model never exists in host memory.
+    random_init = materialize and pretrained is None
+    model = build_model(cfg, mesh.device if random_init else None, vocab_needed=vocab_needed)
     model.train()
     # From here on, a sharded parameter is this rank's part of it (same names, smaller shapes).
     parallel = parallelize_model(model, mesh, cfg, spec.parallel_plan)
+    if materialize and pretrained is not None:
+        pretrained.load_into(model, parallel, mesh.device)
     optimizer = build_job_optimizer(cfg, model, mesh.device)
     scheduler = build_job_scheduler(cfg, optimizer)
     loss_fn = parallel.wrap_loss(job_loss(cfg, mesh.device))
@@ -317,6 +338,7 @@ __all__ = [
     "build_job_scheduler",
     "build_model",
     "cli_trace_errors",
+    "initial_weights",
     "job_loss",
     "optimizer_in_graph",
 ]

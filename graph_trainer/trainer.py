@@ -183,6 +183,8 @@ class Trainer:
         restore_rng_state(state["rng"], self.device)
         self.step = int(state["step"])
         logger.info(f"resumed from {self.checkpointer.path(latest)} at step {self.step}")
+        if self.cfg.checkpoint.initial_load_path:
+            logger.info(f"checkpoint.initial_load_path {self.cfg.checkpoint.initial_load_path} not read: a resume wins")
 
     def _compare_config(self, state: dict[str, Any], path: Path) -> None:
         """Log each honoured change of options against the checkpoint's config; UserError for a refused one."""

@@ -121,6 +121,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("checkpoint.folder must be a non-empty path, got ''")
     if cfg.checkpoint.resume and not cfg.checkpoint.enable:
         raise ConfigError("checkpoint.resume = true needs checkpoint.enable = true: add --checkpoint.enable")
+    if cfg.checkpoint.initial_load_path and not cfg.checkpoint.initial_load_in_hf:
+        raise ConfigError(
+            "checkpoint.initial_load_in_hf = false (initial weights in this trainer's own format) is not "
+            "supported: point checkpoint.initial_load_path at a Hugging Face folder, or continue a run of ours "
+            "with --checkpoint.resume"
+        )
     if not cfg.job.dump_folder:
         raise ConfigError("job.dump_folder must be a non-empty path, got ''")
     _check_mixed_precision(cfg)

@@ -52,7 +52,7 @@ REFUSED: dict[str, str] = {
     },
 }
 # Options that say how to start, not what to train: their change is expected and not logged.
-_NOT_COMPARED = ("checkpoint.resume", "job.overwrite")
+_NOT_COMPARED = ("checkpoint.resume", "job.overwrite", "checkpoint.initial_load_path", "checkpoint.initial_load_in_hf")
 
 
 def _absolute_path(value: str) -> str:

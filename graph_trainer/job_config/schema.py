@@ -183,6 +183,14 @@ class CheckpointConfig:
     folder: str = _opt("checkpoint", "checkpoint folder, relative to job.dump_folder")
     resume: bool = _opt(False, "resume from the latest checkpoint in the folder")
     keep_latest_k: int = _opt(2, "checkpoints to keep", ge=1)
+    initial_load_path: str = _opt(
+        "",
+        "start from these pretrained weights instead of random ones: a Hugging Face folder (config.json + "
+        "safetensors); a resumed checkpoint (checkpoint.resume) wins over it",
+    )
+    initial_load_in_hf: bool = _opt(
+        True, "initial_load_path is in Hugging Face format (the only format it reads; torchtitan's option)"
+    )
 
 
 @dataclass

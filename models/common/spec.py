@@ -49,3 +49,5 @@ class ModelSpec:
     flops_per_token: Callable[[Any, int], float]
     parallel_plan: ParallelPlan = field(default_factory=ParallelPlan)
     active_params: Callable[[Any], int] | None = None  # None: every parameter is active (a dense model)
+    # args -> the family's Hugging Face state dict adapter (names, layouts, config.json); None: no HF weights.
+    hf_adapter: Callable[[Any], Any] | None = None

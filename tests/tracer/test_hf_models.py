@@ -1,7 +1,7 @@
 """The tracer API on a Hugging Face model nobody here wrote: a tiny random Llama built from a config.
 
-transformers is not a dependency of graph_trainer (nor of its `test` extra): these
-tests skip where it is not installed. Nothing is downloaded.
+transformers is not a dependency of graph_trainer, only of its `test` extra: these tests skip where it is
+not installed, and fail under CI=true (tests/extras.py). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch.utils.checkpoint
 from graph_trainer.eager.step import EagerStep
 from graph_trainer.passes import memory_policy_transform
 from graph_trainer.tracer import GraphStep, TraceError, trace_step
+from tests.extras import import_extra
 
-transformers = pytest.importorskip("transformers")
+transformers = import_extra("transformers")
 
 
 @pytest.fixture(autouse=True)
