@@ -18,14 +18,17 @@ import time
 from typing import Any
 
 import torch
+import torch.fx
 
 from graph_trainer.builder import Job, adamw_implementation_for, build_job, optimizer_in_graph
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import quiet
 from graph_trainer.optimizer.update_memory import EagerUpdate, whole_step_peak
-from graph_trainer.passes.graph_utils import node_flops
+from graph_trainer.passes.graph_utils import collective_bytes, node_flops
+from graph_trainer.passes.memory_estimate import MemoryEstimate, op_name
 from graph_trainer.runtime.device import resolve_device
+from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.executor import Transformed
 
 AC_MODES = ("none", "selective", "full", "budget")
@@ -46,6 +49,11 @@ class StepPlan:
     optimizer: str = "in graph"  # where the AdamW update runs: "in graph" or its eager implementation
     # The planned step's final graph (`graph_trainer.tracer.Transformed`), for the trainer's first step to reuse.
     step_graph: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # Where the peak is: (layer, module FQN, op), the same for a full trace and a plan extended from short ones.
+    peak_location: tuple[int | None, str, str] = (None, "", "")
+    comm_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # per collective kind, per step, this rank
+    blocks_traced: int = 0  # transformer blocks the plan traced (a full trace: all of them)
+    approximate: bool = False  # True where a depth-free plan cannot promise the full trace's numbers (budget)
 
 
 def with_ac_mode(cfg: JobConfig, mode: str) -> JobConfig:
@@ -55,47 +63,109 @@ def with_ac_mode(cfg: JobConfig, mode: str) -> JobConfig:
     return other
 
 
-def _meta_batch(cfg: JobConfig) -> dict[str, torch.Tensor]:
-    b, s = cfg.training.local_batch_size, cfg.training.seq_len
-    return {name: torch.empty(b, s, dtype=torch.long, device="meta") for name in ("input", "labels")}
-
-
 def plan_step(job: Job, *, log_passes: bool = False) -> StepPlan:
     """Trace `job`'s step (its model on the meta device) for its device with its AC mode, apply the pipeline,
     and read the estimate. `log_passes`: log the pipeline's pass timings (the preflight of the step that runs).
     """
-    cfg, device = job.cfg, job.device
-    in_graph = optimizer_in_graph(cfg)
     step = job.graph_step(compile_stage=False)  # also validates the passes before the (long) trace
     start = time.perf_counter()
     with contextlib.nullcontext() if log_passes else quiet():  # other modes' plans would only add noise
-        step.ensure_traced(_meta_batch(cfg))
+        step.ensure_traced(meta_batch(job.cfg))
     elapsed = time.perf_counter() - start
-    traced, est = step.traced, step.memory_estimate
-    # The trace is of a batch on the meta device; the step's batches live on `device`.
-    traced.signature = tuple((path, shape, dtype, device.type) for path, shape, dtype, _ in traced.signature)
-    if cfg.compile.backend == "inductor":  # the compiled step's bound (compiler.inductor.InductorStage)
-        from graph_trainer.compiler.inductor import functional_gather_bytes
+    return plan_of(job, Transformed(step.traced, step.memory_estimate), elapsed, blocks_traced=job.model.args.n_layers)
 
-        est = dataclasses.replace(est, peak_bytes=est.peak_bytes + functional_gather_bytes(traced.gm))
-    implementation = adamw_implementation_for(cfg, device)
-    update = None if in_graph else EagerUpdate.of(job.optimizer, implementation, device)
+
+def meta_batch(cfg: JobConfig) -> dict[str, torch.Tensor]:
+    """A batch of the job's shape on the meta device: what a plan traces."""
+    b, s = cfg.training.local_batch_size, cfg.training.seq_len
+    return {name: torch.empty(b, s, dtype=torch.long, device="meta") for name in ("input", "labels")}
+
+
+def eager_update_of(job: Job) -> EagerUpdate | None:
+    """What the AdamW update run after the graph costs (None: the update is in the graph)."""
+    if optimizer_in_graph(job.cfg):
+        return None
+    return EagerUpdate.of(job.optimizer, adamw_implementation_for(job.cfg, job.device), job.device)
+
+
+def extra_compiled_bytes(cfg: JobConfig, gm: torch.fx.GraphModule) -> int:
+    """What the compile stage adds to the planned graph's peak (`compiler.inductor.InductorStage`)."""
+    if cfg.compile.backend != "inductor":
+        return 0
+    from graph_trainer.compiler.inductor import functional_gather_bytes
+
+    return functional_gather_bytes(gm)
+
+
+def peak_location(node: torch.fx.Node) -> tuple[int | None, str, str]:
+    """(layer, module, op) of a graph node: where a peak is, in words that do not depend on node names."""
+    return node_meta.layer_id(node), node_meta.module_fqn(node), op_name(node)
+
+
+def finish_plan(
+    job: Job,
+    est: MemoryEstimate,
+    update: EagerUpdate | None,
+    location: tuple[int | None, str, str],
+    *,
+    num_params: int,
+    flops: int,
+    comm: dict[str, int],
+    trace_time_s: float,
+    blocks_traced: int,
+    approximate: bool = False,
+    step_graph: Any = None,
+    where: str | None = None,
+) -> StepPlan:
+    """The StepPlan of an estimate (of a traced graph, or extended from short ones) and its eager update.
+    `where` words the graph's peak (default: from `location`)."""
+    cfg = job.cfg
     peak, by_category, in_update = whole_step_peak(est, update)
     if in_update:
-        where = f"the eager AdamW update ({implementation})"
-    else:
-        where = f"{est.peak_node} ({est.peak_op})" + (f" in {est.peak_module_fqn}" if est.peak_module_fqn else "")
+        where = f"the eager AdamW update ({update.implementation})"
+        location = (None, "", f"eager AdamW update ({update.implementation})")
+    elif where is None:
+        layer, module, op = location
+        where = f"{op} in {module or 'the top level'}" + ("" if layer is None else f" (layer {layer})")
     return StepPlan(
         ac_mode=cfg.activation_checkpoint.mode,
         peak_bytes=peak,
         saved_bytes=est.saved_bytes,
         peak_by_category=by_category,
         peak_where=where,
-        flops=sum(node_flops(n) for n in traced.gm.graph.nodes),
+        flops=flops,
+        num_params=num_params,
+        trace_time_s=trace_time_s,
+        optimizer="in graph" if update is None else update.implementation,
+        step_graph=step_graph,
+        peak_location=location,
+        comm_bytes=dict(comm),
+        blocks_traced=blocks_traced,
+        approximate=approximate,
+    )
+
+
+def plan_of(job: Job, result: Transformed, trace_time_s: float, *, blocks_traced: int) -> StepPlan:
+    """The plan of `job`'s step from its transformed trace (the final graph and its memory estimate)."""
+    traced, est = result.traced, result.memory_estimate
+    device = job.device
+    # The trace is of a batch on the meta device; the step's batches live on `device`.
+    traced.signature = tuple((path, shape, dtype, device.type) for path, shape, dtype, _ in traced.signature)
+    est = dataclasses.replace(est, peak_bytes=est.peak_bytes + extra_compiled_bytes(job.cfg, traced.gm))
+    peak_node = next(n for n in traced.gm.graph.nodes if n.name == est.peak_node)
+    module = f" in {est.peak_module_fqn}" if est.peak_module_fqn else ""
+    return finish_plan(
+        job,
+        est,
+        eager_update_of(job),
+        peak_location(peak_node),
         num_params=job.num_params(),
-        trace_time_s=elapsed,
-        optimizer="in graph" if in_graph else implementation,
-        step_graph=Transformed(traced, step.memory_estimate),
+        flops=sum(node_flops(n) for n in traced.gm.graph.nodes),
+        comm=collective_bytes(traced.gm),
+        trace_time_s=trace_time_s,
+        blocks_traced=blocks_traced,
+        step_graph=Transformed(traced, result.memory_estimate),
+        where=f"{est.peak_node} ({est.peak_op}){module}",  # as before the depth-free plan (golden files hold it)
     )
 
 
@@ -106,4 +176,15 @@ def plan_config(cfg: JobConfig, device: torch.device | None = None) -> StepPlan:
         return plan_step(build_job(cfg, mesh, materialize=False))
 
 
-__all__ = ["AC_MODES", "StepPlan", "plan_config", "plan_step", "with_ac_mode"]
+__all__ = [
+    "AC_MODES",
+    "StepPlan",
+    "eager_update_of",
+    "finish_plan",
+    "meta_batch",
+    "peak_location",
+    "plan_config",
+    "plan_of",
+    "plan_step",
+    "with_ac_mode",
+]
