@@ -15,6 +15,7 @@ import contextlib
 import copy
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -97,9 +98,50 @@ def extra_compiled_bytes(cfg: JobConfig, gm: torch.fx.GraphModule) -> int:
     return functional_gather_bytes(gm)
 
 
-def peak_location(node: torch.fx.Node) -> tuple[int | None, str, str]:
-    """(layer, module, op) of a graph node: where a peak is, in words that do not depend on node names."""
-    return node_meta.layer_id(node), node_meta.module_fqn(node), op_name(node)
+def peak_location(gm: torch.fx.GraphModule, index: int) -> tuple[int | None, str, str]:
+    """(layer, module, op) of the `index`-th node of `gm`: where a peak is, in words that do not depend on
+    node names. The layer is the node's block (`node_blocks`), None outside the blocks."""
+    layer = next((b for i, _, b in node_blocks(gm) if i == index), None)
+    node = list(gm.graph.nodes)[index]
+    return layer, node_meta.module_fqn(node), op_name(node)
+
+
+def op_nodes(gm: torch.fx.GraphModule) -> Iterator[tuple[int, torch.fx.Node]]:
+    """(index, node) of the nodes that run (not the inputs, which are live throughout, nor the output)."""
+    for i, node in enumerate(gm.graph.nodes):
+        if node.op not in ("placeholder", "get_attr", "output"):
+            yield i, node
+
+
+def node_blocks(gm: torch.fx.GraphModule) -> list[tuple[int, torch.fx.Node, int | None]]:
+    """(index, node, block) of each running node (`op_nodes`). A backward node the tracer could not tag
+    (autograd's sum of two gradients of one tensor has no forward op, nor has the residual stream's at a
+    block's end) belongs to the block the backward enters next: that of the next node with a module."""
+    ops = list(op_nodes(gm))
+    anchors = [
+        node_meta.layer_id(n) if node_meta.layer_id(n) is not None or node_meta.module_fqn(n) else _UNKNOWN
+        for _, n in ops
+    ]
+    after = _filled(anchors[::-1])[::-1]
+    out = []
+    for (i, node), anchor, nxt in zip(ops, anchors, after):
+        layer = anchor if anchor is not _UNKNOWN else None
+        if anchor is _UNKNOWN and node_meta.is_backward(node) and isinstance(nxt, int):
+            layer = nxt
+        out.append((i, node, layer))
+    return out
+
+
+_UNKNOWN = object()
+
+
+def _filled(values: list) -> list:
+    """Each position's last known value so far (`_UNKNOWN` until one is known)."""
+    out, last = [], _UNKNOWN
+    for v in values:
+        last = v if v is not _UNKNOWN else last
+        out.append(last)
+    return out
 
 
 def finish_plan(
@@ -152,13 +194,13 @@ def plan_of(job: Job, result: Transformed, trace_time_s: float, *, blocks_traced
     # The trace is of a batch on the meta device; the step's batches live on `device`.
     traced.signature = tuple((path, shape, dtype, device.type) for path, shape, dtype, _ in traced.signature)
     est = dataclasses.replace(est, peak_bytes=est.peak_bytes + extra_compiled_bytes(job.cfg, traced.gm))
-    peak_node = next(n for n in traced.gm.graph.nodes if n.name == est.peak_node)
+    peak_index = next(i for i, n in enumerate(traced.gm.graph.nodes) if n.name == est.peak_node)
     module = f" in {est.peak_module_fqn}" if est.peak_module_fqn else ""
     return finish_plan(
         job,
         est,
         eager_update_of(job),
-        peak_location(peak_node),
+        peak_location(traced.gm, peak_index),
         num_params=job.num_params(),
         flops=sum(node_flops(n) for n in traced.gm.graph.nodes),
         comm=collective_bytes(traced.gm),
@@ -182,6 +224,8 @@ __all__ = [
     "eager_update_of",
     "finish_plan",
     "meta_batch",
+    "node_blocks",
+    "op_nodes",
     "peak_location",
     "plan_config",
     "plan_of",
