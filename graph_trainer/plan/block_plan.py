@@ -161,7 +161,7 @@ def _extended(cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, log_pass
         short_cfg.model.n_layers = k
         jobs[k] = build_job(short_cfg, mesh, materialize=False)
         traces[k], _ = _trace(jobs[k])
-        _check_blocks(traces[k].gm, k, "as traced")
+        _check_blocks(traces[k].gm, k, jobs[k].spec.parallel_plan.layers, "as traced")
     elapsed = time.perf_counter() - start
     deep = _ArgsOnly(cfg, jobs[SHORT[0]])
     parts: dict[str, _Parts | UserError] = {}
@@ -199,9 +199,12 @@ def _short(job: Job, traced: TracedStep, mode: str, pin: str, log_passes: bool) 
     k = job.model.args.n_layers
     result = _transform(mode_job, traced, log_passes and k == SHORT[-1])
     gm = result.traced.gm
-    _check_blocks(gm, k, f"after the passes of AC mode {mode}")
+    layers = job.spec.parallel_plan.layers
+    _check_blocks(gm, k, layers, f"after the passes of AC mode {mode}")
     layout = result.traced.layout
-    return _Short(mode_job, gm, result.memory_estimate, eager_update_of(mode_job), _keys(gm, k), layout.categories)
+    return _Short(
+        mode_job, gm, result.memory_estimate, eager_update_of(mode_job), _keys(gm, k, layers), layout.categories
+    )
 
 
 def _attention_pins(cfg: JobConfig, mode: str) -> list[str]:
@@ -352,7 +355,7 @@ def _deep_location(
     gm: torch.fx.GraphModule, index: int, cls: str, depth: int, layers: str | None
 ) -> tuple[int | None, str, str]:
     """The (layer, module, op) in the deep model of the `index`-th node of the 4-block graph, of class `cls`."""
-    layer, module, op = peak_location(gm, index)
+    layer, module, op = peak_location(gm, index, layers)
     if layer is None:
         return layer, module, op
     deep = {"first": 0, "mid_first": 1, "mid_last": depth - 2, "last": depth - 1}[cls]
@@ -375,12 +378,12 @@ def _classes(layer: int | None, k: int) -> list[str]:
     return [c for c, j in (("mid_first", 1), ("mid_last", k - 2)) if j == layer]
 
 
-def _keys(gm: torch.fx.GraphModule, k: int) -> dict[tuple[str, int], int]:
+def _keys(gm: torch.fx.GraphModule, k: int, layers: str | None) -> dict[tuple[str, int], int]:
     """Each running node's key (block class, rank among that class's nodes) -> its index in graph order."""
     seen: Counter = Counter()
     keys: dict[tuple[str, int], int] = {}
     per_layer: Counter = Counter()
-    for i, _, layer in node_blocks(gm):
+    for i, _, layer in node_blocks(gm, layers):
         rank = per_layer[layer]
         per_layer[layer] += 1
         for cls in _classes(layer, k):
@@ -406,10 +409,10 @@ def _signature(node: torch.fx.Node) -> tuple:
     )
 
 
-def _check_blocks(gm: torch.fx.GraphModule, k: int, when: str) -> None:
+def _check_blocks(gm: torch.fx.GraphModule, k: int, layers: str | None, when: str) -> None:
     """NotUniform unless every block of the `k`-block graph holds the same op sequence (`_signature`)."""
     blocks: dict[int, list[tuple]] = {}
-    for _, node, layer in node_blocks(gm):
+    for _, node, layer in node_blocks(gm, layers):
         if layer is not None:
             blocks.setdefault(layer, []).append(_signature(node))
     if sorted(blocks) != list(range(k)):

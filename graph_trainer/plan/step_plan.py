@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -98,10 +99,10 @@ def extra_compiled_bytes(cfg: JobConfig, gm: torch.fx.GraphModule) -> int:
     return functional_gather_bytes(gm)
 
 
-def peak_location(gm: torch.fx.GraphModule, index: int) -> tuple[int | None, str, str]:
+def peak_location(gm: torch.fx.GraphModule, index: int, layers: str | None) -> tuple[int | None, str, str]:
     """(layer, module, op) of the `index`-th node of `gm`: where a peak is, in words that do not depend on
     node names. The layer is the node's block (`node_blocks`), None outside the blocks."""
-    layer = next((b for i, _, b in node_blocks(gm) if i == index), None)
+    layer = next((b for i, _, b in node_blocks(gm, layers) if i == index), None)
     node = list(gm.graph.nodes)[index]
     return layer, node_meta.module_fqn(node), op_name(node)
 
@@ -113,21 +114,27 @@ def op_nodes(gm: torch.fx.GraphModule) -> Iterator[tuple[int, torch.fx.Node]]:
             yield i, node
 
 
-def node_blocks(gm: torch.fx.GraphModule) -> list[tuple[int, torch.fx.Node, int | None]]:
-    """(index, node, block) of each running node (`op_nodes`). A backward node the tracer could not tag
+def node_blocks(gm: torch.fx.GraphModule, layers: str | None) -> list[tuple[int, torch.fx.Node, int | None]]:
+    """(index, node, block) of each running node (`op_nodes`): its layer tag, else the block its module is in
+    (`layers`.N: FSDP's ops for a block's unit have the module but no tag). A backward node with neither
     (autograd's sum of two gradients of one tensor has no forward op, nor has the residual stream's at a
-    block's end) belongs to the block the backward enters next: that of the next node with a module."""
+    block's start) belongs to the block the backward was in: that of the last node with a module before it."""
+    pattern = re.compile(rf"(?:^|\.){re.escape(layers)}\.(\d+)(?:\.|$)") if layers else None
+
+    def block(node: torch.fx.Node) -> Any:
+        if node_meta.layer_id(node) is not None:
+            return node_meta.layer_id(node)
+        fqn = node_meta.module_fqn(node)
+        match = pattern.search(fqn) if pattern and fqn else None
+        return int(match.group(1)) if match else (None if fqn else _UNKNOWN)
+
     ops = list(op_nodes(gm))
-    anchors = [
-        node_meta.layer_id(n) if node_meta.layer_id(n) is not None or node_meta.module_fqn(n) else _UNKNOWN
-        for _, n in ops
-    ]
-    after = _filled(anchors[::-1])[::-1]
+    anchors = [block(n) for _, n in ops]
     out = []
-    for (i, node), anchor, nxt in zip(ops, anchors, after):
+    for (i, node), anchor, prev in zip(ops, anchors, _filled(anchors)):
         layer = anchor if anchor is not _UNKNOWN else None
-        if anchor is _UNKNOWN and node_meta.is_backward(node) and isinstance(nxt, int):
-            layer = nxt
+        if anchor is _UNKNOWN and node_meta.is_backward(node) and isinstance(prev, int):
+            layer = prev
         out.append((i, node, layer))
     return out
 
@@ -200,7 +207,7 @@ def plan_of(job: Job, result: Transformed, trace_time_s: float, *, blocks_traced
         job,
         est,
         eager_update_of(job),
-        peak_location(traced.gm, peak_index),
+        peak_location(traced.gm, peak_index, job.spec.parallel_plan.layers),
         num_params=job.num_params(),
         flops=sum(node_flops(n) for n in traced.gm.graph.nodes),
         comm=collective_bytes(traced.gm),
