@@ -131,11 +131,26 @@ def _command(rest: list[str], cand, cluster) -> str:
         argv = ["torchrun", f"--nnodes={cluster.gpus // per_node}", f"--nproc_per_node={per_node}",
                 "--rdzv_backend=c10d", "--rdzv_endpoint=$MASTER_ADDR:29500", "-m", "graph_trainer"]  # fmt: skip
     options = [a for o in cand.overrides() for a in o.split()]
+    rest = _without(rest, {o.split()[0] for o in cand.overrides()})
     if cluster.device.name != "cpu":
         options += ["--training.dtype", "bfloat16"]
         if dict(cand.degrees).get("dp_shard", 1) > 1:
             options += ["--training.mixed_precision_param", "bfloat16"]
     return shlex.join([*argv, *rest, *options]).replace("'$MASTER_ADDR:29500'", "$MASTER_ADDR:29500")
+
+
+def _without(argv: list[str], keys: set[str]) -> list[str]:
+    """`argv` without the `--key value` pairs whose key the plan sets itself."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a in keys:
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            continue
+        out.append(a)
+    return out
 
 
 if __name__ == "__main__":

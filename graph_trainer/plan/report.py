@@ -25,6 +25,7 @@ def _row(r: search.Screened, cluster: Cluster, seq: int) -> dict:
         "accumulation": 1,
         "loss_chunk_size": r.cand.loss_chunk_size,
         "optimizer_in_graph": r.cand.trace_optimizer,
+        "peak_bytes": plan.peak_bytes,
         "peak_gib": to_gib(plan.peak_bytes),
         "headroom_gib": to_gib(cluster.memory_bytes - plan.peak_bytes),
         "step_s": t.total_s,
