@@ -24,15 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster.gpus", dest="gpus", type=int, default=8)
     p.add_argument("--cluster.gpus_per_node", dest="gpus_per_node", type=int, default=8)
     p.add_argument("--cluster.device", dest="device", default="h100-80gb")
-    for name in ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps"):
+    # Every figure of the device table can be overridden; efficiency: the fraction of peak compute runs at.
+    for name in ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "efficiency"):
         p.add_argument(f"--cluster.{name}", dest=name, type=float, default=None)
-    p.add_argument(
-        "--cluster.efficiency",
-        dest="efficiency",
-        type=float,
-        default=0.45,
-        help="fraction of peak FLOP/s the compute runs at (docs/planner.md: where 0.45 comes from)",
-    )
     p.add_argument("--batch.global_seqs", dest="global_seqs", type=int, default=None)
     p.add_argument("--batch.global_tokens", dest="global_tokens", type=int, default=None)
     p.add_argument("--search.ac_modes", dest="ac_modes", nargs="+", default=["none", "selective", "full"])
@@ -65,7 +59,7 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     from graph_trainer.plan.report import nothing_fits, print_table, write_json, write_picture
 
     start = time.perf_counter()
-    overrides = {k: getattr(opts, k) for k in ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps")}
+    overrides = {k: getattr(opts, k) for k in ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "efficiency")}
     cluster = build_cluster(opts.device, opts.gpus, opts.gpus_per_node, overrides)
     cfg, _ = load_config(rest)
     if opts.device != "cpu":  # the bf16 plan: as the trainer runs on a GPU (bf16 compute, bf16 FSDP gathers)
@@ -84,10 +78,10 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
         raise UserError(f"no layout of {cluster.gpus} GPUs divides the global batch of {global_seqs} sequences")
     kept = [c for c in cands if search.state_bytes(cfg, c) < cluster.memory_bytes]
     device = torch.device("cpu")
-    rows = search.screen(cfg, cluster, kept, opts.efficiency, device) if kept else []
+    rows = search.screen(cfg, cluster, kept, cluster.device.efficiency, device) if kept else []
     fitting = sorted((r for r in rows if r.peak <= cluster.memory_bytes), key=lambda r: r.time.total_s)
     exact = fitting[: opts.exact]
-    search.plan_exactly(cfg, cluster, exact, opts.efficiency, device)
+    search.plan_exactly(cfg, cluster, exact, cluster.device.efficiency, device)
     final = sorted(
         (r for r in exact if r.exact is not None and r.exact.peak_bytes <= cluster.memory_bytes),
         key=lambda r: r.exact_time.total_s,

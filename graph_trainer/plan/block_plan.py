@@ -37,7 +37,7 @@ import torch.fx
 
 from graph_trainer.builder import Job, build_job
 from graph_trainer.distributed.mesh import Mesh
-from graph_trainer.errors import UserError
+from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger, quiet
@@ -316,7 +316,8 @@ def _approximate_budget(cfg: JobConfig, none: _Parts | UserError, full: _Parts |
     """The `budget` mode's plan, approximated from the deep none and full plans (marked approximate).
 
     The pass recomputes until the graph's peak fits its target (inputs + `memory_budget` of the no-AC
-    activations, or that many GiB), so the peak is taken as the target, within [full, none]; FLOPs and
+    activations, or that many GiB), so the peak is taken as the target (at most none's; below full's the
+    budget is reported infeasible, as the pass does for a target under its smallest probe); FLOPs and
     saved bytes are interpolated between none and full in the same proportion. The error against full
     traces is measured in tests/test_block_plan.py.
     """
@@ -327,7 +328,13 @@ def _approximate_budget(cfg: JobConfig, none: _Parts | UserError, full: _Parts |
     budget = cfg.activation_checkpoint.memory_budget
     base = none.est.input_bytes
     target = base + (budget * (none.est.peak_bytes - base) if budget <= 1 else budget * GIB)
-    peak = int(min(max(target, full.est.peak_bytes), none.est.peak_bytes))
+    if target < full.est.peak_bytes:  # the pass's smallest probe recomputes what full AC does
+        return ConfigError(
+            f"activation_checkpoint.memory_budget {budget} is infeasible (approximate, from the depth-free plan): "
+            f"full AC's graph peak {full.est.peak_bytes / GIB:.4f} GiB is above the target "
+            f"{target / GIB:.4f} GiB; raise the budget or lower the batch size"
+        )
+    peak = int(min(target, none.est.peak_bytes))
     span = none.est.peak_bytes - full.est.peak_bytes
     w = (none.est.peak_bytes - peak) / span if span > 0 else 0.0  # 0: as none, 1: as full
 

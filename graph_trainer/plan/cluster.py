@@ -25,6 +25,12 @@ class Device:
     intra_gbps: float
     inter_gbps: float
     source: str
+    # The fraction of peak the step's compute runs at: one calibration constant per device (docs/planner.md).
+    efficiency: float = 0.40
+    efficiency_source: str = (
+        "Llama 3 paper (arXiv 2407.21783, Table 4): 38-43% BF16 MFU pre-training 405B on 8K-16K H100s; "
+        "not fitted to any row it is compared with"
+    )
 
 
 DEVICES: dict[str, Device] = {
@@ -106,7 +112,16 @@ def cpu_device() -> Device:
     for _ in range(8):
         torch.mm(a, a)
     tflops = 8 * 2 * n**3 / (time.perf_counter() - start) / 1e12
-    return Device("cpu", available_bytes(torch.device("cpu")) / 1024**3, tflops, 5.0, 5.0, "measured on this machine")
+    return Device(
+        "cpu",
+        available_bytes(torch.device("cpu")) / 1024**3,
+        tflops,
+        5.0,
+        5.0,
+        "measured on this machine",
+        1.0,
+        "the peak is this machine's measured matmul rate",
+    )
 
 
 def build_cluster(device: str, gpus: int, gpus_per_node: int, overrides: dict[str, float | None]) -> Cluster:
