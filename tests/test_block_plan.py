@@ -96,3 +96,18 @@ def test_shallow_models_are_traced_whole_once_for_all_modes(layers):
         plans = plan_modes(cfg, mesh, EXACT)
     assert {p.blocks_traced for p in plans.values()} == {layers}
     assert plans["none"].peak_bytes > plans["selective"].peak_bytes > plans["full"].peak_bytes
+
+
+def test_the_preflight_and_dry_run_of_a_deep_model_use_the_depth_free_plan():
+    from graph_trainer.distributed.mesh import Mesh
+    from graph_trainer.plan.dry_run import dry_run
+    from graph_trainer.plan.preflight import preflight
+
+    cfg, _ = load_config([*DEBUG, "--model.n_layers", "8", "--activation_checkpoint.mode", "selective"])
+    plan = preflight(cfg, Mesh(ParallelDims(), 0, torch.device("cpu")))
+    assert plan.blocks_traced == sum(SHORT) and plan.ac_mode == "selective"
+    cfg.model.n_layers = 5
+    lines: list[str] = []
+    dry_run(cfg, device=torch.device("cpu"), print_fn=lines.append)
+    assert "blocks traced: 3 + 4 for a model of 5, once for all modes; extended exactly (docs/planner.md)" in lines
+    assert any(line.startswith("budget ") and "approximate" in line for line in lines)

@@ -55,8 +55,13 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
                 f"{plan.num_params:15,} {plan.flops / 1e12:11.2f} {plan.trace_time_s:7.1f}  {where}"
             )
         traced = max((p.blocks_traced for p in plans.values() if isinstance(p, StepPlan)), default=0)
-        how = "all of them" if traced >= depth else "extended exactly to all (docs/planner.md)"
-        print_fn(f"blocks traced: {traced} of {depth}, once for all modes; {how}")
+        if traced == depth:
+            print_fn(f"blocks traced: all {depth}, once for all modes")
+        else:
+            short = " + ".join(map(str, SHORT))
+            print_fn(
+                f"blocks traced: {short} for a model of {depth}, once for all modes; extended exactly (docs/planner.md)"
+            )
     print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")
 
 
