@@ -22,7 +22,7 @@ def _row(r: search.Screened, cluster: Cluster, seq: int) -> dict:
         "layout": r.cand.layout(),
         "ac_mode": r.cand.ac_mode,
         "local_batch": r.cand.local_batch,
-        "accumulation": 1,
+        "accumulation": r.cand.accumulation,
         "loss_chunk_size": r.cand.loss_chunk_size,
         "optimizer_in_graph": r.cand.trace_optimizer,
         "peak_bytes": plan.peak_bytes,
@@ -50,8 +50,9 @@ def print_table(rows: list[search.Screened], cluster: Cluster, seq: int) -> None
     for i, r in enumerate(rows, 1):
         x = _row(r, cluster, seq)
         comm = " ".join(f"{x['comm_gib'].get(k, 0):.1f}" for k in KINDS)
+        batch = f"{x['local_batch']} x {x['accumulation']}"
         print(
-            f"{i:>2} {x['layout']:<26} {x['ac_mode']:<9} {str(x['local_batch']) + ' x 1':>8} {x['peak_gib']:8.2f} "
+            f"{i:>2} {x['layout']:<26} {x['ac_mode']:<9} {batch:>8} {x['peak_gib']:8.2f} "
             f"{x['headroom_gib']:8.2f} {x['step_s']:7.2f} {x['tokens_per_s_per_gpu']:9.0f} {x['mfu']:5.1%}  {comm}"
         )
 

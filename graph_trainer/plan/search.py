@@ -41,6 +41,9 @@ class Candidate:
     local_batch: int
     loss_chunk_size: int
     trace_optimizer: bool
+    # Micro-steps per step: 1 until gradient accumulation lands (issue 22); then `candidates` splits the local
+    # batch into local_batch x accumulation and plans both gradient-sync choices (DECISIONS.md).
+    accumulation: int = 1
 
     def overrides(self) -> list[str]:
         """The trainer options that ask for this candidate."""
