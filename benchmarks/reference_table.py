@@ -59,7 +59,9 @@ def main() -> None:
           f"{'published':>9} {'ratio':>6} {'best/pinned':>11} {'plan s':>7}")  # fmt: skip
     for name in opts.rows:
         config, gpus, degrees, mode, batch, published = ROWS[name]
-        cfg, _ = load_config(["--config", config, "--training.seq_len", str(SEQ), "--training.dtype", "bfloat16"])
+        # torchtitan's loss takes the whole [tokens, vocab] logits: no chunking, as there.
+        args = ["--config", config, "--training.seq_len", str(SEQ), "--training.dtype", "bfloat16"]
+        cfg, _ = load_config([*args, "--training.loss_chunk_size", "0"])
         cluster = Cluster(device, gpus, 8)
         cand = search.Candidate(
             tuple({"dp_replicate": 1, **degrees}.items()), mode, batch, cfg.training.loss_chunk_size, False
