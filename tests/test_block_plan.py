@@ -111,3 +111,20 @@ def test_the_preflight_and_dry_run_of_a_deep_model_use_the_depth_free_plan():
     dry_run(cfg, device=torch.device("cpu"), print_fn=lines.append)
     assert "blocks traced: 3 + 4 for a model of 5, once for all modes; extended exactly (docs/planner.md)" in lines
     assert any(line.startswith("budget ") and "approximate" in line for line in lines)
+
+
+def test_one_trace_shared_by_the_modes_plans_as_one_trace_per_mode():
+    """The full-trace side of the comparisons traces once and runs each mode's passes on a copy: it must plan
+    exactly what `plan_step` (a fresh trace per mode, the path the golden digests cover) plans."""
+    from graph_trainer.builder import build_job
+    from graph_trainer.distributed.mesh import Mesh
+    from graph_trainer.plan.step_plan import plan_step, with_ac_mode
+
+    cfg, _ = load_config([*DEBUG, "--model.n_layers", "2"])
+    mesh = Mesh(ParallelDims(), 0, torch.device("cpu"))
+    shared = plan_modes(cfg, mesh, AC_MODES)
+    job = build_job(cfg, mesh, materialize=False)
+    for mode in AC_MODES:
+        alone = plan_step(job.with_config(with_ac_mode(cfg, mode)))
+        assert _numbers(shared[mode]) == _numbers(alone), mode
+        assert shared[mode].peak_where == alone.peak_where
