@@ -1,0 +1,160 @@
+"""data.source = "hf_datasets": formats, rank slices, in-order packing, exact resume, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import torch
+
+from graph_trainer import __main__ as cli
+from graph_trainer.data.hf_datasets import build_hf_loader
+from graph_trainer.data.loader import pack_windows, tokenize_documents
+from graph_trainer.data.tokenizer import ByteTokenizer
+from graph_trainer.errors import UserError
+from tests.tiny import TINY
+
+# A test extra: CI installs it, and there a missing package must fail, not skip.
+datasets = __import__("datasets") if os.environ.get("CI") == "true" else pytest.importorskip("datasets")
+
+BYTE = ByteTokenizer()
+# Rows of uneven lengths, one empty (it adds no token, not even EOS), so windows cross row boundaries.
+ROWS = [f"row {i}: " + "abcdefghij" * (i % 7) for i in range(40)]
+ROWS[5] = ""
+
+
+def write(folder: Path, fmt: str, rows: list[str] = ROWS, column: str = "text", files: int = 1) -> Path:
+    """`rows` as `files` files of format `fmt` (parquet, jsonl, arrow) in `folder`; the file, or the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    per = -(-len(rows) // files)
+    for k in range(files):
+        part = datasets.Dataset.from_dict({column: rows[k * per : (k + 1) * per], "n": list(range(per))[: len(rows)]})
+        path = folder / f"part-{k}.{fmt}"
+        if fmt == "parquet":
+            part.to_parquet(str(path))
+        elif fmt == "jsonl":
+            part.to_json(str(path))
+        else:  # an Arrow stream file, as `datasets` caches write them
+            import pyarrow as pa
+
+            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, part.data.schema) as writer:
+                writer.write_table(part.data.table)
+    return folder / "part-0.parquet" if files == 1 and fmt == "parquet" else folder
+
+
+def loader(path: Path, streaming: bool, **kw):
+    args = dict(text_column="text", streaming=streaming, batch_size=2, seq_len=16)
+    return build_hf_loader(str(path), BYTE, **(args | kw))
+
+
+def expected_batches(rows: list[str], n: int, batch: int = 2, seq_len: int = 16) -> list[torch.Tensor]:
+    """The first n batches of `rows` packed in order, the stream running on into the next pass."""
+    stream = tokenize_documents(iter(rows), BYTE)
+    windows = pack_windows(stream.repeat(n * batch * (seq_len + 1) // stream.numel() + 1), seq_len)
+    return [windows[i * batch : (i + 1) * batch].long() for i in range(n)]
+
+
+def assert_batches(got, expected):
+    for g, w in zip(got, expected, strict=True):
+        assert torch.equal(g["input"], w[:, :-1]) and torch.equal(g["labels"], w[:, 1:])
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "arrow"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_every_format_loaded_or_streamed_packs_the_rows_in_order_across_passes(tmp_path, fmt, streaming):
+    path = write(tmp_path / fmt, fmt, files=2 if fmt == "jsonl" else 1)  # a folder of 2 jsonl files too
+    n = 40  # 40 x 34 tokens: more than the ~1,150 of one pass, so the stream wraps into the next
+    assert_batches(list(islice(loader(path, streaming), n)), expected_batches(ROWS, n))
+
+
+def test_a_save_to_disk_folder_is_read(tmp_path):
+    datasets.Dataset.from_dict({"text": ROWS}).save_to_disk(str(tmp_path / "saved"))
+    assert_batches(list(islice(loader(tmp_path / "saved", False), 5)), expected_batches(ROWS, 5))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_data_parallel_ranks_read_disjoint_slices_that_cover_the_rows(tmp_path, streaming):
+    path = write(tmp_path, "parquet", files=2)
+    texts = []
+    for rank in range(2):
+        rows = loader(path, streaming, data_rank=rank, data_size=2).rows
+        texts.append(list(rows(0)))
+    assert texts[0] and texts[1]
+    assert set(texts[0]).isdisjoint(texts[1])
+    assert sorted(texts[0] + texts[1]) == sorted(ROWS)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_resume_at_any_batch_yields_exactly_the_batches_the_run_would_have_read(tmp_path, streaming):
+    path = write(tmp_path, "parquet")
+    whole = list(islice(loader(path, streaming), 45))
+    for k in (0, 1, 7, 33, 34, 40):  # 33-34: around the end of the first pass
+        first = loader(path, streaming)
+        list(islice(first, k))
+        state = first.state_dict()
+        assert state["data_ranks"] == 1 and len(state["positions"]) == 1
+        resumed = loader(path, streaming)
+        resumed.load_state_dict(json.loads(json.dumps(state)))  # plain values only (weights_only-safe)
+        for got, want in zip(islice(resumed, 5), whole[k : k + 5], strict=True):
+            assert torch.equal(got["input"], want["input"]) and torch.equal(got["labels"], want["labels"])
+
+
+def test_a_position_saved_by_other_data_parallel_ranks_is_refused(tmp_path):
+    path = write(tmp_path, "parquet")
+    state = {"data_ranks": 2, "positions": [{"epoch": 0, "doc": 3, "token": 0}] * 2}
+    with pytest.raises(UserError, match="belong to 2 data-parallel ranks, this job has 1"):
+        loader(path, False).load_state_dict(state)
+
+
+def test_the_holdout_rule_splits_rows_by_index(tmp_path):
+    path = write(tmp_path, "parquet")
+    held = list(loader(path, True, holdout=(4, True)).rows(0))
+    kept = list(loader(path, False, holdout=(4, False)).rows(0))
+    assert held == [r for i, r in enumerate(ROWS) if i % 4 == 3]
+    assert kept == [r for i, r in enumerate(ROWS) if i % 4 != 3]
+
+
+def _args(tmp_path: Path, *args: str) -> list[str]:
+    base = ["--config", "llama3_debug.toml", *TINY, "--training.steps", "1", "--data.source", "hf_datasets"]
+    return [*base, "--job.dump_folder", str(tmp_path / "run"), *args]
+
+
+def test_a_missing_column_exits_2_with_one_line_from_the_command_line(tmp_path):
+    path = write(tmp_path / "data", "parquet", column="body")
+    cmd = [sys.executable, "-m", "graph_trainer", *_args(tmp_path, "--data.path", str(path))]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: data.path '{path}' has no column 'text' (its columns: body, n); "
+        "set data.text_column to the column holding the text"
+    ]
+    assert not (tmp_path / "run").exists()  # refused before the first write
+
+
+@pytest.mark.parametrize(
+    "make, extra, message",
+    [
+        (lambda d: write(d, "parquet"), ["--data.text_column", "n"], "column 'n' holds int, not text"),
+        (lambda d: _file(d / "x.parquet", b"not parquet at all"), [], "cannot be read as a dataset"),
+        (lambda d: _file(d / "x.jsonl", b"{not json\n"), ["--data.streaming", "true"], "cannot be read as a dataset"),
+        (lambda d: _file(d / "notes.txt", b"plain text"), [], "is not a .parquet/.json/.jsonl/.arrow file"),
+        (lambda d: d / "missing.parquet", [], "does not exist"),
+    ],
+)
+def test_bad_datasets_exit_2_with_one_line(tmp_path, capsys, make, extra, message):
+    """The same entry point as `python -m graph_trainer`, in this process (a subprocess costs ~10 s here)."""
+    path = make(tmp_path / "data")
+    assert cli.main(_args(tmp_path, "--data.path", str(path), *extra)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def _file(path: Path, content: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    return path
