@@ -57,6 +57,7 @@ class Validator:
     ) -> None:
         self.loader, self.step, self.mesh, self.memory = loader, step, mesh, memory
         self.model, self.optimizer, self.steps, self.freq = model, optimizer, steps, freq
+        self.records: list[dict[str, Any]] = []  # every evaluation's record, in order
 
     def due(self, step: int, total_steps: int) -> bool:
         """Whether training step `step` is followed by an evaluation: every `freq` steps, and after the last."""
@@ -98,6 +99,7 @@ class Validator:
             record["estimated_peak_bytes"] = report.estimated_peak_bytes + storage_bytes(resident, device.type)
         if report.trace_count is not None:
             record["trace_count"] = report.trace_count
+        self.records.append(record)
         return record
 
 

@@ -158,3 +158,71 @@ def _file(path: Path, content: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(content)
     return path
+
+
+@pytest.mark.integration
+def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    """The CLI on a streamed parquet folder with a validation split, a checkpoint every step: killed with SIGKILL
+    after step 3, resumed, it ends with the losses, validation losses and parameters of a run never killed."""
+    from tests.test_run_folder import TINY as RUN_TINY
+    from tests.test_run_lifecycle import CKPT, EXACT, start, summary, wait_for_step
+
+    path = write(tmp_path / "data", "parquet", rows=ROWS * 3, files=2)
+    args = [*EXACT, *CKPT, "--training.steps", "6", "--data.source", "hf_datasets", "--data.path", str(path)]
+    args += ["--data.streaming", "true", "--validation.enable", "true", "--validation.freq", "3"]
+    args += ["--validation.steps", "1", "--validation.holdout_every", "4"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert cli.main([*RUN_TINY, *args, "--job.dump_folder", str(straight)]) == 0  # in this process: faster
+    proc = start(*args, "--job.dump_folder", str(killed), cwd=tmp_path)
+    wait_for_step(proc, 3)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert proc.returncode == -9
+    assert any((killed / "checkpoint").glob("step-*.pt"))  # so exit 0 below is a resume (else it is exit 2)
+    assert cli.main([*RUN_TINY, *args, "--job.dump_folder", str(killed), "--checkpoint.resume"]) == 0
+    want, got = summary(straight), summary(killed)
+    assert [s["loss"] for s in got["steps"]] == [s["loss"] for s in want["steps"]]
+    assert [v["loss"] for v in got["validation"]] == [v["loss"] for v in want["validation"]]
+    assert [v["step"] for v in want["validation"]] == [3, 6]
+    assert got["final"]["params_sha256"] == want["final"]["params_sha256"]
+
+
+def _fsdp_worker(rank: int, port: int, out: str, data: str) -> None:
+    from tests.multiprocess import train_runs
+
+    args = ["--config", "llama3_debug.toml", *TINY, "--parallelism.dp_shard", "2", "--data.source", "hf_datasets"]
+    args += ["--data.path", data, "--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"]
+    args += ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--lr_scheduler.decay_type", "none"]
+    runs = {
+        "straight": ["--training.steps", "4"],
+        "first": ["--training.steps", "2", "--job.dump_folder", f"{out}/resumed"],
+        "resumed": ["--training.steps", "4", "--job.dump_folder", f"{out}/resumed", "--checkpoint.resume"],
+    }
+    results = {}
+    for name, trainer, result in train_runs(rank, 2, port, runs, args, out):
+        results[name] = result
+        if name == "straight":  # the logged validation loss is the mean over the two data-parallel ranks
+            mine = torch.tensor(trainer.validator.records[-1]["batch_losses"]).mean()
+            both = mine.clone()
+            torch.distributed.all_reduce(both)
+            assert trainer.validator.records[-1]["loss"] == (both / 2).item()
+            assert trainer.validator.records[-1]["loss"] != mine.item()  # the ranks held different batches
+            assert trainer.validator.step.trace_count == 1  # the eval graph, with its all-gathers, traced once
+    assert results["resumed"].losses == results["straight"].losses[2:]
+    assert results["resumed"].params_sha256 == results["straight"].params_sha256
+    if rank == 0:
+        want = json.loads(Path(out, "straight", "summary.json").read_text())["validation"]
+        got = json.loads(Path(out, "resumed", "summary.json").read_text())["validation"]
+        keys = ("step", "loss", "perplexity", "batch_losses", "estimated_peak_bytes")
+        assert [v["step"] for v in got] == [2, 4]
+        assert [[v[k] for k in keys] for v in got] == [[v[k] for k in keys] for v in want]
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+def test_fsdp_ranks_read_their_slices_validate_together_and_resume_bitwise(tmp_path):
+    """dp_shard 2 on a parquet folder: 4 steps straight against 2 steps then a resume to 4, both validated."""
+    from tests.multiprocess import free_port, spawn_ranks
+
+    data = write(tmp_path / "data", "parquet", rows=ROWS * 3, files=2)
+    spawn_ranks(_fsdp_worker, 2, (free_port(), str(tmp_path), str(data)), timeout_s=600)
