@@ -93,3 +93,48 @@ def test_eager_and_traced_runs_validate_to_the_same_bits_and_report_them_everywh
     assert logged == [v["loss"] for v in traced]  # float32 losses: TensorBoard's float32 holds them exactly
     assert "validation_metrics/perplexity" in events.Tags()["scalars"]
     assert "validation_memory/estimated_peak(GiB)" in events.Tags()["scalars"]
+
+
+def test_resume_refuses_a_changed_validation_split_and_honours_the_rest(tmp_path):
+    from graph_trainer.errors import UserError
+    from graph_trainer.job_config.resume import compare_on_resume, stored_config
+    from graph_trainer.job_config.schema import JobConfig
+
+    def config(enable: bool, path: str = "", every: int = 20, freq: int = 10) -> JobConfig:
+        cfg = JobConfig()
+        cfg.data.source, cfg.data.path = "jsonl", "train.jsonl"
+        v = cfg.validation
+        v.enable, v.path, v.holdout_every, v.freq = enable, path, every, freq
+        return cfg
+
+    split = stored_config(config(True))
+    with pytest.raises(
+        UserError, match="with no document held out .checkpoint: every 20th document held out for validation"
+    ):
+        compare_on_resume(split, config(False), tmp_path)
+    with pytest.raises(UserError, match="--validation.holdout_every 20"):
+        compare_on_resume(split, config(True, every=10), tmp_path)
+    with pytest.raises(
+        UserError, match="with every 20th document held out for validation .checkpoint: no document held out"
+    ):
+        compare_on_resume(stored_config(config(False)), config(True), tmp_path)
+    # The training stream is unchanged: a held-out file added or changed, the frequency changed.
+    assert compare_on_resume(stored_config(config(False)), config(True, path="val.jsonl"), tmp_path)
+    assert compare_on_resume(split, config(True, freq=5), tmp_path) == [
+        "validation.freq: 10 in the checkpoint, 5 now (honoured)"
+    ]
+
+
+def test_resume_refuses_to_reshard_a_datasets_run(tmp_path):
+    from graph_trainer.errors import UserError
+    from graph_trainer.job_config.resume import compare_on_resume, stored_config
+    from graph_trainer.job_config.schema import JobConfig
+
+    def config(dp_shard: int, batch: int) -> JobConfig:
+        cfg = JobConfig()
+        cfg.data.source, cfg.data.path = "hf_datasets", "data/"
+        cfg.parallelism.dp_shard, cfg.training.local_batch_size = dp_shard, batch
+        return cfg
+
+    with pytest.raises(UserError, match=r"changed .*parallelism.dp_shard 4 \(checkpoint: 2\): the saved data position"):
+        compare_on_resume(stored_config(config(2, 4)), config(4, 2), tmp_path, reshardable=True)

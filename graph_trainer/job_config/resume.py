@@ -125,7 +125,7 @@ def _check_held_out(before: dict[str, Any], now: dict[str, Any], checkpoint: Pat
     fix = (
         f"--validation.enable true --validation.path '' --validation.holdout_every {saved}"
         if saved
-        else "validation.path set, or --validation.enable false"
+        else "--validation.path FILE (a separate held-out set) or --validation.enable false"
     )
     raise UserError(
         f"cannot resume {checkpoint} with {_holdout_words(asked)} (checkpoint: {_holdout_words(saved)}): {_DATA}; "
