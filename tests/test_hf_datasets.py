@@ -72,6 +72,13 @@ def test_every_format_loaded_or_streamed_packs_the_rows_in_order_across_passes(t
     assert_batches(list(islice(loader(path, streaming), n)), expected_batches(ROWS, n))
 
 
+def test_a_null_text_is_an_empty_row(tmp_path):
+    rows = ["first row " * 4, None, "third row " * 4]
+    datasets.Dataset.from_dict({"text": rows}).to_parquet(str(tmp_path / "nulls.parquet"))
+    got = list(islice(loader(tmp_path / "nulls.parquet", True), 4))
+    assert_batches(got, expected_batches([r or "" for r in rows], 4))
+
+
 def test_a_save_to_disk_folder_is_read(tmp_path):
     datasets.Dataset.from_dict({"text": ROWS}).save_to_disk(str(tmp_path / "saved"))
     assert_batches(list(islice(loader(tmp_path / "saved", False), 5)), expected_batches(ROWS, 5))
@@ -124,6 +131,7 @@ def _args(tmp_path: Path, *args: str) -> list[str]:
     return [*base, "--job.dump_folder", str(tmp_path / "run"), *args]
 
 
+@pytest.mark.integration  # a subprocess: ~10 s of imports
 def test_a_missing_column_exits_2_with_one_line_from_the_command_line(tmp_path):
     path = write(tmp_path / "data", "parquet", column="body")
     cmd = [sys.executable, "-m", "graph_trainer", *_args(tmp_path, "--data.path", str(path))]
@@ -235,3 +243,24 @@ def test_two_ranks_read_their_slices_validate_together_and_resume_bitwise(tmp_pa
 
     data = write(tmp_path / "data", "parquet", rows=ROWS * 3, files=2)
     spawn_ranks(_two_rank_worker, 2, (free_port(), str(tmp_path), str(data), parallel), timeout_s=600)
+
+
+def test_the_docs_commands_parse_and_the_example_dataset_is_written(tmp_path):
+    """docs/data_and_validation.md's trainer commands are valid configurations (they were run verbatim by hand:
+    see the report of issue 22), and examples/make_dataset.py writes the files they read."""
+    import runpy
+    import shlex
+
+    from graph_trainer.job_config.cli import load_config
+
+    repo = Path(__file__).resolve().parents[1]
+    doc = (repo / "docs" / "data_and_validation.md").read_text()
+    commands = [shlex.split(line) for line in doc.splitlines() if line.startswith(("python -m ", "torchrun "))]
+    assert len(commands) >= 5
+    for argv in commands:
+        cfg, _ = load_config(argv[argv.index("--config") :])
+        assert cfg.data.source in ("hf_datasets", "embedded")
+    runpy.run_path(str(repo / "examples" / "make_dataset.py"), run_name="make_dataset")["main"](str(tmp_path))
+    assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
+    rows = [json.loads(line) for line in (tmp_path / "val.jsonl").read_text().splitlines()]
+    assert len(rows) == 15 and all(isinstance(r["text"], str) for r in rows)

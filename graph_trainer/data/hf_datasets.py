@@ -145,7 +145,9 @@ def column_checked(ds: Any, column: str, where: str) -> Any:
 
 
 def _is_stream(ds: Any) -> bool:
-    return type(ds).__name__ == "IterableDataset"
+    import datasets
+
+    return isinstance(ds, datasets.IterableDataset)
 
 
 def holdout_split(ds: Any, every: int, held_out: bool) -> Any:
@@ -291,7 +293,7 @@ def text_rows(ds: Any, column: str) -> Callable[[int], Iterator[str]]:
     def rows(start: int) -> Iterator[str]:
         part = ds.skip(start) if start else ds
         for block in part.iter(batch_size=_READ_BATCH):
-            yield from block[column]
+            yield from (text if text is not None else "" for text in block[column])  # a null is an empty row
 
     return rows
 

@@ -328,13 +328,14 @@ def build_dataloader(
     needed = batch_size * world_size * (seq_len + 1)
     if stream.numel() < needed:
         where = "the embedded corpus" if source == "embedded" else f"{option} '{path}'"
+        held_out_fix = ", a smaller validation.holdout_every" if holdout is not None and holdout[1] else ""
         if holdout is not None:
             where += f" ({'held out' if holdout[1] else 'kept'} by the validation split)"
         ranks = f" on each of {world_size} ranks" if world_size > 1 else ""
         raise UserError(
             f"{where} has {stream.numel()} tokens but one batch needs {needed} "
             f"({batch_size} x (seq_len {seq_len} + 1){ranks}); use a smaller training.seq_len "
-            "or training.local_batch_size, or more data"
+            f"or training.local_batch_size{held_out_fix}, or more data"
         )
     windows = pack_windows(stream, seq_len)
     return PackedBatchLoader(windows, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size)

@@ -146,7 +146,7 @@ class ValidationConfig:
         alias="dataset_path",
     )
     holdout_every: int = _opt(
-        20, "with no validation.path: document i is held out of training when i % N == N - 1", ge=2
+        8, "with no validation.path: document i is held out of training when i % N == N - 1", ge=2
     )
 
 
