@@ -20,12 +20,13 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.checkpoint.hf import Pretrained
+from graph_trainer.data.hf_datasets import SequentialPackedLoader
 from graph_trainer.data.loader import PackedBatchLoader, build_dataloader
 from graph_trainer.data.tokenizer import Tokenizer, build_tokenizer
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import ParallelModel
 from graph_trainer.distributed.parallelize import parallelize_model
-from graph_trainer.errors import UserError
+from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.schema import JobConfig
@@ -33,7 +34,7 @@ from graph_trainer.loss import build_lm_loss
 from graph_trainer.optimizer.adamw import GraphAdamW, build_optimizer, choose_adamw_implementation, init_adamw_state
 from graph_trainer.optimizer.lr_schedule import build_lr_scheduler
 from graph_trainer.runtime.device import resolve_dtype
-from graph_trainer.step import TrainStep
+from graph_trainer.step import EvalStep, TrainStep
 from graph_trainer.tracer.capture import LossFn, TraceError
 from models.common.spec import ModelSpec
 
@@ -62,30 +63,82 @@ def cli_trace_errors():
         raise TraceError(e.problem, fix="fix the code or run with --compile.mode eager") from e
 
 
+Loader = PackedBatchLoader | SequentialPackedLoader
+
+
 @dataclasses.dataclass
 class JobData:
-    """The tokenizer and this data-parallel rank's batches."""
+    """The tokenizer and this data-parallel rank's batches (and its held-out batches, with validation)."""
 
     tokenizer: Tokenizer
-    loader: PackedBatchLoader
+    loader: Loader
+    validation: Loader | None = None
+
+
+def gather_over_data_ranks(mesh: Mesh):
+    """A function that collects one picklable value from every data-parallel rank, in data-rank order (a
+    collective over every rank; tensor-parallel peers hold the same value). None for one process."""
+    if not mesh.is_distributed:
+        return None
+
+    def gather(value):
+        everyone = [None] * mesh.world_size
+        torch.distributed.all_gather_object(everyone, (mesh.data_rank, value), group=mesh.world_group)
+        by_data_rank = dict(everyone)
+        return [by_data_rank[r] for r in range(mesh.data_size)]
+
+    return gather
+
+
+def _validation_source(cfg: JobConfig) -> tuple[str, tuple[int, bool] | None]:
+    """(path, holdout) of the held-out data: `validation.path`, or the training data's held-out documents.
+
+    Raises:
+        ConfigError: a source that cannot give held-out text (synthetic), or a path for one that reads no file.
+    """
+    v, source = cfg.validation, cfg.data.source
+    if v.path:
+        if source in ("embedded", "synthetic"):
+            raise ConfigError(
+                f'validation.path is set but data.source = "{source}" reads no file; drop validation.path to '
+                f"hold out every validation.holdout_every-th document, or train on a file source"
+            )
+        return v.path, None
+    if source == "synthetic":
+        raise ConfigError(
+            'validation on data.source = "synthetic" has no text to hold out; set data.source to a text source '
+            "or --validation.enable false"
+        )
+    return cfg.data.path, (v.holdout_every, True)
 
 
 def build_data(cfg: JobConfig, mesh: Mesh) -> JobData:
     """The configured tokenizer and the batches of this rank's data-parallel slice (tensor-parallel peers, when
-    there are any, read the same batches)."""
+    there are any, read the same batches), and with `validation.enable` the held-out batches.
+
+    Held out: `validation.path` (read as `data.source` reads `data.path`) or, without it, every
+    `validation.holdout_every`-th document of the training data, which training then skips.
+    """
     tokenizer = build_tokenizer(cfg.data.tokenizer)
-    t = cfg.training
-    loader = build_dataloader(
-        cfg.data.source,
-        cfg.data.path,
-        tokenizer,
+    t, d = cfg.training, cfg.data
+    common = dict(
         batch_size=t.local_batch_size,
         seq_len=t.seq_len,
         seed=t.seed,
         rank=mesh.data_rank,
         world_size=mesh.data_size,
+        text_column=d.text_column,
+        streaming=d.streaming,
     )
-    return JobData(tokenizer, loader)
+    validation, held_out = None, None
+    if cfg.validation.enable:
+        path, held_out = _validation_source(cfg)
+        option = "validation.path" if cfg.validation.path else "data.path"
+        validation = build_dataloader(d.source, path, tokenizer, holdout=held_out, option=option, **common)
+    kept = None if held_out is None else (held_out[0], False)
+    gather = gather_over_data_ranks(mesh)
+    loader = build_dataloader(d.source, d.path, tokenizer, gather=gather, holdout=kept, **common)
+    return JobData(tokenizer, loader, validation)
 
 
 def initial_weights(cfg: JobConfig) -> Pretrained | None:
@@ -252,6 +305,25 @@ class Job:
             grad_reduce=self.parallel.grad_reduce(),
             optimizer=self.optimizer if optimizer_update else None,
             norm_reduce=self.parallel.norm_reduce(),
+        )
+
+    def build_eval_step(self, *, failure_dir: Path | None = None) -> EvalStep:
+        """The job's evaluation step (forward and loss, no gradients): eager with `compile.mode eager`, else its
+        own traced graph, run uncompiled, whose peak the memory estimate gives."""
+        if self.cfg.compile.mode == "eager":
+            from graph_trainer.eager.eval_step import EagerEvalStep
+
+            return EagerEvalStep(self.model, loss_fn=self.loss_fn)
+        from graph_trainer.passes.memory_estimate import estimate_peak_memory
+        from graph_trainer.tracer.eval_step import GraphEvalStep
+
+        return GraphEvalStep(
+            self.model,
+            loss_fn=self.loss_fn,
+            device=self.device,
+            estimate=lambda gm, categories: estimate_peak_memory(gm, input_categories=categories).peak_bytes,
+            failure_dir=failure_dir,
+            layers=self.spec.parallel_plan.layers,
         )
 
     def graph_step(

@@ -124,11 +124,30 @@ class LRSchedulerConfig:
 class DataConfig:
     source: str = _opt(
         "embedded",
-        "training text: embedded corpus, a text file, a jsonl file, or random tokens",
-        choices=("embedded", "text", "jsonl", "synthetic"),
+        "training text: embedded corpus, a text file, a jsonl file, random tokens, or parquet/json/arrow files "
+        "read with Hugging Face datasets",
+        choices=("embedded", "text", "jsonl", "synthetic", "hf_datasets"),
     )
-    path: str = _opt("", "input file (required for source text|jsonl)")
+    path: str = _opt("", "input file or folder (required for source text|jsonl|hf_datasets)")
     tokenizer: str = _opt("byte", "'byte' (256 bytes + BOS/EOS) or a path to a HF tokenizer.json")
+    text_column: str = _opt("text", "hf_datasets: the column that holds the text")
+    streaming: bool = _opt(False, "hf_datasets: stream the files (IterableDataset) instead of loading them")
+
+
+@dataclass
+class ValidationConfig:
+    enable: bool = _opt(False, "evaluate the loss on held-out data every validation.freq steps")
+    freq: int = _opt(10, "evaluate every N training steps, and after the last", ge=1)
+    steps: int = _opt(4, "batches per evaluation on each data-parallel rank", ge=1)
+    path: str = _opt(
+        "",
+        "held-out data, read as data.source reads data.path; empty: hold out every "
+        "validation.holdout_every-th document of the training data",
+        alias="dataset_path",
+    )
+    holdout_every: int = _opt(
+        8, "with no validation.path: document i is held out of training when i % N == N - 1", ge=2
+    )
 
 
 @dataclass
@@ -230,6 +249,7 @@ class JobConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
