@@ -152,6 +152,18 @@ def build_job_optimizer(cfg: JobConfig, model: nn.Module, device: torch.device) 
     return optimizer
 
 
+def build_job_scheduler(cfg: JobConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """The job's learning-rate schedule over `cfg.training.steps` steps."""
+    s = cfg.lr_scheduler
+    return build_lr_scheduler(
+        optimizer,
+        warmup_steps=s.warmup_steps,
+        total_steps=cfg.training.steps,
+        decay_type=s.decay_type,
+        min_lr_factor=s.min_lr_factor,
+    )
+
+
 def job_loss(cfg: JobConfig, device: torch.device) -> LossFn:
     """The job's loss before any parallelism wraps it: chunked as configured, under autocast when asked."""
     t = cfg.training
@@ -310,14 +322,7 @@ def build_job(cfg: JobConfig, mesh: Mesh, *, materialize: bool = True, vocab_nee
     if materialize and pretrained is not None:
         pretrained.load_into(model, parallel, mesh.device)
     optimizer = build_job_optimizer(cfg, model, mesh.device)
-    s = cfg.lr_scheduler
-    scheduler = build_lr_scheduler(
-        optimizer,
-        warmup_steps=s.warmup_steps,
-        total_steps=cfg.training.steps,
-        decay_type=s.decay_type,
-        min_lr_factor=s.min_lr_factor,
-    )
+    scheduler = build_job_scheduler(cfg, optimizer)
     loss_fn = parallel.wrap_loss(job_loss(cfg, mesh.device))
     return Job(cfg, mesh, spec, model, parallel, optimizer, scheduler, loss_fn)
 
@@ -330,6 +335,7 @@ __all__ = [
     "build_data",
     "build_job",
     "build_job_optimizer",
+    "build_job_scheduler",
     "build_model",
     "cli_trace_errors",
     "initial_weights",

@@ -71,12 +71,12 @@ class TrainingConfig:
     steps: int = _opt(20, "number of optimizer steps", ge=0)
     local_batch_size: int = _opt(8, "sequences per step on each data-parallel rank", ge=1)
     seq_len: int = _opt(256, "tokens per sequence (at most the model's max_seq_len)", ge=1)
-    seed: int = _opt(0, "random seed for initialization and data")
+    seed: int = _opt(0, "random seed for initialization, data order and dropout")
     deterministic: bool = _opt(False, "use deterministic algorithms (bitwise reproducible runs)")
-    max_norm: float = _opt(1.0, "gradient clipping max norm; <= 0 disables clipping")
+    max_norm: float = _opt(1.0, "gradient clipping max norm; <= 0 disables clipping (the norm is still logged)")
     dtype: str = _opt(
         "auto",
-        "parameter/compute dtype; auto = float32 on CPU, bfloat16 on CUDA",
+        "compute dtype: bfloat16 = autocast over float32 weights; auto = float32 on CPU, bfloat16 on CUDA",
         choices=("auto", "float32", "bfloat16"),
     )
     device: str = _opt("auto", "device to train on; auto = cuda when available", choices=("auto", "cpu", "cuda"))
@@ -171,15 +171,15 @@ class CompileConfig:
 
 @dataclass
 class MetricsConfig:
-    log_freq: int = _opt(1, "log every N steps", ge=1)
+    log_freq: int = _opt(1, "console line every N steps (every step is recorded)", ge=1)
     enable_tensorboard: bool = _opt(True, "write TensorBoard events under the dump folder")
-    track_memory: bool = _opt(True, "measure and log peak memory")
+    track_memory: bool = _opt(True, "exact CPU live-tensor peak memory (CUDA allocator stats are always read)")
 
 
 @dataclass
 class CheckpointConfig:
     enable: bool = _opt(False, "save checkpoints")
-    interval: int = _opt(10, "save every N steps", ge=1)
+    interval: int = _opt(10, "save every N steps (and at the last step)", ge=1)
     folder: str = _opt("checkpoint", "checkpoint folder, relative to job.dump_folder")
     resume: bool = _opt(False, "resume from the latest checkpoint in the folder")
     keep_latest_k: int = _opt(2, "checkpoints to keep", ge=1)

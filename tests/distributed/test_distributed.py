@@ -34,7 +34,7 @@ pytestmark = [
     ),
 ]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 STEPS = 3
 TINY = ["--config", "llama3_debug", *TINY_RUN, "--training.steps", str(STEPS)]
@@ -73,6 +73,7 @@ def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(WORLD)] for name in RUNS}
 
 
+@pytest.mark.integration  # shares trainings on 2 spawned ranks
 @pytest.mark.parametrize("mode", ["trace", "trace_optimizer"])
 def test_two_ranks_traced_equal_eager_bitwise(two_ranks, mode):
     eager, traced = two_ranks["eager"][0], two_ranks[mode][0]
@@ -83,6 +84,7 @@ def test_two_ranks_traced_equal_eager_bitwise(two_ranks, mode):
     assert traced["trace_count"] == 1
 
 
+@pytest.mark.integration  # shares trainings on 2 spawned ranks
 @pytest.mark.parametrize("mode", list(RUNS))
 def test_both_ranks_end_with_identical_parameters(two_ranks, mode):
     rank0, rank1 = two_ranks[mode]
@@ -91,6 +93,7 @@ def test_both_ranks_end_with_identical_parameters(two_ranks, mode):
     assert rank0["losses"] == rank1["losses"]  # the logged loss is the global average
 
 
+@pytest.mark.integration  # shares trainings on 2 spawned ranks
 @pytest.mark.parametrize("mode", ["trace", "trace_optimizer"])
 def test_step_graph_holds_one_all_reduce_per_gradient_in_the_backward(two_ranks, mode):
     rank0 = two_ranks[mode][0]
@@ -101,6 +104,7 @@ def test_step_graph_holds_one_all_reduce_per_gradient_in_the_backward(two_ranks,
     assert {phase for _, phase in rank0["collectives"]} == {node_meta.BACKWARD}
 
 
+@pytest.mark.integration  # a torchrun launch of two ranks
 def test_torchrun_two_ranks_close_to_one_process_with_the_global_batch(tmp_path):
     """CLI under torchrun, 2 x batch 2, vs in-process 1 x batch 4: same losses up to summation order."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -179,6 +183,7 @@ def test_dp_shard_with_dp_replicate_is_refused_as_hsdp():
         check_launch(cfg, {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"})
 
 
+@pytest.mark.integration  # a torchrun launch of two ranks
 def test_torchrun_world_size_not_dp_shard_exits_2_on_every_rank(tmp_path):
     """A bad launch under torchrun: every rank says why and exits 2 before joining a process group (no hang)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -120,7 +120,7 @@ def test_forward_is_causal():
 
 def test_sequence_longer_than_max_seq_len_is_an_error_naming_max_seq_len():
     # The model raises ValueError (models/ import no graph_trainer); a job refuses the same seq_len earlier, as a
-    # config error (tests/test_config.py).
+    # config error (tests/job_config/test_config.py).
     model = Transformer(TINY)
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, TINY.max_seq_len + 1, dtype=torch.long))

@@ -13,7 +13,7 @@ from graph_trainer import __main__ as cli
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.schema import JobConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

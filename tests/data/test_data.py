@@ -277,7 +277,7 @@ def test_unknown_source_is_a_config_error_listing_valid_ones():
 
 def test_a_binary_file_as_text_is_refused_in_one_line_and_a_few_bad_bytes_warn(tmp_path, caplog):
     """Issue 8.9: a binary file given as data.source = text trained on garbage without a word."""
-    from tests.test_run_folder import cli, one_line_error
+    from tests.checkpoint.test_run_folder import cli, one_line_error
 
     binary = tmp_path / "model.txt"
     binary.write_bytes(bytes(range(256)) * 200)

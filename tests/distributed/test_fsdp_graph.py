@@ -32,7 +32,7 @@ from tests.tiny import TINY_BATCH, tiny_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAYERS = 2
 UNITS = LAYERS + 1
 TINY = ["--config", "llama3_debug", *tiny_model(LAYERS), *TINY_BATCH, "--training.max_norm", "1.0"]

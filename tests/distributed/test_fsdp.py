@@ -157,7 +157,7 @@ def test_fsdp_traced_equals_eager_fsdp_bitwise_on_every_rank(ranks, run):
 def test_fsdp_compiled_by_inductor_follows_the_traced_step(ranks):
     """`compile.backend = inductor` with FSDP: the gathers into the shard's own buffer are compiled as the
     functional all-gather, and with prefetch a gather is issued in one region and waited in the next.
-    Numerics as `tests/test_compiled.py` declares them: each step's loss within 1e-4 relative of the
+    Numerics as `tests/compiler/test_compiled.py` declares them: each step's loss within 1e-4 relative of the
     uncompiled traced step (same optimizer placement), every rank logging the same loss."""
     world, out = _runs(ranks, "trace_inductor")
     reference = _record(out, "trace_optimizer")["losses"]

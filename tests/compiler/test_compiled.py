@@ -101,6 +101,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
     return (a - b).abs().max().item() <= rtol * scale
 
 
+@pytest.mark.integration  # shares an Inductor compile of the step, whole and regional
 def test_compiled_step_gradients_and_in_place_update_match_the_graph(traced_and_compiled):
     traced, inputs, compiled = traced_and_compiled
     ref, out, ref_in, out_in = _run_both(traced, inputs, compiled)
@@ -116,13 +117,15 @@ def test_compiled_step_gradients_and_in_place_update_match_the_graph(traced_and_
         assert _close(ref_in[i], out_in[i], GRAD_RTOL), i
 
 
+@pytest.mark.integration  # shares an Inductor compile of the step, whole and regional
 def test_compiled_step_is_not_bitwise_and_says_so(traced_and_compiled):
-    """The declared numerics: close, not equal (if this ever becomes bitwise, update the README)."""
+    """The declared numerics: close, not equal (if this ever becomes bitwise, update docs/compile.md)."""
     traced, inputs, compiled = traced_and_compiled
     ref, out, _, _ = _run_both(traced, inputs, compiled)
     assert not all(torch.equal(r, o) for r, o in zip(ref, out))
 
 
+@pytest.mark.integration  # shares an Inductor compile of the step, whole and regional
 def test_compiled_step_reruns_identically(traced_and_compiled):
     traced, inputs, compiled = traced_and_compiled
     _, first, _, first_in = _run_both(traced, inputs, compiled)

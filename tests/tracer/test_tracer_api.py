@@ -18,7 +18,7 @@ from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TraceError, trace_step
 from graph_trainer.tracer.executor import GraphStep
-from tests.test_tracer import (
+from tests.tracer.test_tracer import (
     assert_bitwise,
     eager_and_graph_adamw,
     eager_and_traced,  # noqa: F401

@@ -1,6 +1,6 @@
 """Sharded (DCP folder) checkpoints without processes: the manifest owns folders, the reshard rule, the guard's norm.
 
-The multi-process claims (bitwise resume, resharding, export) are in tests/test_fsdp_checkpoint.py.
+The multi-process claims (bitwise resume, resharding, export) are in tests/checkpoint/test_fsdp_checkpoint.py.
 """
 
 from __future__ import annotations

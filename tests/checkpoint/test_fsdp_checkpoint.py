@@ -25,8 +25,8 @@ from graph_trainer.checkpoint.run_folder import MANIFEST_FILE, Manifest, inspect
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer
+from tests.distributed.test_fsdp import TINY, _max_diff
 from tests.multiprocess import free_port, spawn_ranks, train_runs
-from tests.test_fsdp import TINY, _max_diff
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -36,7 +36,7 @@ pytestmark = [
     ),
 ]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # No decay horizon, so a 2-step run resumed to 4 steps equals a 4-step run; local batch 2 on 2 ranks.
 ARGS = [
     *TINY,

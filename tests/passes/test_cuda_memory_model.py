@@ -4,7 +4,7 @@ A graph traced on fake CUDA tensors (this needs no GPU) is estimated with each
 storage rounded up to 512 bytes, host scalars left out, and the cuBLAS workspace
 added when it has a matmul. These rules come from torch's allocator and cuBLAS
 handle code; whether they bring the estimate within 1% of a GPU's measured
-active peak is unverified until run on one (see the README).
+active peak is unverified until run on one (see docs/passes_and_memory.md).
 """
 
 from __future__ import annotations

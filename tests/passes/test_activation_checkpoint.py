@@ -106,11 +106,13 @@ def test_estimated_peak_equals_measured_cpu_peak(tmp_path, mode):
     assert estimated == measured
 
 
+@pytest.mark.integration  # plans and measures several budgets or modes
 def test_ac_modes_reduce_saved_activations(tmp_path):
     saved = {m: _measure(_trainer(tmp_path, m, *MODES[m]))[2] for m in ("none", "selective_op", "full")}
     assert saved["full"] < saved["selective_op"] < saved["none"]
 
 
+@pytest.mark.integration  # plans and measures several budgets or modes
 def test_peak_never_increases_as_budget_decreases(tmp_path):
     estimated, measured = [], []
     for budget in ("1.0", "0.95", "0.9", "0.85", "0.8", "0.75"):
@@ -131,6 +133,7 @@ def test_peak_never_increases_as_budget_decreases(tmp_path):
     assert estimated[-1] < estimated[0]
 
 
+@pytest.mark.integration  # plans and measures several budgets or modes
 def test_infeasible_budget_names_the_smallest_feasible_one(tmp_path):
     with pytest.raises(ConfigError, match="infeasible") as info:
         _measure(

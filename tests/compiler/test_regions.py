@@ -83,6 +83,7 @@ def _distinct(gm: torch.fx.GraphModule) -> tuple[int, dict[str, list]]:
     return len({k for ks in keys.values() for k in ks}), {label: ks for label, ks in keys.items()}
 
 
+@pytest.mark.integration  # traces steps of several depths
 def test_identical_layers_give_identical_regions_so_distinct_regions_do_not_grow_with_depth():
     shallow, _ = traced_tiny(3)
     deep, _ = traced_tiny(5)

@@ -30,7 +30,7 @@ def deterministic():
 
 def tiny_hf_llama() -> nn.Module:
     # Eager attention: with "sdpa", transformers passes is_causal in eager but builds a mask while
-    # tracing, a different kernel call (the README says so).
+    # tracing, a different kernel call (docs/tracer_api.md says so).
     config = transformers.LlamaConfig(
         vocab_size=64,
         hidden_size=32,

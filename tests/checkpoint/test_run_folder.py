@@ -18,7 +18,7 @@ import pytest
 
 from graph_trainer.checkpoint.run_folder import MANIFEST_FILE, Manifest, remove_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = [
     "--config",
     "llama3_debug",
@@ -72,6 +72,7 @@ def assert_survive(decoys: dict[Path, bytes]) -> None:
         assert p.is_file() and p.read_bytes() == content, f"{p} was removed or changed"
 
 
+@pytest.mark.integration  # whole runs of python -m graph_trainer
 def test_overwrite_refuses_an_outside_checkpoint_folder_holding_foreign_files(tmp_path):
     """Issue 8.1: an absolute checkpoint.folder and `..` were wiped by --job.overwrite."""
     decoys = plant(tmp_path / "victim" / "other" / "important.pt", tmp_path / "parent" / "precious.txt")
@@ -166,6 +167,7 @@ def test_overwrite_removes_only_what_the_run_wrote(tmp_path):
     assert sorted(p.name for p in outside.iterdir()) == ["step-00000001.pt"]
 
 
+@pytest.mark.integration  # whole runs of python -m graph_trainer
 def test_a_bad_data_path_with_overwrite_deletes_nothing_and_fails_before_preflight(tmp_path):
     """Issue 8.2: a typo in --data.path used to wipe the old run, then fail."""
     dump = tmp_path / "run"
@@ -204,6 +206,7 @@ def test_dump_folder_that_is_a_file_or_unwritable_is_one_line(tmp_path, where):
         assert target.read_text() == "keep"
 
 
+@pytest.mark.integration  # whole runs of python -m graph_trainer
 def test_files_get_the_umask_mode_and_the_run_says_where_results_are(tmp_path):
     """Issue 8.9: summary.json and checkpoints were 0600; config.toml was promised but missing."""
     dump = tmp_path / "run"

@@ -21,7 +21,7 @@ from graph_trainer.plan.eager_baseline import eager_step_peak
 from graph_trainer.plan.preflight import preflight
 from graph_trainer.plan.step_plan import plan_config, plan_step, with_ac_mode
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Activations dominate at this shape, so AC modes differ in peak.
 SMALL = ["--model.n_layers", "2", "--training.seq_len", "256", "--training.local_batch_size", "4"]
 
