@@ -80,6 +80,17 @@ def _commands(text: str) -> list[str]:
     return [" ".join(shlex.split(c, comments=True)) if "#" in c else c for c in found]
 
 
+def first_bash_block(page: Path) -> list[str]:
+    """The commands of the first ```bash block of `page`."""
+    body = next(body for lang, body in FENCE.findall(page.read_text()) if lang == "bash")
+    return _commands(f"```bash\n{body}```\n")
+
+
+# The Hugging Face round trip runs verbatim, one command after the other, in tests/test_hf_weights.py.
+HF_ROUND_TRIP = first_bash_block(REPO / "docs" / "hf_weights.md")
+RUN_ELSEWHERE.update(dict.fromkeys(HF_ROUND_TRIP, "tests/test_hf_weights.py"))
+
+
 def all_commands() -> list[tuple[str, str]]:
     """(page, command) for every command in every page."""
     return [(str(p.relative_to(REPO)), c) for p in PAGES for c in _commands(p.read_text())]
