@@ -25,6 +25,7 @@ from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import ParallelModel
 from graph_trainer.distributed.parallelize import parallelize_model
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.schema import JobConfig
@@ -71,14 +72,15 @@ class JobData:
 
 def build_data(cfg: JobConfig, mesh: Mesh) -> JobData:
     """The configured tokenizer and the batches of this rank's data-parallel slice (tensor-parallel peers, when
-    there are any, read the same batches)."""
+    there are any, read the same batches). A batch is one step's: with gradient accumulation, every micro-batch
+    of it (the step cuts it)."""
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     t = cfg.training
     loader = build_dataloader(
         cfg.data.source,
         cfg.data.path,
         tokenizer,
-        batch_size=t.local_batch_size,
+        batch_size=t.local_batch_size * accumulation_steps(cfg),
         seq_len=t.seq_len,
         seed=t.seed,
         rank=mesh.data_rank,
@@ -226,7 +228,12 @@ class Job:
             grad_reduce=self.parallel.grad_reduce(),
             optimizer=self.optimizer if optimizer_update else None,
             norm_reduce=self.parallel.norm_reduce(),
+            **self._accumulation(),
         )
+
+    def _accumulation(self) -> dict[str, Any]:
+        """The step's gradient accumulation: micro-batches per step and the token count's reduction."""
+        return {"accumulation_steps": accumulation_steps(self.cfg), "count_reduce": self.parallel.count_reduce()}
 
     def graph_step(
         self,
@@ -266,6 +273,7 @@ class Job:
             grad_reduce=self.parallel.grad_reduce(),
             norm_reduce=self.parallel.norm_reduce(),
             layers=self.spec.parallel_plan.layers,
+            **self._accumulation(),
         )
 
 

@@ -21,6 +21,7 @@ import torch
 
 from graph_trainer.builder import Job, adamw_implementation_for, build_job, optimizer_in_graph
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
+from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import quiet
 from graph_trainer.optimizer.update_memory import EagerUpdate, whole_step_peak
@@ -56,7 +57,8 @@ def with_ac_mode(cfg: JobConfig, mode: str) -> JobConfig:
 
 
 def _meta_batch(cfg: JobConfig) -> dict[str, torch.Tensor]:
-    b, s = cfg.training.local_batch_size, cfg.training.seq_len
+    """One step's batch on this rank, on the meta device: every micro-batch of it."""
+    b, s = cfg.training.local_batch_size * accumulation_steps(cfg), cfg.training.seq_len
     return {name: torch.empty(b, s, dtype=torch.long, device="meta") for name in ("input", "labels")}
 
 
@@ -69,9 +71,9 @@ def plan_step(job: Job, *, log_passes: bool = False) -> StepPlan:
     step = job.graph_step(compile_stage=False)  # also validates the passes before the (long) trace
     start = time.perf_counter()
     with contextlib.nullcontext() if log_passes else quiet():  # other modes' plans would only add noise
-        step.ensure_traced(_meta_batch(cfg))
+        step.prepare(_meta_batch(cfg))
     elapsed = time.perf_counter() - start
-    traced, est = step.traced, step.memory_estimate
+    traced, est = step.traced, step.step_estimate()
     # The trace is of a batch on the meta device; the step's batches live on `device`.
     traced.signature = tuple((path, shape, dtype, device.type) for path, shape, dtype, _ in traced.signature)
     if cfg.compile.backend == "inductor":  # the compiled step's bound (compiler.inductor.InductorStage)
@@ -91,12 +93,20 @@ def plan_step(job: Job, *, log_passes: bool = False) -> StepPlan:
         saved_bytes=est.saved_bytes,
         peak_by_category=by_category,
         peak_where=where,
-        flops=sum(node_flops(n) for n in traced.gm.graph.nodes),
+        flops=_step_flops(step),
         num_params=job.num_params(),
         trace_time_s=elapsed,
         optimizer="in graph" if in_graph else implementation,
         step_graph=Transformed(traced, step.memory_estimate),
     )
+
+
+def _step_flops(step: Any) -> int:
+    """FLOPs of one step: the main graph's, times the micro-batches with accumulation, plus the update graph's."""
+    flops = step.accumulation_steps * sum(node_flops(n) for n in step.traced.gm.graph.nodes)
+    if step.update is not None:
+        flops += sum(node_flops(n) for n in step.update.traced.gm.graph.nodes)
+    return flops
 
 
 def plan_config(cfg: JobConfig, device: torch.device | None = None) -> StepPlan:
