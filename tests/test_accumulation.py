@@ -62,13 +62,13 @@ def _train(step, job, batches) -> tuple[list[torch.Tensor], dict[str, torch.Tens
     return [t for o in out for t in o], {n: p.detach().clone() for n, p in job.model.named_parameters()}
 
 
-SLOW = pytest.mark.integration  # ~15-25 s each on 2 busy cores: the CI budget keeps two cases in the quick suite
+SLOW = pytest.mark.integration  # ~15-25 s each on 2 busy cores: the CI budget keeps one case in the quick suite
 
 
 @pytest.mark.parametrize(
     "ac,in_graph",
     [
-        ("none", False),
+        pytest.param("none", False, marks=SLOW),
         pytest.param("none", True, marks=SLOW),
         pytest.param("selective", False, marks=SLOW),
         ("full", True),

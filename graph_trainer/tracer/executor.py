@@ -172,10 +172,10 @@ class GraphStep:
         """The graph for `batch`'s signature, tracing (and transforming) it if needed.
 
         With accumulation, `batch` is a micro-batch (`step.micro_batches`); the update part is traced too."""
-        if self.accumulation_steps > 1 and self.update is None:
-            self.update = self._transform(self._trace(batch, "update"))
         signature = batch_signature(batch)
         trainable = trainable_parameter_names(self.model)
+        if self.accumulation_steps > 1 and (self.update is None or self.update.traced.layout.grad_names != trainable):
+            self.update = self._transform(self._trace(batch, "update"))
         if (
             self.traced is not None
             and self.traced.signature == signature
