@@ -69,7 +69,13 @@ class ModelConfig:
 @dataclass
 class TrainingConfig:
     steps: int = _opt(20, "number of optimizer steps", ge=0)
-    local_batch_size: int = _opt(8, "sequences per step on each data-parallel rank", ge=1)
+    local_batch_size: int = _opt(8, "sequences per micro-batch on each data-parallel rank", ge=1)
+    global_batch_size: int = _opt(
+        -1,
+        "sequences per optimizer step over all ranks: local_batch_size x data-parallel degree x gradient "
+        "accumulation steps; -1 = local_batch_size x data-parallel degree (no accumulation)",
+        ge=-1,
+    )
     seq_len: int = _opt(256, "tokens per sequence (at most the model's max_seq_len)", ge=1)
     seed: int = _opt(0, "random seed for initialization, data order and dropout")
     deterministic: bool = _opt(False, "use deterministic algorithms (bitwise reproducible runs)")
@@ -230,6 +236,13 @@ class ParallelismConfig:
         False,
         "dp_shard: issue each layer's all-gather while the previous layer "
         "computes (overlap; one more layer's parameters alive)",
+    )
+    fsdp_grad_sync: str = _opt(
+        "micro_batch",
+        "dp_shard with gradient accumulation: reduce-scatter every micro-batch's gradients and accumulate the "
+        "shards (micro_batch), or accumulate whole gradients and reduce-scatter once per step (step: less "
+        "communication, one unsharded gradient per parameter held between micro-batches)",
+        choices=("micro_batch", "step"),
     )
     dp_replicate: int = _opt(
         1,
