@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from graph_trainer.checkpoint.dcp_reader import SafeFileSystemReader
 from graph_trainer.errors import UserError
 from graph_trainer.runtime.fsutil import atomic_write
 
@@ -26,7 +27,7 @@ _PREFIX = "model."
 
 def full_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The model's full tensors from a `step-*.dcp` checkpoint folder (see `graph_trainer.checkpoint.sharded`)."""
-    reader = dcp.FileSystemReader(checkpoint)
+    reader = SafeFileSystemReader(checkpoint)  # reads .metadata without running any code in it
     try:
         metadata = reader.read_metadata()
     except (OSError, EOFError, ValueError) as e:
