@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(error: Exception, code: int) -> int:
     message = " ".join(str(error).split("\n"))
-    print(f"error: {message}", file=sys.stderr)
+    # One write, newline included: the ranks of a launch share stderr, and separate writes would interleave.
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
     return code
 
 

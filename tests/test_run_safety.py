@@ -7,8 +7,12 @@
   checkpoint, summary, manifest or TensorBoard writes, or into one rank of a 2-rank DCP save) stops the
   run with one line naming the folder and the cause, exit 74; no partial file is left, the earlier
   checkpoint is kept, and summary.json says `write_failed` (or the line says it could not).
-- A single-file checkpoint whose pickle would create a file is refused in one line; the file is not created.
-  (The DCP `.metadata` counterpart is in tests/test_fsdp_checkpoint.py, on the checkpoints it already writes.)
+- A checkpoint whose pickle would create a file is refused in one line and the file is not created: a
+  single-file one, and a sharded one's tampered `.metadata` on a 2-rank resume (every rank refuses).
+  (tests/test_fsdp_checkpoint.py checks that DCP holds no bytes item, and `export` on a tampered one.)
+
+The 2-rank runs are launched as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR), one process per rank, so
+that each rank's exit code and message can be checked.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import pytest
 import torch
 
 from graph_trainer.checkpoint.dcp_reader import read_dcp_metadata
-from graph_trainer.distributed.launch import trainer_command
+from tests.multiprocess import free_port
 from tests.test_run_folder import REPO, TINY, cli, one_line_error
 from tests.test_run_lifecycle import CKPT, start, wait_for_step
 
@@ -38,11 +42,10 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
 
 
-def _run(args: list[str], cwd: Path, command: list[str] | None = None, **env: str) -> subprocess.CompletedProcess:
-    command = command or [sys.executable, "-m", "tests.faults"]
-    return subprocess.run(
-        [*command, *TINY, *ONE_LAYER, *args], cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=600
-    )
+def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """The trainer's command line through `tests.faults` (which injects nothing unless `GT_ENOSPC` is set)."""
+    command = [sys.executable, "-m", "tests.faults", *TINY, *ONE_LAYER, *args]
+    return subprocess.run(command, cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=600)
 
 
 def _final(dump: Path) -> dict:
@@ -63,8 +66,32 @@ _HOLD = (
 )
 
 
-def _refusals(proc: subprocess.CompletedProcess) -> list[str]:
-    return [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+def _two_ranks(args: list[str], cwd: Path, **env: str) -> list[subprocess.CompletedProcess]:
+    """The trainer's command line (through `tests.faults`) as ranks 0 and 1 of one job, launched as torchrun
+    would, but each watched on its own: torchrun stops the other ranks once one has exited, which would race
+    with what they print."""
+    launch = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **env}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.faults", *TINY, *ONE_LAYER, "--parallelism.dp_shard", "2", *args],
+            cwd=cwd,
+            env=_env(RANK=str(rank), LOCAL_RANK=str(rank), **launch),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    done = [(p, *p.communicate(timeout=600)) for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, out, err in done]
+
+
+def _same_line_from_every_rank(ranks: list[subprocess.CompletedProcess], code: int, start: str) -> None:
+    """Every rank exited with `code` and printed one line, the same on all, starting with `start`."""
+    for proc in ranks:
+        assert proc.returncode == code, proc.stderr[-3000:]
+        assert proc.stderr.startswith(start) and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert len({proc.stderr for proc in ranks}) == 1
 
 
 @pytest.mark.integration  # a training run, a refused run on one and on two ranks, a rerun after kill -9
@@ -78,16 +105,7 @@ def test_a_held_folder_is_refused_naming_the_pid_on_one_and_two_ranks_and_kill_9
         second = cli("--training.steps", "1", "--job.dump_folder", str(dump), "--job.overwrite", "true", cwd=tmp_path)
         one_line_error(second, line.removeprefix("error: "))
         # Two ranks: rank 0 holds the lock, both learn of the refusal through the process group.
-        two = subprocess.run(
-            [*trainer_command(2), *TINY, "--parallelism.dp_shard", "2", "--job.dump_folder", str(dump)],
-            cwd=tmp_path,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert len(_refusals(two)) == 2 and all(x.startswith(line) for x in _refusals(two)), two.stderr[-3000:]
-        assert "exitcode  : 2" in two.stderr  # torchrun reports the rank that ended first: exit 2
+        _same_line_from_every_rank(_two_ranks(["--job.dump_folder", str(dump)], tmp_path), 2, line)
         assert holder.poll() is None  # the holder trains on, its files untouched
         assert {p: p.read_bytes() for p in before} == before
     finally:
@@ -142,35 +160,31 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_every_earlier_checkpoin
             assert not (dump / "summary.json").exists()
 
 
-_FAULTS_ON_2_RANKS = [*trainer_command(2)[:-2], "-m", "tests.faults"]
-_SHARDED = [*CKPT, "--parallelism.dp_shard", "2", "--training.steps", "2"]
+_SHARDED = [*CKPT, "--training.steps", "2"]
 
 
 @pytest.fixture(scope="module")
-def full_disk_on_rank_1(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+def full_disk_on_rank_1(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
     """2 ranks, a checkpoint every step; rank 1's shard file of step 2 meets a full disk (rank 0 writes its own
     part and .metadata normally)."""
     tmp = tmp_path_factory.mktemp("full_disk_dcp")
     dump = tmp / "run"
-    proc = _run(
+    ranks = _two_ranks(
         [*_SHARDED, "--job.dump_folder", str(dump)],
         tmp,
-        _FAULTS_ON_2_RANKS,
         GT_ENOSPC=r"step-00000002\.dcp.*\.distcp",
         GT_ENOSPC_RANK="1",
     )
-    return dump, proc
+    return dump, ranks
 
 
 @pytest.mark.integration  # a torchrun launch of two ranks
 def test_a_full_disk_on_one_rank_of_a_sharded_save_stops_both_ranks_and_keeps_the_earlier_checkpoint(
     full_disk_on_rank_1,
 ):
-    dump, proc = full_disk_on_rank_1
-    errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
-    expected = f"error: writing step-00000002.dcp in {dump}/checkpoint failed: No space left on device (rank 1)"
-    assert len(errors) == 2 and all(x.startswith(expected) for x in errors), proc.stderr[-3000:]
-    assert f"exitcode  : {EXIT_WRITE_FAILED}" in proc.stderr
+    dump, ranks = full_disk_on_rank_1
+    line = f"error: writing step-00000002.dcp in {dump}/checkpoint failed: No space left on device (rank 1)"
+    _same_line_from_every_rank(ranks, EXIT_WRITE_FAILED, line)
     assert _final(dump)["status"] == "write_failed" and _final(dump)["final_step"] == 2
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-00000001.dcp"]  # no torn step 2
     metadata = read_dcp_metadata(dump / "checkpoint" / "step-00000001.dcp" / ".metadata")  # complete, readable
@@ -187,11 +201,8 @@ def test_a_tampered_dcp_metadata_is_refused_on_resume_by_every_rank_and_runs_not
     metadata.planner_data = CreatesAFile(marker)
     with open(metadata_file, "wb") as f:
         pickle.dump(metadata, f)
-    proc = _run([*_SHARDED, "--job.dump_folder", str(dump), "--checkpoint.resume"], tmp_path, _FAULTS_ON_2_RANKS)
-    errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
-    expected = f"error: {metadata_file} asks to run io.open while being read, which a checkpoint never does"
-    assert len(errors) == 2 and all(x.startswith(expected) for x in errors), proc.stderr[-3000:]
-    assert "exitcode  : 2" in proc.stderr
+    ranks = _two_ranks([*_SHARDED, "--job.dump_folder", str(dump), "--checkpoint.resume"], tmp_path)
+    _same_line_from_every_rank(ranks, 2, f"error: {metadata_file} asks to run io.open while being read, which")
     assert not marker.exists()
 
 
