@@ -219,6 +219,7 @@ class CreatesAFile:
         return open, (str(self.path), "w")
 
 
+@pytest.mark.integration  # the refusal comes after the step was planned (preflight), as for any resume
 def test_a_single_file_checkpoint_holding_a_pickle_payload_is_refused_and_runs_nothing(tmp_path):
     dump, marker = tmp_path / "run", tmp_path / "created_by_the_checkpoint"
     (dump / "checkpoint").mkdir(parents=True)
