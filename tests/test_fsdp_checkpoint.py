@@ -230,28 +230,27 @@ def test_resume_with_another_global_batch_is_refused_in_one_line(resharded):
     assert "global batch" in message and "--training.local_batch_size 1" in message
 
 
-def test_export_writes_the_full_unpadded_weights(two, tmp_path):
-    out = tmp_path / "model_full.pt"
-    step = two / "straight" / "checkpoint" / "step-00000004.dcp"
-    proc = subprocess.run(
-        [sys.executable, "-m", "graph_trainer.export", str(step), str(out)],
-        cwd=tmp_path,
+def _export(checkpoint: Path, out: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m graph_trainer.export CHECKPOINT OUT` in a fresh process."""
+    return subprocess.run(
+        [sys.executable, "-m", "graph_trainer.export", str(checkpoint), str(out)],
+        cwd=cwd,
         env={"PYTHONPATH": str(REPO), "PATH": ""},
         capture_output=True,
         text=True,
     )
+
+
+def test_export_writes_the_full_unpadded_weights(two, tmp_path):
+    out = tmp_path / "model_full.pt"
+    step = two / "straight" / "checkpoint" / "step-00000004.dcp"
+    proc = _export(step, out, tmp_path)
     assert proc.returncode == 0, proc.stderr
     exported = torch.load(out, weights_only=True)
     gathered = torch.load(two / "straight.params.pt")
     assert set(gathered) <= set(exported)
     assert all(torch.equal(exported[k], gathered[k]) for k in gathered)
-    bad = subprocess.run(
-        [sys.executable, "-m", "graph_trainer.export", str(tmp_path), str(out)],
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(REPO), "PATH": ""},
-        capture_output=True,
-        text=True,
-    )
+    bad = _export(tmp_path, out, tmp_path)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
 
 
@@ -275,13 +274,7 @@ def test_a_tampered_metadata_is_refused_by_export_in_one_line_and_runs_nothing(t
     metadata.planner_data = CreatesAFile(marker)
     with open(step / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
-    proc = subprocess.run(
-        [sys.executable, "-m", "graph_trainer.export", str(step), str(tmp_path / "out.pt")],
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(REPO), "PATH": ""},
-        capture_output=True,
-        text=True,
-    )
+    proc = _export(step, tmp_path / "out.pt", tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"error: {step / '.metadata'} asks to run io.open while being read")
     assert not marker.exists() and not (tmp_path / "out.pt").exists()
