@@ -3,6 +3,7 @@
     out = step(batch)          # forward, loss, backward, clipping and the optimizer update
     out.loss, out.grad_norm    # (also unpacks as `loss, grad_norm = step(batch)`)
     step.report()              # what the trainer logs besides: trace stats, estimated peak, ...
+    step.graph_nodes()         # the graph's nodes with the estimated live bytes at each (None: eager)
 
 `graph_trainer.eager.EagerStep` and `graph_trainer.tracer.GraphStep` implement
 it. The trainer knows only this module's names, nothing of graphs.
@@ -88,6 +89,18 @@ def sum_losses(losses: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+@dataclasses.dataclass(frozen=True)
+class GraphNode:
+    """One node of the graph a traced step runs, for the memory timeline (`observability.memory_timeline`)."""
+
+    name: str
+    op: str  # the op's name ("mm", "placeholder", ...)
+    module_fqn: str  # the module that made it ("" at the top level)
+    phase: str | None  # "forward", "backward", "optimizer", or None for inputs and outputs
+    estimated_bytes: int | None  # live bytes while it runs, by the static estimate (None: none was made)
+    dispatches: Any = None  # the OpOverload it dispatches when the graph runs op by op, else None
+
+
 class TrainStep(Protocol):
     """One training step on a batch, and a report of what it cost."""
 
@@ -97,6 +110,11 @@ class TrainStep(Protocol):
 
     def report(self) -> StepReport:
         """What the trainer logs about the steps run so far."""
+        ...
+
+    def graph_nodes(self) -> list[GraphNode] | None:
+        """The nodes of the graph that runs, in order, with the estimate at each; None for a step that is not
+        one graph (eager)."""
         ...
 
 

@@ -53,6 +53,10 @@ class EagerStep:
         """Nothing is traced or estimated; the update (if any) runs eagerly after the backward."""
         return StepReport(updates_inside=False)
 
+    def graph_nodes(self) -> None:
+        """No graph: the memory timeline of an eager step has measured bytes per op only."""
+        return None
+
     def __call__(self, batch: Any) -> StepOutput:
         """Run one step; returns (loss, grad_norm) with the clipped grads in `param.grad`."""
         for p in self._params:

@@ -253,6 +253,23 @@ class ParallelismConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    enable_profiling: bool = _opt(
+        False, "write a torch.profiler Chrome trace of every profile_freq-th step under job.dump_folder"
+    )
+    save_traces_folder: str = _opt("profile_traces", "folder of the profiler traces, relative to job.dump_folder")
+    profile_freq: int = _opt(10, "profile (and snapshot) every N-th step", ge=1)
+    enable_memory_snapshot: bool = _opt(
+        False,
+        "CUDA: record the allocator's history and dump a snapshot every profile_freq steps; CPU: plot the "
+        "step's live bytes per graph node, estimate against measured (PNG + JSON; needs matplotlib)",
+    )
+    save_memory_snapshot_folder: str = _opt(
+        "memory_snapshot", "folder of the memory snapshots and timelines, relative to job.dump_folder"
+    )
+
+
+@dataclass
 class JobConfig:
     """The whole job: one attribute per TOML section."""
 
@@ -268,6 +285,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
 
 def sections() -> dict[str, type]:

@@ -26,7 +26,8 @@ from graph_trainer.loss import NUM_TOKENS, lm_loss
 from graph_trainer.observability.log import get_logger
 from graph_trainer.optimizer.adamw import adamw_implementation
 from graph_trainer.optimizer.update_memory import EagerUpdate, accumulated_estimate, whole_step_peak
-from graph_trainer.step import CountReduce, StepOutput, StepReport, micro_batches, sum_losses
+from graph_trainer.step import CountReduce, GraphNode, StepOutput, StepReport, micro_batches, sum_losses
+from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import (
     GradReduce,
     GraphOptimizer,
@@ -317,6 +318,28 @@ class GraphStep:
             out.estimated_peak_bytes = whole_step_peak(est, self._update_cost())[0]
             out.saved_activation_bytes = est.saved_bytes
         return out
+
+    def graph_nodes(self) -> list[GraphNode] | None:
+        """The current graph's nodes with the estimate's live bytes at each (see `graph_trainer.step.GraphNode`).
+
+        `dispatches` is set only when the graph runs op by op (not compiled): then each call_function node
+        of an OpOverload reaches the dispatcher once, in graph order, which is how a measurement lines up.
+        """
+        if self.traced is None:
+            return None
+        timeline = self.memory_estimate.timeline if self.memory_estimate is not None else None
+        op_by_op = self.traced.compiled is None
+        return [
+            GraphNode(
+                name=n.name,
+                op=getattr(n.target, "__name__", str(n.target)) if n.op == "call_function" else n.op,
+                module_fqn=node_meta.module_fqn(n),
+                phase=node_meta.phase(n),
+                estimated_bytes=timeline[i] if timeline is not None else None,
+                dispatches=n.target if op_by_op and isinstance(n.target, torch._ops.OpOverload) else None,
+            )
+            for i, n in enumerate(self.traced.gm.graph.nodes)
+        ]
 
     def _update_cost(self) -> EagerUpdate | None:
         if self.eager_optimizer is not None and self._eager_update is None:
