@@ -82,9 +82,9 @@ def first_bash_block(page: Path) -> list[str]:
     return _commands(f"```bash\n{body}```\n")
 
 
-# The Hugging Face round trip runs verbatim, one command after the other, in tests/test_hf_weights.py.
+# The Hugging Face round trip runs verbatim, one command after the other, in tests/checkpoint/test_hf_weights.py.
 HF_ROUND_TRIP = first_bash_block(REPO / "docs" / "hf_weights.md")
-RUN_ELSEWHERE.update(dict.fromkeys(HF_ROUND_TRIP, "tests/test_hf_weights.py"))
+RUN_ELSEWHERE.update(dict.fromkeys(HF_ROUND_TRIP, "tests/checkpoint/test_hf_weights.py"))
 
 
 def all_commands() -> list[tuple[str, str]]:
@@ -170,7 +170,7 @@ def check_command(command: str) -> None:
     if argv[0] == "pip":
         return _check_pip(argv[1:])
     if argv[:2] == ["python", "-c"]:
-        # A snippet: it must compile here (the round trip that holds them runs in tests/test_hf_weights.py).
+        # A snippet: it must compile here (the round trip that holds them runs in tests/checkpoint/test_hf_weights.py).
         compile(argv[2], command, "exec")
         return None
     if argv[0] == "python" and (REPO / argv[1]).is_file() and argv[1].startswith("benchmarks/"):

@@ -19,7 +19,7 @@ assumes no storage lives from one block into the block after next; the tests che
 full traces at 8 and 16 blocks, and 8B dimensions at 8 blocks, to the byte.
 
 The `budget` mode is the exception: its pass chooses what to recompute from the whole step's peak, so its
-plan is extended the same way but marked approximate (bound measured in tests/test_block_plan.py).
+plan is extended the same way but marked approximate (bound measured in tests/plan/test_block_plan.py).
 """
 
 from __future__ import annotations
@@ -338,7 +338,7 @@ def _approximate_budget(cfg: JobConfig, none: _Parts | UserError, full: _Parts |
     activations, or that many GiB), so the peak is taken as the target (at most none's; below full's the
     budget is reported infeasible, as the pass does for a target under its smallest probe); FLOPs and
     saved bytes are interpolated between none and full in the same proportion. The error against full
-    traces is measured in tests/test_block_plan.py.
+    traces is measured in tests/plan/test_block_plan.py.
     """
     if isinstance(none, UserError):
         return none

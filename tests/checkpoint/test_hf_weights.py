@@ -39,7 +39,7 @@ from tests.tiny import DETERMINISTIC, TINY_BATCH, tiny_model
 transformers = import_extra("transformers")
 import_extra("safetensors")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LLAMA = MODELS["llama3"]
 # Logits of the same weights through transformers' eager attention and rotate-half RoPE, and through ours
 # (SDPA, pair rotation): the same math in another op order, in float32. Measured: at most 1e-6 on logits of

@@ -15,7 +15,7 @@ from graph_trainer.plan import search
 from graph_trainer.plan.__main__ import main
 from graph_trainer.plan.cluster import DEVICES, Cluster
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEBUG = ["--config", "llama3_debug", "--model.n_layers", "2", "--training.seq_len", "64"]
 
 

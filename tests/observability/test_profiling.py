@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from graph_trainer.checkpoint.run_folder import Manifest
-from tests.test_run_folder import REPO, TINY, cli, one_line_error
+from tests.checkpoint.test_run_folder import REPO, TINY, cli, one_line_error
 
 PROFILE = ["--profiling.profile_freq", "2", "--training.steps", "2"]
 

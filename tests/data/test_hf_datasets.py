@@ -253,7 +253,7 @@ def test_the_docs_commands_parse_and_the_example_dataset_is_written(tmp_path):
 
     from graph_trainer.job_config.cli import load_config
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     doc = (repo / "docs" / "data_and_validation.md").read_text()
     commands = [shlex.split(line) for line in doc.splitlines() if line.startswith(("python -m ", "torchrun "))]
     assert len(commands) >= 5
