@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from graph_trainer.checkpoint.dcp_reader import read_dcp_metadata
-from tests.multiprocess import free_port
 from tests.checkpoint.test_run_folder import REPO, TINY, cli, one_line_error
+from tests.multiprocess import free_port
 from tests.test_run_lifecycle import CKPT, start, wait_for_step
 
 EXIT_WRITE_FAILED = 74
