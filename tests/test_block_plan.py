@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
+from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.plan.block_plan import SHORT, plan_modes
 from graph_trainer.plan.step_plan import AC_MODES, StepPlan
@@ -125,6 +126,10 @@ def test_one_trace_shared_by_the_modes_plans_as_one_trace_per_mode():
     shared = plan_modes(cfg, mesh, AC_MODES)
     job = build_job(cfg, mesh, materialize=False)
     for mode in AC_MODES:
-        alone = plan_step(job.with_config(with_ac_mode(cfg, mode)))
+        try:
+            alone = plan_step(job.with_config(with_ac_mode(cfg, mode)))
+        except UserError as e:  # the default budget is infeasible at this shape: both say so, in the same words
+            assert str(shared[mode]) == str(e), mode
+            continue
         assert _numbers(shared[mode]) == _numbers(alone), mode
         assert shared[mode].peak_where == alone.peak_where
