@@ -19,7 +19,8 @@ assumes no storage lives from one block into the block after next; the tests che
 full traces at 8 and 16 blocks, and 8B dimensions at 8 blocks, to the byte.
 
 The `budget` mode is the exception: its pass chooses what to recompute from the whole step's peak, so its
-plan is extended the same way but marked approximate (bound measured in tests/test_block_plan.py).
+plan is approximated from the none and full plans: an upper bound, marked approximate (its error is measured
+in tests/test_block_plan.py).
 """
 
 from __future__ import annotations
