@@ -19,7 +19,8 @@ assumes no storage lives from one block into the block after next; the tests che
 full traces at 8 and 16 blocks, and 8B dimensions at 8 blocks, to the byte.
 
 The `budget` mode is the exception: its pass chooses what to recompute from the whole step's peak, so its
-plan is extended the same way but marked approximate (bound measured in tests/plan/test_block_plan.py).
+plan is approximated from the none and full plans: an upper bound, marked approximate (its error is measured
+in tests/plan/test_block_plan.py).
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger, quiet
 from graph_trainer.observability.units import GIB
 from graph_trainer.optimizer.update_memory import EagerUpdate
+from graph_trainer.passes import build_pipeline
 from graph_trainer.passes.graph_utils import ATTENTION_OPS, collective_bytes, node_flops, tensors
-from graph_trainer.passes.memory_estimate import MemoryEstimate, live_by_category
+from graph_trainer.passes.memory_estimate import MemoryEstimate, estimate_peak_memory, live_by_category
+from graph_trainer.passes.pipeline import Pipeline
+from graph_trainer.passes.remat import remat_graph
 from graph_trainer.plan.step_plan import (
     AC_MODES,
     StepPlan,
@@ -188,16 +192,21 @@ def _extended(cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, log_pass
     if any(m in APPROXIMATE_MODES for m in modes):  # the budget is read off these two
         exact += [m for m in ("none", "full") if m not in exact]
     for mode in exact:
+        pins = _attention_pins(cfg, mode)
         try:
             options = [
-                _extend({k: _short(jobs[k], traces[k], mode, pin, log_passes) for k in SHORT}, depth)
-                for pin in _attention_pins(cfg, mode)
+                _extend({k: _short(jobs[k], traces[k], mode, pin, log_passes) for k in SHORT}, depth) for pin in pins
             ]
+            # As the pass decides at depth L: the lower peak of the graph it compares (rematerialized right after
+            # the memory policy, before the passes that follow), saving attention on a tie (listed first).
+            decisive = [
+                _extend({k: _decision_short(jobs[k], traces[k], mode, pin) for k in SHORT}, depth).est.peak_bytes
+                for pin in pins
+            ] if len(pins) > 1 else [0]  # fmt: skip
         except UserError as e:
             parts[mode] = e
             continue
-        # As the pass decides at full depth: the lower graph peak, saving attention on a tie (it is listed first).
-        parts[mode] = min(options, key=lambda p: p.est.peak_bytes)
+        parts[mode] = options[decisive.index(min(decisive))]
     out: dict[str, StepPlan | UserError] = {}
     for mode in modes:
         mode_job = deep.for_mode(mode)
@@ -209,12 +218,7 @@ def _extended(cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, log_pass
 def _short(job: Job, traced: TracedStep, mode: str, pin: str, log_passes: bool) -> _Short:
     """`traced` (one short depth) planned under AC mode `mode` (attention pinned as `pin` says: see
     `_attention_pins`), its blocks checked identical after the passes."""
-    cfg = with_ac_mode(job.cfg, mode)
-    if pin:
-        ac = cfg.activation_checkpoint
-        listed = ac.save_list if pin == "save" else ac.recompute_list
-        listed.extend(f"aten.{packet.__name__}" for packet in sorted(ATTENTION_OPS, key=str))
-    mode_job = job.with_config(cfg)
+    mode_job = job.with_config(_pinned(job.cfg, mode, pin))
     k = job.model.args.n_layers
     result = _transform(mode_job, traced, log_passes and k == SHORT[-1])
     gm = result.traced.gm
@@ -224,6 +228,34 @@ def _short(job: Job, traced: TracedStep, mode: str, pin: str, log_passes: bool) 
     return _Short(
         mode_job, gm, result.memory_estimate, eager_update_of(mode_job), _keys(gm, k, layers), layout.categories
     )
+
+
+def _pinned(cfg: JobConfig, mode: str, pin: str) -> JobConfig:
+    """`cfg` in AC mode `mode` with attention pinned saved ("save") or recomputed ("recompute"), or not ("")."""
+    cfg = with_ac_mode(cfg, mode)
+    if pin:
+        ac = cfg.activation_checkpoint
+        listed = ac.save_list if pin == "save" else ac.recompute_list
+        listed.extend(f"aten.{packet.__name__}" for packet in sorted(ATTENTION_OPS, key=str))
+    return cfg
+
+
+def _decision_short(job: Job, traced: TracedStep, mode: str, pin: str) -> _Short:
+    """The short graph as the `full` pass compares its two choices: the passes up to the memory policy, then
+    rematerialized (`passes.remat.peak_after_remat`'s graph), with its keys and estimate."""
+    mode_job = job.with_config(_pinned(job.cfg, mode, pin))
+    pipeline = build_pipeline(mode_job.cfg, dump_dir=None)
+    names = [p.name for p in pipeline.passes]
+    partial = Pipeline(pipeline.passes[: names.index("memory_policy") + 1], pipeline.config)
+    with quiet():
+        result = partial(mode_job.parallel.check_traced(copy_traced(traced)))
+    gm, categories = result.traced.gm, result.traced.layout.categories
+    graph = remat_graph(gm.graph)
+    if graph is not None:
+        gm = torch.fx.GraphModule(gm, graph)
+    est = estimate_peak_memory(gm, input_categories=categories)
+    k, layers = job.model.args.n_layers, job.spec.parallel_plan.layers
+    return _Short(mode_job, gm, est, None, _keys(gm, k, layers), categories)
 
 
 def _attention_pins(cfg: JobConfig, mode: str) -> list[str]:

@@ -56,7 +56,7 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
             if isinstance(plan, UserError):
                 print_fn(f"{mode:10} not plannable: {plan}")
                 continue
-            where = "approximate (see docs/planner.md)" if plan.approximate else plan.peak_where
+            where = "approximate (see docs/planner.md)" if plan.approximate else plan.peak_at
             print_fn(
                 f"{mode:10} {to_gib(plan.peak_bytes):9.2f} {to_gib(plan.saved_bytes):10.2f} "
                 f"{plan.num_params:15,} {plan.flops / 1e12:11.2f} {plan.trace_time_s:7.1f}  {where}"

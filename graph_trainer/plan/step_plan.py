@@ -58,6 +58,15 @@ class StepPlan:
     blocks_traced: int = 0  # transformer blocks the plan traced (a full trace: all of them)
     approximate: bool = False  # True where a depth-free plan cannot promise the full trace's numbers (budget)
 
+    @property
+    def peak_at(self) -> str:
+        """Where the peak is, in words from `peak_location` (no node name): e.g. 'mm.default in
+        layers.31.feed_forward.w2 (layer 31)'."""
+        layer, module, op = self.peak_location
+        if op.startswith("eager AdamW update"):
+            return f"the {op}"
+        return f"{op} in {module or 'the top level'}" + ("" if layer is None else f" (layer {layer})")
+
 
 def with_ac_mode(cfg: JobConfig, mode: str) -> JobConfig:
     """`cfg` with another `activation_checkpoint.mode` (a copy)."""

