@@ -45,7 +45,16 @@ PAGES = sorted(
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 INLINE = re.compile(r"`((?:python|python3\.11|torchrun|pip) [^`]+)`")
 # Inline spans that name a program without being a command to run.
-FRAGMENTS = {"python -m graph_trainer ...", "torchrun --standalone", "python -m graph_trainer.export ... --format hf"}
+FRAGMENTS = {
+    "python -m graph_trainer ...",
+    "torchrun --standalone",
+    "python -m graph_trainer.export ... --format hf",
+    "python -m graph_trainer.export",
+}
+# Shell utilities a page uses around the trainer (to wait, stop a run, show its exit code): nothing to check.
+SHELL_UTILITIES = {"sleep", "kill", "echo"}
+# `VAR=value` before a command: the environment it runs in.
+ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S+$")
 # Commands run verbatim (or as their exact argv) by another test, which checks more than success.
 RUN_ELSEWHERE = {
     "python -m graph_trainer --config llama3_8b.toml --dry-run": "tests/plan/test_planner.py",
@@ -64,6 +73,7 @@ RUN_HERE = [
 def _commands(text: str) -> list[str]:
     found = []
     for lang, body in FENCE.findall(text):
+        body = body.replace("\\\n", " ")  # a line continued with a backslash is one command
         for line in body.splitlines():
             line = line.strip()
             if line.startswith("$ "):
@@ -118,6 +128,14 @@ def _check_trainer(argv: list[str], nproc: int = 1) -> None:
         assert nproc == degree, "torchrun must start one process per data-parallel rank"
 
 
+def _check_plan(argv: list[str]) -> None:
+    """The planner's own options parse, and the rest resolve through the trainer's command line."""
+    from graph_trainer.plan.__main__ import _parser
+
+    _, rest = _parser().parse_known_args(argv)
+    load_config(rest)
+
+
 def _check_pytest(argv: list[str]) -> None:
     markers = {
         m.split(":")[0]
@@ -156,11 +174,18 @@ def check_command(command: str) -> None:
         return
     if command.startswith("python3.11 -m venv"):
         return _check_quick_start(command)
-    argv = shlex.split(command)
-    if argv[:3] == ["python", "-m", "graph_trainer"]:
+    argv = shlex.split(command.removesuffix("&").strip())  # `&`: the same command, in the background
+    while argv and ENV_ASSIGNMENT.match(argv[0]):
+        argv = argv[1:]
+    if argv[0] in SHELL_UTILITIES:
+        return None
+    if argv[:3] == ["python", "-m", "graph_trainer"] or argv[:3] == ["python", "-m", "tests.faults"]:
+        # tests.faults runs the trainer's own command line, with writes that fail as on a full disk.
         return _check_trainer(argv[3:])
     if argv[0] == "torchrun" and argv[1] == "--nproc_per_node" and argv[3:5] == ["-m", "graph_trainer"]:
         return _check_trainer(argv[5:], nproc=int(argv[2]))
+    if argv[:3] == ["python", "-m", "graph_trainer.plan"]:
+        return _check_plan(argv[3:])
     if argv[:3] == ["python", "-m", "graph_trainer.export"]:
         from graph_trainer import export
 

@@ -64,7 +64,7 @@ class _EvalFunction:
         self.failure: dict[str, Any] = {}
 
     def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
-        params, buffers, batch, _, _ = self.layout.split(list(flat))
+        params, buffers, batch, *_ = self.layout.split(list(flat))  # no optimizer state, scalars or accumulators
         layout = self.layout
         try:
             with fx_traceback.annotate({node_meta.PHASE: node_meta.FORWARD}):
