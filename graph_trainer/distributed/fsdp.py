@@ -296,12 +296,11 @@ class FSDP(Parallelism):
             local.detach()[:valid], self.device_mesh, [Shard(0)], run_check=False, shape=full_shape, stride=stride
         )
 
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered whole (unpadded), by name: for comparisons and exports, not for training.
-
-        A collective: every rank of the group must call it.
+    def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` with every parameter gathered whole (unpadded), by name: for comparisons and exports, not for
+        training. A collective: every rank of the group must call it.
         """
-        out = {}
+        out = dict(state)
         with torch.no_grad():
             for unit in self.units:
                 for name, t in zip(unit.param_names, _gather(unit, self.group, unit.current(), None, None)):

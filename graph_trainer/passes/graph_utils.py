@@ -71,6 +71,11 @@ def is_all_gather(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and packet(node) in ALL_GATHER_OPS
 
 
+def is_reduce_scatter(target: Any) -> bool:
+    """A reduce-scatter op (a node's target or an op seen by a dispatch policy)."""
+    return packet(target) in REDUCE_SCATTER_OPS
+
+
 def is_wait(node: torch.fx.Node) -> bool:
     """The `wait_tensor` that makes a collective's result usable."""
     return node.op == "call_function" and packet(node) in WAIT_OPS

@@ -17,7 +17,8 @@ from graph_trainer.runtime.device import compute_dtype, resolve_device
 
 
 def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Callable[[str], None] = print) -> None:
-    """Print, for each AC mode, the predicted peak, saved activations, parameters and FLOPs per step.
+    """Print, for each AC mode, the predicted peak, saved activations, parameters and FLOPs per step, and with
+    parallelisms the bytes each kind of collective moves per step per rank (`StepPlan.comm_bytes`).
 
     With parallelisms the plan is one rank's, traced on torch's fake process group: `parallelism.dp_shard` = N
     plans one rank of N without launching N processes.
@@ -48,6 +49,9 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
                 f"{mode:10} {to_gib(plan.peak_bytes):9.2f} {to_gib(plan.saved_bytes):10.2f} "
                 f"{plan.num_params:15,} {plan.flops / 1e12:11.2f} {plan.trace_time_s:7.1f}  {plan.peak_where}"
             )
+            if plan.comm_bytes:
+                traffic = ", ".join(f"{kind} {to_gib(n):.3g}" for kind, n in plan.comm_bytes.items())
+                print_fn(f"{'':10} communicated GiB per step per rank: {traffic}")
     print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")
 
 

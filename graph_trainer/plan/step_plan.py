@@ -24,6 +24,7 @@ from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import quiet
 from graph_trainer.optimizer.update_memory import EagerUpdate, whole_step_peak
+from graph_trainer.passes.communication import communication_bytes
 from graph_trainer.passes.graph_utils import node_flops
 from graph_trainer.runtime.device import resolve_device
 from graph_trainer.tracer.executor import Transformed
@@ -44,6 +45,8 @@ class StepPlan:
     num_params: int
     trace_time_s: float
     optimizer: str = "in graph"  # where the AdamW update runs: "in graph" or its eager implementation
+    # Bytes this rank's collectives move per step, by '<parallelism> <collective>' (passes/communication.py).
+    comm_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     # The planned step's final graph (`graph_trainer.tracer.Transformed`), for the trainer's first step to reuse.
     step_graph: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -95,6 +98,7 @@ def plan_step(job: Job, *, log_passes: bool = False) -> StepPlan:
         num_params=job.num_params(),
         trace_time_s=elapsed,
         optimizer="in graph" if in_graph else implementation,
+        comm_bytes=communication_bytes(traced.gm),
         step_graph=Transformed(traced, step.memory_estimate),
     )
 
