@@ -24,8 +24,10 @@ from graph_trainer.tracer import node_meta
 from graph_trainer.trainer import Trainer
 from tests.multiprocess import (
     assert_bitwise_equal_runs,
+    assert_peaks_match,
     free_port,
     max_param_diff,
+    peaks,
     save_full_params,
     spawn_ranks,
     state_bytes,
@@ -85,9 +87,16 @@ def _collectives(trainer: Trainer) -> list[dict]:
     return out
 
 
+# tp 2 x dp_shard 2 on 4 ranks (FSDP shards the TP blocks): 4 ranks on 2 cores are slow, so only the runs
+# its claims need.
+RUNS_2D = {name: RUNS[name] for name in ("eager", "trace", "trace_full")}
+DIMS = {TP: ["--parallelism.tp", str(TP)], 4: ["--parallelism.tp", str(TP), "--parallelism.dp_shard", "2"]}
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    """One rank: train every run of RUNS (then torch's DTensor TP) and write what the tests compare."""
-    args = [*TINY, "--parallelism.tp", str(world)]
+    """One rank: train every run of this layout (then, at tp alone, torch's DTensor TP) and write what the tests
+    compare."""
+    args = [*TINY, *DIMS[world]]
 
     def reference(cfg) -> None:
         losses, full = train_dtensor_tp(cfg, world)
@@ -95,24 +104,36 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             torch.save(full, Path(out, "dtensor.params.pt"))
             Path(out, "dtensor.json").write_text(json.dumps({"losses": losses}))
 
-    for name, trainer, result in train_runs(rank, world, port, RUNS, args, out, before_leaving=reference):
+    runs, after = (RUNS, reference) if world == TP else (RUNS_2D, None)
+    for name, trainer, result in train_runs(rank, world, port, runs, args, out, before_leaving=after):
         record = {
             "losses": result.losses,
             "params": result.params_sha256,
             "trace_count": result.trace_count,
             "collectives": _collectives(trainer),
             "state_bytes": state_bytes(trainer),
+            "peaks": peaks(result.records),
         }
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
         save_full_params(trainer, out, name, rank)
 
 
+def _train(tmp_path_factory, world: int) -> Path:
+    folder = tmp_path_factory.mktemp(f"tp{world}")
+    spawn_ranks(_worker, world, (world, free_port(), str(folder)), TIMEOUT_S)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     """The folder with the records of every run in RUNS, trained by TP ranks."""
-    folder = tmp_path_factory.mktemp("tp")
-    spawn_ranks(_worker, TP, (TP, free_port(), str(folder)), TIMEOUT_S)
-    return folder
+    return _train(tmp_path_factory, TP)
+
+
+@pytest.fixture(scope="module")
+def out_2d(tmp_path_factory) -> Path:
+    """The folder with the records of every run in RUNS_2D, trained by tp 2 x dp_shard 2 ranks."""
+    return _train(tmp_path_factory, 4)
 
 
 def _record(out: Path, run: str, rank: int = 0) -> dict:
@@ -216,3 +237,46 @@ def test_chunked_loss_reduces_per_chunk(out):
     assert sorted(_count(collectives, "all_reduce", node_meta.LOSS_REDUCE, node_meta.FORWARD)) == sorted(
         [24, 24, 16] * 3
     )
+
+
+@pytest.mark.parametrize("run", ["trace", "trace_selective", "trace_full"])
+def test_measured_step_peak_equals_estimate_per_rank(out, run):
+    for rank in range(TP):
+        assert_peaks_match(_record(out, run, rank)["peaks"], (run, rank))
+
+
+# --------------------------------------------------------------------------- tp 2 x dp_shard 2 (4 ranks)
+
+
+@pytest.mark.parametrize("run", ["trace", "trace_full"])
+def test_tp_with_fsdp_traced_equals_eager_bitwise_on_every_rank(out_2d, run):
+    for rank in range(4):
+        assert_bitwise_equal_runs(_record(out_2d, "eager", rank), _record(out_2d, run, rank), STEPS, run)
+        assert_peaks_match(_record(out_2d, run, rank)["peaks"], (run, rank))
+
+
+def test_tp_with_fsdp_close_to_one_process_with_the_global_batch(out_2d, tmp_path):
+    """tp 2 x dp_shard 2 (batch 2 per data-parallel rank) vs 1 process with batch 4: 1e-6 on params and losses,
+    for the reasons of the tp-only comparison plus FSDP's mean over the data ranks; per rank, parameters +
+    gradients + AdamW state <= 1/(tp x dp_shard) + 5% of the one process's."""
+    trainer, single = train_one_process([*TINY, "--training.local_batch_size", "4"], str(tmp_path))
+    one = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    diff = max_param_diff(torch.load(out_2d / "trace.params.pt"), one)
+    print(f"tp {TP} x dp_shard 2: max |param - one-process param| after {STEPS} steps: {diff:.3g}")
+    assert diff < 1e-6
+    assert _record(out_2d, "trace")["losses"] == pytest.approx(single.losses, rel=1e-6)
+    for rank in range(4):
+        state = _record(out_2d, "trace", rank)["state_bytes"]
+        print(f"tp {TP} x dp_shard 2: rank {rank} holds {state:,} bytes of state, one process {state_bytes(trainer):,}")
+        assert state <= (1 / 4 + 0.05) * state_bytes(trainer)
+
+
+def test_tp_with_fsdp_tags_both_kinds_of_collectives(out_2d):
+    """Both parallelisms' collectives in one graph: FSDP's gathers of the TP blocks (one per unit in the
+    forward) and TP's sequence collectives (as at tp alone), each tagged with its kind."""
+    collectives = _record(out_2d, "trace")["collectives"]
+    f = node_meta.FORWARD
+    fsdp_gathers = [c for c in collectives if c["kind"] == "fsdp" and c["role"] == node_meta.PARAM_GATHER]
+    assert len([c for c in fsdp_gathers if c["phase"] == f and not c["remat"]]) == LAYERS + 1
+    for layer in range(LAYERS):
+        assert len(_count(collectives, "all_gather_into_tensor", node_meta.SEQ_GATHER, f, layer=layer)) == 2
