@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from graph_trainer.distributed.launch import destroy, init_distributed
+from graph_trainer.distributed.mesh import Mesh, ParallelDims, build_mesh
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer
 
@@ -61,7 +62,7 @@ def train_runs(
             dump = [] if "--job.dump_folder" in overrides else ["--job.dump_folder", f"{out}/{name}"]
             cfg, _ = load_config([*args, *overrides, *dump])
             info = info or init_distributed(cfg)
-            trainer = Trainer(cfg, mesh=info)
+            trainer = Trainer(cfg, mesh=_mesh_for(cfg, info))
             result = trainer.train()
             torch.use_deterministic_algorithms(False)
             yield name, trainer, result
@@ -70,6 +71,12 @@ def train_runs(
     finally:
         if info is not None:
             destroy(info)
+
+
+def _mesh_for(cfg: Any, joined: Mesh) -> Mesh:
+    """The mesh of `cfg`'s layout over the ranks already joined (another layout of the same ranks: a reshard)."""
+    dims = ParallelDims.from_config(cfg.parallelism)
+    return joined if dims == joined.dims else build_mesh(dims, joined.rank, joined.device)
 
 
 def peaks(records: list[dict]) -> list[tuple[int | None, int | None, int]]:

@@ -99,7 +99,14 @@ def _tagged(role: str, unit: str, layer: int | None) -> contextlib.AbstractConte
 
 
 def gather_sequence(x: torch.Tensor, group: ShardGroup, unit: str, layer: int | None) -> torch.Tensor:
-    """`x` ([B, S / tp, ...]) whole along the sequence; its backward reduce-scatters (both tagged)."""
+    """`x` ([B, S / tp, ...]) whole along the sequence; its backward reduce-scatters (both tagged).
+
+    Under autocast `x` is cast to the autocast dtype first: every consumer is a matmul that would cast it anyway
+    (a copy commutes with a cast), so the gather, the gathered activation and the gradient's reduce-scatter move
+    half the bytes of the fp32 norm output, as Megatron and torchtitan move them."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point():
+        x = x.to(torch.get_autocast_dtype(device))
     backward_tag = node_meta.collective_tag(KIND, node_meta.SEQ_SCATTER, unit, layer)
     with _tagged(node_meta.SEQ_GATHER, unit, layer):
         return SeqCollective.apply(x, group, True, backward_tag)
