@@ -117,6 +117,22 @@ def train_one_process(args: list[str], dump_folder: str) -> tuple[Trainer, Any]:
         torch.use_deterministic_algorithms(False)
 
 
+def export_checkpoint(step: Any, dest: Any, cwd: Any) -> Any:
+    """`python -m graph_trainer.export STEP DEST` in a clean environment (no torchrun): the CompletedProcess."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        [sys.executable, "-m", "graph_trainer.export", str(step), str(dest)],
+        cwd=cwd,
+        env={"PYTHONPATH": str(repo), "PATH": ""},
+        capture_output=True,
+        text=True,
+    )
+
+
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest absolute difference between two sets of whole parameters of the same names and shapes."""
     assert a.keys() == b.keys()

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ from graph_trainer.checkpoint.run_folder import MANIFEST_FILE, Manifest, inspect
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer
-from tests.multiprocess import free_port, spawn_ranks, train_runs
+from tests.multiprocess import export_checkpoint, free_port, spawn_ranks, train_runs
 from tests.test_fsdp import TINY, _max_diff
 
 pytestmark = [
@@ -229,23 +227,11 @@ def test_resume_with_another_global_batch_is_refused_in_one_line(resharded):
 def test_export_writes_the_full_unpadded_weights(two, tmp_path):
     out = tmp_path / "model_full.pt"
     step = two / "straight" / "checkpoint" / "step-00000004.dcp"
-    proc = subprocess.run(
-        [sys.executable, "-m", "graph_trainer.export", str(step), str(out)],
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(REPO), "PATH": ""},
-        capture_output=True,
-        text=True,
-    )
+    proc = export_checkpoint(step, out, tmp_path)
     assert proc.returncode == 0, proc.stderr
     exported = torch.load(out, weights_only=True)
     gathered = torch.load(two / "straight.params.pt")
     assert set(gathered) <= set(exported)
     assert all(torch.equal(exported[k], gathered[k]) for k in gathered)
-    bad = subprocess.run(
-        [sys.executable, "-m", "graph_trainer.export", str(tmp_path), str(out)],
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(REPO), "PATH": ""},
-        capture_output=True,
-        text=True,
-    )
+    bad = export_checkpoint(tmp_path, out, tmp_path)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1

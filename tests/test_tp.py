@@ -14,8 +14,6 @@ Claims tested (tiny Llama, vocabulary 259 so that tp 2 pads it to 260 and masks 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +26,7 @@ from graph_trainer.trainer import Trainer
 from tests.multiprocess import (
     assert_bitwise_equal_runs,
     assert_peaks_match,
+    export_checkpoint,
     free_port,
     max_param_diff,
     peaks,
@@ -49,7 +48,6 @@ pytestmark = [
     ),
 ]
 
-REPO = Path(__file__).resolve().parents[1]
 TP = 2
 STEPS = 3
 LAYERS = 2
@@ -325,13 +323,7 @@ def test_export_writes_the_full_weights_of_a_tp_checkpoint(out, tmp_path):
     equal to the ranks' blocks gathered."""
     exported = tmp_path / "model_full.pt"
     step = out / "half" / "checkpoint" / f"step-{STEPS:08d}.dcp"
-    proc = subprocess.run(
-        [sys.executable, "-m", "graph_trainer.export", str(step), str(exported)],
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(REPO), "PATH": ""},
-        capture_output=True,
-        text=True,
-    )
+    proc = export_checkpoint(step, exported, tmp_path)
     assert proc.returncode == 0, proc.stderr
     weights, gathered = torch.load(exported, weights_only=True), torch.load(out / "resumed.params.pt")
     assert weights["output.weight"].shape == (VOCAB, DIM)
