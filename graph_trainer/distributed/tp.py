@@ -66,9 +66,12 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 def _gather_seq(x: torch.Tensor, g: ShardGroup) -> torch.Tensor:
     """[B, s, ...] on each rank -> [B, s * tp, ...], the ranks' parts in rank order (dim 0 gathered, so the
-    sequence is moved in front and back)."""
+    sequence is moved in front and back).
+
+    The result is made contiguous once (a copy only when B > 1): each Linear reading a strided view would copy
+    it for its matmul and keep its own copy for the backward (three for q, k and v)."""
     front = x.movedim(1, 0).contiguous()
-    return _wait(c10d.all_gather_into_tensor(front, g.world_size, g.group_name)).movedim(0, 1)
+    return _wait(c10d.all_gather_into_tensor(front, g.world_size, g.group_name)).movedim(0, 1).contiguous()
 
 
 def _scatter_seq(x: torch.Tensor, g: ShardGroup) -> torch.Tensor:
