@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from graph_trainer.distributed.launch import destroy, init_distributed
+from graph_trainer.distributed.mesh import Mesh, ParallelDims, build_mesh
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer
 
@@ -61,7 +62,7 @@ def train_runs(
             dump = [] if "--job.dump_folder" in overrides else ["--job.dump_folder", f"{out}/{name}"]
             cfg, _ = load_config([*args, *overrides, *dump])
             info = info or init_distributed(cfg)
-            trainer = Trainer(cfg, mesh=info)
+            trainer = Trainer(cfg, mesh=_mesh_for(cfg, info))
             result = trainer.train()
             torch.use_deterministic_algorithms(False)
             yield name, trainer, result
@@ -70,6 +71,12 @@ def train_runs(
     finally:
         if info is not None:
             destroy(info)
+
+
+def _mesh_for(cfg: Any, joined: Mesh) -> Mesh:
+    """The mesh of `cfg`'s layout over the ranks already joined (another layout of the same ranks: a reshard)."""
+    dims = ParallelDims.from_config(cfg.parallelism)
+    return joined if dims == joined.dims else build_mesh(dims, joined.rank, joined.device)
 
 
 def peaks(records: list[dict]) -> list[tuple[int | None, int | None, int]]:
@@ -86,6 +93,63 @@ def assert_peaks_match(step_peaks: list, context: Any = None) -> None:
         assert measured == estimated or 0 < measured - estimated <= late, (context, step_peaks)
 
 
+def state_bytes(trainer: Trainer) -> int:
+    """Parameters + gradients + optimizer state held by this process, in bytes."""
+    tensors = [*trainer.model.parameters(), *(p.grad for p in trainer.model.parameters() if p.grad is not None)]
+    tensors += [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def save_full_params(trainer: Trainer, out: str, name: str, rank: int) -> None:
+    """The run's final parameters, gathered whole (a collective: every rank calls it), saved by rank 0."""
+    full = trainer.parallel.full_state()
+    if rank == 0:
+        torch.save(full, os.path.join(out, f"{name}.params.pt"))
+
+
+def train_one_process(args: list[str], dump_folder: str) -> tuple[Trainer, Any]:
+    """`args` trained by this process alone (deterministic kernels switched off again after)."""
+    cfg, _ = load_config([*args, "--job.dump_folder", dump_folder])
+    try:
+        trainer = Trainer(cfg)
+        return trainer, trainer.train()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def export_checkpoint(step: Any, dest: Any, cwd: Any) -> Any:
+    """`python -m graph_trainer.export STEP DEST` in a clean environment (no torchrun): the CompletedProcess."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        [sys.executable, "-m", "graph_trainer.export", str(step), str(dest)],
+        cwd=cwd,
+        env={"PYTHONPATH": str(repo), "PATH": ""},
+        capture_output=True,
+        text=True,
+    )
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two sets of whole parameters of the same names and shapes."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].shape == b[k].shape, k
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def assert_bitwise_equal_runs(reference: dict, run: dict, steps: int, name: str) -> None:
+    """Two records of one rank: the same losses and final shards (sha256), and one trace for a traced run."""
+    assert len(run["losses"]) == steps
+    assert run["losses"] == reference["losses"]
+    assert run["params"] == reference["params"]  # this rank's final shards
+    if name.startswith("trace"):
+        assert run["trace_count"] == 1
+
+
 def step_graph_nodes(trainer: Trainer) -> list[torch.fx.Node]:
     """The nodes of the trainer's final step graph ([] for an eager step)."""
     return list(trainer.step_fn.traced.gm.graph.nodes) if hasattr(trainer.step_fn, "traced") else []
@@ -94,52 +158,129 @@ def step_graph_nodes(trainer: Trainer) -> list[torch.fx.Node]:
 def train_fully_shard(cfg: Any, rank: int, world: int, mp_policy: Any = None) -> tuple[list[float], dict]:
     """In a spawned rank, inside the group: `cfg`'s job trained with torch's FSDP2 (`fully_shard` on each layer
     and the root, `mp_policy` if given) and torch's clip. Returns the mean losses and the final full parameters."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from graph_trainer.builder import build_job_scheduler, build_model
-    from graph_trainer.data.loader import build_dataloader
-    from graph_trainer.data.tokenizer import build_tokenizer
     from graph_trainer.loss import lm_loss
-    from graph_trainer.optimizer.adamw import build_optimizer
 
     torch.use_deterministic_algorithms(True)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
-    model = build_model(cfg, torch.device("cpu"), vocab_needed=tokenizer.vocab_size)
+    model, data = _reference_model_and_data(cfg, rank, world)
     mesh = init_device_mesh("cpu", (world,))
     policy = mp_policy or MixedPrecisionPolicy()
     for layer in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    def clip() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+
+    losses = _reference_loop(cfg, model, data, lm_loss, clip, world)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    torch.use_deterministic_algorithms(False)
+    return losses, full
+
+
+def train_dtensor_tp(cfg: Any, world: int) -> tuple[list[float], dict]:
+    """In a spawned rank, inside the group: `cfg`'s job trained with torch's own tensor parallelism: DTensor
+    `parallelize_module` with torchtitan's Llama plan (Colwise/Rowwise/SequenceParallel, the embedding
+    row-wise, the output column-wise) and `loss_parallel`, on one `tp` mesh of `world` ranks that read the
+    same batch. Returns the losses and the final full parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        loss_parallel,
+        parallelize_module,
+    )
+
+    from graph_trainer.loss import lm_loss
+
+    torch.use_deterministic_algorithms(True)
+    model, data = _reference_model_and_data(cfg, 0, 1)  # tp peers read the same batch
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    parallelize_module(model, mesh, root_plan)
+    layer_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for layer in model.layers:
+        layer.attention.n_heads //= world
+        layer.attention.n_kv_heads //= world
+        parallelize_module(layer, mesh, layer_plan)
+    params = list(model.parameters())
+
+    def clip() -> None:  # torchtitan's clip over DTensor gradients: the total norm made whole, then applied
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        total = total.full_tensor() if isinstance(total, DTensor) else total
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.training.max_norm, total)
+
+    with loss_parallel():  # the backward must run inside it too (and it does not nest)
+        losses = _reference_loop(cfg, model, data, lm_loss, clip, 1)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    torch.use_deterministic_algorithms(False)
+    return losses, full
+
+
+def _reference_model_and_data(cfg: Any, rank: int, world: int) -> tuple[torch.nn.Module, Iterator]:
+    """`cfg`'s model, whole and initialized as every rank initializes it, and data-parallel rank `rank`'s batches."""
+    from graph_trainer.builder import build_model
+    from graph_trainer.data.loader import build_dataloader
+    from graph_trainer.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg, torch.device("cpu"), vocab_needed=tokenizer.vocab_size)
+    t = cfg.training
+    loader = build_dataloader(
+        cfg.data.source, cfg.data.path, tokenizer, batch_size=t.local_batch_size, seq_len=t.seq_len,
+        seed=t.seed, rank=rank, world_size=world,
+    )  # fmt: skip
+    return model, iter(loader)
+
+
+def _reference_loop(
+    cfg: Any, model: torch.nn.Module, data: Iterator, loss_fn: Callable, clip: Callable[[], None], world: int
+) -> list[float]:
+    """`cfg.training.steps` plain steps of torch's AdamW and our LR schedule; the losses averaged over `world`."""
+    import torch.distributed as dist
+
+    from graph_trainer.builder import build_job_scheduler
+    from graph_trainer.optimizer.adamw import build_optimizer
+
     o = cfg.optimizer
     optimizer = build_optimizer(
         model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
     )
     scheduler = build_job_scheduler(cfg, optimizer)
-    data = iter(
-        build_dataloader(
-            cfg.data.source,
-            cfg.data.path,
-            tokenizer,
-            batch_size=cfg.training.local_batch_size,
-            seq_len=cfg.training.seq_len,
-            seed=cfg.training.seed,
-            rank=rank,
-            world_size=world,
-        )
-    )
     losses = []
     for _ in range(cfg.training.steps):
-        loss = lm_loss(model, next(data))
+        loss = loss_fn(model, next(data))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+        clip()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         total = loss.detach().clone()
-        dist.all_reduce(total)
+        total = total.full_tensor() if hasattr(total, "full_tensor") else total  # a DTensor loss (loss_parallel)
+        if world > 1:
+            dist.all_reduce(total)
         losses.append((total / world).item())
-    full = {n: p.full_tensor() for n, p in model.named_parameters()}
-    torch.use_deterministic_algorithms(False)
-    return losses, full
+    return losses

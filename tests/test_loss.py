@@ -105,3 +105,41 @@ def test_chunking_lowers_the_planned_peak_where_the_loss_was_the_peak():
 def test_chunked_loss_refuses_a_model_without_hidden_states():
     with pytest.raises(UserError, match="loss_chunk_size = 0"):
         chunked_lm_loss(torch.nn.Linear(3, 3), {"input": torch.zeros(1, 2, dtype=torch.long)}, chunk_size=4)
+
+
+class _OneRankShard:
+    """A `VocabShard` holding the whole vocabulary (then padding columns): no other rank to reduce over."""
+
+    def __init__(self, vocab: int):
+        self.start, self.valid = 0, vocab
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        return t
+
+    def gather_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+def test_vocab_parallel_loss_of_one_shard_is_cross_entropy_and_ignores_padding_logits():
+    """The vocabulary-parallel loss with one shard is F.cross_entropy up to summation order (1e-6 on a loss of
+    ~3, 1e-7 on gradients of ~0.01: the CPU log-softmax kernel sums exponentials in vector lanes, we with
+    torch.sum); padding columns (here huge values, which would dominate an unmasked softmax) do not count and
+    get exactly zero gradient."""
+    from graph_trainer.loss import cross_entropy_loss, vocab_parallel
+
+    torch.manual_seed(0)
+    vocab, pad = 11, 3
+    logits = torch.randn(2, 5, vocab + pad, dtype=torch.float64).float()
+    logits[..., vocab:] = 1e4
+    labels = torch.randint(0, vocab, (2, 5))
+    labels[0, 1] = IGNORE_INDEX
+    mine = logits.clone().requires_grad_()
+    with vocab_parallel(_OneRankShard(vocab)):
+        loss = cross_entropy_loss(mine, labels)
+    loss.backward()
+    ref = logits[..., :vocab].clone().requires_grad_()
+    expected = cross_entropy_loss(ref, labels)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(mine.grad[..., :vocab], ref.grad, rtol=0, atol=1e-7)
+    assert torch.equal(mine.grad[..., vocab:], torch.zeros(2, 5, pad))

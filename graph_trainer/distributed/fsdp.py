@@ -378,12 +378,11 @@ class FSDP(Parallelism):
         start = min(self.group.rank * rows, full_shape[0])
         return (slice(start, min(start + rows, full_shape[0])), *(slice(0, n) for n in full_shape[1:]))
 
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered whole (unpadded), by name: for comparisons and exports, not for training.
-
-        A collective: every rank of the group must call it.
+    def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` with every parameter gathered whole (unpadded), by name: for comparisons and exports, not for
+        training. A collective: every rank of the group must call it.
         """
-        out = {}
+        out = dict(state)
         with torch.no_grad():
             for unit in self.units:
                 for name, t in zip(unit.param_names, _gather(unit, self.group, unit.current(), None, None)):

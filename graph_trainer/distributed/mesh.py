@@ -20,8 +20,9 @@ import torch.distributed as dist
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.schema import ParallelismConfig
 
-# Mesh dimensions, outermost first (torchtitan's order): replicas, then shards within a replica.
-DIMS = ("dp_replicate", "dp_shard")
+# Mesh dimensions, outermost first (torchtitan's order): replicas, then shards within a replica, then tensor-
+# parallel peers innermost (adjacent ranks: on a GPU node they talk over the fastest links).
+DIMS = ("dp_replicate", "dp_shard", "tp")
 DATA_PARALLEL = ("dp_replicate", "dp_shard")  # the dimensions over which ranks read different data
 
 
@@ -31,13 +32,15 @@ class ParallelDims:
 
     dp_replicate: int = 1
     dp_shard: int = 1
+    tp: int = 1
 
     @classmethod
     def from_config(cls, p: ParallelismConfig) -> ParallelDims:
         """The degrees `parallelism.*` asks for.
 
         Raises:
-            UserError: a combination the trainer cannot run (dp_shard with dp_replicate, HSDP).
+            UserError: a combination the trainer cannot run (dp_shard with dp_replicate, HSDP; tp composes with
+                either).
         """
         if p.dp_shard > 1 and p.dp_replicate > 1:
             raise UserError(
@@ -45,7 +48,7 @@ class ParallelDims:
                 "not supported; use one of them: --parallelism.dp_shard N (FSDP) or "
                 "--parallelism.dp_replicate N (replicated)"
             )
-        return cls(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard)
+        return cls(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp)
 
     def degrees(self) -> dict[str, int]:
         """Every dimension's degree, outermost first."""

@@ -85,9 +85,10 @@ class Parallelism:
         a DTensor for sharded state, `local` itself otherwise. Used by checkpoints."""
         return local
 
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter this parallelism shards, gathered whole (a collective: every rank calls it)."""
-        return {}
+    def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` (every parameter by name, as the parallelisms applied after this one leave it: their parts
+        gathered) with this parallelism's parts gathered whole too. A collective: every rank calls it."""
+        return state
 
     def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...] | None:
         """Which part of the full parameter `name` this rank's `local` holds, one slice per dimension (padding
@@ -139,8 +140,8 @@ class ParallelModel:
 
     def full_shapes(self) -> dict[str, torch.Size]:
         shapes: dict[str, torch.Size] = {}
-        for part in self.parts:
-            shapes.update(part.full_shapes())
+        for part in reversed(self.parts):  # a later part shards the parts an earlier one made: the earlier knows
+            shapes.update(part.full_shapes())  # the logical shape
         return shapes
 
     def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
@@ -160,8 +161,8 @@ class ParallelModel:
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by name (sharded ones gathered): for comparisons and exports."""
         state = {name: p.detach().clone() for name, p in self.model.named_parameters()}
-        for part in self.parts:
-            state.update(part.full_state())
+        for part in reversed(self.parts):  # undo the last split first (FSDP's shards of TP's blocks)
+            state = part.full_state(state)
         return state
 
 

@@ -16,10 +16,13 @@ from graph_trainer.distributed.fsdp import FSDP
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import Apply, ParallelModel, parallelize
 from graph_trainer.distributed.replicate import Replicate
+from graph_trainer.distributed.tp import TensorParallel
 
-# Fully sharded data parallelism shards what the others leave whole, so it comes after any that split
-# parameters themselves; replication averages the gradients FSDP has already reduced within a replica.
-PARALLELISMS: tuple[Apply, ...] = (FSDP.apply, Replicate.apply)
+# Tensor parallelism splits parameters itself, so it comes first; fully sharded data parallelism then shards
+# what the others leave (FSDP shards the TP blocks, as FSDP2 on top of TP does); replication averages the
+# gradients FSDP has already reduced within a replica. The norm hooks chain in this order too: TP's counts its
+# replicated gradients once on this rank's FSDP shards, before FSDP sums over dp_shard.
+PARALLELISMS: tuple[Apply, ...] = (TensorParallel.apply, FSDP.apply, Replicate.apply)
 
 
 def parallelize_model(model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ParallelModel:

@@ -250,6 +250,13 @@ class ParallelismConfig:
         alias="data_parallel_replicate_degree",
         ge=1,
     )
+    tp: int = _opt(
+        1,
+        "tensor-parallel degree (processes): attention heads, FFN width and vocabulary split, the norms and the "
+        "residual stream sharded along the sequence (sequence parallelism); peers read the same batch",
+        alias="tensor_parallel_degree",
+        ge=1,
+    )
 
 
 @dataclass

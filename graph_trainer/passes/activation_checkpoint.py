@@ -121,13 +121,26 @@ def policy_every_nth_layer(structure: StepStructure, n_th: int) -> Decisions:
     return policy_full(structure, layers)
 
 
+def _is_sequence_scatter(node: torch.fx.Node) -> bool:
+    """A node of a tensor-parallel reduce-scatter along the sequence (after a row-parallel matmul)."""
+    tag = node_meta.collective(node)
+    return tag is not None and tag["role"] == node_meta.SEQ_SCATTER
+
+
 def policy_selective_op(structure: StepStructure) -> Decisions:
-    """Save matmul and attention outputs, but recompute every second matmul of each layer; recompute the rest."""
+    """Save matmul and attention outputs, but recompute every second matmul of each layer; recompute the rest.
+
+    Tensor parallelism: the reduce-scatters' outputs (1/tp of the tokens; redoing one costs a collective) are
+    saved, as torchtitan's op-level policy does; the all-gathers along the sequence (tp times bigger) are
+    recomputed, i.e. gathered again in the backward, as Megatron's sequence parallelism does.
+    """
     decisions: Decisions = {}
     for nodes in structure.layers().values():
         matmuls = 0  # restarts at each layer
         for n in nodes:
-            if is_matmul(n.target):
+            if _is_sequence_scatter(n):
+                decisions[n] = SAVE
+            elif is_matmul(n.target):
                 matmuls += 1
                 decisions[n] = RECOMPUTE if matmuls % 2 == 0 else SAVE
             elif is_attention(n.target):

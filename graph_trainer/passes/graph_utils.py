@@ -71,6 +71,11 @@ def is_all_gather(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and packet(node) in ALL_GATHER_OPS
 
 
+def is_reduce_scatter(target: Any) -> bool:
+    """A reduce-scatter op (a node's target or an op seen by a dispatch policy)."""
+    return packet(target) in REDUCE_SCATTER_OPS
+
+
 def is_wait(node: torch.fx.Node) -> bool:
     """The `wait_tensor` that makes a collective's result usable."""
     return node.op == "call_function" and packet(node) in WAIT_OPS
@@ -85,26 +90,6 @@ def traffic_kind(node: torch.fx.Node) -> str | None:
     """'all_gather', 'reduce_scatter', 'all_reduce' or 'all_to_all' for a collective, else None."""
     p = packet(node) if node.op == "call_function" else None
     return next((kind for kind, ops in TRAFFIC_KINDS.items() if p in ops), None)
-
-
-def collective_bytes(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Bytes each kind of collective moves per step on this rank, summed over the graph's collective nodes.
-
-    A collective counts the size of its full (unreduced, ungathered) buffer: an all-gather its output, a
-    reduce-scatter, all-reduce or all-to-all its input. That is the buffer a ring algorithm's cost is
-    proportional to ((n - 1) / n of it crosses each rank's link for all-gather and reduce-scatter).
-    """
-    out: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        kind = traffic_kind(node)
-        if kind is None:
-            continue
-        if kind == "all_gather":
-            buffers = tensors(node.meta.get("val"))
-        else:
-            buffers = [t for a in node.all_input_nodes[:1] for t in tensors(a.meta.get("val"))]
-        out[kind] = out.get(kind, 0) + sum(int(t.numel()) * t.element_size() for t in buffers)
-    return out
 
 
 def tensors(val: Any) -> list[torch.Tensor]:

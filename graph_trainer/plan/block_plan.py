@@ -46,7 +46,8 @@ from graph_trainer.observability.log import get_logger, quiet
 from graph_trainer.observability.units import GIB
 from graph_trainer.optimizer.update_memory import EagerUpdate
 from graph_trainer.passes import build_pipeline
-from graph_trainer.passes.graph_utils import ATTENTION_OPS, collective_bytes, node_flops, tensors
+from graph_trainer.passes.communication import communication_bytes
+from graph_trainer.passes.graph_utils import ATTENTION_OPS, node_flops, tensors
 from graph_trainer.passes.memory_estimate import MemoryEstimate, estimate_peak_memory, live_by_category
 from graph_trainer.passes.pipeline import Pipeline
 from graph_trainer.passes.remat import remat_graph
@@ -359,7 +360,7 @@ def _extend(shorts: dict[int, _Short], depth: int) -> _Parts:
         update,
         _deep_location(s4.gm, i4, key[0], depth, s4.job.spec.parallel_plan.layers),
         flops=_affine(_flops(s3.gm), _flops(s4.gm), depth),
-        comm=_affine_dict(collective_bytes(s3.gm), collective_bytes(s4.gm), depth),
+        comm=_affine_dict(communication_bytes(s3.gm), communication_bytes(s4.gm), depth),
     )
 
 

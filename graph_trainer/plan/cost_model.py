@@ -38,28 +38,28 @@ def group_link_gbps(cluster: Cluster, group: int, stride: int) -> float:
 def step_time(
     cluster: Cluster, flops: int, comm: dict[str, int], degrees: dict[str, int], efficiency: float, prefetch: bool
 ) -> StepTime:
-    """The step time of a plan with `flops` and `comm` bytes per kind on a layout of `degrees` (mesh order:
-    dp_replicate outermost, then dp_shard, then tp innermost)."""
+    """The step time of a plan with `flops` and `comm` bytes by '<parallelism> <collective>' on a layout of
+    `degrees` (mesh order: dp_replicate outermost, then dp_shard, then tp innermost)."""
     compute = flops / (cluster.device.peak_tflops * 1e12 * efficiency)
     tp = degrees.get("tp", 1)
     shard = degrees.get("dp_shard", 1)
     replicate = degrees.get("dp_replicate", 1)
-    groups = {  # (size, stride) of the ring each kind runs on
-        "all_gather": (shard, tp),
-        "reduce_scatter": (shard, tp),
-        # Replication all-reduces the gradients across replicas (the norm's small all-reduce is within them).
-        "all_reduce": (replicate, shard * tp) if replicate > 1 else (shard, tp),
-        "all_to_all": (shard, tp),
+    groups = {  # (size, stride) of the ring each parallelism's collectives run on (tp innermost)
+        "tp": (tp, 1),
+        "fsdp": (shard, tp),
+        # Replication all-reduces the gradients across replicas.
+        "dp_replicate": (replicate, shard * tp),
     }
     times = {}
-    for kind, nbytes in comm.items():
+    for key, nbytes in comm.items():
+        kind, _, collective = key.partition(" ")  # '<parallelism> <collective>' (passes/communication.py)
         n, stride = groups.get(kind, (shard, tp))
         if n <= 1:
-            times[kind] = 0.0
+            times[key] = 0.0
             continue
         gbps = group_link_gbps(cluster, n, stride)
-        times[kind] = RING_FACTOR.get(kind, 1.0) * (n - 1) / n * nbytes / (gbps * 1e9)
-    hidden = min(times.get("all_gather", 0.0), compute) if prefetch else 0.0
+        times[key] = RING_FACTOR.get(collective, 1.0) * (n - 1) / n * nbytes / (gbps * 1e9)
+    hidden = min(times.get("fsdp all_gather", 0.0), compute) if prefetch else 0.0
     return StepTime(compute, times, sum(times.values()) - hidden)
 
 

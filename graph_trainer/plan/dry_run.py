@@ -26,7 +26,8 @@ def _accumulation(cfg: JobConfig) -> str:
 
 
 def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Callable[[str], None] = print) -> None:
-    """Print, for each AC mode, the predicted peak, saved activations, parameters and FLOPs per step.
+    """Print, for each AC mode, the predicted peak, saved activations, parameters and FLOPs per step, and with
+    parallelisms the bytes each kind of collective moves per step per rank (`StepPlan.comm_bytes`).
 
     With parallelisms the plan is one rank's, traced on torch's fake process group: `parallelism.dp_shard` = N
     plans one rank of N without launching N processes.
@@ -69,6 +70,9 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
             print_fn(
                 f"blocks traced: {short} for a model of {depth}, once for all modes; extended exactly (docs/planner.md)"
             )
+            if plan.comm_bytes:
+                traffic = ", ".join(f"{kind} {to_gib(n):.3g}" for kind, n in plan.comm_bytes.items())
+                print_fn(f"{'':10} communicated GiB per step per rank: {traffic}")
     print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")
 
 

@@ -10,7 +10,15 @@ from graph_trainer.observability.units import to_gib
 from graph_trainer.plan import search
 from graph_trainer.plan.cluster import Cluster
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+# The table's communication columns: (heading, does a '<parallelism> <collective>' key count here).
+COLUMNS = (
+    ("fsdp-ag", lambda key: key == "fsdp all_gather"),
+    ("fsdp-rs", lambda key: key == "fsdp reduce_scatter"),
+    ("tp-ag", lambda key: key == "tp all_gather"),
+    ("tp-rs", lambda key: key == "tp reduce_scatter"),
+    ("ar", lambda key: key.endswith(" all_reduce")),
+    ("a2a", lambda key: key.endswith(" all_to_all")),
+)
 
 
 def _row(r: search.Screened, cluster: Cluster, seq: int) -> dict:
@@ -45,11 +53,11 @@ def print_table(rows: list[search.Screened], cluster: Cluster, seq: int) -> None
     """The ranked table of exactly planned candidates, fastest first."""
     print(
         f"{'#':>2} {'layout':<26} {'ac':<9} {'lb x acc':>8} {'peak GiB':>8} {'free GiB':>8} {'step s':>7} "
-        f"{'tok/s/gpu':>9} {'MFU':>5}  comm GiB/step (ag rs ar a2a)"
+        f"{'tok/s/gpu':>9} {'MFU':>5}  comm GiB/step ({' '.join(name for name, _ in COLUMNS)})"
     )
     for i, r in enumerate(rows, 1):
         x = _row(r, cluster, seq)
-        comm = " ".join(f"{x['comm_gib'].get(k, 0):.1f}" for k in KINDS)
+        comm = " ".join(f"{sum(v for k, v in x['comm_gib'].items() if counts(k)):.1f}" for _, counts in COLUMNS)
         batch = f"{x['local_batch']} x {x['accumulation']}"
         print(
             f"{i:>2} {x['layout']:<26} {x['ac_mode']:<9} {batch:>8} {x['peak_gib']:8.2f} "

@@ -181,9 +181,12 @@ def screen(
         params = ref.num_params
         comm = {}
         if d.get("dp_shard", 1) > 1:  # gathered in the forward and again in the backward; gradients reduced once
-            comm = {"all_gather": 2 * params * 4 // d.get("tp", 1), "reduce_scatter": params * 4 // d.get("tp", 1)}
+            comm = {
+                "fsdp all_gather": 2 * params * 4 // d.get("tp", 1),
+                "fsdp reduce_scatter": params * 4 // d.get("tp", 1),
+            }
         if d.get("dp_replicate", 1) > 1:
-            comm["all_reduce"] = params * 4 // shard
+            comm["dp_replicate all_reduce"] = params * 4 // shard
         t = step_time(cluster, flops, comm, d, efficiency, prefetch=d.get("dp_shard", 1) > 1)
         out.append(Screened(cand, peak, t))
     return out

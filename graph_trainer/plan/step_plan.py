@@ -28,7 +28,8 @@ from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import quiet
 from graph_trainer.optimizer.update_memory import EagerUpdate, whole_step_peak
-from graph_trainer.passes.graph_utils import collective_bytes, node_flops
+from graph_trainer.passes.communication import communication_bytes
+from graph_trainer.passes.graph_utils import node_flops
 from graph_trainer.passes.memory_estimate import MemoryEstimate, op_name
 from graph_trainer.runtime.device import resolve_device
 from graph_trainer.tracer import node_meta
@@ -50,11 +51,12 @@ class StepPlan:
     num_params: int
     trace_time_s: float
     optimizer: str = "in graph"  # where the AdamW update runs: "in graph" or its eager implementation
+    # Bytes this rank's collectives move per step, by '<parallelism> <collective>' (passes/communication.py).
+    comm_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     # The planned step's final graph (`graph_trainer.tracer.Transformed`), for the trainer's first step to reuse.
     step_graph: Any = dataclasses.field(default=None, repr=False, compare=False)
     # Where the peak is: (layer, module FQN, op), the same for a full trace and a plan extended from short ones.
     peak_location: tuple[int | None, str, str] = (None, "", "")
-    comm_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # per collective kind, per step, this rank
     blocks_traced: int = 0  # transformer blocks the plan traced (a full trace: all of them)
     approximate: bool = False  # True where a depth-free plan cannot promise the full trace's numbers (budget)
 
@@ -225,7 +227,7 @@ def plan_of(
         peak_location(traced.gm, peak_index, job.spec.parallel_plan.layers),
         num_params=job.num_params(),
         flops=sum(node_flops(n) for n in traced.gm.graph.nodes) if flops is None else flops,
-        comm=collective_bytes(traced.gm),
+        comm=communication_bytes(traced.gm),
         trace_time_s=trace_time_s,
         blocks_traced=blocks_traced,
         step_graph=Transformed(traced, result.memory_estimate),

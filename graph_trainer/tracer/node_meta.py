@@ -28,7 +28,10 @@ COLLECTIVE = "collective"
 PARAM_GATHER = "param_gather"  # gathers a unit's parameters for the forward (FSDP); the backward may gather again
 GRAD_REDUCE = "grad_reduce"  # reduces gradients over data-parallel ranks (a reduce-scatter or an all-reduce)
 NORM_REDUCE = "norm_reduce"  # sums the squared gradient norm over the ranks that hold shards of the gradients
-ROLES = (PARAM_GATHER, GRAD_REDUCE, NORM_REDUCE)
+SEQ_GATHER = "seq_gather"  # all-gathers activations along the sequence before a tensor-parallel region (TP)
+SEQ_SCATTER = "seq_scatter"  # reduce-scatters a row-parallel region's partial sums along the sequence (TP)
+LOSS_REDUCE = "loss_reduce"  # all-reduces per-token statistics of a vocabulary-parallel loss (TP)
+ROLES = (PARAM_GATHER, GRAD_REDUCE, NORM_REDUCE, SEQ_GATHER, SEQ_SCATTER, LOSS_REDUCE)
 
 FORWARD = "forward"
 BACKWARD = "backward"

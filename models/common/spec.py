@@ -21,15 +21,45 @@ class ModelArgsError(ValueError):
 
 
 @dataclass(frozen=True)
+class TensorParallelPlan:
+    """How a family's modules split under tensor parallelism (Megatron-style, with sequence parallelism).
+
+    Plain data: names of submodules, relative to one transformer block unless said otherwise. The trainer's
+    `graph_trainer/distributed/tp.py` applies it.
+
+    - `colwise`: Linear layers whose weight is split by output rows (each rank computes some outputs);
+    - `rowwise`: Linear layers whose weight is split by input columns (each rank computes a partial sum);
+    - `sequence_regions`: submodules entered with the whole sequence (an all-gather along the sequence before
+      them) and left with this rank's part of it (a reduce-scatter of their row-parallel partial sums after);
+    - `sequence_parallel`: the modules that run on this rank's part of the sequence, their weights replicated
+      (the norms; the residual stream between them is sharded along the sequence too);
+    - `local_counts`: (submodule, integer attributes) pairs: head counts that become per-rank counts;
+    - `embedding`, `output`, `final_norm`: root-level names of the vocabulary-sharded token embedding, the
+      vocabulary-sharded output projection (the loss is then vocab-parallel) and the last norm (sequence-sharded).
+    """
+
+    colwise: tuple[str, ...] = ()
+    rowwise: tuple[str, ...] = ()
+    sequence_regions: tuple[str, ...] = ()
+    sequence_parallel: tuple[str, ...] = ()
+    local_counts: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    embedding: str = ""
+    output: str = ""
+    final_norm: str = ""
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     """How a family's modules map onto the parallelisms, declared by the family and applied by the trainer.
 
     `layers` is the container of the repeated transformer blocks: fully sharded data parallelism gathers
     each block as one unit and everything else as the root unit, and activation checkpointing works
-    block by block.
+    block by block. `tensor_parallel` is the family's tensor-parallel plan (None: the family has none, and
+    `parallelism.tp` > 1 is refused).
     """
 
     layers: str = "layers"
+    tensor_parallel: TensorParallelPlan | None = None
 
 
 @dataclass(frozen=True)

@@ -46,4 +46,16 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
         rope_theta=500000.0,
         max_seq_len=8192,
     ),
+    # Llama 3.1 405B: FFN hidden 53248 (Meta's dimensions; trained with tensor parallelism 8).
+    "405B": ModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
 }

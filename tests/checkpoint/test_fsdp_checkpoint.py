@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +27,7 @@ from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer
 from tests.distributed.test_fsdp import TINY, _max_diff
-from tests.multiprocess import free_port, spawn_ranks, train_runs
+from tests.multiprocess import export_checkpoint, free_port, spawn_ranks, train_runs
 from tests.test_run_safety import CreatesAFile
 
 pytestmark = [
@@ -230,27 +228,16 @@ def test_resume_with_another_global_batch_is_refused_in_one_line(resharded):
     assert "global batch" in message and "--training.local_batch_size 1" in message
 
 
-def _export(checkpoint: Path, out: Path, cwd: Path) -> subprocess.CompletedProcess:
-    """`python -m graph_trainer.export CHECKPOINT OUT` in a fresh process."""
-    return subprocess.run(
-        [sys.executable, "-m", "graph_trainer.export", str(checkpoint), str(out)],
-        cwd=cwd,
-        env={"PYTHONPATH": str(REPO), "PATH": ""},
-        capture_output=True,
-        text=True,
-    )
-
-
 def test_export_writes_the_full_unpadded_weights(two, tmp_path):
     out = tmp_path / "model_full.pt"
     step = two / "straight" / "checkpoint" / "step-00000004.dcp"
-    proc = _export(step, out, tmp_path)
+    proc = export_checkpoint(step, out, tmp_path)
     assert proc.returncode == 0, proc.stderr
     exported = torch.load(out, weights_only=True)
     gathered = torch.load(two / "straight.params.pt")
     assert set(gathered) <= set(exported)
     assert all(torch.equal(exported[k], gathered[k]) for k in gathered)
-    bad = _export(tmp_path, out, tmp_path)
+    bad = export_checkpoint(tmp_path, out, tmp_path)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
 
 
@@ -274,7 +261,7 @@ def test_a_tampered_metadata_is_refused_by_export_in_one_line_and_runs_nothing(t
     metadata.planner_data = CreatesAFile(marker)
     with open(step / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
-    proc = _export(step, tmp_path / "out.pt", tmp_path)
+    proc = export_checkpoint(step, tmp_path / "out.pt", tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"error: {step / '.metadata'} asks to run io.open while being read")
     assert not marker.exists() and not (tmp_path / "out.pt").exists()

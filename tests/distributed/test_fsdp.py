@@ -19,16 +19,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graph_trainer.job_config.cli import load_config
 from graph_trainer.tracer import node_meta
-from graph_trainer.trainer import Trainer
 from tests.multiprocess import (
+    assert_bitwise_equal_runs,
     assert_peaks_match,
     free_port,
     peaks,
+    save_full_params,
     spawn_ranks,
+    state_bytes,
     step_graph_nodes,
     train_fully_shard,
+    train_one_process,
     train_runs,
 )
 from tests.tiny import DETERMINISTIC, TINY_BATCH, tiny_model
@@ -79,13 +81,6 @@ GATHER, REDUCE_SCATTER, ALL_REDUCE = (
 )
 
 
-def _state_bytes(trainer: Trainer) -> int:
-    """Parameters + gradients + optimizer state held by this process, in bytes."""
-    tensors = [*trainer.model.parameters(), *(p.grad for p in trainer.model.parameters() if p.grad is not None)]
-    tensors += [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _fully_shard_reference(cfg, out: str, rank: int, world: int) -> None:
     """The same job trained with torch's FSDP2 (`fully_shard`): its losses and final full parameters, to files."""
     losses, full = train_fully_shard(cfg, rank, world)
@@ -108,13 +103,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 for n in step_graph_nodes(trainer)
                 if "c10d" in str(n.target)
             ],
-            "state_bytes": _state_bytes(trainer),
+            "state_bytes": state_bytes(trainer),
             "peaks": peaks(result.records),
         }
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
-        full = trainer.parallel.full_state()
-        if rank == 0:
-            torch.save(full, Path(out, f"{name}.params.pt"))
+        save_full_params(trainer, out, name, rank)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
@@ -146,12 +139,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_fsdp_traced_equals_eager_fsdp_bitwise_on_every_rank(ranks, run):
     world, out = _runs(ranks, run)
     for rank in range(world):
-        eager, other = _record(out, "eager", rank), _record(out, run, rank)
-        assert len(other["losses"]) == STEPS
-        assert other["losses"] == eager["losses"]
-        assert other["params"] == eager["params"]  # this rank's final shards
-        if run.startswith("trace"):
-            assert other["trace_count"] == 1
+        assert_bitwise_equal_runs(_record(out, "eager", rank), _record(out, run, rank), STEPS, run)
 
 
 def test_fsdp_compiled_by_inductor_follows_the_traced_step(ranks):
@@ -194,17 +182,12 @@ def test_fsdp_close_to_one_process_with_the_global_batch(ranks, tmp_path):
     """N ranks x batch 2 vs 1 process x batch 2N: same up to summation order (1e-6 on params, 1e-5 on losses);
     per rank, parameters + gradients + AdamW state <= (1/N + 5%) of the one process's."""
     world, out = ranks
-    cfg, _ = load_config([*TINY, "--training.local_batch_size", str(2 * world), "--job.dump_folder", str(tmp_path)])
-    try:
-        trainer = Trainer(cfg)
-        single = trainer.train()
-    finally:
-        torch.use_deterministic_algorithms(False)
+    trainer, single = train_one_process([*TINY, "--training.local_batch_size", str(2 * world)], str(tmp_path))
     diff = _max_diff(torch.load(out / "trace.params.pt"), {n: p.detach() for n, p in trainer.model.named_parameters()})
     print(f"{world} ranks: max |param - one-process param| after {STEPS} steps: {diff:.3g}")
     assert diff < 1e-6
     assert _record(out, "trace")["losses"] == pytest.approx(single.losses, rel=1e-5)
-    one_process = _state_bytes(trainer)
+    one_process = state_bytes(trainer)
     for rank in range(world):
         state = _record(out, "trace", rank)["state_bytes"]
         print(f"{world} ranks: rank {rank} holds {state:,} bytes of state, one process {one_process:,}")

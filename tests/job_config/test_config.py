@@ -13,7 +13,7 @@ from graph_trainer.job_config.load import CONFIGS_DIR, config_to_toml, resolve_c
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.runtime.device import compute_dtype, resolve_dtype
 
-SHIPPED = ["llama3_1b", "llama3_70b", "llama3_8b", "llama3_debug"]
+SHIPPED = ["llama3_1b", "llama3_405b", "llama3_70b", "llama3_8b", "llama3_debug"]
 
 
 def _write(tmp_path: Path, text: str, name: str = "job.toml") -> str:
@@ -300,11 +300,19 @@ def test_config_to_toml_round_trips(tmp_path):
             [
                 "config 'llama3_dbug' not found",
                 "did you mean 'llama3_debug'",
-                "shipped configs: llama3_1b, llama3_70b, llama3_8b, llama3_debug",
+                "shipped configs: llama3_1b, llama3_405b, llama3_70b, llama3_8b, llama3_debug",
             ],
         ),
         (["--config", "missing/dir.toml"], ["config file 'missing/dir.toml' not found"]),
         (["positional"], ["unexpected argument 'positional'"]),
+        (
+            ["--parallelism.tp", "2", "--training.local_batch_size", "2", "--training.global_batch_size", "8"],
+            ["training.global_batch_size (gradient accumulation) with parallelism.tp > 1 is not supported yet"],
+        ),
+        (
+            ["--parallelism.tp", "2", "--checkpoint.initial_load_path", "somewhere"],
+            ["checkpoint.initial_load_path with parallelism.tp > 1 is not supported yet"],
+        ),
     ],
 )
 def test_bad_input_raises_one_line_config_error(argv, expected):

@@ -18,7 +18,7 @@ from models.llama3.model import rope_frequencies
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32)
 
 # FFN hidden sizes as published by Meta; the formula in ffn_hidden_dim must reproduce them.
-PUBLISHED_FFN_HIDDEN = {"debugmodel": 768, "1B": 8192, "8B": 14336, "70B": 28672}
+PUBLISHED_FFN_HIDDEN = {"debugmodel": 768, "1B": 8192, "8B": 14336, "70B": 28672, "405B": 53248}
 
 
 def _expected_params(args: ModelArgs, ffn_hidden: int) -> int:
