@@ -37,8 +37,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from graph_trainer.errors import UserError
 from graph_trainer.loss import lm_loss
 from graph_trainer.optimizer.clip import clip_grads_
-from graph_trainer.tracer import node_meta
+from graph_trainer.tracer import fake_rules, node_meta
 from graph_trainer.tracer.layers import transformer_layers
+
+_ = fake_rules  # imported for its registrations: fp32 torch._grouped_mm traces
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 # Maps the raw gradients to the ones clipped and applied, e.g. averaged over data-parallel
