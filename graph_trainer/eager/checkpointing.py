@@ -2,8 +2,8 @@
 
 The same policies as the graph passes (`graph_trainer.passes.memory_policy`):
 - full: plain `checkpoint` of every layer (recomputes everything in it);
-- selective "op": `create_selective_checkpoint_contexts` saving matmul and
-  attention outputs, recomputing every second matmul of each layer (the
+- selective "op": `create_selective_checkpoint_contexts` saving matmul,
+  attention and MoE routing outputs (`graph_utils.ROUTING_OPS`), recomputing every second matmul of each layer (the
   counter restarts per layer) and everything else;
 - selective N: plain `checkpoint` of layers N-1, 2N-1, ... (every N-th, from 1).
 Per-op overrides without a module glob (`"aten.mm"`) apply inside checkpointed
@@ -24,7 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from graph_trainer.distributed.fsdp import layer_forward
 from graph_trainer.errors import ConfigError
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
-from graph_trainer.passes.graph_utils import is_attention, is_matmul
+from graph_trainer.passes.graph_utils import is_attention, is_matmul, is_routing
 from graph_trainer.passes.op_patterns import OpPattern, parse_overrides
 from graph_trainer.tracer.layers import transformer_layers
 
@@ -45,7 +45,7 @@ def _policy_factory(selective_op: bool, save: list[OpPattern], recompute: list[O
                 return CheckpointPolicy.MUST_SAVE
             if any(p.matches_op(func) for p in recompute):
                 return CheckpointPolicy.PREFER_RECOMPUTE
-            if selective_op and (is_attention(func) or (is_matmul(func) and matmul_save)):
+            if selective_op and (is_attention(func) or is_routing(func) or (is_matmul(func) and matmul_save)):
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 

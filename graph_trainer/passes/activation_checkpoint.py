@@ -44,6 +44,7 @@ from graph_trainer.passes.graph_utils import (
     is_attention,
     is_matmul,
     is_mutating,
+    is_routing,
     layer_forward_nodes,
     mutated_args,
     storage_keys,
@@ -122,7 +123,8 @@ def policy_every_nth_layer(structure: StepStructure, n_th: int) -> Decisions:
 
 
 def policy_selective_op(structure: StepStructure) -> Decisions:
-    """Save matmul and attention outputs, but recompute every second matmul of each layer; recompute the rest."""
+    """Save matmul, attention and MoE routing outputs (grouped matmuls, permutation, top-k), but recompute every
+    second (plain) matmul of each layer; recompute the rest."""
     decisions: Decisions = {}
     for nodes in structure.layers().values():
         matmuls = 0  # restarts at each layer
@@ -130,7 +132,7 @@ def policy_selective_op(structure: StepStructure) -> Decisions:
             if is_matmul(n.target):
                 matmuls += 1
                 decisions[n] = RECOMPUTE if matmuls % 2 == 0 else SAVE
-            elif is_attention(n.target):
+            elif is_attention(n.target) or is_routing(n.target):
                 decisions[n] = SAVE
             else:
                 decisions[n] = RECOMPUTE

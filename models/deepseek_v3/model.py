@@ -191,15 +191,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
-        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
-        q_nope, q_rope = q.view(bsz, seq_len, self.n_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rotary(q_rope, cos, sin)], dim=-1)
-
+        # kv first: the compressed latent is the layer's first matmul, which selective AC saves.
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_rope = apply_rotary(k_rope.unsqueeze(2), cos, sin)  # one RoPE head, shared by every head
         kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seq_len, self.n_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, self.n_heads, -1)], dim=-1)
+
+        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
+        q_nope, q_rope = q.view(bsz, seq_len, self.n_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rotary(q_rope, cos, sin)], dim=-1)
 
         # SDPA's fused kernels want one head dim for q, k and v: pad v, drop the padding after.
         v = F.pad(v, (0, q.shape[-1] - self.v_dim)) if self.v_dim < q.shape[-1] else v
