@@ -190,3 +190,15 @@ def test_estimated_peak_equals_measured_cpu_peak(tmp_path, mode):
     finally:
         tracker.forget()
     assert step.memory_estimate.peak_bytes == measured
+
+
+def test_several_data_parallel_ranks_are_refused_until_the_counts_are_summed():
+    from types import SimpleNamespace
+
+    from graph_trainer.builder import _check_balancing_counts
+    from graph_trainer.errors import UserError
+
+    model = _tiny_model()
+    _check_balancing_counts(model, SimpleNamespace(data_size=1))  # one process: every token is counted here
+    with pytest.raises(UserError, match="not yet summed over the 2 data-parallel ranks"):
+        _check_balancing_counts(model, SimpleNamespace(data_size=2))
