@@ -270,16 +270,16 @@ class Job:
 
 
 def _check_balancing_counts(model: nn.Module, mesh: Mesh) -> None:
-    """Refuse a mixture of experts on several data-parallel ranks while nothing sums its routers' counts.
+    """Refuse a mixture of experts on several data-parallel ranks when no parallelism sums its routers' counts.
 
     A router's `count_reduce` (models/deepseek_v3) must sum the tokens-per-expert counts over the ranks, or
-    each rank's balancing bias drifts on its own tokens, silently.
+    each rank's balancing bias drifts on its own tokens, silently; `distributed.expert_balance` sets it.
     """
     if mesh.data_size > 1 and any(getattr(m, "count_reduce", False) is None for m in model.modules()):
         raise UserError(
             f"model {model.__class__.__name__} balances its experts from per-rank token counts, which are not yet "
-            f"summed over the {mesh.data_size} data-parallel ranks (expert parallelism is not implemented); "
-            "train it on one process (parallelism.dp_shard 1, dp_replicate 1)"
+            f"summed over the {mesh.data_size} data-parallel ranks of this layout; "
+            "train it with parallelism.dp_shard or parallelism.dp_replicate alone, or on one process"
         )
 
 
@@ -300,9 +300,9 @@ def build_job(cfg: JobConfig, mesh: Mesh, *, materialize: bool = True, vocab_nee
     spec = get_model_spec(cfg.model.name)
     model = build_model(cfg, mesh.device if materialize else None, vocab_needed=vocab_needed)
     model.train()
-    _check_balancing_counts(model, mesh)
     # From here on, a sharded parameter is this rank's part of it (same names, smaller shapes).
     parallel = parallelize_model(model, mesh, cfg, spec.parallel_plan)
+    _check_balancing_counts(model, mesh)
     optimizer = build_job_optimizer(cfg, model, mesh.device)
     s = cfg.lr_scheduler
     scheduler = build_lr_scheduler(

@@ -12,14 +12,16 @@ from typing import Any
 
 import torch.nn as nn
 
+from graph_trainer.distributed.expert_balance import ExpertBalance
 from graph_trainer.distributed.fsdp import FSDP
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import Apply, ParallelModel, parallelize
 from graph_trainer.distributed.replicate import Replicate
 
 # Fully sharded data parallelism shards what the others leave whole, so it comes after any that split
-# parameters themselves; replication averages the gradients FSDP has already reduced within a replica.
-PARALLELISMS: tuple[Apply, ...] = (FSDP.apply, Replicate.apply)
+# parameters themselves; replication averages the gradients FSDP has already reduced within a replica. The
+# MoE balancing counts are summed over whichever data-parallel dimension is used.
+PARALLELISMS: tuple[Apply, ...] = (FSDP.apply, Replicate.apply, ExpertBalance.apply)
 
 
 def parallelize_model(model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ParallelModel:
