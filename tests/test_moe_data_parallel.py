@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from graph_trainer.tracer import node_meta
