@@ -62,12 +62,12 @@ def test_exact_counts_match_the_built_model():
 # --------------------------------------------------------------------------- traced == eager
 
 
-def _trainer(tmp_path, name: str, *extra: str, steps: int = 3) -> Trainer:
+def _trainer(tmp_path, name: str, *extra: str, steps: int = 2) -> Trainer:
     cfg, _ = load_config([*TINY, "--job.dump_folder", str(tmp_path / name), "--training.steps", str(steps), *extra])
     return Trainer(cfg)
 
 
-def _run(tmp_path, name: str, *extra: str, steps: int = 3, trainer: Trainer | None = None):
+def _run(tmp_path, name: str, *extra: str, steps: int = 2, trainer: Trainer | None = None):
     result = (trainer or _trainer(tmp_path, name, *extra, steps=steps)).train()
     return (result.losses, result.params_sha256, result.grads_sha256), result
 
@@ -171,7 +171,8 @@ def test_resume_is_bitwise_with_the_balancing_bias(tmp_path):
 @pytest.mark.integration
 def test_cli_trains_the_debug_model_and_the_loss_falls(tmp_path):
     cmd = [sys.executable, "-m", "graph_trainer", "--config", "deepseek_v3_debug.toml", "--training.steps", "8"]
-    cmd += ["--model.n_layers", "2", "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path)]
+    cmd += ["--model.n_layers", "2", "--training.local_batch_size", "4", "--training.seq_len", "64"]
+    cmd += ["--job.dump_folder", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     losses = [float(line.split("loss")[1].split()[0]) for line in out.stdout.splitlines() if line.startswith("step ")]
