@@ -6,10 +6,10 @@ For each config and AC mode, both steps (forward, loss, backward, clipping; the
 AdamW update is the same in both and left out) are run on fake tensors on this
 machine's CPU device, in fp32:
 - graph: the traced step after the pass pipeline, its static estimate (equal to
-  the measured CPU peak to the byte, tests/test_memory.py);
+  the measured CPU peak to the byte, tests/passes/test_memory.py);
 - eager: `compile.mode eager` with the same policy through torch.utils.checkpoint,
   run on fake tensors under the live-tensor tracker (equal to a real eager step's
-  peak to the byte, tests/test_planner.py).
+  peak to the byte, tests/plan/test_planner.py).
 Activation memory is what each step holds at its own peak besides parameters,
 buffers, the batch and the gradients made by then (so: activations, their
 gradients, the loss's temporaries). Ratio graph/eager: the goal is <= 0.85.

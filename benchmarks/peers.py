@@ -158,7 +158,7 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="llama3_debug")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -174,54 +174,38 @@ def main() -> None:
         default=[],
         help="trainer options for every mode, e.g. --overrides --model.n_layers 16 (must be last)",
     )
-    args = parser.parse_args()
-    if args.worker:
-        row = run_mode(args.worker[0], args.worker[1], args.config, args.overrides, args.warmup, args.steps)
-        print("PEERS_ROW " + json.dumps(row), flush=True)
-        return
+    return parser
 
-    import torch
 
-    cuda = torch.cuda.is_available()
-    rows = []
-    for ac in args.ac:
-        for mode in args.modes:
-            if "cudagraphs" in mode and not cuda:
-                print(f"skip {mode} ({ac}): CUDA graphs need a CUDA device", flush=True)
-                continue
-            cmd = [
-                sys.executable,
-                __file__,
-                "--config",
-                args.config,
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-                "--worker",
-                mode,
-                ac,
-                "--overrides",
-                *args.overrides,
-            ]
-            start = time.perf_counter()
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-                found = [line for line in proc.stdout.splitlines() if line.startswith("PEERS_ROW ")]
-                if proc.returncode != 0 or not found:
-                    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                    row = {"mode": mode, "ac": ac, "error": f"failed: {tail[:160]}"}
-                else:
-                    row = json.loads(found[-1].removeprefix("PEERS_ROW "))
-            except subprocess.TimeoutExpired:
-                row = {"mode": mode, "ac": ac, "error": f"timed out after {args.timeout} s"}
-            rows.append(row)
-            print(
-                f"{ac:9} {mode:32} {row.get('step_s', float('nan')):8.3f} s/step  "
-                f"peak {_fmt_gib(row.get('peak_active_bytes'))} GiB  compile {row.get('compile_s', 0):6.1f} s  "
-                f"({time.perf_counter() - start:.0f} s wall){'  ' + row['error'] if 'error' in row else ''}",
-                flush=True,
-            )
+def _run_worker(args: argparse.Namespace, mode: str, ac: str) -> dict:
+    """One mode in a fresh process (so no mode inherits another's caches or allocator state); its row."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--config",
+        args.config,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--worker",
+        mode,
+        ac,
+        "--overrides",
+        *args.overrides,
+    ]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "ac": ac, "error": f"timed out after {args.timeout} s"}
+    found = [line for line in proc.stdout.splitlines() if line.startswith("PEERS_ROW ")]
+    if proc.returncode != 0 or not found:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"mode": mode, "ac": ac, "error": f"failed: {tail[:160]}"}
+    return json.loads(found[-1].removeprefix("PEERS_ROW "))
+
+
+def _write(args: argparse.Namespace, rows: list[dict]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     title = (
@@ -244,6 +228,34 @@ def main() -> None:
     (out / "peers.md").write_text(table + "\n")
     print("\n" + table)
     print(f"\nwritten: {out / 'peers.json'}, {out / 'peers.md'}")
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.worker:
+        row = run_mode(args.worker[0], args.worker[1], args.config, args.overrides, args.warmup, args.steps)
+        print("PEERS_ROW " + json.dumps(row), flush=True)
+        return
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    rows = []
+    for ac in args.ac:
+        for mode in args.modes:
+            if "cudagraphs" in mode and not cuda:
+                print(f"skip {mode} ({ac}): CUDA graphs need a CUDA device", flush=True)
+                continue
+            start = time.perf_counter()
+            row = _run_worker(args, mode, ac)
+            rows.append(row)
+            print(
+                f"{ac:9} {mode:32} {row.get('step_s', float('nan')):8.3f} s/step  "
+                f"peak {_fmt_gib(row.get('peak_active_bytes'))} GiB  compile {row.get('compile_s', 0):6.1f} s  "
+                f"({time.perf_counter() - start:.0f} s wall){'  ' + row['error'] if 'error' in row else ''}",
+                flush=True,
+            )
+    _write(args, rows)
 
 
 if __name__ == "__main__":

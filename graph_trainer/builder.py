@@ -19,12 +19,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from graph_trainer.checkpoint.hf import Pretrained
+from graph_trainer.data.hf_datasets import SequentialPackedLoader
 from graph_trainer.data.loader import PackedBatchLoader, build_dataloader
 from graph_trainer.data.tokenizer import Tokenizer, build_tokenizer
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import ParallelModel
 from graph_trainer.distributed.parallelize import parallelize_model
-from graph_trainer.errors import UserError
+from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.schema import JobConfig
@@ -32,7 +34,7 @@ from graph_trainer.loss import build_lm_loss
 from graph_trainer.optimizer.adamw import GraphAdamW, build_optimizer, choose_adamw_implementation, init_adamw_state
 from graph_trainer.optimizer.lr_schedule import build_lr_scheduler
 from graph_trainer.runtime.device import resolve_dtype
-from graph_trainer.step import TrainStep
+from graph_trainer.step import EvalStep, TrainStep
 from graph_trainer.tracer.capture import LossFn, TraceError
 from models.common.spec import ModelSpec
 
@@ -61,30 +63,95 @@ def cli_trace_errors():
         raise TraceError(e.problem, fix="fix the code or run with --compile.mode eager") from e
 
 
+Loader = PackedBatchLoader | SequentialPackedLoader
+
+
 @dataclasses.dataclass
 class JobData:
-    """The tokenizer and this data-parallel rank's batches."""
+    """The tokenizer and this data-parallel rank's batches (and its held-out batches, with validation)."""
 
     tokenizer: Tokenizer
-    loader: PackedBatchLoader
+    loader: Loader
+    validation: Loader | None = None
+
+
+def gather_over_data_ranks(mesh: Mesh):
+    """A function that collects one picklable value from every data-parallel rank, in data-rank order (a
+    collective over every rank; tensor-parallel peers hold the same value). None for one process."""
+    if not mesh.is_distributed:
+        return None
+
+    def gather(value):
+        everyone = [None] * mesh.world_size
+        torch.distributed.all_gather_object(everyone, (mesh.data_rank, value), group=mesh.world_group)
+        by_data_rank = dict(everyone)
+        return [by_data_rank[r] for r in range(mesh.data_size)]
+
+    return gather
+
+
+def _validation_source(cfg: JobConfig) -> tuple[str, tuple[int, bool] | None]:
+    """(path, holdout) of the held-out data: `validation.path`, or the training data's held-out documents.
+
+    Raises:
+        ConfigError: a source that cannot give held-out text (synthetic), or a path for one that reads no file.
+    """
+    v, source = cfg.validation, cfg.data.source
+    if v.path:
+        if source in ("embedded", "synthetic"):
+            raise ConfigError(
+                f'validation.path is set but data.source = "{source}" reads no file; drop validation.path to '
+                f"hold out every validation.holdout_every-th document, or train on a file source"
+            )
+        return v.path, None
+    if source == "synthetic":
+        raise ConfigError(
+            'validation on data.source = "synthetic" has no text to hold out; set data.source to a text source '
+            "or --validation.enable false"
+        )
+    return cfg.data.path, (v.holdout_every, True)
 
 
 def build_data(cfg: JobConfig, mesh: Mesh) -> JobData:
     """The configured tokenizer and the batches of this rank's data-parallel slice (tensor-parallel peers, when
-    there are any, read the same batches)."""
+    there are any, read the same batches), and with `validation.enable` the held-out batches.
+
+    Held out: `validation.path` (read as `data.source` reads `data.path`) or, without it, every
+    `validation.holdout_every`-th document of the training data, which training then skips.
+    """
     tokenizer = build_tokenizer(cfg.data.tokenizer)
-    t = cfg.training
-    loader = build_dataloader(
-        cfg.data.source,
-        cfg.data.path,
-        tokenizer,
+    t, d = cfg.training, cfg.data
+    common = dict(
         batch_size=t.local_batch_size,
         seq_len=t.seq_len,
         seed=t.seed,
         rank=mesh.data_rank,
         world_size=mesh.data_size,
+        text_column=d.text_column,
+        streaming=d.streaming,
     )
-    return JobData(tokenizer, loader)
+    validation, held_out = None, None
+    if cfg.validation.enable:
+        path, held_out = _validation_source(cfg)
+        option = "validation.path" if cfg.validation.path else "data.path"
+        validation = build_dataloader(d.source, path, tokenizer, holdout=held_out, option=option, **common)
+    kept = None if held_out is None else (held_out[0], False)
+    gather = gather_over_data_ranks(mesh)
+    loader = build_dataloader(d.source, d.path, tokenizer, gather=gather, holdout=kept, **common)
+    return JobData(tokenizer, loader, validation)
+
+
+def initial_weights(cfg: JobConfig) -> Pretrained | None:
+    """The pretrained weights the job starts from (`checkpoint.initial_load_path`), opened and checked against the
+    model (no tensor read yet); None for random weights, and for a resume, whose checkpoint wins.
+
+    Raises:
+        UserError: the folder is not a Hugging Face model folder of the configured model.
+    """
+    c = cfg.checkpoint
+    if not c.initial_load_path or c.resume:
+        return None
+    return Pretrained.open(c.initial_load_path, get_model_spec(cfg.model.name), resolve_model_args(cfg))
 
 
 def build_model(cfg: JobConfig, device: torch.device | None, *, vocab_needed: int = 0) -> nn.Module:
@@ -136,6 +203,18 @@ def build_job_optimizer(cfg: JobConfig, model: nn.Module, device: torch.device) 
         for p in group["params"]:
             init_adamw_state(optimizer, p)
     return optimizer
+
+
+def build_job_scheduler(cfg: JobConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """The job's learning-rate schedule over `cfg.training.steps` steps."""
+    s = cfg.lr_scheduler
+    return build_lr_scheduler(
+        optimizer,
+        warmup_steps=s.warmup_steps,
+        total_steps=cfg.training.steps,
+        decay_type=s.decay_type,
+        min_lr_factor=s.min_lr_factor,
+    )
 
 
 def job_loss(cfg: JobConfig, device: torch.device) -> LossFn:
@@ -228,6 +307,25 @@ class Job:
             norm_reduce=self.parallel.norm_reduce(),
         )
 
+    def build_eval_step(self, *, failure_dir: Path | None = None) -> EvalStep:
+        """The job's evaluation step (forward and loss, no gradients): eager with `compile.mode eager`, else its
+        own traced graph, run uncompiled, whose peak the memory estimate gives."""
+        if self.cfg.compile.mode == "eager":
+            from graph_trainer.eager.eval_step import EagerEvalStep
+
+            return EagerEvalStep(self.model, loss_fn=self.loss_fn)
+        from graph_trainer.passes.memory_estimate import estimate_peak_memory
+        from graph_trainer.tracer.eval_step import GraphEvalStep
+
+        return GraphEvalStep(
+            self.model,
+            loss_fn=self.loss_fn,
+            device=self.device,
+            estimate=lambda gm, categories: estimate_peak_memory(gm, input_categories=categories).peak_bytes,
+            failure_dir=failure_dir,
+            layers=self.spec.parallel_plan.layers,
+        )
+
     def graph_step(
         self,
         *,
@@ -290,28 +388,28 @@ def _reusable(cfg: JobConfig) -> bool:
 
 
 def build_job(cfg: JobConfig, mesh: Mesh, *, materialize: bool = True, vocab_needed: int = 0) -> Job:
-    """Build `cfg`'s job for this rank of `mesh`: the model (materialized on `mesh.device` and initialized, or on
-    the meta device for planning), its parallelisms applied, the optimizer with its state, the LR schedule and
-    the loss as the parallelisms run it.
+    """Build `cfg`'s job for this rank of `mesh`: the model (materialized on `mesh.device` and initialized, or
+    filled from `checkpoint.initial_load_path`, or on the meta device for planning), its parallelisms applied,
+    the optimizer with its state, the LR schedule and the loss as the parallelisms run it.
 
     Raises:
-        UserError: the tokenizer needs more ids than the model's vocabulary has, or the parallelisms refuse the model.
+        UserError: the tokenizer needs more ids than the model's vocabulary has, the parallelisms refuse the model,
+            or the pretrained weights do not fit it.
     """
     spec = get_model_spec(cfg.model.name)
-    model = build_model(cfg, mesh.device if materialize else None, vocab_needed=vocab_needed)
+    pretrained = initial_weights(cfg)
+    # Pretrained weights are read into the meta-built model after the parallelisms cut it: a rank reads only
+    # its own shards, and the full model never exists in host memory.
+    random_init = materialize and pretrained is None
+    model = build_model(cfg, mesh.device if random_init else None, vocab_needed=vocab_needed)
     model.train()
     # From here on, a sharded parameter is this rank's part of it (same names, smaller shapes).
     parallel = parallelize_model(model, mesh, cfg, spec.parallel_plan)
     _check_balancing_counts(model, mesh)
+    if materialize and pretrained is not None:
+        pretrained.load_into(model, parallel, mesh.device)
     optimizer = build_job_optimizer(cfg, model, mesh.device)
-    s = cfg.lr_scheduler
-    scheduler = build_lr_scheduler(
-        optimizer,
-        warmup_steps=s.warmup_steps,
-        total_steps=cfg.training.steps,
-        decay_type=s.decay_type,
-        min_lr_factor=s.min_lr_factor,
-    )
+    scheduler = build_job_scheduler(cfg, optimizer)
     loss_fn = parallel.wrap_loss(job_loss(cfg, mesh.device))
     return Job(cfg, mesh, spec, model, parallel, optimizer, scheduler, loss_fn)
 
@@ -324,8 +422,10 @@ __all__ = [
     "build_data",
     "build_job",
     "build_job_optimizer",
+    "build_job_scheduler",
     "build_model",
     "cli_trace_errors",
+    "initial_weights",
     "job_loss",
     "optimizer_in_graph",
 ]

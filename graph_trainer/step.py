@@ -58,3 +58,15 @@ class TrainStep(Protocol):
     def report(self) -> StepReport:
         """What the trainer logs about the steps run so far."""
         ...
+
+
+class EvalStep(Protocol):
+    """The loss on a batch without gradients (forward and loss only), and a report of what it cost."""
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """The loss on `batch` (a 0-d tensor); nothing of the model or optimizer is written."""
+        ...
+
+    def report(self) -> StepReport:
+        """What the trainer logs about the evaluations run so far (trace count, estimated peak)."""
+        ...

@@ -37,6 +37,7 @@ from graph_trainer.plan.preflight import preflight
 from graph_trainer.runtime.device import compute_dtype, peak_flops, resolve_dtype, set_determinism
 from graph_trainer.runtime.fsutil import atomic_write_text
 from graph_trainer.runtime.interrupts import Interrupted, StopRequest
+from graph_trainer.validation import Validator
 
 logger = get_logger(__name__)
 
@@ -120,6 +121,14 @@ class Trainer:
             planned_graph=plan.step_graph,
         )
         self.memory = MemoryMonitor(self.device, track=cfg.metrics.track_memory)
+        self.validator = None
+        if data.validation is not None:
+            step = job.build_eval_step(failure_dir=self.dump_folder / "graphs")
+            v = cfg.validation
+            self.validator = Validator(
+                data.validation, step, self.mesh, self.memory, model=self.model, optimizer=self.optimizer,
+                steps=v.steps, freq=v.freq,
+            )  # fmt: skip
         c = cfg.checkpoint
         self.checkpointer = build_checkpointer(
             self.run_folder.checkpoint_folder,
@@ -184,6 +193,8 @@ class Trainer:
         restore_rng_state(state["rng"], self.device)
         self.step = int(state["step"])
         logger.info(f"resumed from {self.checkpointer.path(latest)} at step {self.step}")
+        if self.cfg.checkpoint.initial_load_path:
+            logger.info(f"checkpoint.initial_load_path {self.cfg.checkpoint.initial_load_path} not read: a resume wins")
 
     def _compare_config(self, state: dict[str, Any], path: Path) -> None:
         """Log each honoured change of options against the checkpoint's config; UserError for a refused one."""
@@ -291,6 +302,8 @@ class Trainer:
                 losses.append(record["loss"])
                 records.append(record)
                 metrics.log_step(self.step, record)
+                if self.validator is not None and self.validator.due(self.step, cfg.training.steps):
+                    metrics.log_validation(self.step, self.validator.run())
                 signum = stop.agreed(group, self.device)  # every rank stops after the same step
                 save = cfg.checkpoint.enable and (
                     signum is not None or self.step == cfg.training.steps or self.step % cfg.checkpoint.interval == 0
@@ -303,8 +316,10 @@ class Trainer:
                 except TrainingDiverged as e:
                     metrics.set_final({"status": "diverged", "final_step": self.step, "reason": str(e)})
                     raise TrainingDiverged(self._diverged_message(str(e))) from None
+                # Every rank builds the state: a data position may gather every rank's (data.hf_datasets).
+                state = self._state() if save else None
                 if save and self.checkpointer.enable:
-                    self.checkpointer.save(self.step, self._state())
+                    self.checkpointer.save(self.step, state)
                     self._adopt_new_files()
                 elif len(losses) == 1:
                     self._adopt_new_files()  # the first step opened TensorBoard and dumped the graphs

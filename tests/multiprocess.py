@@ -98,12 +98,11 @@ def train_fully_shard(cfg: Any, rank: int, world: int, mp_policy: Any = None) ->
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from graph_trainer.builder import build_model
+    from graph_trainer.builder import build_job_scheduler, build_model
     from graph_trainer.data.loader import build_dataloader
     from graph_trainer.data.tokenizer import build_tokenizer
     from graph_trainer.loss import lm_loss
     from graph_trainer.optimizer.adamw import build_optimizer
-    from graph_trainer.optimizer.lr_schedule import build_lr_scheduler
 
     torch.use_deterministic_algorithms(True)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -113,17 +112,11 @@ def train_fully_shard(cfg: Any, rank: int, world: int, mp_policy: Any = None) ->
     for layer in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    o, s = cfg.optimizer, cfg.lr_scheduler
+    o = cfg.optimizer
     optimizer = build_optimizer(
         model, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
     )
-    scheduler = build_lr_scheduler(
-        optimizer,
-        warmup_steps=s.warmup_steps,
-        total_steps=cfg.training.steps,
-        decay_type=s.decay_type,
-        min_lr_factor=s.min_lr_factor,
-    )
+    scheduler = build_job_scheduler(cfg, optimizer)
     data = iter(
         build_dataloader(
             cfg.data.source,

@@ -1,4 +1,4 @@
-"""The README's "Bring your own model" example: shown verbatim, runs, and is bitwise equal to eager."""
+"""docs/tracer_api.md's "Bring your own model" example: shown verbatim, runs, and is bitwise equal to eager."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from graph_trainer.eager.step import EagerStep
@@ -26,11 +27,12 @@ def _example():
     return module
 
 
-def test_readme_shows_the_example_verbatim():
-    readme = (REPO / "README.md").read_text()
-    assert f"```python\n{EXAMPLE.read_text()}```\n" in readme
+def test_tracer_api_page_shows_the_example_verbatim():
+    page = (REPO / "docs" / "tracer_api.md").read_text()
+    assert f"```python\n{EXAMPLE.read_text()}```\n" in page
 
 
+@pytest.mark.integration  # the example in a subprocess (the docs' command, verbatim)
 def test_example_runs_as_a_script_and_traces_once():
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run(

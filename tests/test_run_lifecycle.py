@@ -1,7 +1,7 @@
 """A run's life after its start: divergence, resume with changed options, resuming a finished run, signals.
 
 Issue 8, defects 3 to 6. Each test drives `python -m graph_trainer` in a subprocess
-(the helpers of `tests.test_run_folder`) and asserts the exit code, the one-line
+(the helpers of `tests.checkpoint.test_run_folder`) and asserts the exit code, the one-line
 message and the files left behind.
 """
 
@@ -18,7 +18,10 @@ import pytest
 import torch
 
 from graph_trainer.distributed.launch import trainer_command
-from tests.test_run_folder import REPO, TINY, cli, one_line_error
+from tests.checkpoint.test_run_folder import REPO, TINY, cli, one_line_error
+
+# Every test here drives whole runs of `python -m graph_trainer` (resume, signals): over a few seconds each.
+pytestmark = pytest.mark.integration
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1"]
 # Bitwise-reproducible and independent of training.steps (no decay horizon), so an interrupted run
@@ -220,7 +223,6 @@ def _worker_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.integration  # a torchrun launch of two ranks
 @pytest.mark.parametrize("parallelism,suffix", [("dp_replicate", ".pt"), ("dp_shard", ".dcp")])
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves(tmp_path, parallelism, suffix):
     """Ranks agree on the stop (an all-reduced flag): a signal to one rank must neither hang the other

@@ -34,6 +34,7 @@ def run(tmp: Path, *overrides: str, steps: int = 5):
     return Trainer(cfg).train()
 
 
+@pytest.mark.integration  # whole trainer runs, over a few seconds
 def test_eager_twenty_steps_on_embedded_corpus_loss_falls(tmp_path):
     result = run(
         tmp_path, "--compile.mode", "eager", "--training.local_batch_size", "4", "--optimizer.lr", "3e-3", steps=20
@@ -51,6 +52,7 @@ def test_eager_twenty_steps_on_embedded_corpus_loss_falls(tmp_path):
     [["--compile.mode", "trace"], ["--compile.mode", "trace", "--compile.trace_optimizer", "true"]],
     ids=["trace", "trace+optimizer"],
 )
+@pytest.mark.integration  # whole trainer runs, over a few seconds
 def test_five_steps_traced_equal_eager_bitwise(tmp_path, mode):
     eager = run(tmp_path / "eager", "--compile.mode", "eager")
     traced = run(tmp_path / "traced", *mode)
@@ -77,6 +79,7 @@ def test_a_run_traces_once_when_the_preflight_trace_fits(tmp_path, monkeypatch, 
     assert reused == (traces == 1)
 
 
+@pytest.mark.integration  # whole trainer runs, over a few seconds
 def test_resume_continues_bitwise(tmp_path):
     straight = run(tmp_path / "straight", steps=6)
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "3"]
@@ -108,6 +111,7 @@ def test_non_empty_dump_folder_is_not_overwritten(tmp_path):
     assert len(json.loads((tmp_path / "summary.json").read_text())["steps"]) == 2
 
 
+@pytest.mark.integration  # whole trainer runs, over a few seconds
 def test_divergence_saves_no_bad_checkpoint_and_the_last_good_one_resumes_finite(tmp_path):
     """Issue 8.3: the "last good" checkpoint after lr 1e10 held weights of ~4e9 and gave NaN on any resume."""
     ckpt = [
@@ -146,6 +150,7 @@ def test_tokenizer_larger_than_model_vocab_is_a_user_error(tmp_path):
         run(tmp_path, "--model.vocab_size", "100", steps=1)
 
 
+@pytest.mark.integration  # whole trainer runs, over a few seconds
 def test_cli_end_to_end_from_another_directory(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
@@ -189,6 +194,7 @@ def test_dump_graphs_writes_code_summary_and_saved_tensors(tmp_path):
     assert "saved activations:" in saved and "per layer:" in saved and "layers.0" in saved
 
 
+@pytest.mark.integration  # whole trainer runs, over a few seconds
 def test_bf16_autocast_traced_equal_eager(tmp_path):
     bf16 = ["--training.dtype", "bfloat16"]
     eager = run(tmp_path / "eager", *bf16, "--compile.mode", "eager", steps=3)

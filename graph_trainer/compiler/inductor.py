@@ -24,7 +24,7 @@ first post-grad pass, `PinToGraphOrder`) keeps a value at its place when
 inlining it into a consumer past a matmul would cost memory, and
 `KeepRematChoices` and `INDUCTOR_OPTIONS` turn off the fusions and reorderings
 that measurably undid the plan (horizontal fusion, locality and peak-memory
-reordering). `tests/test_compiled.py` checks the measured peak against the
+reordering). `tests/compiler/test_compiled.py` checks the measured peak against the
 uncompiled graph's for every activation-checkpointing mode.
 
 Two ways to compile (`compile.regional`): the whole step as one graph

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from graph_trainer.data.hf_datasets import SOURCE as HF_SOURCE
+from graph_trainer.data.hf_datasets import Gather, SequentialPackedLoader, build_hf_loader
 from graph_trainer.data.tokenizer import Tokenizer
 from graph_trainer.errors import ConfigError, UserError, closest_match
 from graph_trainer.observability.log import get_logger
@@ -133,7 +135,15 @@ DOCUMENT_SOURCES: dict[str, Callable[[str], Iterator[str]]] = {
     "text": text_documents,
     "jsonl": jsonl_documents,
 }
-SOURCES = tuple(sorted([*DOCUMENT_SOURCES, "synthetic"]))
+# The in-memory sources, then the one read with Hugging Face datasets (graph_trainer.data.hf_datasets).
+SOURCES = (*sorted([*DOCUMENT_SOURCES, "synthetic"]), HF_SOURCE)
+
+
+def holdout_documents(documents: Iterator[str], every: int, held_out: bool) -> Iterator[str]:
+    """Documents i with i % every == every - 1 (`held_out`), or all the others: the validation split rule."""
+    for i, doc in enumerate(documents):
+        if (i % every == every - 1) == held_out:
+            yield doc
 
 
 # ---------------------------------------------------------------- packing
@@ -253,6 +263,10 @@ class PackedBatchLoader:
             )
         self.epoch, self.batch_index = epoch, batch_index
 
+    def rewind(self) -> None:
+        """Back to the first batch of epoch 0 (validation reads the same batches every time)."""
+        self.epoch, self.batch_index = 0, 0
+
 
 def build_dataloader(
     source: str,
@@ -264,25 +278,48 @@ def build_dataloader(
     seed: int,
     rank: int = 0,
     world_size: int = 1,
-) -> PackedBatchLoader:
+    text_column: str = "text",
+    streaming: bool = False,
+    gather: Gather | None = None,
+    holdout: tuple[int, bool] | None = None,
+    option: str = "data.path",
+) -> PackedBatchLoader | SequentialPackedLoader:
     """Read `source` (see `SOURCES`), tokenize and pack it, and return this rank's loader.
 
     `path` is ignored by "embedded" and "synthetic"; "synthetic" draws ids below
-    `tokenizer.vocab_size` from `seed`.
+    `tokenizer.vocab_size` from `seed`. "hf_datasets" reads `text_column` of the dataset at `path`, streamed
+    when `streaming`, and gathers the ranks' positions with `gather` (see `graph_trainer.data.hf_datasets`).
+    `holdout` = (every, held_out) keeps only the held-out documents (True) or only the others (False) of the
+    validation split rule (`holdout_documents`); `option` names `path` in messages.
     """
     if batch_size < 1:
         raise ConfigError(f"training.local_batch_size must be >= 1, got {batch_size}")
     if seq_len < 1:
         raise ConfigError(f"training.seq_len must be >= 1, got {seq_len}")
+    if source == HF_SOURCE:
+        return build_hf_loader(
+            path,
+            tokenizer,
+            text_column=text_column,
+            streaming=streaming,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            data_rank=rank,
+            data_size=world_size,
+            gather=gather,
+            holdout=holdout,
+            option=option,
+        )
     if source == "synthetic":
         num_windows = batch_size * world_size * SYNTHETIC_BATCHES_PER_RANK
         stream = synthetic_stream(tokenizer.vocab_size, num_windows * (seq_len + 1), seed)
     elif source in DOCUMENT_SOURCES:
-        stream = tokenize_documents(DOCUMENT_SOURCES[source](path), tokenizer)
+        documents = DOCUMENT_SOURCES[source](path)
+        if holdout is not None:
+            documents = holdout_documents(documents, *holdout)
+        stream = tokenize_documents(documents, tokenizer)
         if stream.numel() == 0:
-            raise UserError(
-                f"data.path '{path}' has no text to train on (0 tokens); point data.path at non-empty files"
-            )
+            raise UserError(f"{option} '{path}' has no text to train on (0 tokens); point {option} at non-empty files")
     else:
         close = closest_match(source, list(SOURCES))
         hint = f' (did you mean "{close}"?)' if close else ""
@@ -290,12 +327,15 @@ def build_dataloader(
 
     needed = batch_size * world_size * (seq_len + 1)
     if stream.numel() < needed:
-        where = "the embedded corpus" if source == "embedded" else f"data.path '{path}'"
+        where = "the embedded corpus" if source == "embedded" else f"{option} '{path}'"
+        held_out_fix = ", a smaller validation.holdout_every" if holdout is not None and holdout[1] else ""
+        if holdout is not None:
+            where += f" ({'held out' if holdout[1] else 'kept'} by the validation split)"
         ranks = f" on each of {world_size} ranks" if world_size > 1 else ""
         raise UserError(
             f"{where} has {stream.numel()} tokens but one batch needs {needed} "
             f"({batch_size} x (seq_len {seq_len} + 1){ranks}); use a smaller training.seq_len "
-            "or training.local_batch_size, or more data"
+            f"or training.local_batch_size{held_out_fix}, or more data"
         )
     windows = pack_windows(stream, seq_len)
     return PackedBatchLoader(windows, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size)

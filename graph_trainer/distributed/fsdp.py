@@ -296,6 +296,15 @@ class FSDP(Parallelism):
             local.detach()[:valid], self.device_mesh, [Shard(0)], run_check=False, shape=full_shape, stride=stride
         )
 
+    def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...] | None:
+        """This rank's row block of `name` (torch.chunk's, as `_shard` cut it), the padding rows left out."""
+        full_shape = self._full_shapes.get(name)
+        if full_shape is None:
+            return None
+        rows = local.shape[0]
+        start = min(self.group.rank * rows, full_shape[0])
+        return (slice(start, min(start + rows, full_shape[0])), *(slice(0, n) for n in full_shape[1:]))
+
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered whole (unpadded), by name: for comparisons and exports, not for training.
 

@@ -8,8 +8,8 @@ then answers the few questions the step, the clip, the divergence guard and the 
 - `grad_reduce` / `norm_reduce`: hooks traced into the step graph after the backward (replication averages
   the gradients; sharded gradients make the clip norm a sum over the ranks);
 - `check_traced`: refuse a traced step that the parallelism cannot run right;
-- `shard_sum`, `full_shapes`, `logical`, `full_state`: what the divergence guard, the checkpoint and
-  exports need of parameters that no rank holds whole.
+- `shard_sum`, `full_shapes`, `logical`, `full_state`, `local_slices`: what the divergence guard, the
+  checkpoint, exports and the loading of pretrained weights need of parameters that no rank holds whole.
 
 Every collective a parallelism puts in the graph is annotated with one tag (`node_meta.COLLECTIVE`: kind,
 role, unit, layer), so the passes count, size, keep or re-issue collectives without knowing who made them.
@@ -70,6 +70,12 @@ class Parallelism:
         """Every parameter this parallelism shards, gathered whole (a collective: every rank calls it)."""
         return {}
 
+    def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...] | None:
+        """Which part of the full parameter `name` this rank's `local` holds, one slice per dimension (padding
+        left out: `local` may hold more rows than the slice), or None when this parallelism does not split
+        `name`. Lets pretrained weights be read shard by shard."""
+        return None
+
 
 # Each parallelism's `apply(model, mesh, cfg, plan) -> Parallelism | None`, in the order they are applied.
 Apply = Callable[..., Parallelism | None]
@@ -119,6 +125,15 @@ class ParallelModel:
         for part in self.parts:
             local = part.logical(name, local)
         return local
+
+    def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...]:
+        """The part of the full parameter `name` that this rank's `local` holds (the whole of it when no
+        parallelism splits it; one parallelism splits a parameter today, so the first answer is the answer)."""
+        for part in self.parts:
+            found = part.local_slices(name, local)
+            if found is not None:
+                return found
+        return tuple(slice(0, n) for n in local.shape)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by name (sharded ones gathered): for comparisons and exports."""

@@ -93,12 +93,13 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"optimizer.betas must be a list of 2 floats, got {cfg.optimizer.betas!r}")
 
     data = cfg.data
-    if data.source in ("text", "jsonl") and not data.path:
+    file_sources = ("text", "jsonl", "hf_datasets")
+    if data.source in file_sources and not data.path:
         raise ConfigError(f"data.path is required for data.source = '{data.source}': set --data.path to the input file")
-    if data.source not in ("text", "jsonl") and data.path:
+    if data.source not in file_sources and data.path:
         raise ConfigError(
             f"data.path is set ({data.path!r}) but data.source = '{data.source}' does not "
-            f"read files: set --data.source text or jsonl, or clear data.path"
+            f"read files: set --data.source text, jsonl or hf_datasets, or clear data.path"
         )
     if not data.tokenizer:
         raise ConfigError("data.tokenizer must be 'byte' or a path to a tokenizer.json, got ''")
@@ -121,6 +122,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("checkpoint.folder must be a non-empty path, got ''")
     if cfg.checkpoint.resume and not cfg.checkpoint.enable:
         raise ConfigError("checkpoint.resume = true needs checkpoint.enable = true: add --checkpoint.enable")
+    if cfg.checkpoint.initial_load_path and not cfg.checkpoint.initial_load_in_hf:
+        raise ConfigError(
+            "checkpoint.initial_load_in_hf = false (initial weights in this trainer's own format) is not "
+            "supported: point checkpoint.initial_load_path at a Hugging Face folder, or continue a run of ours "
+            "with --checkpoint.resume"
+        )
     if not cfg.job.dump_folder:
         raise ConfigError("job.dump_folder must be a non-empty path, got ''")
     _check_mixed_precision(cfg)

@@ -8,6 +8,8 @@ On resume, `compare_on_resume` holds it against the current config, option by op
   (`training.local_batch_size`, `training.seq_len`, `training.seed`, `data.*`,
   `parallelism.dp_shard`), and the saved weights fit one architecture (`model.*`
   except the options listed as honoured below).
+- refused too: a change of the validation split (`validation.enable` with an empty
+  `validation.path` holds every `validation.holdout_every`-th document out of training).
 - honoured, and logged against the checkpoint's value: everything else, e.g.
   `optimizer.lr` and the other AdamW hyperparameters, the schedule, `training.steps`,
   clipping, dropout, AC and compile modes, logging and checkpoint options.
@@ -17,7 +19,8 @@ can be resumed on another number of ranks, but only with the same global batch
 (`dp_shard x local_batch_size`): then every step reads the very windows the saved run
 would have read (rank r of N takes the r-th slice of each global batch), so the data
 position carries over exactly and only the summation order changes. A different
-global batch would be a different run from that step on, and is refused.
+global batch would be a different run from that step on, and is refused. So is any
+`dp_shard` change with `data.source = "hf_datasets"`, whose ranks each read their own slice.
 
 A checkpoint without a stored config (written before this existed) is resumed as
 before, with a warning that nothing could be compared.
@@ -44,6 +47,8 @@ REFUSED: dict[str, str] = {
     "data.source": _DATA,
     "data.path": _DATA,
     "data.tokenizer": _DATA,
+    "data.text_column": _DATA,
+    "data.streaming": _DATA,  # a stream is cut into the ranks' slices another way than a loaded dataset
     "parallelism.dp_shard": _DATA,
     **{
         f"model.{f.name}": _MODEL
@@ -52,7 +57,7 @@ REFUSED: dict[str, str] = {
     },
 }
 # Options that say how to start, not what to train: their change is expected and not logged.
-_NOT_COMPARED = ("checkpoint.resume", "job.overwrite")
+_NOT_COMPARED = ("checkpoint.resume", "job.overwrite", "checkpoint.initial_load_path", "checkpoint.initial_load_in_hf")
 
 
 def _absolute_path(value: str) -> str:
@@ -101,6 +106,34 @@ def _reshard_refusal(before: dict[str, Any], now: dict[str, Any], checkpoint: Pa
     )
 
 
+def _held_out_every(config: dict[str, Any]) -> int:
+    """Every how many documents training skips one for validation (0: none), from a flattened config."""
+    if config.get("validation.enable") and not config.get("validation.path"):
+        return config["validation.holdout_every"]
+    return 0
+
+
+def _holdout_words(every: int) -> str:
+    return f"every {every}th document held out for validation" if every else "no document held out"
+
+
+def _check_held_out(before: dict[str, Any], now: dict[str, Any], checkpoint: Path) -> None:
+    """UserError when the validation split would change which documents training reads."""
+    if "validation.enable" not in before or _held_out_every(before) == _held_out_every(now):
+        return
+    saved, asked = _held_out_every(before), _held_out_every(now)
+    fix = (
+        f"--validation.enable true --validation.path '' --validation.holdout_every {saved}"
+        if saved
+        else "--validation.path FILE (a separate held-out set) or --validation.enable false"
+    )
+    raise UserError(
+        f"cannot resume {checkpoint} with {_holdout_words(asked)} (checkpoint: {_holdout_words(saved)}): {_DATA}; "
+        f"resume with {fix}, "
+        "or start a new job.dump_folder"
+    )
+
+
 def compare_on_resume(
     saved: dict[str, dict[str, Any]], cfg: JobConfig, checkpoint: Path, *, reshardable: bool = False
 ) -> list[str]:
@@ -114,7 +147,9 @@ def compare_on_resume(
         before.pop("data.path", None)  # these sources read no file
         now.pop("data.path", None)
     changed = [k for k in now if k not in _NOT_COMPARED and k in before and before[k] != now[k]]
-    resharded = reshardable and "parallelism.dp_shard" in changed
+    _check_held_out(before, now, checkpoint)
+    # hf_datasets positions are per data-parallel rank (each reads its own slice): they cannot be resharded.
+    resharded = reshardable and "parallelism.dp_shard" in changed and before["data.source"] != "hf_datasets"
     if resharded and _global_batch(before) != _global_batch(now):
         raise _reshard_refusal(before, now, checkpoint)
     refused = [k for k in changed if k in REFUSED and not (resharded and k in _RESHARD)]

@@ -71,12 +71,12 @@ class TrainingConfig:
     steps: int = _opt(20, "number of optimizer steps", ge=0)
     local_batch_size: int = _opt(8, "sequences per step on each data-parallel rank", ge=1)
     seq_len: int = _opt(256, "tokens per sequence (at most the model's max_seq_len)", ge=1)
-    seed: int = _opt(0, "random seed for initialization and data")
+    seed: int = _opt(0, "random seed for initialization, data order and dropout")
     deterministic: bool = _opt(False, "use deterministic algorithms (bitwise reproducible runs)")
-    max_norm: float = _opt(1.0, "gradient clipping max norm; <= 0 disables clipping")
+    max_norm: float = _opt(1.0, "gradient clipping max norm; <= 0 disables clipping (the norm is still logged)")
     dtype: str = _opt(
         "auto",
-        "parameter/compute dtype; auto = float32 on CPU, bfloat16 on CUDA",
+        "compute dtype: bfloat16 = autocast over float32 weights; auto = float32 on CPU, bfloat16 on CUDA",
         choices=("auto", "float32", "bfloat16"),
     )
     device: str = _opt("auto", "device to train on; auto = cuda when available", choices=("auto", "cpu", "cuda"))
@@ -124,11 +124,30 @@ class LRSchedulerConfig:
 class DataConfig:
     source: str = _opt(
         "embedded",
-        "training text: embedded corpus, a text file, a jsonl file, or random tokens",
-        choices=("embedded", "text", "jsonl", "synthetic"),
+        "training text: embedded corpus, a text file, a jsonl file, random tokens, or parquet/json/arrow files "
+        "read with Hugging Face datasets",
+        choices=("embedded", "text", "jsonl", "synthetic", "hf_datasets"),
     )
-    path: str = _opt("", "input file (required for source text|jsonl)")
+    path: str = _opt("", "input file or folder (required for source text|jsonl|hf_datasets)")
     tokenizer: str = _opt("byte", "'byte' (256 bytes + BOS/EOS) or a path to a HF tokenizer.json")
+    text_column: str = _opt("text", "hf_datasets: the column that holds the text")
+    streaming: bool = _opt(False, "hf_datasets: stream the files (IterableDataset) instead of loading them")
+
+
+@dataclass
+class ValidationConfig:
+    enable: bool = _opt(False, "evaluate the loss on held-out data every validation.freq steps")
+    freq: int = _opt(10, "evaluate every N training steps, and after the last", ge=1)
+    steps: int = _opt(4, "batches per evaluation on each data-parallel rank", ge=1)
+    path: str = _opt(
+        "",
+        "held-out data, read as data.source reads data.path; empty: hold out every "
+        "validation.holdout_every-th document of the training data",
+        alias="dataset_path",
+    )
+    holdout_every: int = _opt(
+        8, "with no validation.path: document i is held out of training when i % N == N - 1", ge=2
+    )
 
 
 @dataclass
@@ -171,18 +190,26 @@ class CompileConfig:
 
 @dataclass
 class MetricsConfig:
-    log_freq: int = _opt(1, "log every N steps", ge=1)
+    log_freq: int = _opt(1, "console line every N steps (every step is recorded)", ge=1)
     enable_tensorboard: bool = _opt(True, "write TensorBoard events under the dump folder")
-    track_memory: bool = _opt(True, "measure and log peak memory")
+    track_memory: bool = _opt(True, "exact CPU live-tensor peak memory (CUDA allocator stats are always read)")
 
 
 @dataclass
 class CheckpointConfig:
     enable: bool = _opt(False, "save checkpoints")
-    interval: int = _opt(10, "save every N steps", ge=1)
+    interval: int = _opt(10, "save every N steps (and at the last step)", ge=1)
     folder: str = _opt("checkpoint", "checkpoint folder, relative to job.dump_folder")
     resume: bool = _opt(False, "resume from the latest checkpoint in the folder")
     keep_latest_k: int = _opt(2, "checkpoints to keep", ge=1)
+    initial_load_path: str = _opt(
+        "",
+        "start from these pretrained weights instead of random ones: a Hugging Face folder (config.json + "
+        "safetensors); a resumed checkpoint (checkpoint.resume) wins over it",
+    )
+    initial_load_in_hf: bool = _opt(
+        True, "initial_load_path is in Hugging Face format (the only format it reads; torchtitan's option)"
+    )
 
 
 @dataclass
@@ -222,6 +249,7 @@ class JobConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -25,9 +25,10 @@ def type_parts(tp: Any) -> tuple[Any, ...]:
     return (tp,)
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """A field type in words: int, float, bool, string, list of T."""
     if typing.get_origin(tp) is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
+        return f"list of {type_name(typing.get_args(tp)[0])}"
     return {int: "int", float: "float", bool: "bool", str: "string"}[tp]
 
 
@@ -58,7 +59,7 @@ def _coerce_scalar(value: Any, tp: type) -> Any:
 def coerce(key: str, value: Any, tp: Any) -> Any:
     """Check `value` against the annotation `tp`; return it normalized (int -> float for floats)."""
     parts = type_parts(tp)
-    expected = " or ".join(_type_name(p) for p in parts)
+    expected = " or ".join(type_name(p) for p in parts)
     for part in parts:
         if typing.get_origin(part) is list:
             if not isinstance(value, list):
@@ -69,7 +70,7 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
                 try:
                     out.append(_coerce_scalar(item, elem))
                 except TypeError:
-                    raise ConfigError(f"{key}[{i}] expects a {_type_name(elem)}, got {value_desc(item)}") from None
+                    raise ConfigError(f"{key}[{i}] expects a {type_name(elem)}, got {value_desc(item)}") from None
             return out
         try:
             return _coerce_scalar(value, part)

@@ -293,7 +293,7 @@ class MemoryMonitor:
 
     CUDA: allocator peaks (reset at each step's start). CPU with `track=True`:
     exact live-tensor bytes from `LiveTensorTracker` (active = reserved; it slows
-    the step down, see the README); with `track=False` only RSS is reported.
+    the step down, see docs/passes_and_memory.md); with `track=False` only RSS is reported.
     """
 
     def __init__(self, device: torch.device | str, track: bool = True) -> None:

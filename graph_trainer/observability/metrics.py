@@ -9,7 +9,7 @@ Outputs under `dump_folder`:
   names in `TB_TAGS` (dashboards rely on them), written every step.
 - `summary.json`: every step's record, exact (floats are written with Python's
   shortest round-trip repr, so a float32 loss read back is bitwise the same),
-  rewritten atomically at each logged step.
+  rewritten atomically at each logged step; each evaluation's record under `validation`.
 """
 
 from __future__ import annotations
@@ -61,6 +61,17 @@ TB_TAGS: Mapping[str, str] = MappingProxyType(
     }
 )
 RECORD_KEYS = frozenset(TB_TAGS)
+# Validation record key -> TensorBoard tag (torchtitan's validation_metrics/ names), also a public contract.
+# Keys not listed (e.g. `batch_losses`) go to summary.json only.
+VALIDATION_TB_TAGS: Mapping[str, str] = MappingProxyType(
+    {
+        "loss": "validation_metrics/loss",
+        "perplexity": "validation_metrics/perplexity",
+        "peak_active_bytes": "validation_memory/max_active(GiB)",
+        "estimated_peak_bytes": "validation_memory/estimated_peak(GiB)",
+        "time_s": "validation_metrics/time_s",
+    }
+)
 
 # JSON has no NaN/Infinity; strict parsers reject Python's extension, so
 # non-finite floats are stored as these strings (`float(s)` reads them back).
@@ -139,6 +150,22 @@ def format_step_line(
     return "  ".join(parts)
 
 
+def format_validation_line(step: int, record: Mapping[str, Any]) -> str:
+    """One console line for an evaluation: loss, perplexity, memory (measured, estimated) and time."""
+    parts = [f"validation after step {step}", f"loss {float(record['loss']):7.4f}"]
+    parts.append(f"perplexity {float(record['perplexity']):9.3f}")
+    active, estimated = record.get("peak_active_bytes"), record.get("estimated_peak_bytes")
+    if active is not None:
+        parts.append(
+            f"mem {float(active) / GIB:5.2f} GiB" + (f" (est {float(estimated) / GIB:.2f})" if estimated else "")
+        )
+    elif estimated is not None:
+        parts.append(f"mem est {float(estimated) / GIB:5.2f} GiB")
+    if "time_s" in record:
+        parts.append(f"{float(record['time_s']):.2f}s")
+    return "  ".join(parts)
+
+
 class MetricsLogger:
     """Owns the console output, the TensorBoard writer and `summary.json` of one run.
 
@@ -168,6 +195,7 @@ class MetricsLogger:
         self.enable_tensorboard = enable_tensorboard and self.enabled
         self._config_toml = config_toml
         self._steps: list[dict[str, Any]] = []
+        self._validation: list[dict[str, Any]] = []
         self._final: dict[str, Any] = {}
         self._step_times: list[float] = []  # this run only, for the ETA
         self._started = False
@@ -186,7 +214,8 @@ class MetricsLogger:
                 ) from None
             self._writer_cls = SummaryWriter
         self.dump_folder.mkdir(parents=True, exist_ok=True)
-        self._steps = self._read_previous_steps()
+        self._steps = self._read_previous("steps")
+        self._validation = self._read_previous("validation")
 
     @property
     def summary_path(self) -> Path:
@@ -198,19 +227,21 @@ class MetricsLogger:
         """Where the TensorBoard event files are written."""
         return self.dump_folder / TB_SUBDIR
 
-    def _read_previous_steps(self) -> list[dict[str, Any]]:
+    def _read_previous(self, key: str) -> list[dict[str, Any]]:
+        """The records under `key` ("steps", "validation") of an existing summary.json of this schema."""
         try:
             previous = json.loads(self.summary_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return []
         if not isinstance(previous, dict) or previous.get("schema_version") != SCHEMA_VERSION:
             return []
-        return [s for s in previous.get("steps", []) if isinstance(s, dict) and isinstance(s.get("step"), int)]
+        return [s for s in previous.get(key, []) if isinstance(s, dict) and isinstance(s.get("step"), int)]
 
     def _start(self, first_step: int) -> None:
         """On the first logged step: drop stale steps and open the writer, both from `first_step` on."""
         self._started = True
         self._steps = [s for s in self._steps if s["step"] < first_step]
+        self._validation = [s for s in self._validation if s["step"] < first_step]
         if self._writer_cls is not None:
             # purge_step hides events >= first_step left by an earlier run in tb/.
             self._writer = self._writer_cls(log_dir=str(self.tb_folder), purge_step=first_step)
@@ -242,6 +273,25 @@ class MetricsLogger:
                 self._writer.flush()
             self._write_summary()
 
+    def log_validation(self, step: int, record: Mapping[str, Any]) -> None:
+        """Record one evaluation after training step `step`: console, TensorBoard and summary.json, at once."""
+        if not self.enabled:
+            return
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log_validation called after close()")
+        if not self._started:
+            self._start(step)
+        values = {k: _jsonable(v) for k, v in record.items() if v is not None}
+        self._validation.append({"step": step, **values})
+        if self._writer is not None:
+            for key, tag in VALIDATION_TB_TAGS.items():
+                if record.get(key) is not None:
+                    value = _plain_number(key, record[key])
+                    self._writer.add_scalar(tag, value / GIB if key.endswith("_bytes") else value, global_step=step)
+            self._writer.flush()
+        print(format_validation_line(step, values), flush=True)
+        self._write_summary()
+
     def _mean_step_time(self) -> float | None:
         # The first step of a run includes tracing, so it would inflate the ETA.
         times = self._step_times[1:] or self._step_times
@@ -259,6 +309,7 @@ class MetricsLogger:
             "schema_version": SCHEMA_VERSION,
             "config": self._config_toml,
             "steps": self._steps,
+            "validation": self._validation,
             "final": self._final,
         }
         atomic_write_text(self.summary_path, json.dumps(_jsonable(summary), indent=1, allow_nan=False) + "\n")

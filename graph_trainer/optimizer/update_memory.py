@@ -44,7 +44,7 @@ def eager_step_scratch_bytes(optimizer: torch.optim.AdamW, device: torch.device 
       max_b(size(bucket_{b-1}) + size(bucket_b)); with one bucket, the size of all parameters.
     - fused: every op is in place: 0.
 
-    Measured against `LiveTensorTracker` on CPU for all three (tests/test_optimizer.py);
+    Measured against `LiveTensorTracker` on CPU for all three (tests/optimizer/test_optimizer.py);
     the CUDA kernels allocate the same tensors. `device` (default: the parameters')
     decides how each temporary is rounded by the allocator (`allocated_bytes`).
 

@@ -204,15 +204,21 @@ def tag_activation_checkpoint(
 
     In `full` mode, saving or recomputing the (non-random) attention outputs is
     decided on the graph: whichever gives the lower estimated peak after remat
-    (saving on a tie, as it costs no FLOPs). Shallow models peak lower with them
-    saved, deep ones with them recomputed. In place; returns `gm`. Preserves
+    (saving on a tie, as it costs no FLOPs), unless `recompute_list` pins them. Shallow models peak lower
+    with them saved, deep ones with them recomputed. In place; returns `gm`. Preserves
     numerics bitwise (metadata only).
     """
     structure = analyze(gm)
     save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
     decisions = finalize(structure, apply_overrides(structure, policy_for(ac)(structure), save, recompute))
     if ac.mode == "full":
-        attention = [n for n in structure.layer_nodes if is_attention(n.target) and decisions[n] == RECOMPUTE]
+        # An attention op the user pinned (save_list / recompute_list) keeps its pin: the planner pins each
+        # choice to plan it at any depth (graph_trainer.plan.block_plan).
+        attention = [
+            n
+            for n in structure.layer_nodes
+            if is_attention(n.target) and decisions[n] == RECOMPUTE and not any(p.matches(n) for p in recompute)
+        ]
         if attention:
             saved = finalize(structure, {**decisions, **{n: SAVE for n in attention}})
             peaks = []

@@ -12,7 +12,7 @@ tracer's `phase`. Reads `parallelism.fsdp_reshard_after_forward`. Writes torch's
 - keep: `MUST_SAVE`, so the backward reads the forward's full parameters.
 The gather nodes carry no layer id, so activation checkpointing never tags
 them, and `remat` acts on tags without re-deciding them: the collective counts
-of the final graph follow this pass (tests/test_fsdp.py counts them).
+of the final graph follow this pass (tests/distributed/test_fsdp.py counts them).
 
 Policies (`parallelism.fsdp_reshard_after_forward`, torchtitan's names):
 `default` re-gathers the layers and keeps the root unit (embeddings, final

@@ -98,6 +98,26 @@ def traffic_kind(node: torch.fx.Node) -> str | None:
     return next((kind for kind, ops in TRAFFIC_KINDS.items() if p in ops), None)
 
 
+def collective_bytes(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Bytes each kind of collective moves per step on this rank, summed over the graph's collective nodes.
+
+    A collective counts the size of its full (unreduced, ungathered) buffer: an all-gather its output, a
+    reduce-scatter, all-reduce or all-to-all its input. That is the buffer a ring algorithm's cost is
+    proportional to ((n - 1) / n of it crosses each rank's link for all-gather and reduce-scatter).
+    """
+    out: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        kind = traffic_kind(node)
+        if kind is None:
+            continue
+        if kind == "all_gather":
+            buffers = tensors(node.meta.get("val"))
+        else:
+            buffers = [t for a in node.all_input_nodes[:1] for t in tensors(a.meta.get("val"))]
+        out[kind] = out.get(kind, 0) + sum(int(t.numel()) * t.element_size() for t in buffers)
+    return out
+
+
 def tensors(val: Any) -> list[torch.Tensor]:
     """Tensors inside a node value (a tensor, a tuple/list of them, or nothing)."""
     return [t for t in tree_iter(val) if isinstance(t, torch.Tensor)]

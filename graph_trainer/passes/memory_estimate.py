@@ -126,7 +126,8 @@ def _int(x: Any) -> int:
     return int(x)
 
 
-def _op_name(node: torch.fx.Node) -> str:
+def op_name(node: torch.fx.Node) -> str:
+    """The op's name as a plan reports it (`mm.default`; a method or module target as written)."""
     return str(node.target) if node.op != "call_function" else getattr(node.target, "__name__", str(node.target))
 
 
@@ -261,7 +262,7 @@ def estimate_peak_memory(gm: torch.fx.GraphModule, *, input_categories: list[str
     return MemoryEstimate(
         peak_bytes=timeline[peak_idx],
         peak_node=peak_node.name,
-        peak_op=_op_name(peak_node),
+        peak_op=op_name(peak_node),
         peak_module_fqn=node_meta.module_fqn(peak_node),
         peak_bytes_by_category=dict(by_cat),
         final_bytes_by_category=dict(final_by_cat),
@@ -269,6 +270,22 @@ def estimate_peak_memory(gm: torch.fx.GraphModule, *, input_categories: list[str
         saved_bytes=sum(st.nbytes for st in saved),
         timeline=tuple(timeline),
     )
+
+
+def live_by_category(
+    gm: torch.fx.GraphModule, index: int, *, input_categories: list[str] | None = None
+) -> dict[str, int]:
+    """Bytes live at the `index`-th node of `gm` (graph order), by category, as `estimate_peak_memory` counts
+    them at its peak node (the depth-free planner reads them at a node that is not the short graph's peak)."""
+    nodes, storages = _analyze(gm, input_categories)
+    by_cat: dict[str, int] = defaultdict(int)
+    workspace = _workspace_bytes(gm)
+    if workspace:
+        by_cat[WORKSPACE] = workspace
+    for st in storages:
+        if st.born <= index <= st.dies:
+            by_cat[st.category] += st.nbytes
+    return dict(by_cat)
 
 
 def _saved(nodes: list[torch.fx.Node], storages: list[_Storage]) -> list[_Storage]:
@@ -291,7 +308,7 @@ def saved_tensors(gm: torch.fx.GraphModule) -> list[SavedTensor]:
         out.append(
             SavedTensor(
                 node=n.name,
-                op=_op_name(n),
+                op=op_name(n),
                 module_fqn=node_meta.module_fqn(n),
                 shape=tuple(_int(s) for s in t.shape),
                 dtype=t.dtype,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -9,10 +10,12 @@ import torch
 from graph_trainer.builder import adamw_implementation_for, build_job, optimizer_in_graph
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import to_gib
+from graph_trainer.plan.block_plan import SHORT, plan_modes
 from graph_trainer.plan.preflight import available_bytes
-from graph_trainer.plan.step_plan import AC_MODES, plan_step, with_ac_mode
+from graph_trainer.plan.step_plan import AC_MODES, StepPlan
 from graph_trainer.runtime.device import compute_dtype, resolve_device
 
 
@@ -25,7 +28,10 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
     device = device or resolve_device(cfg.training.device)
     dims = ParallelDims.from_config(cfg.parallelism)
     with planning_mesh(dims, device) as mesh:
-        job = build_job(cfg, mesh, materialize=False)
+        depth = resolve_model_args(cfg).n_layers
+        short = copy.deepcopy(cfg)  # only for the header: what the parallelisms are (no deep model is built)
+        short.model.n_layers = min(depth, SHORT[0])
+        job = build_job(short, mesh, materialize=False)
         update = "in the graph" if optimizer_in_graph(cfg) else "eager, " + adamw_implementation_for(cfg, device)
         t = cfg.training
         dtype = str(compute_dtype(t.dtype, device, t.mixed_precision_param)).removeprefix("torch.")
@@ -38,15 +44,23 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
         print_fn(
             f"{'ac mode':10} {'peak GiB':>9} {'saved GiB':>10} {'params':>15} {'TFLOP/step':>11} {'plan s':>7}  peak at"
         )
-        for mode in AC_MODES:
-            try:
-                plan = plan_step(job.with_config(with_ac_mode(cfg, mode)))
-            except UserError as e:
-                print_fn(f"{mode:10} not plannable: {e}")
+        plans = plan_modes(cfg, mesh, AC_MODES)
+        for mode, plan in plans.items():
+            if isinstance(plan, UserError):
+                print_fn(f"{mode:10} not plannable: {plan}")
                 continue
+            where = "approximate (see docs/planner.md)" if plan.approximate else plan.peak_where
             print_fn(
                 f"{mode:10} {to_gib(plan.peak_bytes):9.2f} {to_gib(plan.saved_bytes):10.2f} "
-                f"{plan.num_params:15,} {plan.flops / 1e12:11.2f} {plan.trace_time_s:7.1f}  {plan.peak_where}"
+                f"{plan.num_params:15,} {plan.flops / 1e12:11.2f} {plan.trace_time_s:7.1f}  {where}"
+            )
+        traced = max((p.blocks_traced for p in plans.values() if isinstance(p, StepPlan)), default=0)
+        if traced == depth:
+            print_fn(f"blocks traced: all {depth}, once for all modes")
+        else:
+            short = " + ".join(map(str, SHORT))
+            print_fn(
+                f"blocks traced: {short} for a model of {depth}, once for all modes; extended exactly (docs/planner.md)"
             )
     print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")
 

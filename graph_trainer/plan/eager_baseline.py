@@ -41,7 +41,7 @@ def eager_step_peak(cfg: JobConfig, device: torch.device) -> EagerStepPeak:
     """Run cfg's eager step (`compile.mode eager`, with its torch.utils.checkpoint policy) on fake tensors.
 
     The live-tensor tracker counts the fake tensors as the memory they stand for, so this is the eager step's
-    exact CPU peak (checked against a real run in tests/test_planner.py) at the cost of a trace, with nothing
+    exact CPU peak (checked against a real run in tests/plan/test_planner.py) at the cost of a trace, with nothing
     allocated. The AdamW update is left out (torch's update cannot run on fake tensors); its state and scratch
     are the same in both modes. It is one process's step: `parallelism` is not modelled.
     """

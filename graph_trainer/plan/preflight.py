@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from graph_trainer.builder import Job, build_job
+from graph_trainer.builder import build_job
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import KIB, to_gib
-from graph_trainer.plan.step_plan import StepPlan, plan_step, with_ac_mode
+from graph_trainer.plan.block_plan import SHORT, plan_modes
+from graph_trainer.plan.step_plan import StepPlan, plan_step
 
 
 def available_bytes(device: torch.device) -> int:
@@ -30,16 +32,20 @@ def preflight(cfg: JobConfig, mesh: Mesh) -> StepPlan:
     The message gives predicted vs available, the biggest contributors at the peak, and what would fit: a
     smaller batch (activations scale with it) or another activation-checkpointing mode.
     """
-    job = build_job(cfg, mesh, materialize=False)
-    plan = plan_step(job, log_passes=True)
+    if resolve_model_args(cfg).n_layers > SHORT[-1]:  # deep: the depth-free plan (its graph is not kept)
+        plan = plan_modes(cfg, mesh, [cfg.activation_checkpoint.mode], log_passes=True)[cfg.activation_checkpoint.mode]
+        if isinstance(plan, UserError):
+            raise plan
+    else:  # shallow: the whole trace, which the first step reuses
+        plan = plan_step(build_job(cfg, mesh, materialize=False), log_passes=True)
     available = available_bytes(mesh.device)
     if plan.peak_bytes <= available:
         return plan
-    raise UserError(_does_not_fit(job, plan, available))
+    raise UserError(_does_not_fit(cfg, mesh, plan, available))
 
 
-def _does_not_fit(job: Job, plan: StepPlan, available: int) -> str:
-    cfg, device = job.cfg, job.device
+def _does_not_fit(cfg: JobConfig, mesh: Mesh, plan: StepPlan, available: int) -> str:
+    device = mesh.device
     parts = ", ".join(
         f"{cat} {to_gib(n):.2f}" for cat, n in sorted(plan.peak_by_category.items(), key=lambda kv: -kv[1])[:4]
     )
@@ -51,15 +57,15 @@ def _does_not_fit(job: Job, plan: StepPlan, available: int) -> str:
             batch = int(cfg.training.local_batch_size * (available - fixed) / activations)
             if batch >= 1:
                 hints.append(f"--training.local_batch_size {batch}")
-        for mode in ("full", "budget"):
-            if mode == cfg.activation_checkpoint.mode:
-                continue
-            try:
-                other = plan_step(job.with_config(with_ac_mode(cfg, mode)))
-            except UserError:  # e.g. the default budget is infeasible for this shape
+        others = [m for m in ("full", "budget") if m != cfg.activation_checkpoint.mode]
+        for mode, other in plan_modes(cfg, mesh, others).items():
+            if isinstance(other, UserError):  # e.g. the default budget is infeasible for this shape
                 continue
             if other.peak_bytes <= available:
-                hints.append(f"--activation_checkpoint.mode {mode} (predicted {to_gib(other.peak_bytes):.2f} GiB)")
+                about = ", approximate" if other.approximate else ""
+                hints.append(
+                    f"--activation_checkpoint.mode {mode} (predicted {to_gib(other.peak_bytes):.2f} GiB{about})"
+                )
     if hints:
         fix = "; would fit: " + " or ".join(hints)
     else:

@@ -14,18 +14,23 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import re
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.fx
 
 from graph_trainer.builder import Job, adamw_implementation_for, build_job, optimizer_in_graph
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import quiet
 from graph_trainer.optimizer.update_memory import EagerUpdate, whole_step_peak
-from graph_trainer.passes.graph_utils import node_flops
+from graph_trainer.passes.graph_utils import collective_bytes, node_flops
+from graph_trainer.passes.memory_estimate import MemoryEstimate, op_name
 from graph_trainer.runtime.device import resolve_device
+from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.executor import Transformed
 
 AC_MODES = ("none", "selective", "full", "budget")
@@ -46,6 +51,11 @@ class StepPlan:
     optimizer: str = "in graph"  # where the AdamW update runs: "in graph" or its eager implementation
     # The planned step's final graph (`graph_trainer.tracer.Transformed`), for the trainer's first step to reuse.
     step_graph: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # Where the peak is: (layer, module FQN, op), the same for a full trace and a plan extended from short ones.
+    peak_location: tuple[int | None, str, str] = (None, "", "")
+    comm_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # per collective kind, per step, this rank
+    blocks_traced: int = 0  # transformer blocks the plan traced (a full trace: all of them)
+    approximate: bool = False  # True where a depth-free plan cannot promise the full trace's numbers (budget)
 
 
 def with_ac_mode(cfg: JobConfig, mode: str) -> JobConfig:
@@ -55,47 +65,156 @@ def with_ac_mode(cfg: JobConfig, mode: str) -> JobConfig:
     return other
 
 
-def _meta_batch(cfg: JobConfig) -> dict[str, torch.Tensor]:
-    b, s = cfg.training.local_batch_size, cfg.training.seq_len
-    return {name: torch.empty(b, s, dtype=torch.long, device="meta") for name in ("input", "labels")}
-
-
 def plan_step(job: Job, *, log_passes: bool = False) -> StepPlan:
     """Trace `job`'s step (its model on the meta device) for its device with its AC mode, apply the pipeline,
     and read the estimate. `log_passes`: log the pipeline's pass timings (the preflight of the step that runs).
     """
-    cfg, device = job.cfg, job.device
-    in_graph = optimizer_in_graph(cfg)
     step = job.graph_step(compile_stage=False)  # also validates the passes before the (long) trace
     start = time.perf_counter()
     with contextlib.nullcontext() if log_passes else quiet():  # other modes' plans would only add noise
-        step.ensure_traced(_meta_batch(cfg))
+        step.ensure_traced(meta_batch(job.cfg))
     elapsed = time.perf_counter() - start
-    traced, est = step.traced, step.memory_estimate
-    # The trace is of a batch on the meta device; the step's batches live on `device`.
-    traced.signature = tuple((path, shape, dtype, device.type) for path, shape, dtype, _ in traced.signature)
-    if cfg.compile.backend == "inductor":  # the compiled step's bound (compiler.inductor.InductorStage)
-        from graph_trainer.compiler.inductor import functional_gather_bytes
+    return plan_of(job, Transformed(step.traced, step.memory_estimate), elapsed, blocks_traced=job.model.args.n_layers)
 
-        est = dataclasses.replace(est, peak_bytes=est.peak_bytes + functional_gather_bytes(traced.gm))
-    implementation = adamw_implementation_for(cfg, device)
-    update = None if in_graph else EagerUpdate.of(job.optimizer, implementation, device)
+
+def meta_batch(cfg: JobConfig) -> dict[str, torch.Tensor]:
+    """A batch of the job's shape on the meta device: what a plan traces."""
+    b, s = cfg.training.local_batch_size, cfg.training.seq_len
+    return {name: torch.empty(b, s, dtype=torch.long, device="meta") for name in ("input", "labels")}
+
+
+def eager_update_of(job: Job) -> EagerUpdate | None:
+    """What the AdamW update run after the graph costs (None: the update is in the graph)."""
+    if optimizer_in_graph(job.cfg):
+        return None
+    return EagerUpdate.of(job.optimizer, adamw_implementation_for(job.cfg, job.device), job.device)
+
+
+def extra_compiled_bytes(cfg: JobConfig, gm: torch.fx.GraphModule) -> int:
+    """What the compile stage adds to the planned graph's peak (`compiler.inductor.InductorStage`)."""
+    if cfg.compile.backend != "inductor":
+        return 0
+    from graph_trainer.compiler.inductor import functional_gather_bytes
+
+    return functional_gather_bytes(gm)
+
+
+def peak_location(gm: torch.fx.GraphModule, index: int, layers: str | None) -> tuple[int | None, str, str]:
+    """(layer, module, op) of the `index`-th node of `gm`: where a peak is, in words that do not depend on
+    node names. The layer is the node's block (`node_blocks`), None outside the blocks."""
+    layer = next((b for i, _, b in node_blocks(gm, layers) if i == index), None)
+    node = list(gm.graph.nodes)[index]
+    return layer, node_meta.module_fqn(node), op_name(node)
+
+
+def op_nodes(gm: torch.fx.GraphModule) -> Iterator[tuple[int, torch.fx.Node]]:
+    """(index, node) of the nodes that run (not the inputs, which are live throughout, nor the output)."""
+    for i, node in enumerate(gm.graph.nodes):
+        if node.op not in ("placeholder", "get_attr", "output"):
+            yield i, node
+
+
+def node_blocks(gm: torch.fx.GraphModule, layers: str | None) -> list[tuple[int, torch.fx.Node, int | None]]:
+    """(index, node, block) of each running node (`op_nodes`): its layer tag, else the block its module is in
+    (`layers`.N: FSDP's ops for a block's unit have the module but no tag). A backward node with neither
+    (autograd's sum of two gradients of one tensor has no forward op, nor has the residual stream's at a
+    block's start) belongs to the block the backward was in: that of the last node with a module before it."""
+    pattern = re.compile(rf"(?:^|\.){re.escape(layers)}\.(\d+)(?:\.|$)") if layers else None
+
+    def block(node: torch.fx.Node) -> Any:
+        if node_meta.layer_id(node) is not None:
+            return node_meta.layer_id(node)
+        fqn = node_meta.module_fqn(node)
+        match = pattern.search(fqn) if pattern and fqn else None
+        return int(match.group(1)) if match else (None if fqn else _UNKNOWN)
+
+    ops = list(op_nodes(gm))
+    anchors = [block(n) for _, n in ops]
+    out = []
+    for (i, node), anchor, prev in zip(ops, anchors, _filled(anchors)):
+        layer = anchor if anchor is not _UNKNOWN else None
+        if anchor is _UNKNOWN and node_meta.is_backward(node) and isinstance(prev, int):
+            layer = prev
+        out.append((i, node, layer))
+    return out
+
+
+_UNKNOWN = object()
+
+
+def _filled(values: list) -> list:
+    """Each position's last known value so far (`_UNKNOWN` until one is known)."""
+    out, last = [], _UNKNOWN
+    for v in values:
+        last = v if v is not _UNKNOWN else last
+        out.append(last)
+    return out
+
+
+def finish_plan(
+    job: Job,
+    est: MemoryEstimate,
+    update: EagerUpdate | None,
+    location: tuple[int | None, str, str],
+    *,
+    num_params: int,
+    flops: int,
+    comm: dict[str, int],
+    trace_time_s: float,
+    blocks_traced: int,
+    approximate: bool = False,
+    step_graph: Any = None,
+    where: str | None = None,
+) -> StepPlan:
+    """The StepPlan of an estimate (of a traced graph, or extended from short ones) and its eager update.
+    `where` words the graph's peak (default: from `location`)."""
+    cfg = job.cfg
     peak, by_category, in_update = whole_step_peak(est, update)
     if in_update:
-        where = f"the eager AdamW update ({implementation})"
-    else:
-        where = f"{est.peak_node} ({est.peak_op})" + (f" in {est.peak_module_fqn}" if est.peak_module_fqn else "")
+        where = f"the eager AdamW update ({update.implementation})"
+        location = (None, "", f"eager AdamW update ({update.implementation})")
+    elif where is None:
+        layer, module, op = location
+        where = f"{op} in {module or 'the top level'}" + ("" if layer is None else f" (layer {layer})")
     return StepPlan(
         ac_mode=cfg.activation_checkpoint.mode,
         peak_bytes=peak,
         saved_bytes=est.saved_bytes,
         peak_by_category=by_category,
         peak_where=where,
-        flops=sum(node_flops(n) for n in traced.gm.graph.nodes),
+        flops=flops,
+        num_params=num_params,
+        trace_time_s=trace_time_s,
+        optimizer="in graph" if update is None else update.implementation,
+        step_graph=step_graph,
+        peak_location=location,
+        comm_bytes=dict(comm),
+        blocks_traced=blocks_traced,
+        approximate=approximate,
+    )
+
+
+def plan_of(job: Job, result: Transformed, trace_time_s: float, *, blocks_traced: int) -> StepPlan:
+    """The plan of `job`'s step from its transformed trace (the final graph and its memory estimate)."""
+    traced, est = result.traced, result.memory_estimate
+    device = job.device
+    # The trace is of a batch on the meta device; the step's batches live on `device`.
+    traced.signature = tuple((path, shape, dtype, device.type) for path, shape, dtype, _ in traced.signature)
+    est = dataclasses.replace(est, peak_bytes=est.peak_bytes + extra_compiled_bytes(job.cfg, traced.gm))
+    peak_index = next(i for i, n in enumerate(traced.gm.graph.nodes) if n.name == est.peak_node)
+    module = f" in {est.peak_module_fqn}" if est.peak_module_fqn else ""
+    return finish_plan(
+        job,
+        est,
+        eager_update_of(job),
+        peak_location(traced.gm, peak_index, job.spec.parallel_plan.layers),
         num_params=job.num_params(),
-        trace_time_s=elapsed,
-        optimizer="in graph" if in_graph else implementation,
-        step_graph=Transformed(traced, step.memory_estimate),
+        flops=sum(node_flops(n) for n in traced.gm.graph.nodes),
+        comm=collective_bytes(traced.gm),
+        trace_time_s=trace_time_s,
+        blocks_traced=blocks_traced,
+        step_graph=Transformed(traced, result.memory_estimate),
+        where=f"{est.peak_node} ({est.peak_op}){module}",  # as before the depth-free plan (golden files hold it)
     )
 
 
@@ -106,4 +225,17 @@ def plan_config(cfg: JobConfig, device: torch.device | None = None) -> StepPlan:
         return plan_step(build_job(cfg, mesh, materialize=False))
 
 
-__all__ = ["AC_MODES", "StepPlan", "plan_config", "plan_step", "with_ac_mode"]
+__all__ = [
+    "AC_MODES",
+    "StepPlan",
+    "eager_update_of",
+    "finish_plan",
+    "meta_batch",
+    "node_blocks",
+    "op_nodes",
+    "peak_location",
+    "plan_config",
+    "plan_of",
+    "plan_step",
+    "with_ac_mode",
+]

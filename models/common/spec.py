@@ -52,3 +52,5 @@ class ModelSpec:
     # What the trainer logs after each step besides the loss, read from the live model (e.g. a mixture of
     # experts' load per expert): name -> value. None: nothing.
     step_metrics: Callable[[nn.Module], dict[str, float]] | None = None
+    # args -> the family's Hugging Face state dict adapter (names, layouts, config.json); None: no HF weights.
+    hf_adapter: Callable[[Any], Any] | None = None

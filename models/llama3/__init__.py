@@ -10,6 +10,7 @@ from models.llama3.model import (
     num_params,
     num_params_from_args,
 )
+from models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
 SPEC = ModelSpec(
     name="llama3",
@@ -19,10 +20,12 @@ SPEC = ModelSpec(
     num_params=num_params_from_args,
     flops_per_token=flops_per_token,
     parallel_plan=ParallelPlan(layers="layers"),
+    hf_adapter=Llama3StateDictAdapter,
 )
 
 __all__ = [
     "LLAMA3_FLAVORS",
+    "Llama3StateDictAdapter",
     "SPEC",
     "ModelArgs",
     "Transformer",

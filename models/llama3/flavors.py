@@ -1,4 +1,7 @@
-"""Named Llama-3 sizes. Dimensions are Meta's published ones; see tests/test_models.py for their parameter counts."""
+"""Named Llama-3 sizes.
+
+Dimensions are Meta's published ones; see tests/models/test_models.py for their parameter counts.
+"""
 
 from models.llama3.model import ModelArgs
 

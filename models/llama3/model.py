@@ -245,6 +245,11 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         return self.norm(h)
 
+    def init_buffers(self) -> None:
+        """(Re)compute the buffers derived from the config (the RoPE tables): what pretrained weights, which hold
+        only parameters, leave to compute."""
+        self.rope.reset_parameters()
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """(Re)initialize every parameter and the RoPE tables in place; deterministic under torch.manual_seed.
@@ -258,7 +263,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         if self.output.weight.device.type == "meta":
             return
-        self.rope.reset_parameters()
+        self.init_buffers()
         if not self.args.tie_embeddings:
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
         for layer in self.layers:

@@ -223,7 +223,9 @@ def _cli_tests() -> list[IntegrationTest]:
         IntegrationTest(
             name="dry_run_8b",
             runs=(("--config", "llama3_8b.toml", "--dry-run"),),
-            suites=QUICK,
+            # Not in the quick suite: CI runs the 8B dry run once, in
+            # tests/plan/test_planner.py::test_dry_run_of_8b_is_small_and_traces_once_a_mode (-m integration).
+            suites=FULL,
             # 8,030,261,248 is Llama-3 8B's published parameter count.
             expect=Expect(stdout_contains=("llama3/8B", "8,030,261,248"), **no_training),
             description="memory plan of Llama-3 8B on fake tensors, no real allocation",

@@ -1,0 +1,147 @@
+"""Load time and peak host memory of reading Hugging Face weights into the model (checkpoint.initial_load_path).
+
+    python -m benchmarks.hf_load                          # Llama-3.2 1B dimensions, 4 layers, bf16 files
+    python -m benchmarks.hf_load --layers 2 --dim 1024 --vocab 32000 --file-dtype float32 --naive
+
+Writes a random model of the 1B flavor's shape (RoPE scaling, tied embeddings; `--dim`, `--layers`,
+`--vocab` change it) as a Hugging Face folder in a temporary place, then loads it in a fresh process
+and reports the seconds and the growth of the peak resident memory (VmHWM, reset before the load through
+/proc/self/clear_refs) against the model's own size. `--naive` also measures the one-liner this loader
+replaces (materialize the model, `safetensors.torch.load_file`, `load_state_dict`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from graph_trainer.checkpoint.hf import Pretrained, save_hf
+from graph_trainer.distributed.parallelism import ParallelModel
+from graph_trainer.job_config.model_args import build_model_args
+from models import MODELS
+from models.llama3 import Llama3StateDictAdapter, Transformer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def bench_args(dim: int, n_layers: int, vocab_size: int):
+    """The 1B flavor (tied embeddings, RoPE scaling, 32 heads, 8 KV heads) at another width, depth, vocabulary."""
+    return build_model_args("llama3", "1B", {"dim": dim, "n_layers": n_layers, "vocab_size": vocab_size})
+
+
+def write_random_hf(
+    folder: Path, *, dim: int, n_layers: int, vocab_size: int, dtype: torch.dtype = torch.float32
+) -> tuple[Path, int, int]:
+    """A random model as a Hugging Face folder. Returns (folder, bytes of the loaded float32 model, bytes of its
+    largest float32 tensor)."""
+    args = bench_args(dim, n_layers, vocab_size)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    save_hf(model.state_dict(), Llama3StateDictAdapter(args), folder, dtype=dtype)
+    params = list(model.parameters())  # tied weights once
+    return folder, sum(p.numel() * 4 for p in params), max(p.numel() * 4 for p in params)
+
+
+def _status(key: str) -> int:
+    """A /proc/self/status memory figure (kB there) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := VmRSS
+
+
+def load_and_measure(folder: str, dim: int, n_layers: int, vocab_size: int, naive: bool = False) -> str:
+    """In a fresh process: load `folder` into the meta-built model; JSON with seconds and peak RSS growth.
+
+    `naive`: the one-liner instead (materialize the model, read the whole file, `load_state_dict`), timed from the
+    same meta model, so both figures include allocating the model's memory."""
+    args = bench_args(dim, n_layers, vocab_size)
+    with torch.device("meta"):
+        model = Transformer(args)
+    _reset_peak()
+    before = _status("VmRSS")
+    start = time.perf_counter()
+    if naive:
+        _naive_load(model, args, Path(folder))
+    else:
+        Pretrained.open(folder, MODELS["llama3"], args).load_into(model, ParallelModel(model, None), "cpu")
+    seconds = time.perf_counter() - start
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    report = {"seconds": seconds, "peak_growth_bytes": _status("VmHWM") - before, "model_bytes": model_bytes}
+    return json.dumps(report)
+
+
+def _naive_load(model: Transformer, args, folder: Path) -> None:
+    from safetensors.torch import load_file
+
+    model.to_empty(device="cpu")
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight  # to_empty unties them
+    model.init_buffers()
+    model.load_state_dict(Llama3StateDictAdapter(args).from_hf(load_file(folder / "model.safetensors")))
+
+
+def _measure(folder: Path, a: argparse.Namespace, naive: bool) -> dict:
+    code = (
+        "import sys; from benchmarks.hf_load import load_and_measure; "
+        f"print(load_and_measure(sys.argv[1], {a.dim}, {a.layers}, {a.vocab}, naive={naive}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(folder)], cwd=REPO, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(out.stderr)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--file-dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--naive", action="store_true", help="also measure load_file + load_state_dict")
+    parser.add_argument("--repeat", type=int, default=2, help="measurements of each, alternating (noise shows)")
+    parser.add_argument("--folder", type=Path, help="write the model here, or reuse it (default: a temp folder)")
+    a = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gt_hf_bench_") as tmp:
+        folder = a.folder or Path(tmp) / "hf"
+        model_bytes = sum(p.numel() * 4 for p in _meta_params(a))
+        if not folder.exists():
+            start = time.perf_counter()
+            write_random_hf(
+                folder, dim=a.dim, n_layers=a.layers, vocab_size=a.vocab, dtype=getattr(torch, a.file_dtype)
+            )
+            print(f"wrote {folder} in {time.perf_counter() - start:.1f} s")
+        file_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        print(
+            f"model: dim {a.dim}, {a.layers} layers, vocab {a.vocab}: {model_bytes / 2**30:.2f} GiB in float32; "
+            f"files {file_bytes / 2**30:.2f} GiB"
+        )
+        for _ in range(a.repeat):
+            for naive in (False, True) if a.naive else (False,):
+                r = _measure(folder, a, naive)
+                what = "load_file + load_state_dict" if naive else "initial_load_path loader"
+                growth = r["peak_growth_bytes"]
+                print(
+                    f"{what}: {r['seconds']:.2f} s, peak RSS growth {growth / 2**30:.2f} GiB "
+                    f"= {growth / model_bytes:.2f} x the model"
+                )
+
+
+def _meta_params(a: argparse.Namespace) -> list[torch.nn.Parameter]:
+    with torch.device("meta"):
+        return list(Transformer(bench_args(a.dim, a.layers, a.vocab)).parameters())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""What the planner prints and writes: the ranked table, the JSON file, the picture, and 'nothing fits'."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.observability.units import to_gib
+from graph_trainer.plan import search
+from graph_trainer.plan.cluster import Cluster
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+def _row(r: search.Screened, cluster: Cluster, seq: int) -> dict:
+    plan, t = r.exact, r.exact_time
+    tokens = r.cand.local_batch * seq
+    d = dict(r.cand.degrees)
+    tokens_per_gpu = tokens / d.get("tp", 1) / t.total_s
+    return {
+        "layout": r.cand.layout(),
+        "ac_mode": r.cand.ac_mode,
+        "local_batch": r.cand.local_batch,
+        "accumulation": r.cand.accumulation,
+        "loss_chunk_size": r.cand.loss_chunk_size,
+        "optimizer_in_graph": r.cand.trace_optimizer,
+        "peak_bytes": plan.peak_bytes,
+        "peak_gib": to_gib(plan.peak_bytes),
+        "headroom_gib": to_gib(cluster.memory_bytes - plan.peak_bytes),
+        "step_s": t.total_s,
+        "compute_s": t.compute_s,
+        "exposed_comm_s": t.exposed_comm_s,
+        "tokens_per_s_per_gpu": tokens_per_gpu,
+        "mfu": plan.flops / t.total_s / (cluster.device.peak_tflops * 1e12),
+        "tflop_per_step": plan.flops / 1e12,
+        "comm_gib": {k: to_gib(v) for k, v in plan.comm_bytes.items()},
+        "peak_at": list(plan.peak_location),
+        "screen_peak_gib": to_gib(r.peak),
+        "overrides": r.cand.overrides(),
+    }
+
+
+def print_table(rows: list[search.Screened], cluster: Cluster, seq: int) -> None:
+    """The ranked table of exactly planned candidates, fastest first."""
+    print(
+        f"{'#':>2} {'layout':<26} {'ac':<9} {'lb x acc':>8} {'peak GiB':>8} {'free GiB':>8} {'step s':>7} "
+        f"{'tok/s/gpu':>9} {'MFU':>5}  comm GiB/step (ag rs ar a2a)"
+    )
+    for i, r in enumerate(rows, 1):
+        x = _row(r, cluster, seq)
+        comm = " ".join(f"{x['comm_gib'].get(k, 0):.1f}" for k in KINDS)
+        batch = f"{x['local_batch']} x {x['accumulation']}"
+        print(
+            f"{i:>2} {x['layout']:<26} {x['ac_mode']:<9} {batch:>8} {x['peak_gib']:8.2f} "
+            f"{x['headroom_gib']:8.2f} {x['step_s']:7.2f} {x['tokens_per_s_per_gpu']:9.0f} {x['mfu']:5.1%}  {comm}"
+        )
+
+
+def write_json(path: Path, final, exact, skipped, cluster: Cluster, seq: int, command: str) -> None:
+    data = {
+        "cluster": {"device": cluster.device.__dict__, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node},
+        "ranked": [_row(r, cluster, seq) for r in final],
+        "screen_vs_exact": [
+            {"layout": r.cand.layout(), "ac_mode": r.cand.ac_mode, "screen": r.peak, "exact": r.exact.peak_bytes}
+            for r in exact
+            if r.exact is not None
+        ],
+        "skipped_layouts": skipped,
+        "command": command,
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_picture(path: Path, screened, final, cluster: Cluster, seq: int) -> None:
+    """Predicted tokens/s per GPU against per-rank peak: screened candidates, exact plans, the memory limit and
+    the frontier of fitting exact plans."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter(
+        [to_gib(r.peak) for r in screened],
+        [r.cand.local_batch * seq / dict(r.cand.degrees).get("tp", 1) / r.time.total_s for r in screened],
+        s=12, c="0.6", label="screened (analytic)",
+    )  # fmt: skip
+    pts = sorted((_row(r, cluster, seq)["peak_gib"], _row(r, cluster, seq)["tokens_per_s_per_gpu"]) for r in final)
+    ax.scatter([p for p, _ in pts], [t for _, t in pts], s=30, c="C0", label="planned exactly")
+    frontier, best = [], 0.0
+    for p, t in pts:
+        if t > best:
+            frontier.append((p, t))
+            best = t
+    ax.step([p for p, _ in frontier], [t for _, t in frontier], where="post", c="C1", label="frontier")
+    ax.axvline(to_gib(cluster.memory_bytes), c="C3", ls="--", label=f"memory {cluster.device.memory_gib:.0f} GiB")
+    ax.set_xlabel("per-rank peak (GiB)")
+    ax.set_ylabel("predicted tokens/s per GPU")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def nothing_fits(cfg: JobConfig, cluster: Cluster, global_seqs: int, ac_modes: tuple[str, ...]) -> str:
+    """One line: the smallest GPU count whose state alone fits with full sharding, or the memory that would."""
+    probe = search.Candidate((("dp_shard", 1),), "full", 1, cfg.training.loss_chunk_size, False)
+    state = search.state_bytes(cfg, probe)
+    gpus = cluster.gpus
+    while gpus <= 65536 and state / gpus >= cluster.memory_bytes:
+        gpus *= 2
+    return (
+        f"nothing fits on {cluster.gpus} x {cluster.device.name} ({cluster.device.memory_gib:.0f} GiB each, AC "
+        f"{'/'.join(ac_modes)}): parameters, gradients and AdamW state alone need {to_gib(state):.0f} GiB; try "
+        f"--cluster.gpus {max(gpus, cluster.gpus * 2)} or --cluster.memory_gib "
+        f"{to_gib(state) / cluster.gpus * 1.25:.0f} (then plan again: activations come on top)"
+    )
+
+
+__all__ = ["nothing_fits", "print_table", "write_json", "write_picture"]

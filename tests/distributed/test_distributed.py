@@ -1,0 +1,208 @@
+"""Data parallelism over 2 processes (gloo on CPU): the gradient all-reduce is inside the one step graph.
+
+Claims tested: traced == eager bitwise in a 2-process run (losses and params), with
+the optimizer in the graph too; both ranks end with identical parameters; the
+graph holds one `_c10d_functional.all_reduce` + `wait_tensor` per gradient, in the
+backward phase; 2 ranks x batch 2 match 1 process x batch 4 closely (torchrun CLI,
+estimate == measured on CPU); bad launches exit 2 with the cause and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from graph_trainer.distributed.launch import check_launch, trainer_command
+from graph_trainer.errors import UserError
+from graph_trainer.job_config.cli import load_config
+from graph_trainer.tracer import node_meta
+from graph_trainer.trainer import Trainer
+from tests.multiprocess import assert_peaks_match, free_port, peaks, spawn_ranks, step_graph_nodes, train_runs
+from tests.tiny import TINY as TINY_RUN
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with the gloo backend"
+    ),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+WORLD = 2
+STEPS = 3
+TINY = ["--config", "llama3_debug", *TINY_RUN, "--training.steps", str(STEPS)]
+RUNS = {
+    "eager": ["--compile.mode", "eager"],
+    "trace": ["--compile.mode", "trace"],
+    "trace_optimizer": ["--compile.mode", "trace", "--compile.trace_optimizer", "true"],
+}
+COLLECTIVES = ("_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default")
+TIMEOUT_S = 120
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    """One rank: train every run in RUNS and write what the tests compare."""
+    args = [*TINY, "--parallelism.dp_replicate", str(WORLD)]
+    for name, trainer, result in train_runs(rank, WORLD, port, RUNS, args, out):
+        collectives = [
+            (str(n.target), node_meta.phase(n)) for n in step_graph_nodes(trainer) if "c10d" in str(n.target)
+        ]
+        record = {
+            "losses": result.losses,
+            "params": result.params_sha256,
+            "grads": result.grads_sha256,
+            "trace_count": result.trace_count,
+            "collectives": collectives,
+            "num_params": len(list(trainer.model.parameters())),
+        }
+        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every run in RUNS trained by 2 spawned ranks: {run: [rank 0 record, rank 1 record]}."""
+    out = tmp_path_factory.mktemp("dp2")
+    spawn_ranks(_worker, WORLD, (free_port(), str(out)), TIMEOUT_S)
+    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(WORLD)] for name in RUNS}
+
+
+@pytest.mark.integration  # shares trainings on 2 spawned ranks
+@pytest.mark.parametrize("mode", ["trace", "trace_optimizer"])
+def test_two_ranks_traced_equal_eager_bitwise(two_ranks, mode):
+    eager, traced = two_ranks["eager"][0], two_ranks[mode][0]
+    assert len(traced["losses"]) == STEPS
+    assert traced["losses"] == eager["losses"]
+    assert traced["params"] == eager["params"]
+    assert traced["grads"] == eager["grads"]
+    assert traced["trace_count"] == 1
+
+
+@pytest.mark.integration  # shares trainings on 2 spawned ranks
+@pytest.mark.parametrize("mode", list(RUNS))
+def test_both_ranks_end_with_identical_parameters(two_ranks, mode):
+    rank0, rank1 = two_ranks[mode]
+    assert rank0["params"] == rank1["params"]
+    assert rank0["grads"] == rank1["grads"]
+    assert rank0["losses"] == rank1["losses"]  # the logged loss is the global average
+
+
+@pytest.mark.integration  # shares trainings on 2 spawned ranks
+@pytest.mark.parametrize("mode", ["trace", "trace_optimizer"])
+def test_step_graph_holds_one_all_reduce_per_gradient_in_the_backward(two_ranks, mode):
+    rank0 = two_ranks[mode][0]
+    targets = [t for t, _ in rank0["collectives"]]
+    n = rank0["num_params"]
+    assert targets.count(COLLECTIVES[0]) == n
+    assert targets.count(COLLECTIVES[1]) == n
+    assert {phase for _, phase in rank0["collectives"]} == {node_meta.BACKWARD}
+
+
+@pytest.mark.integration  # a torchrun launch of two ranks
+def test_torchrun_two_ranks_close_to_one_process_with_the_global_batch(tmp_path):
+    """CLI under torchrun, 2 x batch 2, vs in-process 1 x batch 4: same losses up to summation order."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [
+        *trainer_command(WORLD),
+        *TINY,
+        "--parallelism.dp_replicate",
+        str(WORLD),
+        "--metrics.track_memory",
+        "true",
+        "--job.dump_folder",
+        str(tmp_path / "dp2"),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "dp2" / "summary.json").read_text())
+    assert summary["final"]["trace_count"] == 1
+    assert_peaks_match(peaks(summary["steps"]))
+
+    cfg, _ = load_config([*TINY, "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "dp1")])
+    try:
+        single = Trainer(cfg).train()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    losses = [s["loss"] for s in summary["steps"]]
+    assert losses == pytest.approx(single.losses, rel=1e-4)
+
+
+def _cli(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")} | env
+    return subprocess.run(
+        [sys.executable, "-m", "graph_trainer", *TINY, "--job.dump_folder", str(tmp_path), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("option", ["dp_shard", "dp_replicate"])
+def test_dp_shard_without_torchrun_exits_2_naming_torchrun(tmp_path, option):
+    proc = _cli(tmp_path, {}, f"--parallelism.{option}", "2")
+    assert proc.returncode == 2
+    assert f"error: parallelism.{option} = 2 needs one process per rank" in proc.stderr
+    assert "torchrun --nproc_per_node 2 -m graph_trainer" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_world_size_not_dp_shard_exits_2_naming_both(tmp_path):
+    proc = _cli(tmp_path, {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert proc.returncode == 2
+    assert "error: WORLD_SIZE = 2 (processes launched) but parallelism.dp_shard = 1" in proc.stderr
+    assert "--parallelism.dp_shard 2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_check_launch_reads_torchrun_env():
+    cfg, _ = load_config([*TINY, "--parallelism.dp_shard", "2"])
+    assert check_launch(cfg, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == (1, 2, 1)
+    with pytest.raises(UserError, match="RANK 2 is outside WORLD_SIZE 2"):
+        check_launch(cfg, {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    one, _ = load_config(TINY)
+    assert check_launch(one, {}) == (0, 1, 0)
+
+
+def test_trainer_without_process_group_refuses_dp_shard(tmp_path):
+    cfg, _ = load_config([*TINY, "--parallelism.dp_shard", "2", "--job.dump_folder", str(tmp_path)])
+    with pytest.raises(UserError, match="torchrun --nproc_per_node 2"):
+        Trainer(cfg)
+
+
+def test_dp_shard_with_dp_replicate_is_refused_as_hsdp():
+    cfg, _ = load_config([*TINY, "--parallelism.dp_shard", "2", "--parallelism.dp_replicate", "2"])
+    with pytest.raises(UserError, match=r"\(HSDP\) is not supported; use one of them"):
+        check_launch(cfg, {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"})
+
+
+@pytest.mark.integration  # a torchrun launch of two ranks
+def test_torchrun_world_size_not_dp_shard_exits_2_on_every_rank(tmp_path):
+    """A bad launch under torchrun: every rank says why and exits 2 before joining a process group (no hang)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # Each rank's stderr in its own file (--redirects 2): on one shared pipe the ranks' lines can interleave.
+    cmd = [
+        *trainer_command(WORLD, torchrun_args=["--log-dir", str(tmp_path / "logs"), "--redirects", "2"]),
+        *TINY,
+        "--parallelism.dp_shard",
+        "4",
+        "--job.dump_folder",
+        str(tmp_path / "bad"),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode != 0
+    assert "exitcode  : 2" in proc.stderr
+    line = "error: WORLD_SIZE = 2 (processes launched) but parallelism.dp_shard = 4; pass --parallelism.dp_shard 2"
+    rank_logs = sorted((tmp_path / "logs").rglob("stderr.log"))
+    assert len(rank_logs) == WORLD
+    for log in rank_logs:
+        text = log.read_text()
+        assert line in text, text[-2000:]
+        assert "Traceback" not in text

@@ -1,0 +1,169 @@
+"""Activation checkpointing on the graph: bitwise numerics vs eager (with and without torch.utils.checkpoint),
+static estimate == measured CPU peak for every mode, monotone peak under a shrinking budget, bad budgets."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from graph_trainer.errors import ConfigError
+from graph_trainer.job_config.cli import load_config
+from graph_trainer.observability.memory import LiveTensorTracker
+from graph_trainer.trainer import Trainer
+
+TINY = [
+    "--config",
+    "llama3_debug.toml",
+    "--model.n_layers",
+    "2",
+    "--model.dim",
+    "64",
+    "--model.n_heads",
+    "4",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.deterministic",
+    "true",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--model.dropout",
+    "0.1",
+    "--metrics.track_memory",
+    "false",
+]
+
+MODES = {  # name -> CLI args
+    "none": ["--activation_checkpoint.mode", "none"],
+    "selective_op": ["--activation_checkpoint.mode", "selective"],
+    "selective_2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+    "full": ["--activation_checkpoint.mode", "full"],
+    "budget": ["--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", "0.8"],
+    "overrides": [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.save_list",
+        "aten.silu",
+        "--activation_checkpoint.recompute_list",
+        "aten.mm",
+    ],
+}
+
+
+def _trainer(tmp_path, name: str, *extra: str) -> Trainer:
+    cfg, _ = load_config([*TINY, "--job.dump_folder", str(tmp_path / name), *extra])
+    return Trainer(cfg)
+
+
+def _run(tmp_path, name: str, *extra: str, steps: int = 5):
+    result = _trainer(tmp_path, name, "--training.steps", str(steps), *extra).train()
+    return result.losses, result.params_sha256, result.grads_sha256
+
+
+@pytest.fixture(scope="module")
+def eager_none(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("eager"), "eager_none", "--compile.mode", "eager")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_traced_ac_is_bitwise_equal_to_eager_and_eager_checkpoint(tmp_path, mode, eager_none):
+    traced = _run(tmp_path, "traced", *MODES[mode])
+    assert traced == eager_none  # losses (exact floats), params and last grads (sha256 of the bytes)
+    if mode != "budget":  # budget is graph-only
+        eager_ac = _run(tmp_path, "eager_ac", "--compile.mode", "eager", *MODES[mode])
+        assert eager_ac == eager_none
+
+
+def test_budget_is_graph_only_in_eager(tmp_path):
+    with pytest.raises(ConfigError, match="graph-only"):
+        _trainer(tmp_path, "x", "--compile.mode", "eager", *MODES["budget"])
+
+
+def _measure(trainer: Trainer) -> tuple[int, int, int]:
+    """(estimated peak, measured peak, saved bytes) of one traced step, from the live-tensor tracker."""
+    batch = next(iter(trainer.dataloader))
+    step = trainer.step_fn
+    traced = step.ensure_traced(batch)
+    inputs = step.flat_inputs(batch)
+    tracker = LiveTensorTracker()
+    tracker.track_existing(inputs)
+    try:
+        with tracker:
+            out = traced(inputs)
+        del out
+        measured = tracker.peak_bytes
+    finally:
+        tracker.forget()
+    est = step.memory_estimate
+    return est.peak_bytes, measured, est.saved_bytes
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_estimated_peak_equals_measured_cpu_peak(tmp_path, mode):
+    estimated, measured, _ = _measure(_trainer(tmp_path, mode, *MODES[mode]))
+    assert estimated == measured
+
+
+@pytest.mark.integration  # plans and measures several budgets or modes
+def test_ac_modes_reduce_saved_activations(tmp_path):
+    saved = {m: _measure(_trainer(tmp_path, m, *MODES[m]))[2] for m in ("none", "selective_op", "full")}
+    assert saved["full"] < saved["selective_op"] < saved["none"]
+
+
+@pytest.mark.integration  # plans and measures several budgets or modes
+def test_peak_never_increases_as_budget_decreases(tmp_path):
+    estimated, measured = [], []
+    for budget in ("1.0", "0.95", "0.9", "0.85", "0.8", "0.75"):
+        est, meas, _ = _measure(
+            _trainer(
+                tmp_path,
+                f"b{budget}",
+                "--activation_checkpoint.mode",
+                "budget",
+                "--activation_checkpoint.memory_budget",
+                budget,
+            )
+        )
+        estimated.append(est)
+        measured.append(meas)
+    assert estimated == measured
+    assert all(a >= b for a, b in zip(estimated, estimated[1:])), estimated
+    assert estimated[-1] < estimated[0]
+
+
+@pytest.mark.integration  # plans and measures several budgets or modes
+def test_infeasible_budget_names_the_smallest_feasible_one(tmp_path):
+    with pytest.raises(ConfigError, match="infeasible") as info:
+        _measure(
+            _trainer(
+                tmp_path,
+                "tiny",
+                "--activation_checkpoint.mode",
+                "budget",
+                "--activation_checkpoint.memory_budget",
+                "0.01",
+            )
+        )
+    smallest = re.search(r"memory_budget (\d+\.\d+) or more", str(info.value)).group(1)
+    est, meas, _ = _measure(
+        _trainer(
+            tmp_path, "ok", "--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", smallest
+        )
+    )
+    assert est == meas
+
+
+def test_recompute_override_of_a_random_op_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="never recomputed"):
+        _measure(
+            _trainer(
+                tmp_path,
+                "x",
+                "--activation_checkpoint.mode",
+                "full",
+                "--activation_checkpoint.recompute_list",
+                "aten.bernoulli_",
+            )
+        )

@@ -1,0 +1,257 @@
+"""Every command in every documentation page still works verbatim.
+
+A command is a line of a ```bash block, a `$ ` line of any block, or an inline `python ...`,
+`torchrun ...` or `pip ...` span, in README.md, docs/*.md, models/README.md and passes/README.md.
+Each is checked as written, by the program it names:
+
+- the trainer (`python -m graph_trainer ...`, also under `torchrun`): its arguments resolve through
+  the trainer's own command line into a validated config (an option renamed or a value refused
+  fails here), and under torchrun the process count is the data-parallel degree;
+- the benchmarks, `run_tests.py` and `python -m graph_trainer.export`: the script's own argparse
+  parser accepts the arguments (parsing stops it before any work);
+- `python -m pytest`: every marker it selects is declared; pip: every extra it names exists;
+- the quick-start commands: the test command is what `.ci/run` runs verbatim, and the training one
+  installs the same way;
+- the cheap trainer commands (--help, --print-config, a one-step run) run verbatim in a shell
+  (`-m integration`), and the rest run in the tests named in RUN_ELSEWHERE.
+
+Running every command (the 8B dry runs, 20-step trainings, the benchmarks) would add tens of
+minutes of CI, so those are parsed here and run where the table says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import runpy
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from graph_trainer.job_config.cli import help_text, load_config
+from graph_trainer.job_config.reference import COMMAND as REFERENCE_COMMAND
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = sorted(
+    [REPO / "README.md", REPO / "models" / "README.md", REPO / "graph_trainer" / "passes" / "README.md"]
+    + list((REPO / "docs").glob("*.md"))
+)
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+INLINE = re.compile(r"`((?:python|python3\.11|torchrun|pip) [^`]+)`")
+# Inline spans that name a program without being a command to run.
+FRAGMENTS = {"python -m graph_trainer ...", "torchrun --standalone", "python -m graph_trainer.export ... --format hf"}
+# Commands run verbatim (or as their exact argv) by another test, which checks more than success.
+RUN_ELSEWHERE = {
+    "python -m graph_trainer --config llama3_8b.toml --dry-run": "tests/plan/test_planner.py",
+    "python examples/bring_your_own_model.py": "tests/test_examples.py",
+    "python run_tests.py out/ --suite quick --collect-peak-memory": ".ci/run",
+    REFERENCE_COMMAND: "tests/job_config/test_reference.py",
+}
+# Blocks whose commands depend on each other (a model written, trained, exported, read back): an
+# integration test runs each block's lines verbatim, in order, in one fresh folder. Keyed by page, the
+# heading the block follows.
+RUN_BLOCKS = {"docs/hf_weights.md": "## The round trip, end to end"}
+RUN_HERE = [
+    "python -m graph_trainer --config llama3_debug.toml --help",
+    "python -m graph_trainer --config llama3_debug.toml --print-config",
+    "python -m graph_trainer --config llama3_debug.toml --compile.dump_graphs true --training.steps 1 "
+    "--job.dump_folder outputs/graphs",
+]
+
+
+def _commands(text: str) -> list[str]:
+    found = []
+    for lang, body in FENCE.findall(text):
+        for line in body.splitlines():
+            line = line.strip()
+            if line.startswith("$ "):
+                found.append(line[2:])
+            elif lang == "bash" and line and not line.startswith("#"):
+                found.append(line)
+    for span in INLINE.findall(FENCE.sub("", text)):
+        found.append(" ".join(span.split()))
+    # Drop trailing comments; the command itself is kept as written.
+    return [" ".join(shlex.split(c, comments=True)) if "#" in c else c for c in found]
+
+
+def all_commands() -> list[tuple[str, str]]:
+    """(page, command) for every command in every page."""
+    return [(str(p.relative_to(REPO)), c) for p in PAGES for c in _commands(p.read_text())]
+
+
+class _Parsed(Exception):
+    """Raised once argparse has accepted a command line, so the program does no work."""
+
+
+def _parse_only(run, argv: list[str]) -> None:
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        original(self, args, namespace)
+        raise _Parsed
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop):
+        with mock.patch.object(sys, "argv", argv), pytest.raises(_Parsed):
+            run()
+
+
+def _check_trainer(argv: list[str], nproc: int = 1) -> None:
+    cfg, opts = load_config(argv)
+    if opts.help:
+        assert "--training.steps" in help_text(opts.config)
+        return
+    if not opts.dry_run:  # a dry run plans one rank of N without a launch
+        degree = cfg.parallelism.dp_shard * cfg.parallelism.dp_replicate
+        assert nproc == degree, "torchrun must start one process per data-parallel rank"
+
+
+def _check_pytest(argv: list[str]) -> None:
+    markers = {
+        m.split(":")[0]
+        for m in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    }
+    for i, arg in enumerate(argv):
+        if arg == "-m":
+            assert set(re.findall(r"\w+", argv[i + 1])) - {"and", "or", "not"} <= markers, argv[i + 1]
+
+
+def _check_pip(argv: list[str]) -> None:
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert argv[0] in ("install", "wheel"), argv
+    for target in argv[1:]:
+        if target.startswith("-"):
+            continue
+        name, _, rest = target.partition("[")
+        assert name in (".", "graph_trainer"), target
+        assert set(filter(None, rest.rstrip("]").split(","))) <= set(extras), target
+
+
+def _check_quick_start(command: str) -> None:
+    """The two quick-start lines: the test one is .ci/run's first command, the training one installs alike."""
+    ci = (REPO / ".ci" / "run").read_text()
+    steps = command.split(" && ")
+    test_command = steps[:3] + ["pip install -e '.[test]'", "python -m pytest -q"]
+    assert " && ".join(test_command) in ci, "the README's test command must be what .ci/run runs"
+    if steps[-1] != "python -m pytest -q":
+        assert steps[3] == "pip install -e ." and steps[-1].startswith("python -m graph_trainer ")
+        _check_trainer(shlex.split(steps[-1])[3:])
+
+
+def check_command(command: str) -> None:
+    """Check one documented command as written; an unknown program fails, so no command goes unchecked."""
+    if command in FRAGMENTS or command in RUN_ELSEWHERE:
+        return
+    if command.startswith("python3.11 -m venv"):
+        return _check_quick_start(command)
+    argv = shlex.split(command)
+    if argv[:3] == ["python", "-m", "graph_trainer"]:
+        return _check_trainer(argv[3:])
+    if argv[0] == "torchrun" and argv[1] == "--nproc_per_node" and argv[3:5] == ["-m", "graph_trainer"]:
+        return _check_trainer(argv[5:], nproc=int(argv[2]))
+    if argv[:3] == ["python", "-m", "graph_trainer.export"]:
+        from graph_trainer import export
+
+        return _parse_only(lambda: export.main(argv[3:]), argv[2:])
+    if argv[:3] == ["python", "-m", "pytest"]:
+        return _check_pytest(argv[3:])
+    if argv[0] == "pip":
+        return _check_pip(argv[1:])
+    if argv[:2] == ["python", "-c"]:
+        # A snippet: it must compile here; the blocks of RUN_BLOCKS run it too.
+        compile(argv[2], command, "exec")
+        return None
+    if argv[0] == "python" and (REPO / argv[1]).is_file() and argv[1].startswith("benchmarks/"):
+        return _parse_only(lambda: runpy.run_path(str(REPO / argv[1]), run_name="__main__"), argv[1:])
+    if argv[:2] == ["python", "-m"] and argv[2].startswith("benchmarks."):
+        return _parse_only(lambda: runpy.run_module(argv[2], run_name="__main__"), argv[2:])
+    if argv[:2] == ["python", "run_tests.py"]:
+        return _parse_only(lambda: runpy.run_path(str(REPO / "run_tests.py"), run_name="__main__"), argv[1:])
+    raise AssertionError(f"no check knows this command; add one to tests/test_docs.py: {command}")
+
+
+@pytest.mark.parametrize(("page", "command"), all_commands())
+def test_documented_command_is_accepted_as_written(page, command):
+    check_command(command)
+
+
+def test_the_pages_hold_the_commands_this_test_names():
+    documented = {c for _, c in all_commands()}
+    for command in [*RUN_ELSEWHERE, *RUN_HERE]:
+        assert command in documented, f"no page documents {command!r} any more: update tests/test_docs.py"
+    for where in RUN_ELSEWHERE.values():
+        assert (REPO / where).is_file(), where
+    readme = (REPO / "README.md").read_text()
+    assert sum(c.startswith("python3.11 -m venv") for c in _commands(readme)) == 2, "exactly two quick-start commands"
+
+
+def test_a_renamed_option_in_a_page_would_fail():
+    with pytest.raises(Exception, match="unknown option"):
+        check_command("python -m graph_trainer --config llama3_debug.toml --training.stepz 5")
+    with pytest.raises(AssertionError, match="no check knows"):
+        check_command("python somewhere/else.py")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("command", RUN_HERE)
+def test_cheap_trainer_command_runs_verbatim(command, tmp_path):
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # `python` is this interpreter
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if "--print-config" in command:
+        assert tomllib.loads(proc.stdout)["model"]["flavor"] == "debugmodel"
+    if "--training.steps 1" in command:
+        assert any((tmp_path / "outputs" / "graphs" / "graphs").iterdir())
+
+
+def _block_after(page: str, heading: str) -> list[str]:
+    text = (REPO / page).read_text()
+    _, found, rest = text.partition(heading + "\n")
+    assert found, f"{page} has no heading {heading!r}: update RUN_BLOCKS in tests/test_docs.py"
+    lang, body = FENCE.findall(rest)[0]
+    assert lang == "bash", f"{page}: the block after {heading!r} is not a bash block"
+    return [line for line in body.splitlines() if line.strip() and not line.startswith("#")]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("page", "heading"), RUN_BLOCKS.items())
+def test_documented_block_runs_verbatim(page, heading, tmp_path):
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    for command in _block_after(page, heading):
+        proc = subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped (but - and _), spaces as dashes."""
+    headings = [line.lstrip("#").strip() for line in FENCE.sub("", text).splitlines() if line.startswith("#")]
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_links_between_pages_resolve():
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", page.read_text())):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.relative_to(REPO)} links to a missing {target}"
+            if anchor:
+                assert anchor in _anchors(linked.read_text()), f"{page.relative_to(REPO)}: no heading for {target}"
