@@ -13,10 +13,10 @@ import torch
 
 from graph_trainer.eager.step import EagerStep
 from graph_trainer.job_config.cli import load_config
-from graph_trainer.observability.memory import LiveTensorTracker
 from graph_trainer.tracer import GraphStep
 from graph_trainer.trainer import Trainer
 from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3, active_params, num_params
+from tests.passes.test_activation_checkpoint import _measure as measure_traced_step
 from tests.tiny import DETERMINISTIC, TINY_BATCH
 
 TINY = ["--config", "deepseek_v3_debug.toml", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4"]
@@ -85,7 +85,7 @@ def test_traced_step_is_bitwise_equal_to_eager_with_one_trace_and_estimated_peak
     assert result.trace_count == 1
     assert result.records[-1]["max_tokens_per_expert"] >= result.records[-1]["mean_tokens_per_expert"] > 0
     # The static estimate of the graph equals the measured CPU peak of one more step, to the byte.
-    estimated, measured = _estimated_and_measured_peak(trainer)
+    estimated, measured, _ = measure_traced_step(trainer)
     assert estimated == measured
 
 
@@ -180,24 +180,7 @@ def test_cli_trains_the_debug_model_and_the_loss_falls(tmp_path):
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.5
 
 
-# --------------------------------------------------------------------------- memory
-
-
-def _estimated_and_measured_peak(trainer: Trainer) -> tuple[int, int]:
-    """(the graph's estimated peak, the live-tensor tracker's measured peak) of one traced step."""
-    batch = next(iter(trainer.dataloader))
-    step = trainer.step_fn
-    traced = step.ensure_traced(batch)
-    inputs = step.flat_inputs(batch)
-    tracker = LiveTensorTracker()
-    tracker.track_existing(inputs)
-    try:
-        with tracker:
-            out = traced(inputs)
-        del out
-        return step.memory_estimate.peak_bytes, tracker.peak_bytes
-    finally:
-        tracker.forget()
+# --------------------------------------------------------------------------- data-parallel ranks
 
 
 def test_several_data_parallel_ranks_are_refused_until_the_counts_are_summed():
