@@ -1,7 +1,8 @@
 """Load time and peak host memory of reading Hugging Face weights into the model (checkpoint.initial_load_path).
 
-    python -m benchmarks.hf_load                          # Llama-3.2 1B dimensions, 4 layers, bf16 files
-    python -m benchmarks.hf_load --layers 2 --dim 1024 --vocab 32000 --file-dtype float32 --naive
+    python benchmarks/hf_load.py                          # Llama-3.2 1B dimensions, 4 layers, bf16 files
+    python benchmarks/hf_load.py --layers 16              # all 16 layers: 4.6 GiB in float32
+    python benchmarks/hf_load.py --file-dtype float32 --naive
 
 Writes a random model of the 1B flavor's shape (RoPE scaling, tied embeddings; `--dim`, `--layers`,
 `--vocab` change it) as a Hugging Face folder in a temporary place, then loads it in a fresh process
@@ -20,15 +21,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from graph_trainer.checkpoint.hf import Pretrained, save_hf
-from graph_trainer.distributed.parallelism import ParallelModel
-from graph_trainer.job_config.model_args import build_model_args
-from models import MODELS
-from models.llama3 import Llama3StateDictAdapter, Transformer
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from anywhere: `python benchmarks/hf_load.py`
+
+import torch  # noqa: E402
+
+from graph_trainer.checkpoint.hf import Pretrained, save_hf  # noqa: E402
+from graph_trainer.distributed.parallelism import ParallelModel  # noqa: E402
+from graph_trainer.job_config.model_args import build_model_args  # noqa: E402
+from models import MODELS  # noqa: E402
+from models.llama3 import Llama3StateDictAdapter, Transformer  # noqa: E402
 
 
 def bench_args(dim: int, n_layers: int, vocab_size: int):

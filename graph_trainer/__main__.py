@@ -6,16 +6,20 @@ code raises, `main` reports. Exit codes:
 - 0: done (also a resume of a run that is already complete: nothing is written);
 - 2: a mistake in the input (`UserError`): one line naming the cause and the fix;
 - 3: training diverged (`TrainingDiverged`): one line naming the last good checkpoint;
+- 74: a write failed (`WriteFailed`: a full disk, a quota, an I/O error; 74 is sysexits' EX_IOERR): one line
+  naming the folder, the cause and the checkpoint to continue from; nothing half-written is left, and
+  `summary.json` records `status = "write_failed"` (or the line says that it could not);
 - 130 / 143: stopped by SIGINT / SIGTERM (128 + the signal) after saving, see `graph_trainer.runtime.interrupts`.
 """
 
 import signal
 import sys
 
-from graph_trainer.errors import UserError
+from graph_trainer.errors import UserError, WriteFailed
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
+EXIT_WRITE_FAILED = 74
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report(e, EXIT_USER_ERROR)
     except TrainingDiverged as e:
         return _report(e, EXIT_DIVERGED)
+    except WriteFailed as e:
+        return _report(e, EXIT_WRITE_FAILED)
     except KeyboardInterrupt as e:  # graph_trainer.runtime.interrupts.Interrupted, or Ctrl-C before the training loop
         from graph_trainer.runtime.interrupts import exit_code
 
@@ -66,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(error: Exception, code: int) -> int:
     message = " ".join(str(error).split("\n"))
-    print(f"error: {message}", file=sys.stderr)
+    # One write, newline included: the ranks of a launch share stderr, and separate writes would interleave.
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
     return code
 
 

@@ -27,6 +27,7 @@ from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import ParallelModel
 from graph_trainer.distributed.parallelize import parallelize_model
 from graph_trainer.errors import ConfigError, UserError
+from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.schema import JobConfig
@@ -114,7 +115,8 @@ def _validation_source(cfg: JobConfig) -> tuple[str, tuple[int, bool] | None]:
 
 def build_data(cfg: JobConfig, mesh: Mesh) -> JobData:
     """The configured tokenizer and the batches of this rank's data-parallel slice (tensor-parallel peers, when
-    there are any, read the same batches), and with `validation.enable` the held-out batches.
+    there are any, read the same batches), and with `validation.enable` the held-out batches. A training batch is one
+    step's: with gradient accumulation, every micro-batch of it (the step cuts it).
 
     Held out: `validation.path` (read as `data.source` reads `data.path`) or, without it, every
     `validation.holdout_every`-th document of the training data, which training then skips.
@@ -137,6 +139,8 @@ def build_data(cfg: JobConfig, mesh: Mesh) -> JobData:
         validation = build_dataloader(d.source, path, tokenizer, holdout=held_out, option=option, **common)
     kept = None if held_out is None else (held_out[0], False)
     gather = gather_over_data_ranks(mesh)
+    # A training batch is one step's (every micro-batch); the eval step runs one local batch at a time.
+    common["batch_size"] = t.local_batch_size * accumulation_steps(cfg)
     loader = build_dataloader(d.source, d.path, tokenizer, gather=gather, holdout=kept, **common)
     return JobData(tokenizer, loader, validation)
 
@@ -305,6 +309,7 @@ class Job:
             grad_reduce=self.parallel.grad_reduce(),
             optimizer=self.optimizer if optimizer_update else None,
             norm_reduce=self.parallel.norm_reduce(),
+            **self._accumulation(),
         )
 
     def build_eval_step(self, *, failure_dir: Path | None = None) -> EvalStep:
@@ -325,6 +330,10 @@ class Job:
             failure_dir=failure_dir,
             layers=self.spec.parallel_plan.layers,
         )
+
+    def _accumulation(self) -> dict[str, Any]:
+        """The step's gradient accumulation: micro-batches per step and the token count's reduction."""
+        return {"accumulation_steps": accumulation_steps(self.cfg), "count_reduce": self.parallel.count_reduce()}
 
     def graph_step(
         self,
@@ -364,6 +373,18 @@ class Job:
             grad_reduce=self.parallel.grad_reduce(),
             norm_reduce=self.parallel.norm_reduce(),
             layers=self.spec.parallel_plan.layers,
+            **self._accumulation(),
+        )
+
+
+def _check_balancing_steps(model: nn.Module, micro_batches: int) -> None:
+    """Refuse gradient accumulation for a mixture of experts: its balancing bias is updated at the start of each
+    training forward (models/deepseek_v3), which would be after every micro-batch, not once per step."""
+    if micro_batches > 1 and any(hasattr(m, "count_reduce") for m in model.modules()):
+        raise UserError(
+            f"model {model.__class__.__name__} moves its expert-balancing bias at every training forward, so with "
+            f"{micro_batches} micro-batches per step it would move {micro_batches} times, not once per step; "
+            "set training.global_batch_size -1 (no gradient accumulation) for this model"
         )
 
 
@@ -406,6 +427,7 @@ def build_job(cfg: JobConfig, mesh: Mesh, *, materialize: bool = True, vocab_nee
     # From here on, a sharded parameter is this rank's part of it (same names, smaller shapes).
     parallel = parallelize_model(model, mesh, cfg, spec.parallel_plan)
     _check_balancing_counts(model, mesh)
+    _check_balancing_steps(model, accumulation_steps(cfg))
     if materialize and pretrained is not None:
         pretrained.load_into(model, parallel, mesh.device)
     optimizer = build_job_optimizer(cfg, model, mesh.device)

@@ -1,8 +1,8 @@
 """Errors that are the user's to fix.
 
 Anything raised as a `UserError` reaches the user as one line on stderr and exit
-code 2 (see `graph_trainer.__main__`); everything else is a bug and keeps its
-traceback.
+code 2 (see `graph_trainer.__main__`), a `WriteFailed` as one line and exit code 74;
+everything else is a bug and keeps its traceback.
 """
 
 import difflib
@@ -14,6 +14,12 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A config file or command-line override is malformed or out of range."""
+
+
+class WriteFailed(Exception):
+    """A run stopped because a write failed (a full disk, a quota, an I/O error): not the user's input, but
+    theirs to fix. The message names the file's folder, the cause, what was kept and how to continue; the
+    command line reports it in one line with its own exit code (see `graph_trainer.__main__`)."""
 
 
 def closest_match(given: str, candidates: list[str], *, ignore_case: bool = False) -> str | None:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from graph_trainer.checkpoint.dcp_reader import SafeFileSystemReader
 from graph_trainer.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, hf_adapter, parse_size, save_hf
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.model_args import build_model_args, get_model_spec
@@ -37,7 +38,7 @@ def full_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The model's full tensors from a `step-*.dcp` folder or a `step-*.pt` file (see graph_trainer.checkpoint)."""
     if checkpoint.is_file():
         return _single_file(checkpoint)["model"]
-    reader = dcp.FileSystemReader(checkpoint)
+    reader = SafeFileSystemReader(checkpoint)  # reads .metadata without running any code in it
     try:
         metadata = reader.read_metadata()
     except (OSError, EOFError, ValueError) as e:

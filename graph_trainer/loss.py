@@ -18,16 +18,35 @@ import torch.nn.functional as F
 from graph_trainer.errors import UserError
 
 IGNORE_INDEX = -100
+# Batch key of the count the summed token losses are divided by, when the batch is one micro-batch of several
+# (gradient accumulation): every micro-batch's loss is then its share of the step's mean over all its valid
+# tokens, so the accumulated gradient is the big batch's, not a mean of micro-batch means. Absent: the mean
+# over this batch's own valid tokens.
+NUM_TOKENS = "num_tokens"
 
 
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32; label `IGNORE_INDEX` (-100) marks tokens that do not count."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX)
+def valid_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many labels count (are not `IGNORE_INDEX`), as a 0-d int64 tensor."""
+    return (labels != IGNORE_INDEX).sum()
+
+
+def cross_entropy_loss(
+    logits: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean token cross-entropy in fp32; label `IGNORE_INDEX` (-100) marks tokens that do not count.
+
+    With `num_tokens`, the sum over the valid tokens divided by it (see `NUM_TOKENS`); without it, torch's
+    own mean, unchanged.
+    """
+    logits, labels = logits.flatten(0, 1).float(), labels.flatten(0, 1)
+    if num_tokens is None:
+        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum") / num_tokens
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Forward a causal LM on `batch["input"]` and score it against `batch["labels"]`."""
-    return cross_entropy_loss(model(batch["input"]), batch["labels"])
+    """Forward a causal LM on `batch["input"]` and score it against `batch["labels"]` (see `NUM_TOKENS`)."""
+    return cross_entropy_loss(model(batch["input"]), batch["labels"], batch.get(NUM_TOKENS))
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -40,8 +59,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     Forward keeps only the loss; backward recomputes each chunk's logits and
     writes d(loss)/d(hidden) and d(loss)/d(weight) directly (softmax minus the
-    one-hot label, scaled by 1/number of counted tokens). Traced by make_fx, the
-    recompute lands in the backward phase of the graph; in eager mode it runs as
+    one-hot label, scaled by 1/number of counted tokens, or 1/`num_tokens` when given: see `NUM_TOKENS`).
+    Traced by make_fx, the recompute lands in the backward phase of the graph; in eager mode it runs as
     is, so the traced and eager steps stay bitwise equal to each other.
     Numerics against `lm_loss`: the per-chunk sums and the per-chunk weight
     gradients are added in a different order, so results agree to float
@@ -50,7 +69,13 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, dtype: torch.dtype
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk_size: int,
+        dtype: torch.dtype,
+        num_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, hidden.shape[0], chunk_size):
@@ -59,7 +84,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 logits, labels[start : start + chunk_size], ignore_index=IGNORE_INDEX, reduction="sum"
             )
             del logits  # one chunk's logits alive at a time
-        count = (labels != IGNORE_INDEX).sum()
+        count = valid_tokens(labels) if num_tokens is None else num_tokens
         ctx.save_for_backward(hidden, weight, labels, count)
         ctx.chunk_size, ctx.dtype = chunk_size, dtype
         return total / count
@@ -83,7 +108,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             del grad_logits
             grad_hidden[start : start + ctx.chunk_size] = (g @ w).to(hidden.dtype)
             grad_weight += (g.t() @ h.to(ctx.dtype)).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
 def chunked_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, chunk_size: int) -> torch.Tensor:
@@ -104,7 +129,7 @@ def chunked_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, chunk_s
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     with torch.autocast(device_type, enabled=False):
         return ChunkedCrossEntropy.apply(
-            hidden.flatten(0, 1), output.weight, batch["labels"].flatten(0, 1), chunk_size, dtype
+            hidden.flatten(0, 1), output.weight, batch["labels"].flatten(0, 1), chunk_size, dtype, batch.get(NUM_TOKENS)
         )
 
 

@@ -3,6 +3,7 @@
     out = step(batch)          # forward, loss, backward, clipping and the optimizer update
     out.loss, out.grad_norm    # (also unpacks as `loss, grad_norm = step(batch)`)
     step.report()              # what the trainer logs besides: trace stats, estimated peak, ...
+    step.graph_nodes()         # the graph's nodes with the estimated live bytes at each (None: eager)
 
 `graph_trainer.eager.EagerStep` and `graph_trainer.tracer.GraphStep` implement
 it. The trainer knows only this module's names, nothing of graphs.
@@ -11,9 +12,17 @@ it. The trainer knows only this module's names, nothing of graphs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
+import torch.utils._pytree as pytree
+
+from graph_trainer.errors import UserError
+from graph_trainer.loss import NUM_TOKENS, valid_tokens
+
+# Maps this rank's count of valid tokens to the count its summed loss is divided by (see `micro_batches`).
+CountReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class StepOutput(NamedTuple):
@@ -48,6 +57,50 @@ class StepReport:
         return {k: v for k, v in fields.items() if v is not None}
 
 
+def micro_batches(batch: dict[str, Any], steps: int, count_reduce: CountReduce | None = None) -> list[dict[str, Any]]:
+    """`batch` cut into `steps` micro-batches along dim 0 (views, in order), each told the step's token count.
+
+    Every micro-batch carries `NUM_TOKENS`: the valid labels of the whole batch, mapped by `count_reduce` (with
+    data parallelism: the count over every rank divided by their number, since the gradient reduction averages
+    over the ranks). Each micro-batch's loss is then its share of the mean over all the step's tokens, and the
+    accumulated gradient is the whole batch's, however unevenly the valid tokens fall.
+
+    Raises:
+        UserError: a tensor of the batch whose first dimension does not divide into `steps`.
+    """
+    leaves, spec = pytree.tree_flatten(batch)
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] % steps):
+            raise UserError(
+                f"a batch tensor of shape {list(t.shape)} cannot be cut into {steps} equal micro-batches; "
+                "give every batch tensor a first dimension divisible by the accumulation steps"
+            )
+    count = valid_tokens(batch["labels"])
+    count = (count_reduce(count) if count_reduce is not None else count).to(torch.float32)
+    parts = [t.chunk(steps) if isinstance(t, torch.Tensor) else [t] * steps for t in leaves]
+    return [{**pytree.tree_unflatten([p[i] for p in parts], spec), NUM_TOKENS: count} for i in range(steps)]
+
+
+def sum_losses(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The step's loss from its micro-batches' (each already a share of the step's mean), added in order."""
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphNode:
+    """One node of the graph a traced step runs, for the memory timeline (`observability.memory_timeline`)."""
+
+    name: str
+    op: str  # the op's name ("mm", "placeholder", ...)
+    module_fqn: str  # the module that made it ("" at the top level)
+    phase: str | None  # "forward", "backward", "optimizer", or None for inputs and outputs
+    estimated_bytes: int | None  # live bytes while it runs, by the static estimate (None: none was made)
+    dispatches: Any = None  # the OpOverload it dispatches when the graph runs op by op, else None
+
+
 class TrainStep(Protocol):
     """One training step on a batch, and a report of what it cost."""
 
@@ -57,6 +110,11 @@ class TrainStep(Protocol):
 
     def report(self) -> StepReport:
         """What the trainer logs about the steps run so far."""
+        ...
+
+    def graph_nodes(self) -> list[GraphNode] | None:
+        """The nodes of the graph that runs, in order, with the estimate at each; None for a step that is not
+        one graph (eager)."""
         ...
 
 

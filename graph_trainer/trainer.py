@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from graph_trainer.checkpoint.run_folder import CONFIG_FILE, RunFolder, inspect
 from graph_trainer.checkpoint.single_file import capture_rng_state, restore_rng_state
 from graph_trainer.distributed.launch import single_process
 from graph_trainer.distributed.mesh import Mesh
-from graph_trainer.errors import UserError
+from graph_trainer.errors import UserError, WriteFailed
 from graph_trainer.job_config.load import config_to_toml
 from graph_trainer.job_config.resume import compare_on_resume, load_optimizer_state, stored_config
 from graph_trainer.job_config.schema import JobConfig
@@ -30,12 +32,15 @@ from graph_trainer.observability.digest import tensors_digest
 from graph_trainer.observability.divergence import DivergenceGuard, TrainingDiverged
 from graph_trainer.observability.log import configure_console, get_logger
 from graph_trainer.observability.memory import MemoryMonitor
+from graph_trainer.observability.memory_timeline import require_matplotlib, write_timeline
 from graph_trainer.observability.metrics import SUMMARY_FILE, TB_SUBDIR, MetricsLogger
+from graph_trainer.observability.profiling import StepProfiler
 from graph_trainer.observability.units import to_gib
 from graph_trainer.optimizer.lr_schedule import resync_lr
 from graph_trainer.plan.preflight import preflight
 from graph_trainer.runtime.device import compute_dtype, peak_flops, resolve_dtype, set_determinism
-from graph_trainer.runtime.fsutil import atomic_write_text
+from graph_trainer.runtime.folder_lock import in_use_message, lock_folder, release_folder
+from graph_trainer.runtime.fsutil import WriteError, atomic_write_text
 from graph_trainer.runtime.interrupts import Interrupted, StopRequest
 from graph_trainer.validation import Validator
 
@@ -85,7 +90,18 @@ class Trainer:
         self.mesh = mesh if mesh is not None else single_process(cfg)
         self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
         configure_console(self.rank)  # rank 0 prints progress; the others only warnings and errors
+        # Before any check of the folder's contents: a run still writing there must not be told "pass --resume".
+        self._lock_run_folder(Path(cfg.job.dump_folder).absolute())
+        try:
+            self._build(cfg)
+        except BaseException:
+            self._release_run_folder()
+            raise
+
+    def _build(self, cfg: JobConfig) -> None:
         self.device = self.mesh.device
+        if cfg.profiling.enable_memory_snapshot and self.device.type != "cuda":
+            require_matplotlib("profiling.enable_memory_snapshot")  # the CPU timeline is a plot
         self.compute_dtype = compute_dtype(cfg.training.dtype, self.device, cfg.training.mixed_precision_param)
         self.autocast_dtype = resolve_dtype(cfg.training.dtype, self.device, cfg.training.mixed_precision_param)
         # Everything is validated before the first write: folders (read only), data, tokenizer, preflight,
@@ -144,29 +160,60 @@ class Trainer:
         # A finished run resumed with the same training.steps has nothing to do: write nothing at all.
         self.already_complete = cfg.checkpoint.resume and self.step >= cfg.training.steps
         if not self.already_complete:
-            self._prepare_run_folder()
+            try:
+                self._prepare_run_folder()
+            except WriteError as e:
+                raise WriteFailed(self._write_failed(e, None)) from None
         self.peak_flops = peak_flops(self.device, self.compute_dtype)
+
+    def _lock_run_folder(self, folder: Path, *, create: bool = False) -> None:
+        """Rank 0 locks `folder` (creating it with `create`, else only if it exists); every rank learns in one
+        collective whether another run holds it, and refuses with the same line (see `runtime.folder_lock`)."""
+        self._locked = folder
+        holder = -1  # -1: not refused; else the holder's pid
+        if self.rank == 0:
+            if create:
+                self.run_folder.create_dump_folder()
+            if folder.is_dir():
+                pid = lock_folder(folder)
+                holder = -1 if pid is None else pid
+        holder = self.mesh.max_over_ranks(holder)
+        if holder >= 0:
+            raise UserError(in_use_message(folder, holder))
+
+    def _release_run_folder(self) -> None:
+        if self.rank == 0:
+            release_folder(self._locked)
 
     def _prepare_run_folder(self) -> None:
         """The first write: clear a replaced run (its recorded files only), start the manifest, write config.toml.
 
         Rank 0 writes; every rank has finished its checks (barrier) before anything is deleted.
         """
+        self._lock_run_folder(self.dump_folder, create=True)  # a folder that did not exist at the start
         self.mesh.barrier()
-        if self.rank == 0:
-            manifest = self.run_folder.prepare()
-            self.checkpointer.record, self.checkpointer.owns = manifest.record, manifest.owns
-            self.checkpointer.forget = manifest.forget
-            for name in (CONFIG_FILE, SUMMARY_FILE):
-                manifest.record(self.dump_folder / name)
-            atomic_write_text(self.dump_folder / CONFIG_FILE, config_to_toml(self.cfg))
-            # Files that later appear here (TensorBoard events, graph dumps) are adopted as ours.
-            self._preexisting = {p for d in (TB_SUBDIR, "graphs") for p in (self.dump_folder / d).rglob("*")}
-        self.mesh.barrier()
+        self._write_together(self._start_run_files)  # as a barrier, and every rank learns of a failed write
+
+    def _start_run_files(self) -> None:
+        """Rank 0: the manifest and config.toml (see `_prepare_run_folder`)."""
+        if self.rank != 0:
+            return
+        manifest = self.run_folder.prepare()
+        self.checkpointer.record, self.checkpointer.owns = manifest.record, manifest.owns
+        self.checkpointer.forget = manifest.forget
+        for name in (CONFIG_FILE, SUMMARY_FILE):
+            manifest.record(self.dump_folder / name)
+        atomic_write_text(self.dump_folder / CONFIG_FILE, config_to_toml(self.cfg))
+        # Files that later appear here (TensorBoard events, graph dumps, profiles) are adopted as ours.
+        self._preexisting = {p for d in self._adopted_folders() for p in (self.dump_folder / d).rglob("*")}
+
+    def _adopted_folders(self) -> tuple[str, ...]:
+        p = self.cfg.profiling
+        return (TB_SUBDIR, "graphs", p.save_traces_folder, p.save_memory_snapshot_folder)
 
     def _adopt_new_files(self) -> None:
         if self.rank == 0:
-            for d in (TB_SUBDIR, "graphs"):
+            for d in self._adopted_folders():
                 self.run_folder.adopt_new_files(self.dump_folder / d, self._preexisting)
 
     def _resume(self) -> None:
@@ -226,11 +273,12 @@ class Trainer:
         state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         return [*self.model.parameters(), *self.model.buffers(), *batch.values(), *state]
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """One optimizer step on `batch`; returns the step's metrics record."""
+    def train_step(self, batch: dict[str, torch.Tensor], *, record_ops: bool = False) -> dict[str, Any]:
+        """One optimizer step on `batch`; returns the step's metrics record. `record_ops`: keep the live bytes
+        after every op (`self.memory.last_ops`) for the memory timeline."""
         lr = self.optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
-        with self.memory.measure_step(self._live_tensors(batch)) as mem:
+        with self.memory.measure_step(self._live_tensors(batch), record_ops=record_ops) as mem:
             with cli_trace_errors():
                 loss, grad_norm = self.step_fn(batch)  # the optimizer update included
         self.scheduler.step()
@@ -265,12 +313,19 @@ class Trainer:
         return record
 
     def train(self) -> TrainResult:
-        """Run the loop to `training.steps`; checkpoints and logs.
+        """Run the loop to `training.steps`; checkpoints and logs. The dump folder's lock is released at the end.
 
         Raises TrainingDiverged when the run blows up (see `graph_trainer.observability.divergence`;
-        nothing is saved for that step) and `Interrupted` after SIGINT/SIGTERM, once
-        the current step finished and (with checkpointing) was saved.
+        nothing is saved for that step), `Interrupted` after SIGINT/SIGTERM, once
+        the current step finished and (with checkpointing) was saved, and `WriteFailed` when a
+        write failed (a full disk): on every rank, with summary.json's status `write_failed`.
         """
+        try:
+            return self._train()
+        finally:
+            self._release_run_folder()
+
+    def _train(self) -> TrainResult:
         cfg = self.cfg
         losses, records = [], []
         if self.already_complete:
@@ -292,64 +347,160 @@ class Trainer:
         # Sharded parameters: each rank sees part of the norm; the ranks must stop (or save) together.
         guard = DivergenceGuard(self.parallel.shard_sum())
         guard.start(self.model.parameters(), self.step)
-        group = self.mesh.world_group
-        with metrics, self._adopting_files(), StopRequest() as stop:
-            data = iter(self.dataloader)
-            while self.step < cfg.training.steps:
-                batch = {k: v.to(self.device, non_blocking=True) for k, v in next(data).items()}
-                record = self.train_step(batch)
-                self.step += 1
-                losses.append(record["loss"])
-                records.append(record)
-                metrics.log_step(self.step, record)
-                if self.validator is not None and self.validator.due(self.step, cfg.training.steps):
-                    metrics.log_validation(self.step, self.validator.run())
-                signum = stop.agreed(group, self.device)  # every rank stops after the same step
-                save = cfg.checkpoint.enable and (
-                    signum is not None or self.step == cfg.training.steps or self.step % cfg.checkpoint.interval == 0
-                )
-                try:
-                    # Checked on every rank (the values are replicated or summed), so all ranks stop together.
-                    guard.check_step(self.step, record["loss"], record["grad_norm"])
-                    if save:
-                        guard.check_before_save(self.step, record["loss"], self.model.parameters())
-                except TrainingDiverged as e:
-                    metrics.set_final({"status": "diverged", "final_step": self.step, "reason": str(e)})
-                    raise TrainingDiverged(self._diverged_message(str(e))) from None
-                # Every rank builds the state: a data position may gather every rank's (data.hf_datasets).
-                state = self._state() if save else None
-                if save and self.checkpointer.enable:
-                    self.checkpointer.save(self.step, state)
-                    self._adopt_new_files()
-                elif len(losses) == 1:
-                    self._adopt_new_files()  # the first step opened TensorBoard and dumped the graphs
-                if signum is not None:
-                    message = self._interrupted_message(signum)
-                    metrics.set_final(
-                        {
-                            "status": "interrupted",
-                            "final_step": self.step,
-                            "signal": signal.Signals(signum).name,
-                            "message": message,
-                        }
-                    )
-                    raise Interrupted(signum, message)
-            result = self._result(losses, records)
-            metrics.set_final(
-                {
-                    "status": "ok",
-                    "final_step": self.step,
-                    "final_loss": losses[-1] if losses else None,
-                    "params_sha256": result.params_sha256,
-                    "grads_sha256": result.grads_sha256,
-                    "trace_count": result.trace_count,
-                    "retrace_reasons": self.step_fn.report().retrace_reasons,
-                    "num_params": self.num_params,
-                    "wall_time_s": time.perf_counter() - wall_start,
-                }
-            )
+        p = cfg.profiling
+        self.profiler = StepProfiler(
+            self.dump_folder,
+            enable_profiling=p.enable_profiling,
+            traces_folder=p.save_traces_folder,
+            profile_freq=p.profile_freq,
+            enable_memory_snapshot=p.enable_memory_snapshot,
+            snapshot_folder=p.save_memory_snapshot_folder,
+            rank=self.rank,
+            device=self.device,
+        )
+        try:
+            with metrics, self._adopting_files(), self.profiler, StopRequest() as stop:
+                result = self._loop(metrics, guard, stop, losses, records)
+                self._write_together(metrics.set_final, self._final_ok(result, wall_start))
+        except WriteError as e:
+            raise WriteFailed(self._write_failed(e, metrics)) from None
         logger.info(self._results_line())
         return result
+
+    def _loop(
+        self,
+        metrics: MetricsLogger,
+        guard: DivergenceGuard,
+        stop: StopRequest,
+        losses: list[float],
+        records: list[dict[str, Any]],
+    ) -> TrainResult:
+        """The steps, each logged, checked and (at the interval) saved; returns the result after the last."""
+        cfg, group = self.cfg, self.mesh.world_group
+        data = iter(self.dataloader)
+        while self.step < cfg.training.steps:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in next(data).items()}
+            self.profiler.before_step(self.step + 1)
+            record = self.train_step(batch, record_ops=self.profiler.wants_timeline(self.step + 1))
+            self.step += 1
+            losses.append(record["loss"])
+            records.append(record)
+            self._write_together(self._step_written, metrics, record)  # one collective: did every write succeed?
+            if self.validator is not None and self.validator.due(self.step, cfg.training.steps):
+                self._write_together(metrics.log_validation, self.step, self.validator.run())
+            signum = stop.agreed(group, self.device)  # every rank stops after the same step
+            save = cfg.checkpoint.enable and (
+                signum is not None or self.step == cfg.training.steps or self.step % cfg.checkpoint.interval == 0
+            )
+            try:
+                # Checked on every rank (the values are replicated or summed), so all ranks stop together.
+                guard.check_step(self.step, record["loss"], record["grad_norm"])
+                if save:
+                    guard.check_before_save(self.step, record["loss"], self.model.parameters())
+            except TrainingDiverged as e:
+                metrics.set_final({"status": "diverged", "final_step": self.step, "reason": str(e)})
+                raise TrainingDiverged(self._diverged_message(str(e))) from None
+            # Every rank builds the state: a data position may gather every rank's (data.hf_datasets).
+            state = self._state() if save else None
+            if save and self.checkpointer.enable:
+                self._write_together(self._save_checkpoint, state)
+            elif len(losses) == 1:
+                self._write_together(self._adopt_new_files)  # the first step opened TensorBoard, dumped the graphs
+            if signum is not None:
+                message = self._interrupted_message(signum)
+                final = {"status": "interrupted", "final_step": self.step, "signal": signal.Signals(signum).name}
+                self._write_together(metrics.set_final, {**final, "message": message})
+                raise Interrupted(signum, message)
+        return self._result(losses, records)
+
+    def _final_ok(self, result: TrainResult, wall_start: float) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "final_step": self.step,
+            "final_loss": result.losses[-1] if result.losses else None,
+            "params_sha256": result.params_sha256,
+            "grads_sha256": result.grads_sha256,
+            "trace_count": result.trace_count,
+            "retrace_reasons": self.step_fn.report().retrace_reasons,
+            "num_params": self.num_params,
+            "wall_time_s": time.perf_counter() - wall_start,
+        }
+
+    def _step_written(self, metrics: MetricsLogger, record: dict[str, Any]) -> None:
+        """After a step: its metrics (rank 0), its profiler trace and memory snapshot or CPU memory timeline
+        (every rank its own, when the step is profiled)."""
+        self.profiler.after_step(self.step)  # first: the trace ends with the step, before the logging
+        metrics.log_step(self.step, record)
+        if self.memory.last_ops is not None:
+            folder = self.profiler.timeline_folder(self.step)
+            nodes, ops = self.step_fn.graph_nodes(), self.memory.last_ops
+            _, png = write_timeline(folder, self.step, self.rank, nodes, ops, self._outside_graph_bytes())
+            logger.info(f"memory timeline of step {self.step}: {png} (and .json)")
+
+    def _outside_graph_bytes(self) -> int:
+        """Bytes the step's measurement counts (`_live_tensors`) that are no input of its graph: the AdamW
+        state, when the update runs after the graph instead of in it."""
+        if self.step_fn.report().updates_inside:
+            return 0
+        state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in state}.values())
+
+    def _save_checkpoint(self, state: dict[str, Any]) -> None:
+        self.checkpointer.save(self.step, state)
+        self._adopt_new_files()
+
+    def _write_together(self, write: Callable[..., Any], *args: Any) -> None:
+        """Run `write` (rank 0's files, or every rank's); when it failed on any rank, raise `WriteError` on every
+        rank (one collective), so that no rank walks alone into the next step's collectives."""
+        failure: WriteError | None = None
+        try:
+            write(*args)
+        except WriteError as e:
+            failure = e
+        failed_rank = self.mesh.max_over_ranks(self.rank if failure is not None else -1)
+        if failed_rank >= 0:
+            raise failure or WriteError(self.dump_folder, OSError(f"rank {failed_rank} could not write; it says why"))
+
+    def _write_failed(self, error: WriteError, metrics: MetricsLogger | None) -> str:
+        """The one line for a run stopped by a failed write, after marking summary.json (see `__main__`)."""
+        cause = error.strerror or str(error.cause)
+        if error.errno in errno.errorcode:
+            cause += f" [{errno.errorcode[error.errno]}]"
+        where = f"in {error.path}" if error.path.is_dir() else f"{error.path.name} in {error.path.parent}"
+        when = f"after step {self.step}" if self.step else "before its first step"
+        message = f"writing {where} failed: {cause}; the run stopped {when} and left no partial file; "
+        message += self._what_was_kept()
+        final = {"status": "write_failed", "final_step": self.step, "path": str(error.path), "message": message}
+        metrics = metrics or self._summary_at_start()
+        second = metrics.record_failure(final) if metrics is not None else None
+        if metrics is None or second is not None:
+            why = f" ({second.strerror or second.cause})" if second is not None else ": the manifest could not own it"
+            message += f"; {SUMMARY_FILE} could not record this either{why}"
+        return message
+
+    def _summary_at_start(self) -> MetricsLogger | None:
+        """summary.json for a run that failed before its first step, if the manifest owns it (an unrecorded one
+        would block the rerun as a stranger's file)."""
+        manifest = getattr(self.run_folder, "manifest", None)
+        if self.rank == 0 and (manifest is None or not manifest.owns(self.dump_folder / SUMMARY_FILE)):
+            return None
+        return MetricsLogger(
+            self.dump_folder,
+            enable_tensorboard=False,
+            log_freq=1,
+            total_steps=self.cfg.training.steps,
+            rank=self.rank,
+            config_toml=config_to_toml(self.cfg),
+        )
+
+    def _what_was_kept(self) -> str:
+        kept = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None
+        if kept is None:
+            return "no checkpoint was saved: free space, then start again with --job.overwrite true"
+        return (
+            f"every earlier checkpoint is kept, the latest {self.checkpointer.path(kept)} (step {kept}): "
+            "free space, then continue with --checkpoint.resume"
+        )
 
     def _result(self, losses: list[float], records: list[dict[str, Any]]) -> TrainResult:
         return TrainResult(
@@ -366,8 +517,11 @@ class Trainer:
         """Record the files the run wrote under tb/ and graphs/ in the manifest, however the loop ends."""
         try:
             yield
-        finally:
-            self._adopt_new_files()
+        except BaseException:
+            with contextlib.suppress(WriteError):  # the run is already failing: a second failed write must not hide it
+                self._adopt_new_files()
+            raise
+        self._adopt_new_files()
 
     def _results_line(self) -> str:
         latest = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None

@@ -53,10 +53,6 @@ RUN_ELSEWHERE = {
     "python run_tests.py out/ --suite quick --collect-peak-memory": ".ci/run",
     REFERENCE_COMMAND: "tests/job_config/test_reference.py",
 }
-# Blocks whose commands depend on each other (a model written, trained, exported, read back): an
-# integration test runs each block's lines verbatim, in order, in one fresh folder. Keyed by page, the
-# heading the block follows.
-RUN_BLOCKS = {"docs/hf_weights.md": "## The round trip, end to end"}
 RUN_HERE = [
     "python -m graph_trainer --config llama3_debug.toml --help",
     "python -m graph_trainer --config llama3_debug.toml --print-config",
@@ -78,6 +74,17 @@ def _commands(text: str) -> list[str]:
         found.append(" ".join(span.split()))
     # Drop trailing comments; the command itself is kept as written.
     return [" ".join(shlex.split(c, comments=True)) if "#" in c else c for c in found]
+
+
+def first_bash_block(page: Path) -> list[str]:
+    """The commands of the first ```bash block of `page`."""
+    body = next(body for lang, body in FENCE.findall(page.read_text()) if lang == "bash")
+    return _commands(f"```bash\n{body}```\n")
+
+
+# The Hugging Face round trip runs verbatim, one command after the other, in tests/test_hf_weights.py.
+HF_ROUND_TRIP = first_bash_block(REPO / "docs" / "hf_weights.md")
+RUN_ELSEWHERE.update(dict.fromkeys(HF_ROUND_TRIP, "tests/test_hf_weights.py"))
 
 
 def all_commands() -> list[tuple[str, str]]:
@@ -163,7 +170,7 @@ def check_command(command: str) -> None:
     if argv[0] == "pip":
         return _check_pip(argv[1:])
     if argv[:2] == ["python", "-c"]:
-        # A snippet: it must compile here; the blocks of RUN_BLOCKS run it too.
+        # A snippet: it must compile here (the round trip that holds them runs in tests/test_hf_weights.py).
         compile(argv[2], command, "exec")
         return None
     if argv[0] == "python" and (REPO / argv[1]).is_file() and argv[1].startswith("benchmarks/"):
@@ -212,31 +219,6 @@ def test_cheap_trainer_command_runs_verbatim(command, tmp_path):
         assert tomllib.loads(proc.stdout)["model"]["flavor"] == "debugmodel"
     if "--training.steps 1" in command:
         assert any((tmp_path / "outputs" / "graphs" / "graphs").iterdir())
-
-
-def _block_after(page: str, heading: str) -> list[str]:
-    text = (REPO / page).read_text()
-    _, found, rest = text.partition(heading + "\n")
-    assert found, f"{page} has no heading {heading!r}: update RUN_BLOCKS in tests/test_docs.py"
-    lang, body = FENCE.findall(rest)[0]
-    assert lang == "bash", f"{page}: the block after {heading!r} is not a bash block"
-    return [line for line in body.splitlines() if line.strip() and not line.startswith("#")]
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize(("page", "heading"), RUN_BLOCKS.items())
-def test_documented_block_runs_verbatim(page, heading, tmp_path):
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-    }
-    for command in _block_after(page, heading):
-        proc = subprocess.run(
-            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-        )
-        assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"
 
 
 def _anchors(text: str) -> set[str]:

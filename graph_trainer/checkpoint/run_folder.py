@@ -214,13 +214,7 @@ class RunFolder:
         """
         if self.replace and self.previous is not None:
             remove_run(self.previous)
-        try:
-            self.dump_folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(
-                f"job.dump_folder '{self.dump_folder}' cannot be created ({e.strerror}); "
-                "choose a folder in a writable place"
-            ) from None
+        self.create_dump_folder()
         carried = self.previous is not None and not self.replace
         self.manifest = Manifest(
             self.dump_folder / MANIFEST_FILE,
@@ -229,6 +223,16 @@ class RunFolder:
         )
         self.manifest.save()
         return self.manifest
+
+    def create_dump_folder(self) -> None:
+        """Create the dump folder (and its parents) if missing; UserError when that is impossible."""
+        try:
+            self.dump_folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(
+                f"job.dump_folder '{self.dump_folder}' cannot be created ({e.strerror}); "
+                "choose a folder in a writable place"
+            ) from None
 
     def adopt_new_files(self, folder: Path, before: set[Path]) -> None:
         """Record files that appeared under `folder` during this run (TensorBoard events, graph dumps)."""

@@ -6,7 +6,9 @@ Layout: `{folder}/step-{step:08d}.dcp/`, a `torch.distributed.checkpoint` folder
   tensors (buffers, AdamW step counts) are written once.
 - `rank{r}.pt` per rank: the plain state (step, lr schedule, this rank's data position and
   RNG state, the config), `torch.save`d so that it reads back with `weights_only=True`.
-  (DCP's own `.metadata` is a pickle: torch reads it with `pickle.load`.)
+  (DCP's own `.metadata` is a pickle: it is read through `dcp_reader.SafeFileSystemReader`, which builds
+  only DCP's metadata classes, so a tampered checkpoint runs no code.) No bytes item is written: DCP
+  would unpickle it on load; the tensors only go through DCP.
 
 Why DTensors of the logical shape: our shards (`graph_trainer.distributed.fsdp`) are torch.chunk
 row blocks with zero rows padding the last; DTensor's `Shard(0)` uses the same
@@ -39,13 +41,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from graph_trainer.checkpoint.dcp_reader import SafeFileSystemReader
 from graph_trainer.checkpoint.single_file import CheckpointManager, check_compatible
 from graph_trainer.distributed.parallelism import ParallelModel
 from graph_trainer.errors import UserError
 from graph_trainer.observability.log import get_logger
-from graph_trainer.runtime.fsutil import TEMP_SUFFIX, atomic_write, fsync_dir, remove_path
+from graph_trainer.runtime.fsutil import (
+    TEMP_SUFFIX,
+    WriteError,
+    atomic_write,
+    fsync_dir,
+    os_error_behind,
+    remove_path,
+    writing,
+)
 
 logger = get_logger(__name__)
 
@@ -122,22 +134,10 @@ class ShardedCheckpointManager(CheckpointManager):
         """
         path, temp = self.path(step), self._temp(step)
         start = time.perf_counter()
-        if self.rank == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            if self.record is not None:
-                self.record(path)  # before anything is written, so a kill leaves nothing unrecorded
-            if self._ours(temp):
-                remove_path(temp)  # a torn save of this very step (killed run)
-            temp.mkdir()  # one we do not own stays, and this fails rather than write into it
-        self._barrier()
-        dcp.save(
-            self._tensors(state[_MODEL], state[_OPTIMIZER]),
-            storage_writer=dcp.FileSystemWriter(temp),
-            process_group=self.group,
-        )
-        plain = {k: state[k] for k in _PLAIN if k in state} | {"world_size": self.world_size}
-        atomic_write(temp / _rank_file(self.rank), lambda f: torch.save(plain, f))
-        self._barrier()  # every rank's files are written and fsynced
+        failure = self._start_folder(path, temp) if self.rank == 0 else None
+        if self.parallel.mesh.max_over_ranks(0 if failure is None else 1):  # as a barrier, and tells every rank
+            raise failure or WriteError(temp, OSError("rank 0 could not create the checkpoint's folder"))
+        self._write_parts(path, temp, state)  # every rank's files are written and fsynced, or every rank raises
         if self.rank == 0:
             fsync_dir(temp)
             if path.exists() and self._ours(path):  # a step saved again (cannot happen in one run; be safe)
@@ -148,6 +148,47 @@ class ShardedCheckpointManager(CheckpointManager):
         self._barrier()  # no rank looks for the checkpoint before it has its name
         logger.info(f"saved {path} ({self.world_size} ranks) in {time.perf_counter() - start:.2f} s")
         return path
+
+    def _start_folder(self, path: Path, temp: Path) -> WriteError | None:
+        """Rank 0: record the checkpoint in the manifest and create its temp folder; the error if that failed."""
+        try:
+            with writing(temp):
+                self.folder.mkdir(parents=True, exist_ok=True)
+                if self.record is not None:
+                    self.record(path)  # before anything is written, so a kill leaves nothing unrecorded
+                if self._ours(temp):
+                    remove_path(temp)  # a torn save of this very step (killed run)
+                temp.mkdir()  # one we do not own stays, and this fails rather than write into it
+        except WriteError as e:
+            return e
+        return None
+
+    def _write_parts(self, path: Path, temp: Path, state: dict[str, Any]) -> None:
+        """Every rank: write this rank's shards (DCP) and plain state into `temp`. A failed write on any rank
+        (a full disk) raises `WriteError` (naming `path`) on every rank, after rank 0 removed the torn `temp`."""
+        failure: WriteError | None = None
+        try:
+            dcp.save(
+                self._tensors(state[_MODEL], state[_OPTIMIZER]),
+                storage_writer=dcp.FileSystemWriter(temp),
+                process_group=self.group,
+            )
+        except CheckpointException as e:  # DCP gathers every rank's failure and raises on all of them
+            failure = _write_error(e, path)
+        if failure is None:
+            plain = {k: state[k] for k in _PLAIN if k in state} | {"world_size": self.world_size}
+            try:
+                atomic_write(temp / _rank_file(self.rank), lambda f: torch.save(plain, f))
+            except WriteError as e:
+                failure = e
+        failed_rank = self.parallel.mesh.max_over_ranks(self.rank if failure is not None else -1)
+        if failed_rank < 0:
+            return
+        if self.rank == 0 and self._ours(temp):
+            remove_path(temp)
+        if failure is None:
+            failure = WriteError(path, OSError(f"rank {failed_rank} could not write its part; its error says why"))
+        raise failure
 
     # --- load --------------------------------------------------------------------------------------------
 
@@ -169,7 +210,7 @@ class ShardedCheckpointManager(CheckpointManager):
         path = self._existing(step)
         start = time.perf_counter()
         plain, saved_world = self._read_plain(path, map_location)
-        reader = dcp.FileSystemReader(path)
+        reader = SafeFileSystemReader(path)
         self._check_shapes(reader.read_metadata(), path)
         if before_tensors is not None:
             before_tensors(plain)
@@ -237,6 +278,15 @@ class ShardedCheckpointManager(CheckpointManager):
             for name, t in self.parallel.model.state_dict().items()
         }
         check_compatible(expected, found)
+
+
+def _write_error(error: CheckpointException, path: Path) -> WriteError:
+    """The first rank's OSError behind DCP's failure (naming that rank), or DCP's error itself if none is."""
+    for rank, (exc, _) in sorted(error.failures.items()):
+        cause = os_error_behind(exc)
+        if cause is not None:
+            return WriteError(path, OSError(cause.errno, f"{cause.strerror or cause} (rank {rank})"))
+    raise error
 
 
 def refuse_other_format(folder: Path, *, sharded: bool) -> None:

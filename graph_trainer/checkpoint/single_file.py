@@ -8,6 +8,7 @@ A save either completes or leaves the folder as it was (see `graph_trainer.runti
 
 from __future__ import annotations
 
+import pickle
 import random
 import re
 import warnings
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from graph_trainer.errors import ConfigError, UserError
-from graph_trainer.runtime.fsutil import TEMP_SUFFIX, atomic_write, remove_path
+from graph_trainer.runtime.fsutil import TEMP_SUFFIX, atomic_write, remove_path, writing
 
 _CKPT_RE = re.compile(r"^step-(\d{8,})\.pt$")
 _RESUME_HINT = "resume with the model config the checkpoint was written with, or start a new job.dump_folder"
@@ -109,11 +110,12 @@ class CheckpointManager:
     def save(self, step: int, state: Mapping[str, Any]) -> Path:
         """Write `state` atomically to `step-{step:08d}.pt`, then prune to the latest `keep_latest_k`.
 
-        If writing fails, the exception propagates and earlier checkpoints are untouched.
+        If writing fails, `WriteError` propagates, no temp file is left and earlier checkpoints are untouched.
         """
         _check_loadable(state, "")
-        self.folder.mkdir(parents=True, exist_ok=True)
         path = self.path(step)
+        with writing(self.folder):
+            self.folder.mkdir(parents=True, exist_ok=True)
         if self.record is not None:
             self.record(path)
         atomic_write(path, lambda f: torch.save(state, f))
@@ -167,11 +169,24 @@ class CheckpointManager:
             )
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
-        except Exception as e:  # torn/corrupt file or one written with non-plain objects
+        except Exception as e:  # torn/corrupt file, or one whose pickle asks for a class or function
+            # weights_only refused a global: the way a pickle runs code, so say that, not "cannot be read"
+            refused = re.search(r"GLOBAL ([\w.]+)", str(e)) if isinstance(e, pickle.UnpicklingError) else None
+            if refused is not None:
+                raise UserError(code_refused(path, refused.group(1), path)) from None
             raise UserError(
                 f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                 "delete it to resume from the previous one"
             ) from None
+
+
+def code_refused(path: Path, what: str, checkpoint: Path) -> str:
+    """The one line refusing a checkpoint file that would run `what` if unpickled (nothing of it was run)."""
+    return (
+        f"{path} asks to run {what} while being read, which a checkpoint never does: it was not written by "
+        f"graph_trainer or was tampered with; nothing of it was run; delete {checkpoint} and resume from an "
+        "earlier checkpoint"
+    )
 
 
 def _describe_shape(shape: torch.Size) -> str:

@@ -6,7 +6,7 @@ different tokens: without a sum over them each rank's bias would drift on its ow
 of the (unsharded) bias would silently disagree. This parallelism sets every router's `count_reduce` to a
 traceable all-reduce over the data-parallel ranks, so the bias update reads the global counts and stays
 equal on every rank. It runs in the forward (the bias update is the first thing a training forward does),
-as `_c10d_functional.all_reduce` + `wait_tensor` nodes of the step graph tagged `count_reduce`; eagerly it
+as `_c10d_functional.all_reduce` + `wait_tensor` nodes of the step graph tagged `expert_count_reduce`; eagerly it
 runs the same ops, so the eager and traced steps agree bitwise.
 """
 
@@ -34,7 +34,9 @@ class CountSum:
 
     def __call__(self, counts: torch.Tensor) -> torch.Tensor:
         c10d = torch.ops._c10d_functional
-        with fx_traceback.annotate({node_meta.COLLECTIVE: node_meta.collective_tag(KIND, node_meta.COUNT_REDUCE)}):
+        with fx_traceback.annotate(
+            {node_meta.COLLECTIVE: node_meta.collective_tag(KIND, node_meta.EXPERT_COUNT_REDUCE)}
+        ):
             return c10d.wait_tensor(c10d.all_reduce(counts, "sum", self.group_name))
 
 

@@ -40,6 +40,14 @@ the `fsdp_gather` pass then decides, per unit, whether the backward re-gathers
 or keeps them. The reduce-scatters and the clip norm's all-reduce carry the tag
 too, with roles "grad_reduce" and "norm_reduce".
 
+Gradient accumulation (`training.global_batch_size`): by default (`parallelism.fsdp_grad_sync = "micro_batch"`,
+as FSDP2 and torchtitan do) every micro-batch's backward reduce-scatters as above and the step adds up the
+sharded gradients. With "step", each unit holds a whole flat gradient sum (a non-persistent model buffer,
+`GRAD_SUM`, so the traced graphs take it as an input and write it in place): the micro-batches' backwards add into
+it and reduce nothing, and the step's gradient reduction (`grad_reduce`, once, after the last micro-batch)
+reduce-scatters each sum and zeroes it. One collective per unit per step instead of per micro-batch, for one
+unsharded gradient of every parameter held all run.
+
 `FSDP` is this package's `Parallelism` for the mesh's `dp_shard` dimension.
 """
 
@@ -59,7 +67,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from graph_trainer.distributed.mesh import Mesh
-from graph_trainer.distributed.parallelism import Parallelism
+from graph_trainer.distributed.parallelism import Parallelism, mean_count_over
+from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.runtime.device import DTYPES
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep, TraceError
@@ -67,6 +76,7 @@ from graph_trainer.tracer.layers import transformer_layers
 
 c10d = torch.ops._c10d_functional
 ROOT = ""  # the root unit's name
+GRAD_SUM = "_fsdp_grad_sum_{}"  # the model buffer holding unit i's whole gradient sum (fsdp_grad_sync = "step")
 KIND = "fsdp"  # the collective tag's kind
 MESH_DIM = "dp_shard"
 
@@ -98,6 +108,8 @@ class AllGather(torch.autograd.Function):
     `param_dtype` (None: the shards' dtype) is the dtype of the gathered buffer.
     Both directions call the `_c10d_functional` ops and wait on them explicitly,
     so eagerly they run the very ops a trace records as graph nodes.
+    With `grad_sum` (fsdp_grad_sync = "step") the backward adds the whole gradient into it in place and
+    returns no shard gradient: `FSDP.reduce_grad_sums` reduce-scatters the sum once per step.
     """
 
     @staticmethod
@@ -107,9 +119,11 @@ class AllGather(torch.autograd.Function):
         reduce_dtype: torch.dtype | None,
         param_dtype: torch.dtype | None,
         reduce_tag: dict[str, Any] | None,
+        grad_sum: torch.Tensor | None,
         *shards: torch.Tensor,
     ) -> torch.Tensor:
         ctx.group, ctx.reduce_dtype, ctx.reduce_tag = group, reduce_dtype, reduce_tag
+        ctx.grad_sum = grad_sum  # not saved for backward: it is written in place by every micro-batch
         ctx.shapes = [s.shape for s in shards]
         ctx.dtype = shards[0].dtype
         numel = sum(s.numel() for s in shards)
@@ -123,17 +137,32 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        g: ShardGroup = ctx.group
+        if ctx.grad_sum is not None:  # fsdp_grad_sync = "step": add up the whole gradient, reduce it later
+            ctx.grad_sum.add_(grad)
+            return (None,) * (5 + len(ctx.shapes))
         with fx_traceback.annotate({node_meta.COLLECTIVE: ctx.reduce_tag}):
-            grad = grad.contiguous().to(ctx.reduce_dtype or grad.dtype)
-            shard = c10d.wait_tensor(c10d.reduce_scatter_tensor(grad, "sum", g.world_size, g.group_name))
-            shard = shard.div_(g.world_size).to(ctx.dtype)
-        grads, start = [], 0
-        for shape in ctx.shapes:
-            n = math.prod(shape)
-            grads.append(shard[start : start + n].view(shape))
-            start += n
-        return (None, None, None, None, *grads)
+            shard = _mean_shard(grad, ctx.group, ctx.reduce_dtype, ctx.dtype)
+        return (None, None, None, None, None, *_cut(shard, ctx.shapes))
+
+
+def _mean_shard(
+    grad: torch.Tensor, group: ShardGroup, reduce_dtype: torch.dtype | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """This rank's shard of the mean of a unit's flat gradient over the group: one reduce-scatter (sum) in
+    `reduce_dtype` (None: the gradient's own), divided by the group size in place, cast to `dtype`."""
+    grad = grad.contiguous().to(reduce_dtype or grad.dtype)
+    shard = c10d.wait_tensor(c10d.reduce_scatter_tensor(grad, "sum", group.world_size, group.group_name))
+    return shard.div_(group.world_size).to(dtype)
+
+
+def _cut(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Views of `flat`, one per shape, in order."""
+    out, start = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[start : start + n].view(shape))
+        start += n
+    return out
 
 
 @dataclasses.dataclass
@@ -164,11 +193,12 @@ def _gather(
     shards: list[torch.Tensor],
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
+    grad_sum: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Full parameters of `unit` from this rank's shards: one all-gather, then each cut back to its shape."""
     n = group.world_size
     reduce_tag = unit.tag(node_meta.GRAD_REDUCE)
-    gathered = AllGather.apply(group, reduce_dtype, param_dtype, reduce_tag, *shards).view(n, -1)
+    gathered = AllGather.apply(group, reduce_dtype, param_dtype, reduce_tag, grad_sum, *shards).view(n, -1)
     full = []
     for piece, shape in zip(gathered.split([s.numel() for s in shards], dim=1), unit.shapes):
         rows = piece.shape[1] // max(1, math.prod(shape[1:]))
@@ -199,6 +229,7 @@ class FSDP(Parallelism):
         self._by_name = {u.name: u for u in units}
         self._full_shapes = self.full_shapes()
         self.device_mesh: Any = None  # the 1-D DeviceMesh of `group`, for `logical` (set by `apply`)
+        self.defers_grad_sync = False  # fsdp_grad_sync = "step" with accumulation: see `defer_grad_sync`
 
     @classmethod
     def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> FSDP | None:
@@ -214,7 +245,46 @@ class FSDP(Parallelism):
             layers=plan.layers,
         )
         fsdp.device_mesh = mesh.device_mesh[MESH_DIM]
+        if cfg.parallelism.fsdp_grad_sync == "step" and accumulation_steps(cfg) > 1:
+            fsdp.defer_grad_sync()
         return fsdp
+
+    def defer_grad_sync(self) -> None:
+        """Reduce-scatter once per step (fsdp_grad_sync = "step"): give each unit a whole gradient sum, a zeroed
+        non-persistent buffer of the model (so checkpoints leave it out and the traced graphs take it as input)."""
+        for i, unit in enumerate(self.units):
+            shards = unit.current()
+            numel = self.group.world_size * sum(t.numel() for t in shards)
+            self.model.register_buffer(
+                GRAD_SUM.format(i), torch.zeros(numel, dtype=shards[0].dtype, device=shards[0].device), persistent=False
+            )
+        self.defers_grad_sync = True
+
+    def _grad_sum(self, unit: Unit) -> torch.Tensor | None:
+        """Unit's gradient sum as the model holds it now (the tracer's stand-in while tracing), or None."""
+        if not self.defers_grad_sync:
+            return None
+        return getattr(self.model, GRAD_SUM.format(self.units.index(unit)))
+
+    def grad_reduce(self) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
+        """With a deferred gradient sync, `reduce_grad_sums` (the step's one reduction); else nothing to do:
+        every backward reduce-scatters already."""
+        return self.reduce_grad_sums if self.defers_grad_sync else None
+
+    def reduce_grad_sums(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """The sharded mean gradients from the units' whole sums (one reduce-scatter each), the sums zeroed for
+        the next step. `grads` (the trainable parameters', none of them computed) only give the order."""
+        by_name = {}
+        for unit in self.units:
+            total = self._grad_sum(unit)
+            shards = unit.current()
+            with fx_traceback.annotate({node_meta.COLLECTIVE: unit.tag(node_meta.GRAD_REDUCE)}):
+                shard = _mean_shard(total, self.group, self.reduce_dtype, shards[0].dtype)
+            total.zero_()  # after the reduce-scatter's wait: the next step starts from zero
+            by_name.update(zip(unit.param_names, _cut(shard, [t.shape for t in shards])))
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        assert len(names) == len(grads), "one gradient per trainable parameter"
+        return [by_name[n] for n in names]
 
     @contextlib.contextmanager
     def gathered(self, name: str):
@@ -224,7 +294,7 @@ class FSDP(Parallelism):
         # The nodes of the gather belong to no layer: the fsdp_gather pass, not activation checkpointing,
         # decides whether the backward reads them or gathers again.
         with fx_traceback.annotate({node_meta.COLLECTIVE: unit.tag(node_meta.PARAM_GATHER), node_meta.LAYER_ID: None}):
-            full = _gather(unit, self.group, shards, self.param_dtype, self.reduce_dtype)
+            full = _gather(unit, self.group, shards, self.param_dtype, self.reduce_dtype, self._grad_sum(unit))
         for slots, t in zip(unit.slots, full):
             for module, attr in slots:
                 module._parameters[attr] = t
@@ -249,6 +319,9 @@ class FSDP(Parallelism):
 
     def norm_reduce(self) -> Callable[[torch.Tensor], torch.Tensor]:
         return self._global_sq_norm
+
+    def count_reduce(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return mean_count_over(self.group.group, self.group.world_size)
 
     def _global_sq_norm(self, sq_norm: torch.Tensor) -> torch.Tensor:
         """The global squared gradient norm from this rank's: summed over the ranks (a traceable all-reduce)."""

@@ -135,6 +135,18 @@ class Mesh:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.world_group)
         return total / self.world_size
 
+    def max_over_ranks(self, value: int) -> int:
+        """The largest of every rank's `value`, the same answer on every rank (`value` itself for one process).
+
+        One all-reduce of one integer: how ranks agree on a decision one of them made (rank 0's folder
+        lock, a write that failed on some rank) so that all of them stop, or go on, together.
+        """
+        if not self.is_distributed:
+            return value
+        flag = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world_group)
+        return int(flag.item())
+
     def barrier(self) -> None:
         """Wait for every rank (no-op for one process)."""
         if self.is_distributed:

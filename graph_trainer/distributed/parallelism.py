@@ -5,6 +5,7 @@ It is applied to the model in place by its `apply` (which returns None when the 
 then answers the few questions the step, the clip, the divergence guard and the checkpoint ask:
 
 - `wrap_loss`: the loss function as it must run (FSDP gathers the root unit around it);
+- `count_reduce`: with gradient accumulation, the divisor of each rank's summed loss (tokens over the ranks);
 - `grad_reduce` / `norm_reduce`: hooks traced into the step graph after the backward (replication averages
   the gradients; sharded gradients make the clip norm a sum over the ranks);
 - `check_traced`: refuse a traced step that the parallelism cannot run right;
@@ -24,10 +25,23 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from graph_trainer.distributed.mesh import Mesh
+from graph_trainer.step import CountReduce
 from graph_trainer.tracer.capture import GradReduce, LossFn, NormReduce, TracedStep
+
+
+def mean_count_over(group: dist.ProcessGroup, world_size: int) -> CountReduce:
+    """A `count_reduce` for gradients averaged over `group`: the valid tokens summed over it, divided by its size."""
+
+    def reduce(count: torch.Tensor) -> torch.Tensor:
+        total = count.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total / world_size
+
+    return reduce
 
 
 class Parallelism:
@@ -46,6 +60,11 @@ class Parallelism:
 
     def norm_reduce(self) -> NormReduce | None:
         """Maps this rank's squared gradient norm to the global one (sharded gradients)."""
+        return None
+
+    def count_reduce(self) -> CountReduce | None:
+        """Maps this rank's count of valid tokens to its loss divisor when the gradient reduction averages over
+        ranks: the count over the ranks divided by their number (a collective, outside the graph, once a step)."""
         return None
 
     def check_traced(self, traced: TracedStep) -> TracedStep:
@@ -106,6 +125,9 @@ class ParallelModel:
 
     def norm_reduce(self) -> NormReduce | None:
         return _chain([p.norm_reduce() for p in self.parts])
+
+    def count_reduce(self) -> CountReduce | None:
+        return _chain([p.count_reduce() for p in self.parts])
 
     def check_traced(self, traced: TracedStep) -> TracedStep:
         for part in self.parts:
@@ -169,4 +191,4 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Any, plan: Any, appliers: Seq
     return ParallelModel(model, mesh, parts)
 
 
-__all__ = ["Apply", "ParallelModel", "Parallelism", "parallelize"]
+__all__ = ["Apply", "ParallelModel", "Parallelism", "mean_count_over", "parallelize"]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 
 from graph_trainer.distributed.mesh import Mesh
-from graph_trainer.distributed.parallelism import Parallelism
+from graph_trainer.distributed.parallelism import Parallelism, mean_count_over
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import GradReduce
 
@@ -45,7 +45,8 @@ class GradAverager:
 
 
 class Replicate(Parallelism):
-    """Full copies on the `dp_replicate` ranks; gradients averaged over them after the backward."""
+    """Full copies on the `dp_replicate` ranks; gradients averaged over them after the backward (with gradient
+    accumulation, once per step, on the accumulated gradients: they are whole on every rank anyway)."""
 
     kind = KIND
     label = "replicated"
@@ -62,6 +63,9 @@ class Replicate(Parallelism):
 
     def grad_reduce(self) -> GradReduce:
         return self.averager
+
+    def count_reduce(self):
+        return mean_count_over(self.averager.group, self.averager.world_size)
 
 
 __all__ = ["GradAverager", "Replicate"]

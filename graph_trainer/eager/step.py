@@ -16,14 +16,16 @@ import torch.nn as nn
 
 from graph_trainer.loss import lm_loss
 from graph_trainer.optimizer.clip import clip_grads_
-from graph_trainer.step import StepOutput, StepReport
+from graph_trainer.step import CountReduce, StepOutput, StepReport, micro_batches, sum_losses
 from graph_trainer.tracer.capture import GradReduce, LossFn, NormReduce
 
 
 class EagerStep:
     """forward + loss + backward [+ grad_reduce] + clipping [+ `optimizer.step()`].
 
-    Without `optimizer` the update stays with the caller.
+    Without `optimizer` the update stays with the caller. With `accumulation_steps` > 1 the batch is cut into
+    that many micro-batches (`graph_trainer.step.micro_batches`) whose backwards accumulate into `param.grad` as
+    autograd does (the first assigns, the next add); `grad_reduce` and clipping then run once, on the sums.
     """
 
     def __init__(
@@ -35,8 +37,11 @@ class EagerStep:
         grad_reduce: GradReduce | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         norm_reduce: NormReduce | None = None,
+        accumulation_steps: int = 1,
+        count_reduce: CountReduce | None = None,
     ):
         self.model = model
+        self.accumulation_steps, self.count_reduce = accumulation_steps, count_reduce
         self.loss_fn = loss_fn
         self.max_norm = max_norm
         self.grad_reduce = grad_reduce
@@ -48,12 +53,24 @@ class EagerStep:
         """Nothing is traced or estimated; the update (if any) runs eagerly after the backward."""
         return StepReport(updates_inside=False)
 
+    def graph_nodes(self) -> None:
+        """No graph: the memory timeline of an eager step has measured bytes per op only."""
+        return None
+
     def __call__(self, batch: Any) -> StepOutput:
         """Run one step; returns (loss, grad_norm) with the clipped grads in `param.grad`."""
         for p in self._params:
             p.grad = None
-        loss = self.loss_fn(self.model, batch)
-        loss.backward()
+        if self.accumulation_steps == 1:
+            loss = self.loss_fn(self.model, batch)
+            loss.backward()
+        else:
+            losses = []
+            for micro in micro_batches(batch, self.accumulation_steps, self.count_reduce):
+                losses.append(self.loss_fn(self.model, micro))
+                losses[-1].backward()
+                losses[-1] = losses[-1].detach()  # its graph is freed by the backward; keep only the value
+            loss = sum_losses(losses)
         with torch.no_grad():
             if self.grad_reduce is not None:
                 # Before clipping, as in the traced step: the norm is of the averaged gradients.

@@ -17,6 +17,7 @@ from typing import Any
 import tomli_w
 
 from graph_trainer.errors import ConfigError, did_you_mean
+from graph_trainer.job_config.batching import check_global_batch, check_grad_sync
 from graph_trainer.job_config.schema import JobConfig, field_aliases, section_fields, sections
 from graph_trainer.job_config.values import check_limits, coerce, value_desc
 
@@ -131,6 +132,8 @@ def validate(cfg: JobConfig) -> None:
     if not cfg.job.dump_folder:
         raise ConfigError("job.dump_folder must be a non-empty path, got ''")
     _check_mixed_precision(cfg)
+    check_global_batch(cfg)
+    check_grad_sync(cfg)
 
     args = resolve_model_args(cfg)
     max_seq_len = getattr(args, "max_seq_len", None)

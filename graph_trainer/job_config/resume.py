@@ -22,6 +22,11 @@ position carries over exactly and only the summation order changes. A different
 global batch would be a different run from that step on, and is refused. So is any
 `dp_shard` change with `data.source = "hf_datasets"`, whose ranks each read their own slice.
 
+Gradient accumulation (`training.global_batch_size`): the data position counts whole steps' batches of
+`accumulation steps x local_batch_size` sequences, so a resume that changes the number of accumulation steps
+is refused (one line naming the checkpoint's value); a new value that keeps them (e.g. -1 written out as the
+number it stood for) is honoured and logged.
+
 A checkpoint without a stored config (written before this existed) is resumed as
 before, with a warning that nothing could be compared.
 """
@@ -87,8 +92,29 @@ def _as_flag(key: str, value: Any) -> str:
 _RESHARD = ("parallelism.dp_shard", "training.local_batch_size")
 
 
+def _accumulation_steps(config: dict[str, Any]) -> int:
+    """Micro-batches per step of a flattened config (a checkpoint from before accumulation: 1)."""
+    global_batch = config.get("training.global_batch_size", -1)
+    if global_batch == -1:
+        return 1
+    dp = config["parallelism.dp_shard"] * config.get("parallelism.dp_replicate", 1)
+    return global_batch // (config["training.local_batch_size"] * dp)
+
+
 def _global_batch(config: dict[str, Any]) -> int:
-    return config["parallelism.dp_shard"] * config["training.local_batch_size"]
+    """Sequences per step over the dp_shard ranks (every micro-batch of a step)."""
+    return config["parallelism.dp_shard"] * config["training.local_batch_size"] * _accumulation_steps(config)
+
+
+def _accumulation_refusal(before: dict[str, Any], now: dict[str, Any], checkpoint: Path) -> UserError:
+    was, will = _accumulation_steps(before), _accumulation_steps(now)
+    return UserError(
+        f"cannot resume {checkpoint} with training.global_batch_size {now['training.global_batch_size']} "
+        f"({will} accumulation steps; checkpoint: {before.get('training.global_batch_size', -1)}, {was} steps): "
+        f"the saved data position counts steps of {was} micro-batches; resume with "
+        f"{_as_flag('training.global_batch_size', before.get('training.global_batch_size', -1))}, "
+        "or start a new job.dump_folder"
+    )
 
 
 def _reshard_refusal(before: dict[str, Any], now: dict[str, Any], checkpoint: Path) -> UserError:
@@ -148,6 +174,10 @@ def compare_on_resume(
         now.pop("data.path", None)
     changed = [k for k in now if k not in _NOT_COMPARED and k in before and before[k] != now[k]]
     _check_held_out(before, now, checkpoint)
+    if _accumulation_steps(before) != _accumulation_steps(now) and not (
+        reshardable and "parallelism.dp_shard" in changed
+    ):
+        raise _accumulation_refusal(before, now, checkpoint)
     # hf_datasets positions are per data-parallel rank (each reads its own slice): they cannot be resharded.
     resharded = reshardable and "parallelism.dp_shard" in changed and before["data.source"] != "hf_datasets"
     if resharded and _global_batch(before) != _global_batch(now):

@@ -69,7 +69,13 @@ class ModelConfig:
 @dataclass
 class TrainingConfig:
     steps: int = _opt(20, "number of optimizer steps", ge=0)
-    local_batch_size: int = _opt(8, "sequences per step on each data-parallel rank", ge=1)
+    local_batch_size: int = _opt(8, "sequences per micro-batch on each data-parallel rank", ge=1)
+    global_batch_size: int = _opt(
+        -1,
+        "sequences per optimizer step over all ranks: local_batch_size x data-parallel degree x gradient "
+        "accumulation steps; -1 = local_batch_size x data-parallel degree (no accumulation)",
+        ge=-1,
+    )
     seq_len: int = _opt(256, "tokens per sequence (at most the model's max_seq_len)", ge=1)
     seed: int = _opt(0, "random seed for initialization, data order and dropout")
     deterministic: bool = _opt(False, "use deterministic algorithms (bitwise reproducible runs)")
@@ -231,11 +237,35 @@ class ParallelismConfig:
         "dp_shard: issue each layer's all-gather while the previous layer "
         "computes (overlap; one more layer's parameters alive)",
     )
+    fsdp_grad_sync: str = _opt(
+        "micro_batch",
+        "dp_shard with gradient accumulation: reduce-scatter every micro-batch's gradients and accumulate the "
+        "shards (micro_batch), or accumulate whole gradients and reduce-scatter once per step (step: less "
+        "communication, one unsharded gradient per parameter held between micro-batches)",
+        choices=("micro_batch", "step"),
+    )
     dp_replicate: int = _opt(
         1,
         "replicated data-parallel degree (processes): full copies, gradients all-reduced",
         alias="data_parallel_replicate_degree",
         ge=1,
+    )
+
+
+@dataclass
+class ProfilingConfig:
+    enable_profiling: bool = _opt(
+        False, "write a torch.profiler Chrome trace of every profile_freq-th step under job.dump_folder"
+    )
+    save_traces_folder: str = _opt("profile_traces", "folder of the profiler traces, relative to job.dump_folder")
+    profile_freq: int = _opt(10, "profile (and snapshot) every N-th step", ge=1)
+    enable_memory_snapshot: bool = _opt(
+        False,
+        "CUDA: record the allocator's history and dump a snapshot every profile_freq steps; CPU: plot the "
+        "step's live bytes per graph node, estimate against measured (PNG + JSON; needs matplotlib)",
+    )
+    save_memory_snapshot_folder: str = _opt(
+        "memory_snapshot", "folder of the memory snapshots and timelines, relative to job.dump_folder"
     )
 
 
@@ -255,6 +285,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
 
 def sections() -> dict[str, type]:

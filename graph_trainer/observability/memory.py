@@ -228,6 +228,23 @@ class LiveTensorTracker(TorchDispatchMode):
         return out
 
 
+class OpRecorder(LiveTensorTracker):
+    """A `LiveTensorTracker` that also records, after every op, the op and the live bytes then (`ops`).
+
+    The measured side of the memory timeline (`graph_trainer.observability.memory_timeline`): a traced graph
+    run op by op dispatches its call_function nodes in graph order, one op each.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.ops.append((func, self.current_bytes))
+        return out
+
+
 # ---------------------------------------------------------------------------
 # CUDA allocator statistics (no CUDA call unless the device is CUDA and CUDA exists)
 
@@ -300,16 +317,19 @@ class MemoryMonitor:
         self.device = torch.device(device)
         self.track = track
         self.last: StepMemory | None = None
+        self.last_ops: list[tuple[Any, int]] | None = None  # (op, live bytes after it) of a recorded step
 
     @contextlib.contextmanager
-    def measure_step(self, existing: Iterable[Any] = ()) -> Iterator[StepMemory]:
+    def measure_step(self, existing: Iterable[Any] = (), *, record_ops: bool = False) -> Iterator[StepMemory]:
         """Context manager around one step; yields a `StepMemory` filled in on exit (also kept as `.last`).
 
         `existing`: tensors alive before the step (parameters, buffers, optimizer
         state, batch) that count toward the CPU peak; ignored on CUDA, where the
-        allocator already knows them.
+        allocator already knows them. `record_ops` (CPU): track this step even without
+        `track`, and keep the live bytes after each op in `last_ops`.
         """
         result = StepMemory()
+        self.last_ops = None
         if self.device.type == "cuda":
             reset_peak(self.device)
             yield result
@@ -318,14 +338,15 @@ class MemoryMonitor:
             result.peak_reserved_bytes = stats.get("peak_reserved_bytes")
             result.num_alloc_retries = stats.get("num_alloc_retries")
             result.num_ooms = stats.get("num_ooms")
-        elif self.track:
-            tracker = LiveTensorTracker()
+        elif self.track or record_ops:
+            tracker = OpRecorder() if record_ops else LiveTensorTracker()
             tracker.track_existing(existing)
             try:
                 with tracker:
                     yield result
                 result.peak_active_bytes = result.peak_reserved_bytes = tracker.peak_bytes
                 result.late_free_bytes = tracker.late_free_bytes or None
+                self.last_ops = tracker.ops if record_ops else None
             finally:
                 tracker.forget()  # drop finalizers so no callback outlives the step
         else:

@@ -14,9 +14,11 @@ Outputs under `dump_folder`:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -26,7 +28,7 @@ import torch
 
 from graph_trainer.errors import ConfigError
 from graph_trainer.observability.units import GIB
-from graph_trainer.runtime.fsutil import atomic_write_text
+from graph_trainer.runtime.fsutil import WriteError, atomic_write_text, writing
 
 SCHEMA_VERSION = 1
 SUMMARY_FILE = "summary.json"
@@ -166,6 +168,22 @@ def format_validation_line(step: int, record: Mapping[str, Any]) -> str:
     return "  ".join(parts)
 
 
+def _quiet_event_writer_thread() -> None:
+    """TensorBoard's event-writer thread hands a failed write (a full disk) to the next call of the thread that
+    logs, where the run reports it in one line; without this hook Python also prints the thread's traceback."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_event_writer", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
+            return
+        previous(args)
+
+    hook.quiets_event_writer = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class MetricsLogger:
     """Owns the console output, the TensorBoard writer and `summary.json` of one run.
 
@@ -244,7 +262,9 @@ class MetricsLogger:
         self._validation = [s for s in self._validation if s["step"] < first_step]
         if self._writer_cls is not None:
             # purge_step hides events >= first_step left by an earlier run in tb/.
-            self._writer = self._writer_cls(log_dir=str(self.tb_folder), purge_step=first_step)
+            _quiet_event_writer_thread()
+            with writing(self.tb_folder):
+                self._writer = self._writer_cls(log_dir=str(self.tb_folder), purge_step=first_step)
 
     def log_step(self, step: int, record: Mapping[str, Any]) -> None:
         """Record one step: TensorBoard every step; console and summary.json every `log_freq` steps and on the last."""
@@ -264,13 +284,16 @@ class MetricsLogger:
         if "step_time_s" in values:
             self._step_times.append(values["step_time_s"])
         if self._writer is not None:
-            for key, value in values.items():
-                scalar = value / GIB if key.endswith("_bytes") else value
-                self._writer.add_scalar(TB_TAGS[key], scalar, global_step=step)
+            # Events are written by TensorBoard's thread; a failed write surfaces here or at the flush.
+            with writing(self.tb_folder):
+                for key, value in values.items():
+                    scalar = value / GIB if key.endswith("_bytes") else value
+                    self._writer.add_scalar(TB_TAGS[key], scalar, global_step=step)
         if step % self.log_freq == 0 or step >= self.total_steps:
             print(format_step_line(step, self.total_steps, values, self._mean_step_time()), flush=True)
             if self._writer is not None:
-                self._writer.flush()
+                with writing(self.tb_folder):
+                    self._writer.flush()
             self._write_summary()
 
     def log_validation(self, step: int, record: Mapping[str, Any]) -> None:
@@ -304,6 +327,15 @@ class MetricsLogger:
         self._final.update(final)
         self._write_summary()
 
+    def record_failure(self, final: Mapping[str, Any]) -> WriteError | None:
+        """`set_final` for a run that stops because a write failed: returns the error if summary.json could not
+        be written either (the disk is still full), instead of raising it over the first one."""
+        try:
+            self.set_final(final)
+        except WriteError as e:
+            return e
+        return None
+
     def _write_summary(self) -> None:
         summary = {
             "schema_version": SCHEMA_VERSION,
@@ -319,14 +351,21 @@ class MetricsLogger:
         if not self.enabled or self._closed:
             return
         self._closed = True
-        self._write_summary()
-        if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
-            self._writer = None
+        try:
+            self._write_summary()
+        finally:
+            if self._writer is not None:
+                writer, self._writer = self._writer, None
+                with writing(self.tb_folder):
+                    writer.close()  # flushes first
 
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # The run is already failing (and said so in summary.json): a second failed write must not hide the first.
+        with contextlib.suppress(WriteError):
+            self.close()

@@ -88,6 +88,24 @@ class EagerUpdate:
         return cls(implementation, adamw_state_bytes(optimizer, device), eager_step_scratch_bytes(optimizer, device))
 
 
+def accumulated_estimate(micro: Any, update: Any, *, micro_extra: int, update_extra: int) -> Any:
+    """The estimate of an accumulated step (a `MemoryEstimate`): of its micro graph, run once per micro-batch, and
+    its update graph, the one whose peak is higher once widened to the bytes alive around it but not among its
+    inputs (`micro_extra`, `update_extra`: counted as "other_inputs"). The accumulators are inputs of both.
+    The number of micro-batches changes neither graph, so neither changes this estimate but through the batch.
+    """
+    chosen, extra = max((micro, micro_extra), (update, update_extra), key=lambda e: e[0].peak_bytes + e[1])
+    by_category = {**chosen.peak_bytes_by_category, "other_inputs": extra}
+    final = {**update.final_bytes_by_category, "other_inputs": update_extra}
+    return dataclasses.replace(
+        chosen,
+        peak_bytes=chosen.peak_bytes + extra,
+        peak_bytes_by_category=by_category,
+        final_bytes_by_category=final,
+        saved_bytes=micro.saved_bytes,
+    )
+
+
 def whole_step_peak(estimate: Any, update: EagerUpdate | None) -> tuple[int, dict[str, int], bool]:
     """(peak bytes, bytes by category at the peak, whether the peak is in the eager update) of a step.
 

@@ -21,6 +21,7 @@ import torch.fx
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.budget import tag_memory_budget
+from graph_trainer.tracer import node_meta
 
 MODES = ("none", "selective", "full", "budget")
 
@@ -39,6 +40,9 @@ def memory_policy(
     Raises:
         ConfigError: an infeasible budget, or a recompute override of an op that is never recomputed.
     """
+    if not any(node_meta.is_forward(n) for n in gm.graph.nodes):
+        # No forward, nothing saved for a backward: an accumulated step's update graph (tracer.capture.PARTS).
+        return gm
     if ac.mode == "budget":
         return tag_memory_budget(gm, ac, input_categories=input_categories)
     if ac.mode in ("selective", "full"):

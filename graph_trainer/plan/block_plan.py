@@ -38,6 +38,7 @@ import torch.fx
 from graph_trainer.builder import Job, build_job
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.errors import ConfigError, UserError
+from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger, quiet
@@ -55,6 +56,7 @@ from graph_trainer.plan.step_plan import (
     node_blocks,
     peak_location,
     plan_of,
+    plan_step,
     with_ac_mode,
 )
 from graph_trainer.tracer import node_meta
@@ -82,6 +84,10 @@ def plan_modes(
     """
     modes = list(modes)
     depth = resolve_model_args(cfg).n_layers
+    if accumulation_steps(cfg) > 1:
+        # The accumulating step is two graphs (a micro-step run k times, then the update); the extension reads one
+        # whole-step graph. Each mode is planned whole: its cost grows with depth, not with k.
+        return _planned_per_mode(cfg, mesh, modes, log_passes)
     if fast and depth > SHORT[-1]:
         try:
             return _extended(cfg, mesh, modes, depth, log_passes)
@@ -103,6 +109,19 @@ def _traced_whole(cfg: JobConfig, mesh: Mesh, modes: list[str], log_passes: bool
             out[mode] = e
             continue
         out[mode] = plan_of(mode_job, result, elapsed, blocks_traced=job.model.args.n_layers)
+    return out
+
+
+def _planned_per_mode(
+    cfg: JobConfig, mesh: Mesh, modes: list[str], log_passes: bool
+) -> dict[str, StepPlan | UserError]:
+    """Each mode's step traced and planned whole (`plan_step`)."""
+    out: dict[str, StepPlan | UserError] = {}
+    for mode in modes:
+        try:
+            out[mode] = plan_step(build_job(with_ac_mode(cfg, mode), mesh, materialize=False), log_passes=log_passes)
+        except UserError as e:
+            out[mode] = e
     return out
 
 

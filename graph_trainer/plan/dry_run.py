@@ -10,6 +10,7 @@ import torch
 from graph_trainer.builder import adamw_implementation_for, build_job, optimizer_in_graph
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import to_gib
@@ -17,6 +18,11 @@ from graph_trainer.plan.block_plan import SHORT, plan_modes
 from graph_trainer.plan.preflight import available_bytes
 from graph_trainer.plan.step_plan import AC_MODES, StepPlan
 from graph_trainer.runtime.device import compute_dtype, resolve_device
+
+
+def _accumulation(cfg: JobConfig) -> str:
+    steps = accumulation_steps(cfg)
+    return f" x {steps} accumulated micro-batches (global batch {cfg.training.global_batch_size})" if steps > 1 else ""
 
 
 def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Callable[[str], None] = print) -> None:
@@ -38,7 +44,8 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
         per_rank = f", one rank of {mesh.world_size} ({job.parallel.describe()}, {' x '.join(dims.used())})"
         print_fn(
             f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {t.local_batch_size} x "
-            f"seq {t.seq_len}, device {device.type}{per_rank if mesh.world_size > 1 else ''}, compute dtype "
+            f"seq {t.seq_len}{_accumulation(cfg)}, device {device.type}"
+            f"{per_rank if mesh.world_size > 1 else ''}, compute dtype "
             f"{dtype}, fake tensors only (clipping and the AdamW update included: {update})"
         )
         print_fn(

@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graph_trainer.builder import build_job
 from graph_trainer.distributed.mesh import Mesh, ParallelDims
+from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.memory import LiveTensorTracker
 
@@ -46,7 +47,8 @@ def eager_step_peak(cfg: JobConfig, device: torch.device) -> EagerStepPeak:
     are the same in both modes. It is one process's step: `parallelism` is not modelled.
     """
     job = build_job(cfg, Mesh(ParallelDims(), 0, device), materialize=False)
-    b, s = cfg.training.local_batch_size, cfg.training.seq_len
+    # One step's batch: with gradient accumulation, every micro-batch of it (the step cuts it).
+    b, s = cfg.training.local_batch_size * accumulation_steps(cfg), cfg.training.seq_len
     with FakeTensorMode():
         _materialize_fake(job.model, device)
         step = job.eager_step(optimizer_update=False)

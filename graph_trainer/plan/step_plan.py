@@ -24,6 +24,7 @@ import torch.fx
 
 from graph_trainer.builder import Job, adamw_implementation_for, build_job, optimizer_in_graph
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
+from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import quiet
 from graph_trainer.optimizer.update_memory import EagerUpdate, whole_step_peak
@@ -72,14 +73,16 @@ def plan_step(job: Job, *, log_passes: bool = False) -> StepPlan:
     step = job.graph_step(compile_stage=False)  # also validates the passes before the (long) trace
     start = time.perf_counter()
     with contextlib.nullcontext() if log_passes else quiet():  # other modes' plans would only add noise
-        step.ensure_traced(meta_batch(job.cfg))
+        step.prepare(meta_batch(job.cfg))
     elapsed = time.perf_counter() - start
-    return plan_of(job, Transformed(step.traced, step.memory_estimate), elapsed, blocks_traced=job.model.args.n_layers)
+    result = Transformed(step.traced, step.step_estimate())
+    return plan_of(job, result, elapsed, blocks_traced=job.model.args.n_layers, flops=_step_flops(step))
 
 
 def meta_batch(cfg: JobConfig) -> dict[str, torch.Tensor]:
-    """A batch of the job's shape on the meta device: what a plan traces."""
-    b, s = cfg.training.local_batch_size, cfg.training.seq_len
+    """One step's batch of the job's shape on the meta device (with accumulation, every micro-batch of it): what a
+    plan traces."""
+    b, s = cfg.training.local_batch_size * accumulation_steps(cfg), cfg.training.seq_len
     return {name: torch.empty(b, s, dtype=torch.long, device="meta") for name in ("input", "labels")}
 
 
@@ -194,8 +197,11 @@ def finish_plan(
     )
 
 
-def plan_of(job: Job, result: Transformed, trace_time_s: float, *, blocks_traced: int) -> StepPlan:
-    """The plan of `job`'s step from its transformed trace (the final graph and its memory estimate)."""
+def plan_of(
+    job: Job, result: Transformed, trace_time_s: float, *, blocks_traced: int, flops: int | None = None
+) -> StepPlan:
+    """The plan of `job`'s step from its transformed trace (the final graph and its memory estimate). `flops`:
+    the step's, when it is more than this graph's (gradient accumulation runs it once per micro-batch)."""
     traced, est = result.traced, result.memory_estimate
     device = job.device
     # The trace is of a batch on the meta device; the step's batches live on `device`.
@@ -209,13 +215,21 @@ def plan_of(job: Job, result: Transformed, trace_time_s: float, *, blocks_traced
         eager_update_of(job),
         peak_location(traced.gm, peak_index, job.spec.parallel_plan.layers),
         num_params=job.num_params(),
-        flops=sum(node_flops(n) for n in traced.gm.graph.nodes),
+        flops=sum(node_flops(n) for n in traced.gm.graph.nodes) if flops is None else flops,
         comm=collective_bytes(traced.gm),
         trace_time_s=trace_time_s,
         blocks_traced=blocks_traced,
         step_graph=Transformed(traced, result.memory_estimate),
         where=f"{est.peak_node} ({est.peak_op}){module}",  # as before the depth-free plan (golden files hold it)
     )
+
+
+def _step_flops(step: Any) -> int:
+    """FLOPs of one step: the main graph's, times the micro-batches with accumulation, plus the update graph's."""
+    flops = step.accumulation_steps * sum(node_flops(n) for n in step.traced.gm.graph.nodes)
+    if step.update is not None:
+        flops += sum(node_flops(n) for n in step.update.traced.gm.graph.nodes)
+    return flops
 
 
 def plan_config(cfg: JobConfig, device: torch.device | None = None) -> StepPlan:

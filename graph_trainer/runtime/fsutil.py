@@ -13,7 +13,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -58,13 +58,59 @@ def _umask() -> int:
     return mask
 
 
+class WriteError(OSError):
+    """Writing `path` failed: `cause` is the OSError the system gave (ENOSPC for a full disk, EDQUOT, EIO).
+
+    Raised by this module's writes and by `writing()`, so that a caller can tell a failed write (the run
+    stops and says where and why) from any other OSError (a missing input is the user's mistake).
+    """
+
+    def __init__(self, path: Path, cause: OSError) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause), str(path))
+        self.path = Path(path)
+        self.cause = cause
+
+
+def os_error_behind(error: BaseException) -> OSError | None:
+    """The OSError that `error` is, or that caused it: torch.save reports a failed `write` of its file as a
+    RuntimeError ("unexpected pos ...") raised while handling the OSError."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Within the block, an OSError (or an error an OSError caused) becomes a `WriteError` naming `path`."""
+    try:
+        yield
+    except WriteError:
+        raise
+    except Exception as e:
+        cause = os_error_behind(e)
+        if cause is None:
+            raise
+        raise WriteError(path, cause) from e
+
+
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write `path` atomically: `write(f)` fills a temp file that replaces `path` only once complete.
 
     If `write` raises (or the process dies), `path` keeps its previous content and
-    the temp file is removed (or, after a hard kill, left as `.{name}.*.tmp`).
+    the temp file is removed (or, after a hard kill, left as `.{name}.*.tmp`). A failure of
+    the file system (a full disk) is raised as `WriteError`.
     """
     path = Path(path)
+    with writing(path):
+        _atomic_write(path, write)
+
+
+def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
     try:
         # mkstemp creates 0600; give the file the mode open() would (0666 less the umask).

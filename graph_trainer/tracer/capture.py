@@ -95,7 +95,8 @@ class GraphOptimizer(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class InputLayout:
-    """How the flat graph inputs are laid out: params, buffers, batch leaves, optimizer state, host scalars.
+    """How the flat graph inputs are laid out: params, buffers, batch leaves, optimizer state, host scalars, and
+    the gradient accumulators of a micro-step or update graph (`Part`).
 
     `grad_names` are the trainable parameters (a subset of `param_names`, same order):
     the graph returns one gradient for each, and a traced optimizer updates exactly these.
@@ -108,19 +109,27 @@ class InputLayout:
     num_opt_state: int
     num_scalars: int
     grad_names: tuple[str, ...]
+    num_grad_accum: int = 0  # one per trainable parameter in a micro-step or update graph, else none
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return (len(self.param_names), len(self.buffer_names), self.num_batch, self.num_opt_state, self.num_scalars)
+        return (
+            len(self.param_names),
+            len(self.buffer_names),
+            self.num_batch,
+            self.num_opt_state,
+            self.num_scalars,
+            self.num_grad_accum,
+        )
 
     @property
     def categories(self) -> list[str]:
         """One category per graph input, for memory accounting."""
-        names = ("parameter", "buffer", "batch", "optimizer_state", "scalar")
+        names = ("parameter", "buffer", "batch", "optimizer_state", "scalar", "gradient")
         return [name for name, n in zip(names, self.sizes) for _ in range(n)]
 
     def split(self, flat: list) -> list[list]:
-        """Split flat inputs into [params, buffers, batch leaves, optimizer state, scalars]."""
+        """Split flat inputs into [params, buffers, batch leaves, optimizer state, scalars, gradient accumulators]."""
         out, start = [], 0
         for n in self.sizes:
             out.append(list(flat[start : start + n]))
@@ -129,6 +138,14 @@ class InputLayout:
 
 
 CONSTANT_LEAF_TYPES = (bool, int, float, str, type(None))
+
+# What a traced graph covers of a training step:
+#   "step"   the whole step: forward, loss, backward, gradient reduction, clipping [, update] -> [loss, norm, *grads]
+#   "micro"  one micro-batch of an accumulated step: forward, loss, backward [, gradient reduction], each gradient
+#            added in place into its accumulator (a graph input)                          -> [loss]
+#   "update" the end of an accumulated step, on the accumulators: [gradient reduction,] clipping [, update]
+#                                                                                         -> [norm, *grads]
+PARTS = ("step", "micro", "update")
 
 
 def as_pytree(batch: Any) -> Any:
@@ -171,10 +188,15 @@ class TracedStep:
     compiled: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 
     def __call__(self, flat_inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """Run the graph under no_grad: autograd must not record the traced backward a second time."""
+        """Run a whole-step graph: (loss, grad_norm, grads)."""
+        out = self.run(flat_inputs)
+        return out[0], out[1], list(out[2:])
+
+    def run(self, flat_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The graph's outputs, run under no_grad: autograd must not record the traced backward a second time."""
         with torch.no_grad():
             out = self.compiled(flat_inputs) if self.compiled is not None else self.gm(*flat_inputs)
-        return out[0], out[1], list(out[2:])
+        return list(out)
 
 
 def check_no_compiled_autograd() -> None:
@@ -430,8 +452,9 @@ def trace_step(
     grad_reduce: GradReduce | None = None,
     layers: str | None = None,
     norm_reduce: NormReduce | None = None,
+    part: str = "step",
 ) -> TracedStep:
-    """Trace one whole training step of `model` on a batch shaped like `batch`.
+    """Trace one whole training step of `model` on a batch shaped like `batch` (or one `part` of it).
 
     Args:
         model: any nn.Module whose `loss_fn(model, batch)` is traceable; it may live
@@ -451,15 +474,21 @@ def trace_step(
             Nodes are tagged with their block's index, and activation
             checkpointing recomputes inside blocks only.
         norm_reduce: makes the clipping norm global when gradients are sharded (see `NormReduce`).
+        part: "step" (the whole step), or with gradient accumulation "micro" (a micro-batch's forward and
+            backward, accumulated in place into gradient inputs) or "update" (clipping and the update on the
+            accumulated gradients; `batch` is ignored): see `PARTS`.
 
     Raises:
         TraceError: with the module FQN, source line and op that could not be traced.
     """
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     _check_traceable(model, optimizer)
     device = torch.device(device) if device is not None else None
-    batch = as_pytree(batch)
-    layout, constants, inputs = _lay_out_inputs(model, batch, optimizer)
+    batch = as_pytree(batch) if part != "update" else {}
+    layout, constants, inputs = _lay_out_inputs(model, batch, optimizer if part != "micro" else None, part)
     step = _StepFunction(model, layout, constants, loss_fn, max_norm, optimizer, grad_reduce, norm_reduce, layers)
+    step.part = part
     gm, trace_time = _make_graph(step, _fake_inputs(inputs, layout, device), failure_dir)
     _annotate_graph(gm, layout, step.annotator)
     return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch), trace_time_s=trace_time)
@@ -489,7 +518,7 @@ def _check_traceable(model: nn.Module, optimizer: GraphOptimizer | None) -> None
 
 
 def _lay_out_inputs(
-    model: nn.Module, batch: Any, optimizer: GraphOptimizer | None
+    model: nn.Module, batch: Any, optimizer: GraphOptimizer | None, part: str = "step"
 ) -> tuple[InputLayout, list[Any], list[torch.Tensor]]:
     """The graph's flat inputs: (their layout, every batch leaf in order with Python constants in place, the
     live tensors whose shapes the inputs take: parameters, buffers, batch tensors, optimizer state, scalars)."""
@@ -507,6 +536,9 @@ def _lay_out_inputs(
     batch_tensors_ = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     opt_state = optimizer.state_tensors() if optimizer is not None else []
     scalars = optimizer.host_scalars() if optimizer is not None else []
+    grad_names = trainable_parameter_names(model)
+    # Accumulators are shaped like their parameters (the shards, with FSDP).
+    accums = [params[n] for n in grad_names] if part != "step" else []
     layout = InputLayout(
         tuple(params),
         tuple(buffers),
@@ -514,9 +546,10 @@ def _lay_out_inputs(
         len(batch_tensors_),
         len(opt_state),
         len(scalars),
-        trainable_parameter_names(model),
+        grad_names,
+        len(accums),
     )
-    return layout, leaves, [*params.values(), *buffers.values(), *batch_tensors_, *opt_state, *scalars]
+    return layout, leaves, [*params.values(), *buffers.values(), *batch_tensors_, *opt_state, *scalars, *accums]
 
 
 class _StepFunction:
@@ -544,14 +577,23 @@ class _StepFunction:
         self.grad_reduce, self.norm_reduce = grad_reduce, norm_reduce
         self.annotator = _ModuleAnnotator(model, layers)
         self.failure: dict[str, Any] = {}
+        self.part = "step"  # see PARTS
 
     def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
-        params, buffers, batch, state, host = self.layout.split(list(flat))
+        params, buffers, batch, state, host, accums = self.layout.split(list(flat))
         try:
-            loss = self._forward(params, buffers, batch)
             by_name = dict(zip(self.layout.param_names, params))
             trained = [by_name[n] for n in self.layout.grad_names]
+            if self.part == "update":
+                # Swapped in as for the forward: a reduction may read the model's buffers (FSDP's gradient sums).
+                with self._swapped(params, buffers):
+                    grads = self._reduce(accums)
+                return [self._update(trained, grads, state, host), *grads]
+            loss = self._forward(params, buffers, batch)
             grads = self._backward(loss, trained)
+            if self.part == "micro":
+                self._accumulate(accums, grads)
+                return [loss]
             grad_norm = self._update(trained, grads, state, host)
             return [loss, grad_norm, *grads]
         except Exception:
@@ -559,12 +601,16 @@ class _StepFunction:
             self.failure["graph"] = _partial_graph_code()
             raise
 
+    def _swapped(self, params: list, buffers: list):
+        """The graph's parameter and buffer inputs in the model's slots (tied modules follow the one name)."""
+        layout = self.layout
+        tensors = {**dict(zip(layout.param_names, params)), **dict(zip(layout.buffer_names, buffers))}
+        return torch.nn.utils.stateless._reparametrize_module(self.model, tensors, tie_weights=True)
+
     def _forward(self, params: list, buffers: list, batch: list) -> torch.Tensor:
         layout = self.layout
         with fx_traceback.annotate({node_meta.PHASE: node_meta.FORWARD}):
-            tensors = {**dict(zip(layout.param_names, params)), **dict(zip(layout.buffer_names, buffers))}
-            # tie_weights lets tied modules (e.g. the output projection) follow the one name.
-            with torch.nn.utils.stateless._reparametrize_module(self.model, tensors, tie_weights=True):
+            with self._swapped(params, buffers):
                 tensor_leaves = iter(batch)
                 leaves = [next(tensor_leaves) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.batch_leaves]
                 loss = self.loss_fn(self.model, pytree.tree_unflatten(leaves, layout.batch_spec))
@@ -573,10 +619,24 @@ class _StepFunction:
 
     def _backward(self, loss: torch.Tensor, trained: list[torch.Tensor]) -> list[torch.Tensor]:
         with fx_traceback.annotate({node_meta.PHASE: node_meta.BACKWARD}):
-            grads = list(torch.autograd.grad(loss, trained))
-            if self.grad_reduce is not None:
-                grads = list(self.grad_reduce(grads))
-        return grads
+            # allow_unused: with a deferred gradient sync (FSDP's fsdp_grad_sync = "step") a micro-batch's backward
+            # adds into the parallelism's own sums and returns no parameter gradient.
+            grads = list(torch.autograd.grad(loss, trained, allow_unused=self.part == "micro"))
+        # An accumulated step reduces once, the sums (the update part): a micro-batch keeps its gradients local.
+        return self._reduce(grads) if self.part == "step" else grads
+
+    def _reduce(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.grad_reduce is None:
+            return grads
+        with fx_traceback.annotate({node_meta.PHASE: node_meta.BACKWARD}):
+            return list(self.grad_reduce(grads))
+
+    def _accumulate(self, accums: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Each gradient added in place into its accumulator, as autograd accumulates into `param.grad`."""
+        with fx_traceback.annotate({node_meta.PHASE: node_meta.BACKWARD}), torch.no_grad():
+            for acc, grad in zip(accums, grads):
+                if grad is not None:
+                    acc.add_(grad)
 
     def _update(self, trained: list, grads: list, state: list, host: list) -> torch.Tensor:
         with fx_traceback.annotate({node_meta.PHASE: node_meta.OPTIMIZER}), torch.no_grad():
@@ -589,10 +649,11 @@ class _StepFunction:
 def _fake_inputs(inputs: list[torch.Tensor], layout: InputLayout, device: torch.device | None) -> list[torch.Tensor]:
     """Fake tensors shaped like `inputs` on `device`: nothing the size of a parameter is allocated."""
     fake_mode = FakeTensorMode()
-    n_params, *_, n_scalars = layout.sizes
+    n_params, n_buffers, n_batch, n_state, n_scalars, _ = layout.sizes
+    first_scalar = n_params + n_buffers + n_batch + n_state
     fakes = []
     for i, t in enumerate(inputs):
-        on = None if i >= len(inputs) - n_scalars else device  # host scalars stay on the CPU
+        on = None if first_scalar <= i < first_scalar + n_scalars else device  # host scalars stay on the CPU
         fake = _fake_like(fake_mode, t, on)
         fakes.append(fake.requires_grad_(t.requires_grad) if i < n_params else fake)
     return fakes
@@ -630,7 +691,7 @@ def _tag_optimizer_ops(graph: torch.fx.Graph, layout: InputLayout, annotator: _M
     the tags, every layer's update is a run of its own, as its forward and backward are.
     """
     placeholders = list(graph.find_nodes(op="placeholder"))
-    n_params, n_buffers, n_batch, n_state, n_scalars = layout.sizes
+    n_params, n_buffers, n_batch, n_state, n_scalars, n_accums = layout.sizes
     trained = [layout.param_names.index(name) for name in layout.grad_names]
     owner: dict[torch.fx.Node, int | None] = {}
     for i, index in enumerate(trained):
@@ -641,7 +702,10 @@ def _tag_optimizer_ops(graph: torch.fx.Graph, layout: InputLayout, annotator: _M
             per_param = count // len(trained)
             for k in range(count):
                 owner[placeholders[first + k]] = k // per_param
-    for i, grad in enumerate(graph.output_node().args[0][2:]):
+    for i in range(n_accums):
+        owner[placeholders[start + n_state + n_scalars + i]] = i
+    returned = graph.output_node().args[0]
+    for i, grad in enumerate(returned[1:] if n_accums else returned[2:]):
         # The graph returns the clipped gradient, the result of an in-place op on the one autograd made.
         while isinstance(grad, torch.fx.Node):
             owner[grad] = i
@@ -684,6 +748,7 @@ __all__ = [
     "GraphOptimizer",
     "GradReduce",
     "NormReduce",
+    "PARTS",
     "trace_step",
     "batch_signature",
     "check_no_compiled_autograd",

@@ -22,11 +22,12 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.errors import UserError
-from graph_trainer.loss import lm_loss
+from graph_trainer.loss import NUM_TOKENS, lm_loss
 from graph_trainer.observability.log import get_logger
 from graph_trainer.optimizer.adamw import adamw_implementation
-from graph_trainer.optimizer.update_memory import EagerUpdate, whole_step_peak
-from graph_trainer.step import StepOutput, StepReport
+from graph_trainer.optimizer.update_memory import EagerUpdate, accumulated_estimate, whole_step_peak
+from graph_trainer.step import CountReduce, GraphNode, StepOutput, StepReport, micro_batches, sum_losses
+from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import (
     GradReduce,
     GraphOptimizer,
@@ -100,6 +101,11 @@ class GraphStep:
         grad_reduce: traced into the graph between the backward and clipping (see `trace_step`).
         layers: FQN of the container of the transformer blocks (see `trace_step`); None guesses it.
         norm_reduce: makes the clipping norm global for sharded gradients (see `trace_step`).
+        accumulation_steps: micro-batches per step (1: the whole step is one graph). Above 1 the step runs two
+            graphs (`trace_step`'s parts): "micro", run once per micro-batch, adds each gradient in place into an
+            accumulator (zeros at the start of the step), then "update" reduces (`grad_reduce`, once), clips and
+            updates on the sums. Neither depends on the number of micro-batches.
+        count_reduce: maps this rank's count of valid tokens to its loss divisor (see `step.micro_batches`).
     """
 
     def __init__(
@@ -117,6 +123,8 @@ class GraphStep:
         eager_optimizer: torch.optim.AdamW | None = None,
         layers: str | None = None,
         norm_reduce: NormReduce | None = None,
+        accumulation_steps: int = 1,
+        count_reduce: CountReduce | None = None,
     ):
         if on_shape_change not in ("retrace", "error"):
             raise UserError(f"compile.on_shape_change: expected retrace|error, got {on_shape_change!r}")
@@ -136,6 +144,9 @@ class GraphStep:
         self._eager_update: EagerUpdate | None = None  # its memory, measured on first report
         self._reusable: tuple[Transformed, str] | None = None  # (a trace made elsewhere, by whom): see reuse_trace
         self.layers = layers
+        self.accumulation_steps, self.count_reduce = accumulation_steps, count_reduce
+        self.update: Transformed | None = None  # the "update" part of an accumulated step, traced on first use
+        self._batch_bytes = 0  # the trainer's whole batch (every micro-batch), alive throughout the step
         self.stats = TraceStats()
         self.traced: TracedStep | None = None
         self.memory_estimate: MemoryEstimate | None = None  # of the current graph, when the transform made one
@@ -153,10 +164,19 @@ class GraphStep:
         """
         self._reusable = (result, source)
 
+    @property
+    def part(self) -> str:
+        """The part of the step the main graph covers: the whole step, or a micro-batch of an accumulated one."""
+        return "step" if self.accumulation_steps == 1 else "micro"
+
     def ensure_traced(self, batch: Any) -> TracedStep:
-        """The graph for `batch`'s signature, tracing (and transforming) it if needed."""
+        """The graph for `batch`'s signature, tracing (and transforming) it if needed.
+
+        With accumulation, `batch` is a micro-batch (`step.micro_batches`); the update part is traced too."""
         signature = batch_signature(batch)
         trainable = trainable_parameter_names(self.model)
+        if self.accumulation_steps > 1 and (self.update is None or self.update.traced.layout.grad_names != trainable):
+            self.update = self._transform(self._trace(batch, "update"))
         if (
             self.traced is not None
             and self.traced.signature == signature
@@ -187,6 +207,10 @@ class GraphStep:
                 )
             logger.info(f"retracing the step: {reason}")
             self.stats.reasons.append(reason)
+        self._install(self._transform(self._trace(batch, self.part)))
+        return self.traced
+
+    def _trace(self, batch: Any, part: str) -> TracedStep:
         traced = trace_step(
             self.model,
             batch,
@@ -198,11 +222,14 @@ class GraphStep:
             grad_reduce=self.grad_reduce,
             layers=self.layers,
             norm_reduce=self.norm_reduce,
+            part=part,
         )
         self._count_trace(traced)
+        return traced
+
+    def _transform(self, traced: TracedStep) -> Transformed:
         result = self.transform(traced) if self.transform is not None else traced
-        self._install(result if isinstance(result, Transformed) else Transformed(result))
-        return self.traced
+        return result if isinstance(result, Transformed) else Transformed(result)
 
     def _count_trace(self, traced: TracedStep) -> None:
         self.stats.count += 1
@@ -215,21 +242,49 @@ class GraphStep:
         if result.compile_time_s is not None:
             self.stats.compile_time_s = (self.stats.compile_time_s or 0.0) + result.compile_time_s
 
-    def flat_inputs(self, batch: Any) -> list[torch.Tensor]:
-        """Graph inputs for this step, gathered from the live model, batch and optimizer."""
-        inputs = [*self._params, *self._buffers, *batch_tensors(batch)]
-        if self.optimizer is not None:
+    def flat_inputs(self, batch: Any, accums: list[torch.Tensor] = (), part: str = "step") -> list[torch.Tensor]:
+        """Graph inputs of `part` of this step, gathered from the live model, batch, optimizer and accumulators."""
+        inputs = [*self._params, *self._buffers, *(batch_tensors(batch) if part != "update" else [])]
+        if self.optimizer is not None and part != "micro":
             inputs += self.optimizer.state_tensors() + self.optimizer.host_scalars()
-        return inputs
+        return inputs + list(accums)
+
+    def prepare(self, batch: Any) -> TracedStep:
+        """Trace (and transform) the graphs a step on `batch` runs, without running them (the planner's entry).
+
+        With accumulation the graph is traced on the first micro-batch's shapes, the token count a stand-in."""
+        self._batch_bytes = _nbytes(batch_tensors(batch))
+        if self.part == "step":
+            return self.ensure_traced(batch)
+        micro = {k: v.chunk(self.accumulation_steps)[0] for k, v in batch.items()}
+        return self.ensure_traced({**micro, NUM_TOKENS: torch.empty((), device=batch["labels"].device)})
+
+    def step_estimate(self) -> MemoryEstimate | None:
+        """The estimate of the whole step's graphs: the main graph's, or with accumulation the larger of the micro
+        graph's and the update graph's, each widened to what is alive around it (`accumulated_estimate`)."""
+        est = self.memory_estimate
+        if self.update is None or est is None or self.update.memory_estimate is None:
+            return est
+        # Alive outside the micro graph: the traced update's optimizer state, the other micro-batches' tokens.
+        state = _nbytes(self.optimizer.state_tensors()) if self.optimizer is not None else 0
+        others = self._batch_bytes - self._batch_bytes // self.accumulation_steps
+        return accumulated_estimate(
+            est, self.update.memory_estimate, micro_extra=state + others, update_extra=self._batch_bytes
+        )
 
     def __call__(self, batch: Any) -> StepOutput:
         """Run one training step; returns (loss, grad_norm) and leaves the (clipped) grads in `param.grad`."""
-        traced = self.ensure_traced(batch)
+        self._batch_bytes = _nbytes(batch_tensors(batch))
+        micro = micro_batches(batch, self.accumulation_steps, self.count_reduce) if self.part == "micro" else None
+        traced = self.ensure_traced(micro[0] if micro else batch)
         # Frozen parameters get no gradient, and their .grad is left alone, as eager backward does.
         trained = [self._params_by_name[n] for n in traced.layout.grad_names]
         for p in trained:  # as zero_grad(set_to_none=True): last step's grads must not outlive it
             p.grad = None
-        loss, grad_norm, grads = traced(self.flat_inputs(batch))
+        if micro is None:
+            loss, grad_norm, grads = traced(self.flat_inputs(batch))
+        else:
+            loss, grad_norm, grads = self._accumulated(traced, micro, trained)
         for p, g in zip(trained, grads):
             p.grad = g
         if self.optimizer is not None:
@@ -237,6 +292,15 @@ class GraphStep:
         if self.eager_optimizer is not None:
             self.eager_optimizer.step()
         return StepOutput(loss, grad_norm)
+
+    def _accumulated(
+        self, traced: TracedStep, micro: list[Any], trained: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The micro graph on each micro-batch, accumulating into zeros, then the update graph on the sums."""
+        accums = [torch.zeros_like(p) for p in trained]  # 0 + g is g exactly: autograd's first assignment
+        losses = [traced.run(self.flat_inputs(m, accums, "micro"))[0] for m in micro]
+        out = self.update.traced.run(self.flat_inputs(None, accums, "update"))
+        return sum_losses(losses), out[0], out[1:]
 
     def report(self) -> StepReport:
         """Trace stats, and the current graph's estimated peak widened to the eager update when there is one."""
@@ -249,10 +313,33 @@ class GraphStep:
             compile_time_s=s.compile_time_s,
             cuda_graphs=bool(getattr(self.traced and self.traced.compiled, "cudagraphs", False)),
         )
-        if self.memory_estimate is not None:
-            out.estimated_peak_bytes = whole_step_peak(self.memory_estimate, self._update_cost())[0]
-            out.saved_activation_bytes = self.memory_estimate.saved_bytes
+        est = self.step_estimate()
+        if est is not None:
+            out.estimated_peak_bytes = whole_step_peak(est, self._update_cost())[0]
+            out.saved_activation_bytes = est.saved_bytes
         return out
+
+    def graph_nodes(self) -> list[GraphNode] | None:
+        """The current graph's nodes with the estimate's live bytes at each (see `graph_trainer.step.GraphNode`).
+
+        `dispatches` is set only when the graph runs op by op (not compiled): then each call_function node
+        of an OpOverload reaches the dispatcher once, in graph order, which is how a measurement lines up.
+        """
+        if self.traced is None:
+            return None
+        timeline = self.memory_estimate.timeline if self.memory_estimate is not None else None
+        op_by_op = self.traced.compiled is None
+        return [
+            GraphNode(
+                name=n.name,
+                op=getattr(n.target, "__name__", str(n.target)) if n.op == "call_function" else n.op,
+                module_fqn=node_meta.module_fqn(n),
+                phase=node_meta.phase(n),
+                estimated_bytes=timeline[i] if timeline is not None else None,
+                dispatches=n.target if op_by_op and isinstance(n.target, torch._ops.OpOverload) else None,
+            )
+            for i, n in enumerate(self.traced.gm.graph.nodes)
+        ]
 
     def _update_cost(self) -> EagerUpdate | None:
         if self.eager_optimizer is not None and self._eager_update is None:
@@ -261,3 +348,7 @@ class GraphStep:
                 self.eager_optimizer, adamw_implementation(self.eager_optimizer.param_groups[0]), device
             )
         return self._eager_update
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

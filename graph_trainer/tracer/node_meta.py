@@ -28,8 +28,10 @@ COLLECTIVE = "collective"
 PARAM_GATHER = "param_gather"  # gathers a unit's parameters for the forward (FSDP); the backward may gather again
 GRAD_REDUCE = "grad_reduce"  # reduces gradients over data-parallel ranks (a reduce-scatter or an all-reduce)
 NORM_REDUCE = "norm_reduce"  # sums the squared gradient norm over the ranks that hold shards of the gradients
-COUNT_REDUCE = "count_reduce"  # sums a mixture of experts' tokens-per-expert counts over the data-parallel ranks
-ROLES = (PARAM_GATHER, GRAD_REDUCE, NORM_REDUCE, COUNT_REDUCE)
+EXPERT_COUNT_REDUCE = (
+    "expert_count_reduce"  # sums a mixture of experts' tokens-per-expert counts over the data-parallel ranks
+)
+ROLES = (PARAM_GATHER, GRAD_REDUCE, NORM_REDUCE, EXPERT_COUNT_REDUCE)
 
 FORWARD = "forward"
 BACKWARD = "backward"

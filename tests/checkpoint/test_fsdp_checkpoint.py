@@ -12,6 +12,7 @@ Claims tested:
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -20,13 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+from graph_trainer.checkpoint.dcp_reader import read_dcp_metadata
 from graph_trainer.checkpoint.run_folder import MANIFEST_FILE, Manifest, inspect
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer
 from tests.distributed.test_fsdp import TINY, _max_diff
 from tests.multiprocess import free_port, spawn_ranks, train_runs
+from tests.test_run_safety import CreatesAFile
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -226,26 +230,58 @@ def test_resume_with_another_global_batch_is_refused_in_one_line(resharded):
     assert "global batch" in message and "--training.local_batch_size 1" in message
 
 
-def test_export_writes_the_full_unpadded_weights(two, tmp_path):
-    out = tmp_path / "model_full.pt"
-    step = two / "straight" / "checkpoint" / "step-00000004.dcp"
-    proc = subprocess.run(
-        [sys.executable, "-m", "graph_trainer.export", str(step), str(out)],
-        cwd=tmp_path,
+def _export(checkpoint: Path, out: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m graph_trainer.export CHECKPOINT OUT` in a fresh process."""
+    return subprocess.run(
+        [sys.executable, "-m", "graph_trainer.export", str(checkpoint), str(out)],
+        cwd=cwd,
         env={"PYTHONPATH": str(REPO), "PATH": ""},
         capture_output=True,
         text=True,
     )
+
+
+def test_export_writes_the_full_unpadded_weights(two, tmp_path):
+    out = tmp_path / "model_full.pt"
+    step = two / "straight" / "checkpoint" / "step-00000004.dcp"
+    proc = _export(step, out, tmp_path)
     assert proc.returncode == 0, proc.stderr
     exported = torch.load(out, weights_only=True)
     gathered = torch.load(two / "straight.params.pt")
     assert set(gathered) <= set(exported)
     assert all(torch.equal(exported[k], gathered[k]) for k in gathered)
-    bad = subprocess.run(
-        [sys.executable, "-m", "graph_trainer.export", str(tmp_path), str(out)],
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(REPO), "PATH": ""},
-        capture_output=True,
-        text=True,
-    )
+    bad = _export(tmp_path, out, tmp_path)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+def test_a_sharded_checkpoint_holds_tensors_only_no_pickled_bytes_item(two):
+    """DCP unpickles a bytes item on load (`load_bytes`): every non-tensor state lives in rank{r}.pt instead."""
+    steps = sorted((two / "straight" / "checkpoint").glob("step-*.dcp"))
+    assert steps
+    for step in steps:
+        metadata = read_dcp_metadata(step / ".metadata")  # the allowlisting reader accepts our own metadata
+        kinds = {type(m).__name__ for m in metadata.state_dict_metadata.values()}
+        assert kinds == {"TensorStorageMetadata"}, (step, kinds)
+        assert any(k.startswith("optimizer.") for k in metadata.state_dict_metadata)  # AdamW state is in it
+
+
+def test_a_tampered_metadata_is_refused_by_export_in_one_line_and_runs_nothing(two, tmp_path):
+    step = tmp_path / "step-00000004.dcp"
+    shutil.copytree(two / "straight" / "checkpoint" / "step-00000004.dcp", step)
+    marker = tmp_path / "created_by_the_checkpoint"
+    with open(step / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # our own file, written by the fixture's run
+    metadata.planner_data = CreatesAFile(marker)
+    with open(step / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    proc = _export(step, tmp_path / "out.pt", tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: {step / '.metadata'} asks to run io.open while being read")
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()
+    # A bytes item, which DCP would unpickle on load, is refused as well.
+    metadata.planner_data = None
+    metadata.state_dict_metadata["model.extra"] = BytesStorageMetadata()
+    with open(step / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(UserError, match=r"declares pickled items \(model.extra\)"):
+        read_dcp_metadata(step / ".metadata")

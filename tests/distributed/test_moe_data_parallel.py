@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             "count_reduces": [
                 str(n.target)
                 for n in step_graph_nodes(trainer)
-                if (node_meta.collective(n) or {}).get("role") == node_meta.COUNT_REDUCE
+                if (node_meta.collective(n) or {}).get("role") == node_meta.EXPERT_COUNT_REDUCE
                 and "all_reduce" in str(n.target)
             ],
         }

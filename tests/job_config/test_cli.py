@@ -122,3 +122,14 @@ def test_main_turns_user_errors_into_exit_2_and_interrupts_into_130(monkeypatch,
 
     monkeypatch.setitem(sys.modules, "graph_trainer.plan.dry_run", types.SimpleNamespace(dry_run=interrupt))
     assert cli.main(["--dry-run"]) == 130
+
+
+@pytest.mark.parametrize("option", [["--training.max_norm", "nan"], ["--optimizer.lr", "inf"]])
+def test_a_non_finite_float_is_refused_before_the_run_starts(tmp_path, option):
+    """Issue 22.6: `--training.max_norm nan` trained silently and `--optimizer.lr inf` ran until it diverged."""
+    result = _run([*option, "--job.dump_folder", str(tmp_path / "run")], tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert option[0].removeprefix("--") in result.stderr and option[1] in result.stderr
+    assert not (tmp_path / "run").exists()  # refused before anything was written

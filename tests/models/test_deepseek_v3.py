@@ -193,3 +193,10 @@ def test_several_data_parallel_ranks_are_refused_until_the_counts_are_summed():
     _check_balancing_counts(model, SimpleNamespace(data_size=1))  # one process: every token is counted here
     with pytest.raises(UserError, match="not yet summed over the 2 data-parallel ranks"):
         _check_balancing_counts(model, SimpleNamespace(data_size=2))
+
+
+def test_gradient_accumulation_is_refused_for_the_balancing_bias(tmp_path):
+    from graph_trainer.errors import UserError
+
+    with pytest.raises(UserError, match="with 2 micro-batches per step it would move 2 times"):
+        _trainer(tmp_path, "accum", "--training.global_batch_size", "4")  # local batch 2: 2 micro-batches
