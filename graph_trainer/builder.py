@@ -377,6 +377,31 @@ class Job:
         )
 
 
+def _check_balancing_steps(model: nn.Module, micro_batches: int) -> None:
+    """Refuse gradient accumulation for a mixture of experts: its balancing bias is updated at the start of each
+    training forward (models/deepseek_v3), which would be after every micro-batch, not once per step."""
+    if micro_batches > 1 and any(hasattr(m, "count_reduce") for m in model.modules()):
+        raise UserError(
+            f"model {model.__class__.__name__} moves its expert-balancing bias at every training forward, so with "
+            f"{micro_batches} micro-batches per step it would move {micro_batches} times, not once per step; "
+            "set training.global_batch_size -1 (no gradient accumulation) for this model"
+        )
+
+
+def _check_balancing_counts(model: nn.Module, mesh: Mesh) -> None:
+    """Refuse a mixture of experts on several data-parallel ranks when no parallelism sums its routers' counts.
+
+    A router's `count_reduce` (models/deepseek_v3) must sum the tokens-per-expert counts over the ranks, or
+    each rank's balancing bias drifts on its own tokens, silently; `distributed.expert_balance` sets it.
+    """
+    if mesh.data_size > 1 and any(getattr(m, "count_reduce", False) is None for m in model.modules()):
+        raise UserError(
+            f"model {model.__class__.__name__} balances its experts from per-rank token counts, which are not yet "
+            f"summed over the {mesh.data_size} data-parallel ranks of this layout; "
+            "train it with parallelism.dp_shard or parallelism.dp_replicate alone, or on one process"
+        )
+
+
 def _reusable(cfg: JobConfig) -> bool:
     """Whether the preflight's graph is the step's: the preflight runs no compile stage and writes no graph dumps
     (the run folder is not ready then); everything else it builds as the step does."""
@@ -401,6 +426,8 @@ def build_job(cfg: JobConfig, mesh: Mesh, *, materialize: bool = True, vocab_nee
     model.train()
     # From here on, a sharded parameter is this rank's part of it (same names, smaller shapes).
     parallel = parallelize_model(model, mesh, cfg, spec.parallel_plan)
+    _check_balancing_counts(model, mesh)
+    _check_balancing_steps(model, accumulation_steps(cfg))
     if materialize and pretrained is not None:
         pretrained.load_into(model, parallel, mesh.device)
     optimizer = build_job_optimizer(cfg, model, mesh.device)

@@ -124,6 +124,7 @@ class Trainer:
         self.model_args = self.model.args
         self.num_params = job.num_params()
         self.flops_per_token = job.flops_per_token()
+        self.step_metrics = job.spec.step_metrics  # the family's own per-step figures (MoE: expert load)
         logger.info(
             f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
             f"device {self.device}, compute dtype {str(self.compute_dtype).removeprefix('torch.')}, "
@@ -296,6 +297,8 @@ class Trainer:
         }
         if self.peak_flops:
             record["mfu_pct"] = 100 * record["tflops"] * 1e12 / (self.peak_flops * self.world_size)
+        if self.step_metrics is not None:
+            record.update(self.step_metrics(self.model))
         report = self.step_fn.report()
         record.update(report.as_record())
         if report.cuda_graphs and "peak_reserved_bytes" in record:

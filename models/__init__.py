@@ -8,8 +8,9 @@ or an impossible argument into a one-line config error.
 from __future__ import annotations
 
 from models.common.spec import ModelSpec
+from models.deepseek_v3 import SPEC as DEEPSEEK_V3
 from models.llama3 import SPEC as LLAMA3
 
-MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3,)}
+MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, DEEPSEEK_V3)}
 
 __all__ = ["MODELS", "ModelSpec"]

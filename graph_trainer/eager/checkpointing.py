@@ -3,8 +3,8 @@
 The same policies as the graph passes (`graph_trainer.passes.memory_policy`):
 - full: plain `checkpoint` of every layer (recomputes everything in it);
 - selective "op": `create_selective_checkpoint_contexts` saving matmul and
-  attention outputs and tensor parallelism's reduce-scatters, recomputing every
-  second matmul of each layer (the counter restarts per layer) and everything else;
+  attention outputs, MoE routing outputs (`graph_utils.ROUTING_OPS`) and tensor parallelism's reduce-scatters,
+  recomputing every second matmul of each layer (the counter restarts per layer) and everything else;
 - selective N: plain `checkpoint` of layers N-1, 2N-1, ... (every N-th, from 1).
 Per-op overrides without a module glob (`"aten.mm"`) apply inside checkpointed
 layers. Budget mode exists only on the graph.
@@ -24,7 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from graph_trainer.distributed.fsdp import layer_forward
 from graph_trainer.errors import ConfigError
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
-from graph_trainer.passes.graph_utils import is_attention, is_matmul, is_reduce_scatter
+from graph_trainer.passes.graph_utils import is_attention, is_matmul, is_reduce_scatter, is_routing
 from graph_trainer.passes.op_patterns import OpPattern, parse_overrides
 from graph_trainer.tracer.layers import transformer_layers
 
@@ -47,7 +47,8 @@ def _policy_factory(selective_op: bool, save: list[OpPattern], recompute: list[O
                 return CheckpointPolicy.PREFER_RECOMPUTE
             # A reduce-scatter inside a layer is tensor parallelism's, after a row-parallel matmul: saved, as the
             # graph's selective policy saves it (passes/activation_checkpoint.py).
-            if selective_op and (is_attention(func) or is_reduce_scatter(func) or (is_matmul(func) and matmul_save)):
+            saved_kind = is_attention(func) or is_reduce_scatter(func) or is_routing(func)
+            if selective_op and (saved_kind or (is_matmul(func) and matmul_save)):
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -56,6 +56,10 @@ TB_TAGS: Mapping[str, str] = MappingProxyType(
         "trace_time_s": "compile/trace_time_s",
         "inductor_time_s": "compile/inductor_time_s",
         "step_time_s": "time/step_s",
+        # A mixture of experts' load in the last step (models.deepseek_v3.model.expert_load), worst MoE layer.
+        "max_tokens_per_expert": "moe/max_tokens_per_expert",
+        "mean_tokens_per_expert": "moe/mean_tokens_per_expert",
+        "max_over_mean": "moe/max_over_mean_load",
     }
 )
 RECORD_KEYS = frozenset(TB_TAGS)

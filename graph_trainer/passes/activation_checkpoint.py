@@ -44,6 +44,7 @@ from graph_trainer.passes.graph_utils import (
     is_attention,
     is_matmul,
     is_mutating,
+    is_routing,
     layer_forward_nodes,
     mutated_args,
     storage_keys,
@@ -128,7 +129,8 @@ def _is_sequence_scatter(node: torch.fx.Node) -> bool:
 
 
 def policy_selective_op(structure: StepStructure) -> Decisions:
-    """Save matmul and attention outputs, but recompute every second matmul of each layer; recompute the rest.
+    """Save matmul, attention and MoE routing outputs (grouped matmuls, permutation, top-k), but recompute every
+    second (plain) matmul of each layer; recompute the rest.
 
     Tensor parallelism: the reduce-scatters' outputs (1/tp of the tokens; redoing one costs a collective) are
     saved, as torchtitan's op-level policy does; the all-gathers along the sequence (tp times bigger) are
@@ -143,7 +145,7 @@ def policy_selective_op(structure: StepStructure) -> Decisions:
             elif is_matmul(n.target):
                 matmuls += 1
                 decisions[n] = RECOMPUTE if matmuls % 2 == 0 else SAVE
-            elif is_attention(n.target):
+            elif is_attention(n.target) or is_routing(n.target):
                 decisions[n] = SAVE
             else:
                 decisions[n] = RECOMPUTE

@@ -30,6 +30,12 @@ ATTENTION_OPS = frozenset(
 )
 
 
+# A mixture of experts' routing and expert matmuls: selective AC saves them all (not every second one). The
+# grouped matmuls are the experts' compute; sort (the permutation) and topk (the router's choices) are small
+# integer tensors whose recompute would run the whole router again.
+ROUTING_OPS = frozenset({aten._grouped_mm, aten.sort, aten.topk})
+
+
 def packet(node_or_target: Any) -> Any:
     """The OpOverloadPacket of a node's (or a target's) op, or None for non-ATen targets."""
     target = node_or_target.target if isinstance(node_or_target, torch.fx.Node) else node_or_target
@@ -42,6 +48,11 @@ def is_matmul(target: Any) -> bool:
 
 def is_attention(target: Any) -> bool:
     return packet(target) in ATTENTION_OPS
+
+
+def is_routing(target: Any) -> bool:
+    """A mixture of experts' grouped matmul, permutation or top-k choice (see `ROUTING_OPS`)."""
+    return packet(target) in ROUTING_OPS
 
 
 # The collectives a parallelism may put in the graph (torch's functional collectives), by kind of traffic.

@@ -36,9 +36,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer.errors import UserError
 from graph_trainer.loss import lm_loss
+from graph_trainer.observability.log import get_logger
 from graph_trainer.optimizer.clip import clip_grads_
-from graph_trainer.tracer import node_meta
+from graph_trainer.tracer import fake_rules, node_meta
 from graph_trainer.tracer.layers import transformer_layers
+
+_ = fake_rules  # imported for its registrations: fp32 torch._grouped_mm traces
+
+logger = get_logger(__name__)
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 # Maps the raw gradients to the ones clipped and applied, e.g. averaged over data-parallel
@@ -310,6 +315,27 @@ def _mark_random_ops(graph: torch.fx.Graph) -> None:
     for node in graph.nodes:
         if node.op == "call_function" and _draws_random_numbers(node):
             node.meta[node_meta.CUSTOM] = {**node.meta.get(node_meta.CUSTOM, {}), node_meta.RANDOM: True}
+
+
+def _warn_nondeterministic_accumulation(graph: torch.fx.Graph) -> None:
+    """Warn once per trace when an op sums duplicate indices in a thread-dependent order.
+
+    `aten.index_put` with accumulate=True (the backward of `weight[indices]`, e.g. Hugging Face's batched_mm
+    experts) gives gradients that differ by ~1e-10 between two eager runs, and so between eager and the
+    graph, unless torch.use_deterministic_algorithms(True) picks its sorted kernel.
+    """
+    if torch.are_deterministic_algorithms_enabled():
+        return
+    for node in graph.nodes:
+        accumulate = node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False)
+        if node.op == "call_function" and node.target is torch.ops.aten.index_put.default and accumulate:
+            logger.warning(
+                f"the step accumulates with aten.index_put (accumulate=True) in module "
+                f"'{node_meta.module_fqn(node)}', which sums repeated indices in a thread-dependent order: eager "
+                "runs differ from each other (and from the graph) in the last bits; call "
+                "torch.use_deterministic_algorithms(True) (--training.deterministic true) for bitwise runs"
+            )
+            return
 
 
 def _link_backward_to_forward(root: Any) -> None:
@@ -651,6 +677,7 @@ def _annotate_graph(gm: torch.fx.GraphModule, layout: InputLayout, annotator: _M
     _copy_forward_annotations(gm.graph)
     _tag_optimizer_ops(gm.graph, layout, annotator)
     _mark_random_ops(gm.graph)
+    _warn_nondeterministic_accumulation(gm.graph)
     gm.recompile()
 
 

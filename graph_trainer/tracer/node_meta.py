@@ -31,7 +31,10 @@ NORM_REDUCE = "norm_reduce"  # sums the squared gradient norm over the ranks tha
 SEQ_GATHER = "seq_gather"  # all-gathers activations along the sequence before a tensor-parallel region (TP)
 SEQ_SCATTER = "seq_scatter"  # reduce-scatters a row-parallel region's partial sums along the sequence (TP)
 LOSS_REDUCE = "loss_reduce"  # all-reduces per-token statistics of a vocabulary-parallel loss (TP)
-ROLES = (PARAM_GATHER, GRAD_REDUCE, NORM_REDUCE, SEQ_GATHER, SEQ_SCATTER, LOSS_REDUCE)
+EXPERT_COUNT_REDUCE = (
+    "expert_count_reduce"  # sums a mixture of experts' tokens-per-expert counts over the data-parallel ranks
+)
+ROLES = (PARAM_GATHER, GRAD_REDUCE, NORM_REDUCE, SEQ_GATHER, SEQ_SCATTER, LOSS_REDUCE, EXPERT_COUNT_REDUCE)
 
 FORWARD = "forward"
 BACKWARD = "backward"

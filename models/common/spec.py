@@ -79,5 +79,8 @@ class ModelSpec:
     flops_per_token: Callable[[Any, int], float]
     parallel_plan: ParallelPlan = field(default_factory=ParallelPlan)
     active_params: Callable[[Any], int] | None = None  # None: every parameter is active (a dense model)
+    # What the trainer logs after each step besides the loss, read from the live model (e.g. a mixture of
+    # experts' load per expert): name -> value. None: nothing.
+    step_metrics: Callable[[nn.Module], dict[str, float]] | None = None
     # args -> the family's Hugging Face state dict adapter (names, layouts, config.json); None: no HF weights.
     hf_adapter: Callable[[Any], Any] | None = None

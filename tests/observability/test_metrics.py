@@ -32,6 +32,9 @@ EXPECTED_TAGS = {
     "compile/trace_time_s",
     "compile/inductor_time_s",
     "time/step_s",
+    "moe/max_tokens_per_expert",
+    "moe/mean_tokens_per_expert",
+    "moe/max_over_mean_load",
 }
 
 
@@ -61,6 +64,9 @@ def _record(step: int) -> dict:
         "trace_count": 1,
         "trace_time_s": 0.6,
         "inductor_time_s": 12.5,
+        "max_tokens_per_expert": 96.0,
+        "mean_tokens_per_expert": 64.0,
+        "max_over_mean": 1.5,
     }
 
 

@@ -1,0 +1,37 @@
+"""DeepSeek-V3: the model (`model.py`), its named sizes (`flavors.py`) and its registry entry (`SPEC`)."""
+
+from models.common.spec import ModelSpec, ParallelPlan
+from models.deepseek_v3.flavors import DEEPSEEK_V3_FLAVORS
+from models.deepseek_v3.model import (
+    DeepSeekV3,
+    ModelArgs,
+    Router,
+    active_params,
+    expert_load,
+    flops_per_token,
+    num_params,
+)
+
+SPEC = ModelSpec(
+    name="deepseek_v3",
+    args_cls=ModelArgs,
+    model_cls=DeepSeekV3,
+    flavors=DEEPSEEK_V3_FLAVORS,
+    num_params=num_params,
+    flops_per_token=flops_per_token,
+    parallel_plan=ParallelPlan(layers="layers"),
+    active_params=active_params,
+    step_metrics=expert_load,
+)
+
+__all__ = [
+    "DEEPSEEK_V3_FLAVORS",
+    "SPEC",
+    "DeepSeekV3",
+    "ModelArgs",
+    "Router",
+    "active_params",
+    "expert_load",
+    "flops_per_token",
+    "num_params",
+]

@@ -1,0 +1,76 @@
+"""Named DeepSeek sizes. Dimensions are DeepSeek's published ones; tests/test_deepseek_v3.py checks their
+parameter counts against the published totals and activated counts."""
+
+from models.deepseek_v3.model import ModelArgs
+
+DEEPSEEK_V3_FLAVORS: dict[str, ModelArgs] = {
+    # Small enough for CPU tests, with every feature on: query compression, group-limited sigmoid routing,
+    # a shared expert, one dense layer before the MoE ones.
+    "debugmodel": ModelArgs(
+        dim=256,
+        n_layers=4,
+        n_dense_layers=1,
+        n_heads=8,
+        vocab_size=2048,
+        inter_dim=768,
+        moe_inter_dim=128,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_activated_experts=2,
+        n_expert_groups=2,
+        n_limited_groups=1,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=1.0,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        max_seq_len=2048,
+        original_seq_len=2048,
+    ),
+    # DeepSeek-V2-Lite's dimensions (15.7B parameters, 2.4B activated): 64 routed experts, 6 active, 2 shared,
+    # softmax routing without group limits, MLA without query compression.
+    "16B": ModelArgs(
+        dim=2048,
+        n_layers=27,
+        n_dense_layers=1,
+        n_heads=16,
+        vocab_size=102400,
+        inter_dim=10944,
+        moe_inter_dim=1408,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        n_activated_experts=6,
+        score_func="softmax",
+        route_norm=False,
+        q_lora_rank=0,
+        kv_lora_rank=512,
+        mscale=0.707,
+    ),
+    # DeepSeek-V3 (671B parameters, 37B activated; the multi-token-prediction module is not part of it):
+    # 256 routed experts in 8 groups, 8 active from at most 4 groups, 1 shared; sigmoid scores; YaRN x40.
+    "671B": ModelArgs(
+        dim=7168,
+        n_layers=61,
+        n_dense_layers=3,
+        n_heads=128,
+        vocab_size=129280,
+        inter_dim=18432,
+        moe_inter_dim=2048,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        n_activated_experts=8,
+        n_expert_groups=8,
+        n_limited_groups=4,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=2.5,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        max_seq_len=16384,
+        original_seq_len=4096,
+        rope_factor=40.0,
+    ),
+}
