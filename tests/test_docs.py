@@ -59,6 +59,7 @@ ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S+$")
 RUN_ELSEWHERE = {
     "python -m graph_trainer --config llama3_8b.toml --dry-run": "tests/plan/test_planner.py",
     "python examples/bring_your_own_model.py": "tests/test_examples.py",
+    "python examples/make_dataset.py outputs/data": "tests/data/test_hf_datasets.py",
     "python run_tests.py out/ --suite quick --collect-peak-memory": ".ci/run",
     REFERENCE_COMMAND: "tests/job_config/test_reference.py",
 }
