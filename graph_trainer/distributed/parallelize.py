@@ -13,6 +13,7 @@ from typing import Any
 import torch.nn as nn
 
 from graph_trainer.distributed.expert_balance import ExpertBalance
+from graph_trainer.distributed.expert_parallel import ExpertParallel
 from graph_trainer.distributed.fsdp import FSDP
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import Apply, ParallelModel, parallelize
@@ -21,7 +22,8 @@ from graph_trainer.distributed.replicate import Replicate
 # Fully sharded data parallelism shards what the others leave whole, so it comes after any that split
 # parameters themselves; replication averages the gradients FSDP has already reduced within a replica. The
 # MoE balancing counts are summed over whichever data-parallel dimension is used.
-PARALLELISMS: tuple[Apply, ...] = (FSDP.apply, Replicate.apply, ExpertBalance.apply)
+# Expert parallelism comes first: it splits the routed experts itself, and FSDP leaves what it holds alone.
+PARALLELISMS: tuple[Apply, ...] = (ExpertParallel.apply, FSDP.apply, Replicate.apply, ExpertBalance.apply)
 
 
 def parallelize_model(model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ParallelModel:

@@ -31,7 +31,9 @@ NORM_REDUCE = "norm_reduce"  # sums the squared gradient norm over the ranks tha
 EXPERT_COUNT_REDUCE = (
     "expert_count_reduce"  # sums a mixture of experts' tokens-per-expert counts over the data-parallel ranks
 )
-ROLES = (PARAM_GATHER, GRAD_REDUCE, NORM_REDUCE, EXPERT_COUNT_REDUCE)
+DISPATCH = "dispatch"  # sends each token's rows to the ranks holding its experts (expert parallelism's all-to-all)
+COMBINE = "combine"  # brings the experts' outputs back to the tokens' ranks (the reverse all-to-all)
+ROLES = (PARAM_GATHER, GRAD_REDUCE, NORM_REDUCE, EXPERT_COUNT_REDUCE, DISPATCH, COMBINE)
 
 FORWARD = "forward"
 BACKWARD = "backward"
