@@ -321,7 +321,7 @@ class Trainer:
         if dropped is None:
             return {}
         total = float(self.mesh.global_average(dropped) * self.world_size)
-        if total > 0:
+        if total > 0 and self.rank == 0:  # the total is every rank's: say it once
             logger.warning(
                 f"expert parallelism dropped {total:.0f} (token, expert) rows over capacity this step "
                 "(raise parallelism.ep_capacity_factor to drop fewer)"
