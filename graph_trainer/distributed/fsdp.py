@@ -57,7 +57,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -66,6 +66,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from graph_trainer.distributed.expert_parallel import EXPERT_PARALLEL
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import Parallelism, mean_count_over
 from graph_trainer.job_config.batching import accumulation_steps
@@ -329,7 +330,7 @@ class FSDP(Parallelism):
             return c10d.wait_tensor(c10d.all_reduce(sq_norm, "sum", self.group.group_name))
 
     def check_traced(self, traced: TracedStep) -> TracedStep:
-        return check_gathered(traced)
+        return check_gathered(traced, self._full_shapes)
 
     def shard_sum(self) -> Callable[[float], float]:
         return self._sum_over_group
@@ -407,7 +408,7 @@ def _param_slots(
         if any(mod_name == s or mod_name.startswith(s + ".") for s in skip):
             continue
         for attr, p in mod._parameters.items():
-            if p is None:
+            if p is None or getattr(p, EXPERT_PARALLEL, False):  # split by expert parallelism, not FSDP's
                 continue
             entry = found.setdefault(id(p), (p, f"{mod_name}.{attr}" if mod_name else attr, []))
             entry[2].append((mod, attr))
@@ -472,7 +473,7 @@ def fully_shard_model(
     return fsdp
 
 
-def check_gathered(traced: TracedStep) -> TracedStep:
+def check_gathered(traced: TracedStep, held: Collection[str] | None = None) -> TracedStep:
     """`traced` unchanged if every read of a parameter in it goes through the parameter's gather.
 
     The graph's parameter inputs are this rank's shards. Outside the optimizer
@@ -480,11 +481,15 @@ def check_gathered(traced: TracedStep) -> TracedStep:
     shard where the full parameter was meant (e.g. a regularizer on a layer's
     weight written outside that layer's forward), which would be silently wrong.
 
+    `held`: the parameters FSDP shards (None: every parameter of the graph).
+
     Raises:
         TraceError: naming the parameter, the op and the module that read it.
     """
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     for name, node in zip(traced.layout.param_names, placeholders):
+        if held is not None and name not in held:  # another parallelism's parameter (expert parallelism's experts)
+            continue
         for user in node.users:
             if node_meta.gathered_unit(user) is None and node_meta.phase(user) != node_meta.OPTIMIZER:
                 where = node_meta.module_fqn(user) or "the loss function (outside model.forward)"

@@ -24,6 +24,10 @@ from graph_trainer.job_config.schema import ParallelismConfig
 # parallel peers innermost (adjacent ranks: on a GPU node they talk over the fastest links).
 DIMS = ("dp_replicate", "dp_shard", "tp")
 DATA_PARALLEL = ("dp_replicate", "dp_shard")  # the dimensions over which ranks read different data
+# Expert parallelism is carved out of dp_shard, not multiplied into the world: dp_shard = EXPERT_SHARD x ep, and
+# the named "dp_shard" dimension is those two flattened (ep innermost: an ep group is dp_shard's neighbours).
+EP = "ep"
+EXPERT_SHARD = "dp_shard_mod_ep"  # the ranks that hold the same routed experts (FSDP over dp_shard / ep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +37,7 @@ class ParallelDims:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    ep: int = 1  # carved out of dp_shard: not a factor of world_size
 
     @classmethod
     def from_config(cls, p: ParallelismConfig) -> ParallelDims:
@@ -48,7 +53,18 @@ class ParallelDims:
                 "not supported; use one of them: --parallelism.dp_shard N (FSDP) or "
                 "--parallelism.dp_replicate N (replicated)"
             )
-        return cls(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp)
+        if p.dp_shard % p.ep:
+            raise UserError(
+                f"parallelism.ep = {p.ep} does not divide parallelism.dp_shard = {p.dp_shard}: expert parallelism is "
+                "carved out of dp_shard; pick an ep that divides it"
+            )
+        if p.ep > 1 and p.tp > 1:
+            # Each was tested on its own; the dispatch under sequence-sharded tokens is not wired yet.
+            raise UserError(
+                "parallelism.ep > 1 with parallelism.tp > 1 is not supported yet: use one of them "
+                "(set --parallelism.ep 1 or --parallelism.tp 1)"
+            )
+        return cls(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep)
 
     def degrees(self) -> dict[str, int]:
         """Every dimension's degree, outermost first."""
@@ -64,7 +80,7 @@ class ParallelDims:
     def describe(self) -> str:
         """e.g. 'dp_shard 8' or 'one process'."""
         used = [f"{name} {n}" for name, n in self.degrees().items() if n > 1]
-        return " x ".join(used) or "one process"
+        return (" x ".join(used) or "one process") + (f" (ep {self.ep})" if self.ep > 1 else "")
 
     def used(self) -> list[str]:
         """The dimensions of degree > 1, outermost first."""
@@ -73,7 +89,7 @@ class ParallelDims:
     def launch_hint(self) -> str:
         """The options that ask for these degrees, e.g. '--parallelism.dp_shard 8'."""
         used = [f"--parallelism.{name} {n}" for name, n in self.degrees().items() if n > 1]
-        return " ".join(used)
+        return " ".join(used + ([f"--parallelism.ep {self.ep}"] if self.ep > 1 else []))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +115,11 @@ class Mesh:
         return dist.group.WORLD if self.is_distributed else None
 
     def size(self, name: str) -> int:
-        """The degree of dimension `name` (1 when the job does not use it)."""
+        """The degree of dimension `name` (1 when the job does not use it; `ep` and `dp_shard_mod_ep` too)."""
+        if name == EP:
+            return self.dims.ep
+        if name == EXPERT_SHARD:
+            return self.dims.dp_shard // self.dims.ep
         return self.dims.degrees()[name]
 
     def coordinate(self, name: str) -> int:
@@ -163,8 +183,17 @@ def build_mesh(dims: ParallelDims, rank: int, device: torch.device) -> Mesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     used = {name: n for name, n in dims.degrees().items() if n > 1}
+    if dims.ep > 1:  # dp_shard laid out as (dp_shard / ep, ep), then flattened back under its own name
+        used = {k: v for name, n in used.items() for k, v in _split_dp_shard(name, n, dims.ep)}
     device_mesh = init_device_mesh(device.type, tuple(used.values()), mesh_dim_names=tuple(used))
+    if dims.ep > 1:
+        device_mesh[EXPERT_SHARD, EP]._flatten("dp_shard")
     return Mesh(dims, rank, device, device_mesh)
+
+
+def _split_dp_shard(name: str, degree: int, ep: int) -> list[tuple[str, int]]:
+    """`dp_shard` as its two factors (experts' FSDP ranks outer, ep inner); any other dimension as it is."""
+    return [(EXPERT_SHARD, degree // ep), (EP, ep)] if name == "dp_shard" else [(name, degree)]
 
 
 @contextlib.contextmanager
@@ -191,4 +220,4 @@ def planning_mesh(dims: ParallelDims, device: torch.device) -> Iterator[Mesh]:
         dist.destroy_process_group()
 
 
-__all__ = ["DATA_PARALLEL", "DIMS", "Mesh", "ParallelDims", "build_mesh", "planning_mesh"]
+__all__ = ["DATA_PARALLEL", "DIMS", "EP", "EXPERT_SHARD", "Mesh", "ParallelDims", "build_mesh", "planning_mesh"]

@@ -13,18 +13,26 @@ from typing import Any
 import torch.nn as nn
 
 from graph_trainer.distributed.expert_balance import ExpertBalance
+from graph_trainer.distributed.expert_parallel import ExpertParallel
 from graph_trainer.distributed.fsdp import FSDP
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import Apply, ParallelModel, parallelize
 from graph_trainer.distributed.replicate import Replicate
 from graph_trainer.distributed.tp import TensorParallel
 
-# Tensor parallelism splits parameters itself, so it comes first; fully sharded data parallelism then shards
-# what the others leave (FSDP shards the TP blocks, as FSDP2 on top of TP does); replication averages the
-# gradients FSDP has already reduced within a replica. The norm hooks chain in this order too: TP's counts its
-# replicated gradients once on this rank's FSDP shards, before FSDP sums over dp_shard. The MoE balancing counts
-# are summed over whichever data-parallel dimension is used.
-PARALLELISMS: tuple[Apply, ...] = (TensorParallel.apply, FSDP.apply, Replicate.apply, ExpertBalance.apply)
+# Expert parallelism comes first: it splits the routed experts itself, and FSDP leaves what it holds alone. Tensor
+# parallelism splits parameters itself too; fully sharded data parallelism then shards what the others leave (FSDP
+# shards the TP blocks, as FSDP2 on top of TP does); replication averages the gradients FSDP has already reduced
+# within a replica. The norm hooks chain in this order too: TP's counts its replicated gradients once on this rank's
+# FSDP shards, before FSDP sums over dp_shard. The MoE balancing counts are summed over whichever data-parallel
+# dimension is used.
+PARALLELISMS: tuple[Apply, ...] = (
+    ExpertParallel.apply,
+    TensorParallel.apply,
+    FSDP.apply,
+    Replicate.apply,
+    ExpertBalance.apply,
+)
 
 
 def parallelize_model(model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ParallelModel:

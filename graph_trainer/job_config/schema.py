@@ -257,6 +257,19 @@ class ParallelismConfig:
         alias="tensor_parallel_degree",
         ge=1,
     )
+    ep: int = _opt(
+        1,
+        "expert-parallel degree, carved out of dp_shard (not extra processes): each rank holds n_routed_experts / ep "
+        "routed experts and tokens travel to them by all-to-all; must divide dp_shard and n_routed_experts",
+        alias="expert_parallel_degree",
+        ge=1,
+    )
+    ep_capacity_factor: float = _opt(
+        1.25,
+        "ep > 1: rows each rank may send to each other rank, as a multiple of an even share "
+        "(tokens x top_k / ep); rows over it are dropped (counted, logged); a factor of ep never drops",
+        gt=0,
+    )
 
 
 @dataclass

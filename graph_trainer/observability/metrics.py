@@ -60,6 +60,7 @@ TB_TAGS: Mapping[str, str] = MappingProxyType(
         "max_tokens_per_expert": "moe/max_tokens_per_expert",
         "mean_tokens_per_expert": "moe/mean_tokens_per_expert",
         "max_over_mean": "moe/max_over_mean_load",
+        "dropped_tokens": "moe/dropped_tokens",  # expert parallelism's rows over capacity, summed over ranks
     }
 )
 RECORD_KEYS = frozenset(TB_TAGS)

@@ -24,6 +24,8 @@ Rules every policy obeys (`StepStructure`):
 - in-place ops, tensors they write into, and ops that read a tensor which a
   later forward/backward op writes into are saved: a recompute would see
   different values;
+- collectives inside a layer (expert parallelism's all-to-alls) and their waits are saved: a recompute
+  would send the data again;
 - a multi-output op's `getitem`s share their parent's decision.
 """
 
@@ -42,6 +44,7 @@ from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.observability.log import get_logger
 from graph_trainer.passes.graph_utils import (
     is_attention,
+    is_c10d_op,
     is_matmul,
     is_mutating,
     is_routing,
@@ -97,6 +100,8 @@ def analyze(gm: torch.fx.GraphModule) -> StepStructure:
             forced[n] = "random op"
         elif is_mutating(n):
             forced[n] = "in-place op"
+        elif is_c10d_op(n):
+            forced[n] = "collective"
         elif any(last_write.get(k, -1) > index[n] for k in storage_keys(n)):
             forced[n] = "written in place later"
         elif any(last_write.get(k, -1) > index[n] for a in n.all_input_nodes for k in storage_keys(a)):

@@ -34,7 +34,19 @@ LOSS_REDUCE = "loss_reduce"  # all-reduces per-token statistics of a vocabulary-
 EXPERT_COUNT_REDUCE = (
     "expert_count_reduce"  # sums a mixture of experts' tokens-per-expert counts over the data-parallel ranks
 )
-ROLES = (PARAM_GATHER, GRAD_REDUCE, NORM_REDUCE, SEQ_GATHER, SEQ_SCATTER, LOSS_REDUCE, EXPERT_COUNT_REDUCE)
+DISPATCH = "dispatch"  # sends each token's rows to the ranks holding its experts (expert parallelism's all-to-all)
+COMBINE = "combine"  # brings the experts' outputs back to the tokens' ranks (the reverse all-to-all)
+ROLES = (
+    PARAM_GATHER,
+    GRAD_REDUCE,
+    NORM_REDUCE,
+    SEQ_GATHER,
+    SEQ_SCATTER,
+    LOSS_REDUCE,
+    EXPERT_COUNT_REDUCE,
+    DISPATCH,
+    COMBINE,
+)
 
 FORWARD = "forward"
 BACKWARD = "backward"

@@ -60,6 +60,10 @@ class ParallelPlan:
 
     layers: str = "layers"
     tensor_parallel: TensorParallelPlan | None = None
+    # Name suffix of the modules holding a mixture of experts' routed experts ("" for none): each holds every
+    # expert's weights stacked along dim 0 and runs `forward(rows sorted by expert, offsets [experts] int32)`.
+    # Expert parallelism splits their dim 0 over ranks and moves the rows to them.
+    routed_experts: str = ""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ SPEC = ModelSpec(
     flavors=DEEPSEEK_V3_FLAVORS,
     num_params=num_params,
     flops_per_token=flops_per_token,
-    parallel_plan=ParallelPlan(layers="layers"),
+    parallel_plan=ParallelPlan(layers="layers", routed_experts="moe.experts"),
     active_params=active_params,
     step_metrics=expert_load,
 )

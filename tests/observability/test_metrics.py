@@ -35,6 +35,7 @@ EXPECTED_TAGS = {
     "moe/max_tokens_per_expert",
     "moe/mean_tokens_per_expert",
     "moe/max_over_mean_load",
+    "moe/dropped_tokens",
 }
 
 
@@ -67,6 +68,7 @@ def _record(step: int) -> dict:
         "max_tokens_per_expert": 96.0,
         "mean_tokens_per_expert": 64.0,
         "max_over_mean": 1.5,
+        "dropped_tokens": 3.0,
     }
 
 
