@@ -71,9 +71,6 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
             print_fn(
                 f"blocks traced: {short} for a model of {depth}, once for all modes; extended exactly (docs/planner.md)"
             )
-            if plan.comm_bytes:
-                traffic = ", ".join(f"{kind} {to_gib(n):.3g}" for kind, n in plan.comm_bytes.items())
-                print_fn(f"{'':10} communicated GiB per step per rank: {traffic}")
     print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")
 
 
