@@ -13,7 +13,16 @@ from graph_trainer.job_config.load import CONFIGS_DIR, config_to_toml, resolve_c
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.runtime.device import compute_dtype, resolve_dtype
 
-SHIPPED = ["llama3_1b", "llama3_405b", "llama3_70b", "llama3_8b", "llama3_debug"]
+SHIPPED = [
+    "deepseek_v3_16b",
+    "deepseek_v3_671b",
+    "deepseek_v3_debug",
+    "llama3_1b",
+    "llama3_405b",
+    "llama3_70b",
+    "llama3_8b",
+    "llama3_debug",
+]
 
 
 def _write(tmp_path: Path, text: str, name: str = "job.toml") -> str:
@@ -33,7 +42,7 @@ def _error(argv: list[str]) -> str:
 # --- shipped configs ---------------------------------------------------------
 
 
-def test_shipped_configs_are_the_four_llama3_ones():
+def test_shipped_configs_are_the_llama3_and_deepseek_v3_ones():
     assert shipped_configs() == SHIPPED
 
 
@@ -300,7 +309,7 @@ def test_config_to_toml_round_trips(tmp_path):
             [
                 "config 'llama3_dbug' not found",
                 "did you mean 'llama3_debug'",
-                "shipped configs: llama3_1b, llama3_405b, llama3_70b, llama3_8b, llama3_debug",
+                "shipped configs: " + ", ".join(SHIPPED),
             ],
         ),
         (["--config", "missing/dir.toml"], ["config file 'missing/dir.toml' not found"]),
