@@ -102,7 +102,8 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     for row in exact:
         if row.exact is not None:
             err = row.peak / row.exact.peak_bytes - 1
-            print(f"screen vs exact: {row.cand.layout()} {row.cand.ac_mode}: peak {err:+.1%}")
+            t_err = row.time.total_s / row.exact_time.total_s - 1
+            print(f"screen vs exact: {row.cand.layout()} {row.cand.ac_mode}: peak {err:+.1%}, step time {t_err:+.1%}")
     best = final[0]
     command = _command(rest, best.cand, cluster)
     print("best plan's command:\n  " + command)
