@@ -131,7 +131,8 @@ def _command(rest: list[str], cand, cluster) -> str:
         options += ["--training.dtype", "bfloat16"]
         if dict(cand.degrees).get("dp_shard", 1) > 1:
             options += ["--training.mixed_precision_param", "bfloat16"]
-    return shlex.join([*argv, *rest, *options]).replace("'$MASTER_ADDR:29500'", "$MASTER_ADDR:29500")
+    endpoint = "--rdzv_endpoint=$MASTER_ADDR:29500"  # shlex quotes it whole; the shell must expand $MASTER_ADDR
+    return shlex.join([*argv, *rest, *options]).replace(f"'{endpoint}'", endpoint)
 
 
 def _without(argv: list[str], keys: set[str]) -> list[str]:
