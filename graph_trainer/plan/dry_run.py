@@ -62,6 +62,9 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
                 f"{mode:10} {to_gib(plan.peak_bytes):9.2f} {to_gib(plan.saved_bytes):10.2f} "
                 f"{plan.num_params:15,} {plan.flops / 1e12:11.2f} {plan.trace_time_s:7.1f}  {where}"
             )
+            if plan.comm_bytes:  # each mode's own: remat's re-gathers differ between modes
+                traffic = ", ".join(f"{kind} {to_gib(n):.3g}" for kind, n in plan.comm_bytes.items())
+                print_fn(f"{'':10} communicated GiB per step per rank: {traffic}")
         traced = max((p.blocks_traced for p in plans.values() if isinstance(p, StepPlan)), default=0)
         if traced == depth:
             print_fn(f"blocks traced: all {depth}, once for all modes")
@@ -70,9 +73,6 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
             print_fn(
                 f"blocks traced: {short} for a model of {depth}, once for all modes; extended exactly (docs/planner.md)"
             )
-            if plan.comm_bytes:
-                traffic = ", ".join(f"{kind} {to_gib(n):.3g}" for kind, n in plan.comm_bytes.items())
-                print_fn(f"{'':10} communicated GiB per step per rank: {traffic}")
     print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")
 
 
