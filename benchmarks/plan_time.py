@@ -1,7 +1,7 @@
 """Plan time against depth: the depth-free plan (3 + 4 blocks traced) vs the full trace, all four AC modes.
 
     python -m benchmarks.plan_time [--config llama3_8b] [--depths 8 16 32 80 126] [--full-up-to 32]
-        [--dp-shard 1] [--extra --training.seq_len 8192 ...]
+        [--dp-shard 1] [--tp 1] [--extra --training.seq_len 8192 ...]
 
 Each (depth, method) runs in a fresh process so the max RSS is its own. The full trace is skipped above
 `--full-up-to` blocks (it grows with depth: 70B as one rank of 64 took 161 s here before this plan). Both
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32, 80, 126])
     parser.add_argument("--full-up-to", type=int, default=32)
     parser.add_argument("--dp-shard", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -63,8 +64,9 @@ def main() -> None:
     print(f"{'depth':>5} {'method':>10} {'plan s':>8} {'RSS GiB':>8} {'blocks':>6} {'none peak GiB':>14}")
     for depth in opts.depths:
         args = ["--config", opts.config, "--model.n_layers", str(depth), *opts.extra]
-        if opts.dp_shard > 1:
-            args += ["--parallelism.dp_shard", str(opts.dp_shard)]
+        for dim, size in (("dp_shard", opts.dp_shard), ("tp", opts.tp)):
+            if size > 1:
+                args += [f"--parallelism.{dim}", str(size)]
         for method in ("fast", "full"):
             if method == "full" and depth > opts.full_up_to:
                 continue

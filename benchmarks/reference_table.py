@@ -10,8 +10,7 @@ so both published rows of a layout meet the same prediction. The compute efficie
 one constant (graph_trainer.plan.cluster, from the Llama 3 paper's MFU, not from these rows). torchtitan's
 memory is the reserved peak of its caching allocator; ours is the active peak, which is at most that.
 `--best` also runs the search at the row's GPU count and prints predicted(best) / predicted(pinned).
-The 405B row needs tensor parallelism and a 405B config, which this branch does not have: it is listed as
-not planned.
+The 405B row (FSDP 16 x TP 8 on 128 H100s at 95 GB) publishes throughput and MFU, no memory.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ SEQ = 8192
 ROWS = {
     # name: (config, gpus, degrees, ac mode, local batch, [(label, tokens/s/GPU, memory GiB)])
     "8b-8": ("llama3_8b", 8, {"dp_shard": 8}, "selective", 2, [("eager", 5762, 82.4), ("torch.compile", 6667, 77.0)]),
+    "405b-128": ("llama3_405b", 128, {"dp_shard": 16, "tp": 8}, "full", 2, [("eager, 29.0% MFU", 109, None)]),
     "8b-128": (
         "llama3_8b",
         128,
@@ -39,7 +39,6 @@ ROWS = {
         [("eager", 5605, 67.0), ("torch.compile", 6514, 62.0)],
     ),  # fmt: skip
 }
-NOT_PLANNED = "405B, 128 GPUs, FSDP 16 x TP 8, full AC, local batch 2: 109 tokens/s/GPU, 29.0% MFU (needs tp + 405B)"
 
 
 def _plan(cfg, cluster: Cluster, cand: search.Candidate) -> search.Screened:
@@ -56,7 +55,7 @@ def main() -> None:
     device = DEVICES["h100-96gb"]
     print(f"device h100-96gb: efficiency {device.efficiency} ({device.efficiency_source})")
     print(f"{'row':<8} {'mode':<14} {'tok/s/GPU pred':>14} {'published':>9} {'ratio':>6} {'GiB pred':>8} "
-          f"{'published':>9} {'ratio':>6} {'best/pinned':>11} {'plan s':>7}")  # fmt: skip
+          f"{'published':>9} {'ratio':>6} {'MFU':>6} {'best/pinned':>11} {'plan s':>7}")  # fmt: skip
     for name in opts.rows:
         config, gpus, degrees, mode, batch, published = ROWS[name]
         # torchtitan's loss takes the whole [tokens, vocab] logits: no chunking, as there.
@@ -69,7 +68,8 @@ def main() -> None:
         start = time.perf_counter()
         row = _plan(cfg, cluster, cand)
         elapsed = time.perf_counter() - start
-        tokens = batch * SEQ / row.exact_time.total_s
+        tokens = batch * SEQ / (degrees.get("tp", 1) * row.exact_time.total_s)  # per GPU: tp ranks share a batch
+        mfu = row.exact.flops / row.exact_time.total_s / (device.peak_tflops * 1e12)
         ratio_best = float("nan")
         if opts.best:
             layouts, _ = search.layouts(cfg, cluster)
@@ -84,11 +84,11 @@ def main() -> None:
             ratio_best = row.exact_time.total_s / best
         peak = to_gib(row.exact.peak_bytes)
         for label, tps, gib in published:
+            memory = f"{gib:9.1f} {peak / gib:6.2f}" if gib else f"{'-':>9} {'-':>6}"
             print(
                 f"{name:<8} {label:<14} {tokens:14.0f} {tps:9,} {tokens / tps:6.2f} {peak:8.1f} "
-                f"{gib:9.1f} {peak / gib:6.2f} {ratio_best:11.2f} {elapsed:7.0f}"
+                f"{memory} {mfu:6.1%} {ratio_best:11.2f} {elapsed:7.0f}"
             )
-    print(f"not planned: {NOT_PLANNED}")
 
 
 if __name__ == "__main__":

@@ -185,14 +185,17 @@ class ReplicatedGrads:
     gradients counted once: the split gradients' part is all-reduced, the replicated part added once.
     """
 
-    def __init__(self, group: ShardGroup, indices: list[int]):
+    def __init__(self, group: ShardGroup, indices: list[int], owners: list[tuple[str, int | None]]):
         self.group, self.indices = group, indices
+        self.owners = owners  # each index's (module FQN, layer): its reduction is tagged as that module's op
         self._replicated: list[torch.Tensor] = []
 
     def reduce(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         grads = list(grads)
-        with _tagged(node_meta.GRAD_REDUCE, "", None):
-            for i in self.indices:
+        for i, (module, layer) in zip(self.indices, self.owners):
+            # Tagged with the norm's module and layer, as the rest of its block: a model's blocks then hold
+            # identical op sequences, which the depth-free plan (graph_trainer/plan/block_plan.py) relies on.
+            with _tagged(node_meta.GRAD_REDUCE, "", layer), fx_traceback.annotate(_owner_tags(module, layer)):
                 grads[i] = _wait(c10d.all_reduce(grads[i], "sum", self.group.group_name))
         self._replicated = [grads[i] for i in self.indices]
         return grads
@@ -386,8 +389,21 @@ def tensor_parallelize(
     output.forward = functools.partial(_output_forward, vocab, output)
     replicated = _replicated_names(model, plan, layers)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
-    grads = ReplicatedGrads(group, [i for i, name in enumerate(names) if name in replicated])
-    return TensorParallel(model, group, split, vocab, grads)
+    indices = [i for i, name in enumerate(names) if name in replicated]
+    owners = [_owner(names[i].rpartition(".")[0], layers) for i in indices]
+    return TensorParallel(model, group, split, vocab, ReplicatedGrads(group, indices, owners))
+
+
+def _owner(module: str, layers: dict[str, int]) -> tuple[str, int | None]:
+    """`module`'s FQN and the index of the transformer layer it is in (None: outside them)."""
+    return module, next((i for fqn, i in layers.items() if module == fqn or module.startswith(fqn + ".")), None)
+
+
+def _owner_tags(module: str, layer: int | None) -> dict[str, Any]:
+    tags: dict[str, Any] = {node_meta.MODULE_FQN: module}
+    if layer is not None:
+        tags[node_meta.LAYER_ID] = layer
+    return tags
 
 
 def _wrap_layer(layer: nn.Module, fqn: str, index: int, group: ShardGroup, plan: Any) -> None:

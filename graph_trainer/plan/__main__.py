@@ -102,7 +102,8 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     for row in exact:
         if row.exact is not None:
             err = row.peak / row.exact.peak_bytes - 1
-            print(f"screen vs exact: {row.cand.layout()} {row.cand.ac_mode}: peak {err:+.1%}")
+            t_err = row.time.total_s / row.exact_time.total_s - 1
+            print(f"screen vs exact: {row.cand.layout()} {row.cand.ac_mode}: peak {err:+.1%}, step time {t_err:+.1%}")
     best = final[0]
     command = _command(rest, best.cand, cluster)
     print("best plan's command:\n  " + command)
@@ -130,7 +131,8 @@ def _command(rest: list[str], cand, cluster) -> str:
         options += ["--training.dtype", "bfloat16"]
         if dict(cand.degrees).get("dp_shard", 1) > 1:
             options += ["--training.mixed_precision_param", "bfloat16"]
-    return shlex.join([*argv, *rest, *options]).replace("'$MASTER_ADDR:29500'", "$MASTER_ADDR:29500")
+    endpoint = "--rdzv_endpoint=$MASTER_ADDR:29500"  # shlex quotes it whole; the shell must expand $MASTER_ADDR
+    return shlex.join([*argv, *rest, *options]).replace(f"'{endpoint}'", endpoint)
 
 
 def _without(argv: list[str], keys: set[str]) -> list[str]:

@@ -62,7 +62,9 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
                 f"{mode:10} {to_gib(plan.peak_bytes):9.2f} {to_gib(plan.saved_bytes):10.2f} "
                 f"{plan.num_params:15,} {plan.flops / 1e12:11.2f} {plan.trace_time_s:7.1f}  {where}"
             )
-        _print_comm(plans, print_fn)
+            if plan.comm_bytes:  # each mode's own: remat's re-gathers differ between modes
+                traffic = ", ".join(f"{kind} {to_gib(n):.3g}" for kind, n in plan.comm_bytes.items())
+                print_fn(f"{'':10} communicated GiB per step per rank: {traffic}")
         traced = max((p.blocks_traced for p in plans.values() if isinstance(p, StepPlan)), default=0)
         if traced == depth:
             print_fn(f"blocks traced: all {depth}, once for all modes")
@@ -72,14 +74,6 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
                 f"blocks traced: {short} for a model of {depth}, once for all modes; extended exactly (docs/planner.md)"
             )
     print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")
-
-
-def _print_comm(plans: dict[str, StepPlan | UserError], print_fn: Callable[[str], None]) -> None:
-    """Bytes each kind of collective moves per step on this rank, per AC mode (all-to-all: expert parallelism)."""
-    for mode, plan in plans.items():
-        if isinstance(plan, StepPlan) and plan.comm_bytes:
-            kinds = ", ".join(f"{kind} {to_gib(n):.2f} GiB" for kind, n in sorted(plan.comm_bytes.items()))
-            print_fn(f"{mode:10} communication per step on this rank: {kinds}")
 
 
 __all__ = ["dry_run"]

@@ -175,21 +175,42 @@ def screen(
         ref, one = refs[(cand.ac_mode, cand.loss_chunk_size, cand.trace_optimizer)]
         act = ref.peak_bytes - one  # activations (and the step's transients) at local batch 1
         d = dict(cand.degrees)
-        shard = d.get("dp_shard", 1) * d.get("tp", 1)
+        # Sequence parallelism splits the activations over the tp ranks (but for the gathered norm outputs the
+        # column-parallel matmuls keep whole for their backward: the exact plan is the judge).
         peak = state_bytes(cfg, cand) + cand.local_batch * act // d.get("tp", 1)
         flops = ref.flops * cand.local_batch // d.get("tp", 1)
-        params = ref.num_params
-        comm = {}
-        if d.get("dp_shard", 1) > 1:  # gathered in the forward and again in the backward; gradients reduced once
-            comm = {
-                "fsdp all_gather": 2 * params * 4 // d.get("tp", 1),
-                "fsdp reduce_scatter": params * 4 // d.get("tp", 1),
-            }
-        if d.get("dp_replicate", 1) > 1:
-            comm["dp_replicate all_reduce"] = params * 4 // shard
+        comm = _screened_comm(cfg, cand, ref.num_params)
         t = step_time(cluster, flops, comm, d, efficiency, prefetch=d.get("dp_shard", 1) > 1)
         out.append(Screened(cand, peak, t))
     return out
+
+
+# Sequence-parallel traffic per block, in whole [local batch, seq, dim] activations, by AC mode: the forward
+# gathers the inputs of the attention and the feed-forward and reduce-scatters their outputs (2 + 2), the
+# backward does the reverse (2 + 2); full AC's recompute gathers both inputs again and reduce-scatters the
+# attention's output again (its block output is not needed), and selective AC recomputes the gathers (it saves
+# matmul outputs, not collectives). Counted from the exact plans of Llama-3 70B and 405B at tp 8 (docs/planner.md).
+TP_GATHERS_PER_BLOCK = {"none": 4, "selective": 6, "full": 6}
+TP_SCATTERS_PER_BLOCK = {"none": 4, "selective": 4, "full": 5}
+
+
+def _screened_comm(cfg: JobConfig, cand: Candidate, params: int) -> dict[str, int]:
+    """The bytes per '<parallelism> <collective>' a candidate moves per step, predicted from its shape."""
+    d = dict(cand.degrees)
+    tp, shard = d.get("tp", 1), d.get("dp_shard", 1)
+    bf16 = cfg.training.dtype == "bfloat16"
+    comm = {}
+    if shard > 1:  # gathered in the forward and again in the backward; gradients reduced once
+        gathered = 2 if bf16 else 4  # the bf16 plan gathers bf16 parameters (Candidate.apply)
+        comm = {"fsdp all_gather": 2 * params * gathered // tp, "fsdp reduce_scatter": params * 4 // tp}
+    if d.get("dp_replicate", 1) > 1:
+        comm["dp_replicate all_reduce"] = params * 4 // (shard * tp)
+    if tp > 1 and cand.ac_mode in TP_GATHERS_PER_BLOCK:
+        args = resolve_model_args(cfg)
+        activation = cand.local_batch * cfg.training.seq_len * args.dim * (2 if bf16 else 4)
+        comm["tp all_gather"] = args.n_layers * TP_GATHERS_PER_BLOCK[cand.ac_mode] * activation
+        comm["tp reduce_scatter"] = args.n_layers * TP_SCATTERS_PER_BLOCK[cand.ac_mode] * activation
+    return comm
 
 
 def _reference_plans(cfg, modes, cands, device) -> dict:

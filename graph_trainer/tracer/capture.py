@@ -369,7 +369,8 @@ def _copy_forward_annotations(graph: torch.fx.Graph) -> None:
         source = first_forward.get(node.meta.get(node_meta.SEQ_NR))
         # annotate() shares one dict among many nodes: copy before writing.
         tags = dict(node.meta.get(node_meta.CUSTOM, {}))
-        if source is not None:
+        # A backward op annotated with its module while traced (a parallelism's gradient reduction) keeps it.
+        if source is not None and node_meta.MODULE_FQN not in tags:
             tags[node_meta.MODULE_FQN] = node_meta.module_fqn(source)
             if node_meta.layer_id(source) is not None:
                 tags[node_meta.LAYER_ID] = node_meta.layer_id(source)
@@ -710,13 +711,23 @@ def _tag_optimizer_ops(graph: torch.fx.Graph, layout: InputLayout, annotator: _M
         while isinstance(grad, torch.fx.Node):
             owner[grad] = i
             grad = node_meta.written_input(grad)
+    mixed: set[torch.fx.Node] = set()  # ops that mix parameters, or read such an op and own nothing
     for node in graph.nodes:
         if node.op != "call_function" or node_meta.phase(node) != node_meta.OPTIMIZER:
             continue
         read = {owner.get(arg) for arg in node.all_input_nodes} - {None}
+        reads_mixed = any(arg in mixed and arg not in owner for arg in node.all_input_nodes)
         if len(read) != 1:
+            if read or reads_mixed:
+                mixed.add(node)
             continue
-        owner[node] = i = read.pop()
+        i = read.pop()
+        if reads_mixed and node not in owner:
+            # One parameter's value folded into a global one (a running sum over the gradients): the op is that
+            # parameter's, but what it makes is global, so ops reading it work for no single parameter.
+            mixed.add(node)
+        else:
+            owner[node] = i
         fqn = layout.grad_names[i].rpartition(".")[0]
         tags = {**node.meta.get(node_meta.CUSTOM, {}), node_meta.MODULE_FQN: fqn}
         layer = annotator._layer_of(fqn)

@@ -135,3 +135,10 @@ def test_one_trace_shared_by_the_modes_plans_as_one_trace_per_mode():
             continue
         assert _numbers(shared[mode]) == _numbers(alone), mode
         assert shared[mode].peak_where == alone.peak_where
+
+
+@pytest.mark.integration
+def test_depth_free_plan_equals_the_full_trace_tp2_dp_shard2_one_rank_of_4():
+    """Tensor parallelism (sequence parallel between the blocks) with FSDP, one rank of 4 on the fake process
+    group: the TP collectives and the vocabulary-parallel loss extend exactly too."""
+    _check([*DEBUG, "--parallelism.tp", "2", "--parallelism.dp_shard", "2"], 8)
