@@ -261,13 +261,12 @@ class ExpertParallel(Parallelism):
             local.detach(), self.device_mesh, [Shard(0)], run_check=False, shape=full, stride=stride
         )
 
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """Every expert weight gathered whole (a collective over the ep ranks)."""
-        params = dict(self.model.named_parameters())
-        out = {}
+    def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` with every expert weight gathered whole (a collective over the ep ranks)."""
+        out = dict(state)
         with torch.no_grad():
             for name in self._full:
-                local = params[name].detach().contiguous()
+                local = state[name].detach().contiguous()
                 out[name] = c10d.wait_tensor(c10d.all_gather_into_tensor(local, self.group.size, self.group.group_name))
         return out
 

@@ -24,8 +24,9 @@ Rules every policy obeys (`StepStructure`):
 - in-place ops, tensors they write into, and ops that read a tensor which a
   later forward/backward op writes into are saved: a recompute would see
   different values;
-- collectives inside a layer (expert parallelism's all-to-alls) and their waits are saved: a recompute
-  would send the data again;
+- expert parallelism's all-to-alls inside a layer and their waits are saved: a recompute would send the
+  tokens again (tensor parallelism's sequence all-gathers stay the policy's choice: gathered again in the
+  backward, as Megatron does);
 - a multi-output op's `getitem`s share their parent's decision.
 """
 
@@ -43,8 +44,8 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.observability.log import get_logger
 from graph_trainer.passes.graph_utils import (
+    is_all_to_all_or_its_wait,
     is_attention,
-    is_c10d_op,
     is_matmul,
     is_mutating,
     is_routing,
@@ -100,8 +101,8 @@ def analyze(gm: torch.fx.GraphModule) -> StepStructure:
             forced[n] = "random op"
         elif is_mutating(n):
             forced[n] = "in-place op"
-        elif is_c10d_op(n):
-            forced[n] = "collective"
+        elif is_all_to_all_or_its_wait(n):
+            forced[n] = "all-to-all"
         elif any(last_write.get(k, -1) > index[n] for k in storage_keys(n)):
             forced[n] = "written in place later"
         elif any(last_write.get(k, -1) > index[n] for a in n.all_input_nodes for k in storage_keys(a)):

@@ -97,6 +97,13 @@ def is_c10d_op(node: torch.fx.Node) -> bool:
     return is_collective(node) or is_wait(node)
 
 
+def is_all_to_all_or_its_wait(node: torch.fx.Node) -> bool:
+    """An all-to-all (expert parallelism's token exchange) or the `wait_tensor` of one."""
+    if is_wait(node):
+        node = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else node
+    return traffic_kind(node) == "all_to_all"
+
+
 def traffic_kind(node: torch.fx.Node) -> str | None:
     """'all_gather', 'reduce_scatter', 'all_reduce' or 'all_to_all' for a collective, else None."""
     p = packet(node) if node.op == "call_function" else None

@@ -172,7 +172,7 @@ def _file(path: Path, content: bytes) -> Path:
 def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     """The CLI on a streamed parquet folder with a validation split, a checkpoint every step: killed with SIGKILL
     after step 3, resumed, it ends with the losses, validation losses and parameters of a run never killed."""
-    from tests.test_run_folder import TINY as RUN_TINY
+    from tests.checkpoint.test_run_folder import TINY as RUN_TINY
     from tests.test_run_lifecycle import CKPT, EXACT, start, summary, wait_for_step
 
     path = write(tmp_path / "data", "parquet", rows=ROWS * 3, files=2)
