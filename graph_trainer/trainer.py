@@ -418,7 +418,7 @@ class Trainer:
                 raise TrainingDiverged(self._diverged_message(str(e))) from None
             # Every rank builds the state: a data position may gather every rank's (data.hf_datasets).
             state = self._state() if save else None
-            if save and self.checkpointer.enable:
+            if save:  # every rank: the write check is a collective, even where only rank 0 writes the file
                 self._write_together(self._save_checkpoint, state)
             elif len(losses) == 1:
                 self._write_together(self._adopt_new_files)  # the first step opened TensorBoard, dumped the graphs
@@ -462,7 +462,8 @@ class Trainer:
         return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in state}.values())
 
     def _save_checkpoint(self, state: dict[str, Any]) -> None:
-        self.checkpointer.save(self.step, state)
+        if self.checkpointer.enable:  # one file written by rank 0, or every rank's shards (DCP)
+            self.checkpointer.save(self.step, state)
         self._adopt_new_files()
 
     def _write_together(self, write: Callable[..., Any], *args: Any) -> None:
