@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -317,9 +318,8 @@ def save_hf(
         raise UserError(f"{out} already exists; choose a new folder for the Hugging Face export")
     save_file = _safetensors().torch.save_file
     out.parent.mkdir(parents=True, exist_ok=True)
-    temp = out.parent / f".{out.name}.{os.getpid()}{TEMP_SUFFIX}"
-    shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir()
+    # A folder this call creates (never an existing one), so the clean-up below removes only what it wrote.
+    temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=TEMP_SUFFIX, dir=out.parent))
     try:
         shards = _plan_shards(state, adapter, dtype, max_shard_bytes)
         names = _shard_names(len(shards))

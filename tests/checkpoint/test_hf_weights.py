@@ -484,3 +484,16 @@ def test_peak_host_memory_while_loading_is_the_model_plus_one_tensor(tmp_path):
     bound = model_bytes + 2 * largest + 16 * 2**20
     assert 0.9 * model_bytes < report["peak_growth_bytes"] < bound, (report, model_bytes, largest)
     assert report["peak_growth_bytes"] < 1.5 * model_bytes  # so never the model twice
+
+
+def test_an_export_removes_nothing_it_did_not_write(tmp_path):
+    # Decoys named as an earlier temp folder of this process would be: an export creates its own and keeps them.
+    from graph_trainer.runtime.fsutil import TEMP_SUFFIX
+
+    decoys = [tmp_path / f".out.{os.getpid()}{TEMP_SUFFIX}", tmp_path / f".out.{TEMP_SUFFIX}"]
+    for decoy in decoys:
+        decoy.mkdir()
+        (decoy / "keep.txt").write_text("user data")
+    save_hf(Transformer(our_args()).state_dict(), Llama3StateDictAdapter(our_args()), tmp_path / "out")
+    assert all((d / "keep.txt").read_text() == "user data" for d in decoys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", *(d.name for d in decoys)])
