@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.checkpoint.hf import Pretrained
-from graph_trainer.data.hf_datasets import SequentialPackedLoader
+from graph_trainer.data.hf_datasets import SequentialPackedLoader, Shuffle
 from graph_trainer.data.loader import PackedBatchLoader, build_dataloader
 from graph_trainer.data.tokenizer import Tokenizer, build_tokenizer
 from graph_trainer.distributed.mesh import Mesh
@@ -141,7 +141,9 @@ def build_data(cfg: JobConfig, mesh: Mesh) -> JobData:
     gather = gather_over_data_ranks(mesh)
     # A training batch is one step's (every micro-batch); the eval step runs one local batch at a time.
     common["batch_size"] = t.local_batch_size * accumulation_steps(cfg)
-    loader = build_dataloader(d.source, d.path, tokenizer, gather=gather, holdout=kept, **common)
+    # Only training is shuffled: validation reads the same held-out batches every time.
+    shuffle = Shuffle(seed=t.seed, buffer=d.shuffle_buffer) if d.shuffle else None
+    loader = build_dataloader(d.source, d.path, tokenizer, gather=gather, holdout=kept, shuffle=shuffle, **common)
     return JobData(tokenizer, loader, validation)
 
 

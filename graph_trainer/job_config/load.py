@@ -104,6 +104,12 @@ def validate(cfg: JobConfig) -> None:
         )
     if not data.tokenizer:
         raise ConfigError("data.tokenizer must be 'byte' or a path to a tokenizer.json, got ''")
+    if data.shuffle and data.source != "hf_datasets":
+        # An error, not an ignored option: these sources already visit their windows in a seeded random order.
+        raise ConfigError(
+            f"data.shuffle is for data.source = 'hf_datasets'; data.source = '{data.source}' always shuffles its "
+            "windows (from training.seed): drop --data.shuffle"
+        )
 
     ac = cfg.activation_checkpoint
     ac.selective_ac_option = parse_ac_option(ac.selective_ac_option)

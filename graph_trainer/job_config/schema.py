@@ -138,6 +138,12 @@ class DataConfig:
     tokenizer: str = _opt("byte", "'byte' (256 bytes + BOS/EOS) or a path to a HF tokenizer.json")
     text_column: str = _opt("text", "hf_datasets: the column that holds the text")
     streaming: bool = _opt(False, "hf_datasets: stream the files (IterableDataset) instead of loading them")
+    shuffle: bool = _opt(
+        False,
+        "hf_datasets: visit the rows in an order drawn from training.seed anew each pass (the other sources always "
+        "shuffle their windows)",
+    )
+    shuffle_buffer: int = _opt(10_000, "hf_datasets with data.streaming: rows a stream is shuffled within", ge=1)
 
 
 @dataclass
