@@ -58,6 +58,12 @@ class Parallelism:
         """Traced after `autograd.grad`, before clipping: maps the raw gradients to the ones applied."""
         return None
 
+    def makes_grads(self) -> bool:
+        """Whether `grad_reduce` makes the gradients from sums this parallelism held back during the micro-batches
+        (FSDP's `fsdp_grad_sync = "step"`) rather than mapping the backward's: its hook then runs before the
+        others', which reduce what it made (TP sums the norms' gradients over tp)."""
+        return False
+
     def norm_reduce(self) -> NormReduce | None:
         """Maps this rank's squared gradient norm to the global one (sharded gradients)."""
         return None
@@ -122,7 +128,8 @@ class ParallelModel:
         return loss_fn
 
     def grad_reduce(self) -> GradReduce | None:
-        return _chain([p.grad_reduce() for p in self.parts])
+        makers = [p for p in self.parts if p.makes_grads()]  # first: the others reduce the gradients they make
+        return _chain([p.grad_reduce() for p in makers + [p for p in self.parts if p not in makers]])
 
     def norm_reduce(self) -> NormReduce | None:
         return _chain([p.norm_reduce() for p in self.parts])

@@ -315,10 +315,6 @@ def test_config_to_toml_round_trips(tmp_path):
         (["--config", "missing/dir.toml"], ["config file 'missing/dir.toml' not found"]),
         (["positional"], ["unexpected argument 'positional'"]),
         (
-            ["--parallelism.tp", "2", "--training.local_batch_size", "2", "--training.global_batch_size", "8"],
-            ["training.global_batch_size (gradient accumulation) with parallelism.tp > 1 is not supported yet"],
-        ),
-        (
             ["--parallelism.tp", "2", "--checkpoint.initial_load_path", "somewhere"],
             ["checkpoint.initial_load_path with parallelism.tp > 1 is not supported yet"],
         ),
