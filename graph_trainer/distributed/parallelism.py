@@ -158,12 +158,14 @@ class ParallelModel:
 
     def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...]:
         """The part of the full parameter `name` that this rank's `local` holds (the whole of it when no
-        parallelism splits it; one parallelism splits a parameter today, so the first answer is the answer)."""
+        parallelism splits it). Where two split it (FSDP's row blocks of TP's blocks), the later one's slices are
+        within the earlier one's block, and the two compose."""
+        found = None
         for part in self.parts:
-            found = part.local_slices(name, local)
-            if found is not None:
-                return found
-        return tuple(slice(0, n) for n in local.shape)
+            inner = part.local_slices(name, local)
+            if inner is not None:
+                found = inner if found is None else _within(found, inner)
+        return found if found is not None else tuple(slice(0, n) for n in local.shape)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by name (sharded ones gathered): for comparisons and exports."""
@@ -171,6 +173,16 @@ class ParallelModel:
         for part in reversed(self.parts):  # undo the last split first (FSDP's shards of TP's blocks)
             state = part.full_state(state)
         return state
+
+
+def _within(outer: tuple[slice, ...], inner: tuple[slice, ...]) -> tuple[slice, ...]:
+    """`inner` (slices of a block that holds `outer`'s entries first, then padding) as slices of the whole
+    tensor: whatever of it falls in the padding is left out."""
+    out = []
+    for o, i in zip(outer, inner):
+        start = min(o.start + i.start, o.stop)
+        out.append(slice(start, max(start, min(o.start + i.stop, o.stop))))
+    return tuple(out)
 
 
 def _chain(hooks: list[Callable[[Any], Any] | None]) -> Callable[[Any], Any] | None:

@@ -134,7 +134,6 @@ def validate(cfg: JobConfig) -> None:
     _check_mixed_precision(cfg)
     check_global_batch(cfg)
     check_grad_sync(cfg)
-    _check_tensor_parallel_combinations(cfg)
 
     args = resolve_model_args(cfg)
     max_seq_len = getattr(args, "max_seq_len", None)
@@ -143,18 +142,6 @@ def validate(cfg: JobConfig) -> None:
             f"training.seq_len must be <= the model's max_seq_len ({max_seq_len} for "
             f"{cfg.model.name}/{cfg.model.flavor}), got {cfg.training.seq_len}: lower "
             f"--training.seq_len or raise --model.max_seq_len"
-        )
-
-
-def _check_tensor_parallel_combinations(cfg: JobConfig) -> None:
-    """What tensor parallelism does not compose with yet: refused before the run, never run half right."""
-    if cfg.parallelism.tp <= 1:
-        return
-    if cfg.checkpoint.initial_load_path:
-        # The loader reads each rank's rows of FSDP's shards; TP's column and row blocks are not mapped yet.
-        raise ConfigError(
-            "checkpoint.initial_load_path with parallelism.tp > 1 is not supported yet: start from Hugging Face "
-            "weights with --parallelism.tp 1 (parallelism.dp_shard shards them)"
         )
 
 
