@@ -323,7 +323,7 @@ def test_bad_input_raises_one_line_config_error(argv, expected):
 
 
 def test_tensor_parallelism_composes_with_accumulation_and_hugging_face_weights():
-    """Once refused: tests/distributed/test_tp_accumulation.py and test_tp_hf_weights.py train them."""
+    """Once refused: tests/distributed/test_tp_real_runs.py trains them."""
     cfg, _ = load_config(
         ["--parallelism.tp", "2", "--training.local_batch_size", "2", "--training.global_batch_size", "8"]
         + ["--checkpoint.initial_load_path", "somewhere"]
