@@ -6,8 +6,9 @@ logit is masked throughout. Claims tested:
 
 Gradient accumulation (`training.global_batch_size`):
 - the traced accumulated step's loss and whole gradients (the ranks' blocks gathered) are bitwise equal to eager
-  accumulation through the same vocabulary-parallel loss, plain and chunked (tp 2), and with FSDP's gradients
-  reduce-scattered once per step (tp 2 x dp_shard 2, `fsdp_grad_sync = "step"`);
+  accumulation through the same vocabulary-parallel loss (tp 2), also with FSDP's gradients reduce-scattered once
+  per step (tp 2 x dp_shard 2, `fsdp_grad_sync = "step"`); tests/test_loss.py checks in one process that the
+  chunked vocabulary-parallel loss takes the step's count too;
 - the norms' gradients (whole on every tp rank, each from its own tokens) are all-reduced over tp once per step,
   in the update graph; with the "step" sync, after FSDP's once-per-step reduce-scatters of the sums;
 - all of them, and eager tp 2 x dp_shard 2 with the "micro_batch" sync, equal one process's step on the whole global
@@ -46,14 +47,13 @@ from tests.tiny import DETERMINISTIC, TINY_BATCH, tiny_model
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.integration,  # 2, then 4 ranks: 5 and 3 runs, 3 of them traced
+    pytest.mark.integration,  # 2, then 4 ranks: 3 runs each, 2 of them traced
     pytest.mark.skipif(
         not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with the gloo backend"
     ),
 ]
 TP, LAYERS, VOCAB = 2, 2, 259
 VOCAB_ARGS = ["--model.vocab_size", str(VOCAB)]  # the byte tokenizer's 258 ids + 1: tp 2 pads it to 260
-CHUNKED = ["--training.loss_chunk_size", "24"]  # micro-batches of 64 tokens: chunks of 24, 24 and 16
 STEP_SYNC = ["--parallelism.fsdp_grad_sync", "step"]
 HF = "--checkpoint.initial_load_path"
 # Accumulated steps, per world: (name, overrides); "hf" runs start from the Hugging Face folder.
@@ -61,8 +61,6 @@ ACCUMULATION = {
     TP: {
         "tp_eager": ["--compile.mode", "eager"],
         "tp_trace": [],
-        "tp_chunked_eager": [*CHUNKED, "--compile.mode", "eager"],
-        "tp_chunked_trace": CHUNKED,
     },
     2 * TP: {
         "2d_step_eager": [*STEP_SYNC, "--compile.mode", "eager"],
@@ -212,20 +210,16 @@ def _assert_close_to_one_process(run: dict, one_process: tuple) -> None:
 # --------------------------------------------------------------------------- gradient accumulation
 
 
-@pytest.mark.parametrize("loss", ["plain", "chunked"])
-def test_tp_accumulation_is_bitwise_with_eager_and_reduces_the_norms_once_per_step(out, loss):
-    prefix = "tp_" if loss == "plain" else "tp_chunked_"
-    traced = _load(out, f"{prefix}trace")
-    _assert_bitwise(_load(out, f"{prefix}eager"), traced)
+def test_tp_accumulation_is_bitwise_with_eager_and_reduces_the_norms_once_per_step(out):
+    traced = _load(out, "tp_trace")
+    _assert_bitwise(_load(out, "tp_eager"), traced)
     assert (traced["micro_tp"], traced["update_tp"]) == (0, 2 * LAYERS + 1)  # the norms, in the update graph
 
 
-@pytest.mark.parametrize("loss", ["plain", "chunked"])
-def test_tp_accumulation_matches_one_process_on_the_whole_batch(out, one_process, loss):
+def test_tp_accumulation_matches_one_process_on_the_whole_batch(out, one_process):
     """Within tests/test_accumulation.py's tolerance (1e-5 relative: summation order only, measured about 1e-8
-    absolute; a mean of micro-batch means misses by more than 100 times it). The chunked loss adds its own
-    summation order, which tests/test_loss.py bounds at the same 1e-5."""
-    _assert_close_to_one_process(_load(out, "tp_trace" if loss == "plain" else "tp_chunked_trace"), one_process)
+    absolute; a mean of micro-batch means misses by more than 100 times it)."""
+    _assert_close_to_one_process(_load(out, "tp_trace"), one_process)
 
 
 def test_tp_with_fsdp_step_sync_is_bitwise_with_eager_and_reduces_once_per_step(out_2d, one_process):
