@@ -7,7 +7,8 @@ then answers the few questions the step, the clip, the divergence guard and the 
 - `wrap_loss`: the loss function as it must run (FSDP gathers the root unit around it);
 - `count_reduce`: with gradient accumulation, the divisor of each rank's summed loss (tokens over the ranks);
 - `grad_reduce` / `norm_reduce`: hooks traced into the step graph after the backward (replication averages
-  the gradients; sharded gradients make the clip norm a sum over the ranks);
+  the gradients; sharded gradients make the clip norm a sum over the ranks); `makes_grads`: whose gradient hook
+  makes the gradients (FSDP's once-per-step sync) and so runs before the others';
 - `check_traced`: refuse a traced step that the parallelism cannot run right;
 - `shard_sum`, `full_shapes`, `logical`, `full_state`, `local_slices`: what the divergence guard, the
   checkpoint, exports and the loading of pretrained weights need of parameters that no rank holds whole.
