@@ -272,6 +272,9 @@ class FSDP(Parallelism):
         every backward reduce-scatters already."""
         return self.reduce_grad_sums if self.defers_grad_sync else None
 
+    def makes_grads(self) -> bool:
+        return self.defers_grad_sync
+
     def reduce_grad_sums(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """The sharded mean gradients from the units' whole sums (one reduce-scatter each), the sums zeroed for
         the next step. `grads` (the trainable parameters', none of them computed) only give the order."""

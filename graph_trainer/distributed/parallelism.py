@@ -7,7 +7,8 @@ then answers the few questions the step, the clip, the divergence guard and the 
 - `wrap_loss`: the loss function as it must run (FSDP gathers the root unit around it);
 - `count_reduce`: with gradient accumulation, the divisor of each rank's summed loss (tokens over the ranks);
 - `grad_reduce` / `norm_reduce`: hooks traced into the step graph after the backward (replication averages
-  the gradients; sharded gradients make the clip norm a sum over the ranks);
+  the gradients; sharded gradients make the clip norm a sum over the ranks); `makes_grads`: whose gradient hook
+  makes the gradients (FSDP's once-per-step sync) and so runs before the others';
 - `check_traced`: refuse a traced step that the parallelism cannot run right;
 - `shard_sum`, `full_shapes`, `logical`, `full_state`, `local_slices`: what the divergence guard, the
   checkpoint, exports and the loading of pretrained weights need of parameters that no rank holds whole.
@@ -57,6 +58,12 @@ class Parallelism:
     def grad_reduce(self) -> GradReduce | None:
         """Traced after `autograd.grad`, before clipping: maps the raw gradients to the ones applied."""
         return None
+
+    def makes_grads(self) -> bool:
+        """Whether `grad_reduce` makes the gradients from sums this parallelism held back during the micro-batches
+        (FSDP's `fsdp_grad_sync = "step"`) rather than mapping the backward's: its hook then runs before the
+        others', which reduce what it made (TP sums the norms' gradients over tp)."""
+        return False
 
     def norm_reduce(self) -> NormReduce | None:
         """Maps this rank's squared gradient norm to the global one (sharded gradients)."""
@@ -122,7 +129,8 @@ class ParallelModel:
         return loss_fn
 
     def grad_reduce(self) -> GradReduce | None:
-        return _chain([p.grad_reduce() for p in self.parts])
+        makers = [p for p in self.parts if p.makes_grads()]  # first: the others reduce the gradients they make
+        return _chain([p.grad_reduce() for p in makers + [p for p in self.parts if p not in makers]])
 
     def norm_reduce(self) -> NormReduce | None:
         return _chain([p.norm_reduce() for p in self.parts])
@@ -151,12 +159,14 @@ class ParallelModel:
 
     def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...]:
         """The part of the full parameter `name` that this rank's `local` holds (the whole of it when no
-        parallelism splits it; one parallelism splits a parameter today, so the first answer is the answer)."""
+        parallelism splits it). Where two split it (FSDP's row blocks of TP's blocks), the later one's slices are
+        within the earlier one's block, and the two compose."""
+        found = None
         for part in self.parts:
-            found = part.local_slices(name, local)
-            if found is not None:
-                return found
-        return tuple(slice(0, n) for n in local.shape)
+            inner = part.local_slices(name, local)
+            if inner is not None:
+                found = inner if found is None else _within(found, inner)
+        return found if found is not None else tuple(slice(0, n) for n in local.shape)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by name (sharded ones gathered): for comparisons and exports."""
@@ -164,6 +174,16 @@ class ParallelModel:
         for part in reversed(self.parts):  # undo the last split first (FSDP's shards of TP's blocks)
             state = part.full_state(state)
         return state
+
+
+def _within(outer: tuple[slice, ...], inner: tuple[slice, ...]) -> tuple[slice, ...]:
+    """`inner` (slices of a block that holds `outer`'s entries first, then padding) as slices of the whole
+    tensor: whatever of it falls in the padding is left out."""
+    out = []
+    for o, i in zip(outer, inner):
+        start = min(o.start + i.start, o.stop)
+        out.append(slice(start, max(start, min(o.start + i.stop, o.stop))))
+    return tuple(out)
 
 
 def _chain(hooks: list[Callable[[Any], Any] | None]) -> Callable[[Any], Any] | None:

@@ -300,6 +300,15 @@ class TensorParallel(Parallelism):
         part = local.detach().narrow(p.dim, 0, valid)
         return DTensor.from_local(part, self.device_mesh, [Shard(p.dim)], run_check=False, shape=p.shape, stride=stride)
 
+    def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...] | None:
+        """This rank's torch.chunk block of `name` along its split dimension (as `_split_weight` cut it), the
+        vocabulary's padding rows left out; None for a parameter left whole (the norms)."""
+        p = self.split.get(name)
+        if p is None:
+            return None
+        start, stop = _block(p.shape[p.dim], self.group)
+        return tuple(slice(start, stop) if d == p.dim else slice(0, n) for d, n in enumerate(p.shape))
+
     def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` with every split parameter gathered whole (padding cut off). A collective: every tp rank calls it."""
         out = dict(state)
@@ -336,14 +345,21 @@ def _first_layer(model: nn.Module, layers: str) -> nn.Module:
     return model.get_submodule(next(iter(transformer_layers(model, layers))))
 
 
+def _block(length: int, group: ShardGroup) -> tuple[int, int]:
+    """[start, stop) of this rank's torch.chunk block of `length` entries: blocks of ceil(length / tp), the last
+    ones short or empty (the padding that makes them whole is not in [start, stop))."""
+    size = math.ceil(length / group.world_size)
+    start = min(group.rank * size, length)
+    return start, min(start + size, length)
+
+
 def _split_weight(module: nn.Module, dim: int, group: ShardGroup) -> nn.Parameter:
     """This rank's torch.chunk block of `module.weight` along `dim`, zero-padded to ceil(size / tp)."""
     w = module.weight
-    size = math.ceil(w.shape[dim] / group.world_size)
-    start = min(group.rank * size, w.shape[dim])
-    block = w.detach().narrow(dim, start, min(size, w.shape[dim] - start))
+    start, stop = _block(w.shape[dim], group)
+    block = w.detach().narrow(dim, start, stop - start)
     shape = list(w.shape)
-    shape[dim] = size
+    shape[dim] = math.ceil(w.shape[dim] / group.world_size)
     part = torch.zeros(shape, dtype=w.dtype, device=w.device)
     if part.device.type != "meta":
         part.narrow(dim, 0, block.shape[dim]).copy_(block)
