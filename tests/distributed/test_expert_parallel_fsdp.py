@@ -1,7 +1,8 @@
 """Expert parallelism below dp_shard (gloo on CPU, 4 ranks, tiny DeepSeek-V3 with 8 experts): ep 2 inside dp_shard 4.
 
 Each ep rank's 4 experts are FSDP-sharded over the 2 ranks of the derived `dp_shard_mod_ep` dimension (2 whole
-experts per rank, gathered inside the experts' forward); every other weight is FSDP-sharded over dp_shard 4.
+experts per rank, gathered inside the experts' forward); every other weight is FSDP-sharded over dp_shard 4. Every
+run accumulates 2 micro-batches per step.
 - the traced step equals our eager step bitwise, and its graph gathers the experts as an FSDP unit of their own;
 - its checkpoint resumes at ep 4 on the same 4 ranks, and the 4 steps (2 at ep 2, 2 at ep 4) are within the EP
   tests' bounds of one process on the same global batch.
@@ -26,7 +27,9 @@ pytestmark = [
     ),
 ]
 
-FOUR = ["--parallelism.dp_shard", "4", "--training.local_batch_size", "1"]  # the global batch of the EP tests: 4
+# 2 micro-batches of 1 sequence per rank: a global batch of 8, with gradient accumulation (the balancing counts
+# summed over micro-batches and ranks, the bias moved once per step)
+FOUR = ["--parallelism.dp_shard", "4", "--training.local_batch_size", "1", "--training.global_batch_size", "8"]
 EP2 = [*FOUR, "--parallelism.ep", "2", "--parallelism.ep_capacity_factor", "2"]  # a factor of ep: no drops
 EP4 = [*FOUR, "--parallelism.ep", "4", "--parallelism.ep_capacity_factor", "4"]
 # No decay horizon, so the 2-step run resumed to 4 steps is a 4-step run.
@@ -88,7 +91,7 @@ def test_traced_equals_eager_bitwise_with_the_experts_gathered_over_dp_shard_mod
 def test_close_to_one_process_and_resumed_at_ep_4(out, tmp_path):
     """ep 2 for 2 steps, its checkpoint read at ep 4 and run to step 4 (another dispatch; at any ep a rank of
     dp_shard 4 holds the same Shard(0) block of 2 experts, so DCP reads each block back where it was), against one
-    process running the 4 steps on the same global batch, within the bounds of the EP tests (measured: experts 7.0e-8,
-    others 3.3e-7 on output.weight, the maxima of the first 2 steps). (An ep 2 checkpoint of
-    2 ranks, 4 experts a rank, read by 4 ranks at ep 4: tests/distributed/test_expert_parallel.py.)"""
-    close_to_one_process(out, ["trace", "ep4_resumed"], tmp_path, 4, *CKPT[:2])
+    process running the 4 steps on the global batch of 8 at once, within the bounds of the EP tests (measured:
+    experts 1.7e-7, others 9.8e-7). An ep 2 checkpoint of 2 ranks (4 experts a rank) read by 4 ranks at ep 4:
+    tests/distributed/test_expert_parallel.py."""
+    close_to_one_process(out, ["trace", "ep4_resumed"], tmp_path, 4, *CKPT[:2], "--training.local_batch_size", "8")
