@@ -66,7 +66,6 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from graph_trainer.distributed.expert_parallel import EXPERT_PARALLEL
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import Parallelism, mean_count_over
 from graph_trainer.job_config.batching import accumulation_steps
@@ -80,6 +79,9 @@ ROOT = ""  # the root unit's name
 GRAD_SUM = "_fsdp_grad_sum_{}"  # the model buffer holding unit i's whole gradient sum (fsdp_grad_sync = "step")
 KIND = "fsdp"  # the collective tag's kind
 MESH_DIM = "dp_shard"
+# Set on the parameters another parallelism holds (expert parallelism's experts, which gathers them with a unit of
+# its own on another mesh dimension): the model's FSDP leaves them alone.
+EXPERT_PARALLEL = "expert_parallel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +279,8 @@ class FSDP(Parallelism):
 
     def reduce_grad_sums(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """The sharded mean gradients from the units' whole sums (one reduce-scatter each), the sums zeroed for
-        the next step. `grads` (the trainable parameters', none of them computed) only give the order."""
+        the next step. `grads`: the trainable parameters' accumulated gradients, none computed for the units'
+        parameters; another parallelism's (expert parallelism's experts, reduced in each backward) pass through."""
         by_name = {}
         for unit in self.units:
             total = self._grad_sum(unit)
@@ -288,7 +291,7 @@ class FSDP(Parallelism):
             by_name.update(zip(unit.param_names, _cut(shard, [t.shape for t in shards])))
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         assert len(names) == len(grads), "one gradient per trainable parameter"
-        return [by_name[n] for n in names]
+        return [by_name.get(n, g) for n, g in zip(names, grads)]
 
     @contextlib.contextmanager
     def gathered(self, name: str):
@@ -527,4 +530,14 @@ def layer_forward(layer: nn.Module) -> Callable:
     return type(layer).forward.__get__(layer)
 
 
-__all__ = ["AllGather", "FSDP", "ShardGroup", "Unit", "check_gathered", "fully_shard_model", "layer_forward", "ROOT"]
+__all__ = [
+    "EXPERT_PARALLEL",
+    "AllGather",
+    "FSDP",
+    "ShardGroup",
+    "Unit",
+    "check_gathered",
+    "fully_shard_model",
+    "layer_forward",
+    "ROOT",
+]

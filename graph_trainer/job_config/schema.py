@@ -265,8 +265,9 @@ class ParallelismConfig:
     )
     ep: int = _opt(
         1,
-        "expert-parallel degree, carved out of dp_shard (not extra processes): each rank holds n_routed_experts / ep "
-        "routed experts and tokens travel to them by all-to-all; must divide dp_shard and n_routed_experts",
+        "expert-parallel degree, carved out of dp_shard (not extra processes): each rank runs n_routed_experts / ep "
+        "routed experts (FSDP-sharded over dp_shard / ep ranks) and tokens travel to them by all-to-all; must divide "
+        "dp_shard and n_routed_experts (below dp_shard, dp_shard must divide n_routed_experts too)",
         alias="expert_parallel_degree",
         ge=1,
     )
