@@ -198,8 +198,8 @@ class ExpertParallel(Parallelism):
     kind = KIND
     label = "EP"
 
-    def __init__(self, model: nn.Module, group: EPGroup, device_mesh: Any, full: dict[str, torch.Size]):
-        self.model, self.group, self.device_mesh, self._full = model, group, device_mesh, full
+    def __init__(self, model: nn.Module, group: EPGroup, full: dict[str, torch.Size]):
+        self.model, self.group, self._full = model, group, full
 
     @classmethod
     def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ExpertParallel | None:
@@ -237,7 +237,7 @@ class ExpertParallel(Parallelism):
             inner = type(experts).forward.__get__(experts)
             layer = _layer_of(name, plan.layers)
             experts.forward = functools.partial(_ep_forward, experts, group, factor, layer, inner)
-        return cls(model, group, mesh.device_mesh[EP], full)
+        return cls(model, group, full)
 
     def full_shapes(self) -> dict[str, torch.Size]:
         return dict(self._full)
@@ -248,18 +248,6 @@ class ExpertParallel(Parallelism):
             return None
         rows = full[0] // self.group.size
         return (slice(self.group.rank * rows, (self.group.rank + 1) * rows), *(slice(0, n) for n in full[1:]))
-
-    def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """This rank's experts as its part of a DTensor of the logical [experts, ...] shape (`Shard(0)` over ep)."""
-        from torch.distributed.tensor import DTensor, Shard
-
-        full = self._full.get(name)
-        if full is None:
-            return local
-        stride = torch.empty(full, device="meta").stride()
-        return DTensor.from_local(
-            local.detach(), self.device_mesh, [Shard(0)], run_check=False, shape=full, stride=stride
-        )
 
     def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` with every expert weight gathered whole (a collective over the ep ranks)."""
