@@ -75,7 +75,8 @@ def _rank_file(rank: int) -> str:
 
 
 class ShardedCheckpointManager(CheckpointManager):
-    """Saves, prunes and loads `step-XXXXXXXX.dcp` folders of an FSDP job; every rank calls `save` and `load`.
+    """Saves, prunes and loads `step-XXXXXXXX.dcp` folders of a job holding parameters in parts; every rank calls
+    `save` and `load`.
 
     Pruning and the run manifest (`record`, `owns`, `forget`) are rank 0's, as with
     `CheckpointManager`. `optimizer` is the job's AdamW over the model's shards.

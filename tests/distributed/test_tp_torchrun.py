@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from graph_trainer.distributed.launch import trainer_command
 from graph_trainer.export import full_model_state
-from tests.test_run_lifecycle import CKPT, EXACT, _worker_pid, checkpoints, start, summary, wait_for_step
+from tests.test_run_lifecycle import CKPT, EXACT, checkpoints, start, summary, wait_for_step, worker_pid
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -76,7 +76,7 @@ def test_torchrun_tp_with_fsdp_sigterm_and_sigkill_then_resume_is_bitwise(tmp_pa
 
     proc = _launch(dump, FOREVER)
     wait_for_step(proc, 2)
-    os.kill(_worker_pid(proc, 1), signal.SIGTERM)
+    os.kill(worker_pid(proc, 1), signal.SIGTERM)
     err = _finish(proc)
     final = summary(dump)["final"]
     assert final["status"] == "interrupted" and final["signal"] == "SIGTERM", err[-3000:]
@@ -85,7 +85,7 @@ def test_torchrun_tp_with_fsdp_sigterm_and_sigkill_then_resume_is_bitwise(tmp_pa
 
     proc = _launch(dump, FOREVER, "--checkpoint.resume")
     wait_for_step(proc, stopped + 1)
-    ranks = [_worker_pid(proc, rank) for rank in range(WORLD)]
+    ranks = [worker_pid(proc, rank) for rank in range(WORLD)]
     for pid in ranks:
         os.kill(pid, signal.SIGKILL)
     _finish(proc)
