@@ -6,8 +6,8 @@ with the debug config shrunk to one layer (tests/checkpoint/test_run_folder.py's
 
 One uninterrupted run is the reference for both interruptions, which follow each other on one run folder:
 SIGTERM to one rank (every rank finishes the same step, saves its parts into one DCP folder, exits), resumed;
-then SIGKILL to every rank right after a step was logged (most often while they write that step's checkpoint,
-which leaves a torn temporary folder), resumed again to the end. The losses in summary.json, the final
+then SIGKILL to every rank as soon as the temporary folder of their next checkpoint appears (while they write
+it, most often: a torn folder is left), resumed again to the end. The losses in summary.json, the final
 parameters' hash and every tensor of the final checkpoint's model equal the uninterrupted run's (`==`,
 `torch.equal`).
 """
@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from graph_trainer.distributed.launch import trainer_command
 from graph_trainer.export import full_model_state
+from tests.integration.test_fault_injection import kill_during_write
 from tests.test_run_lifecycle import CKPT, EXACT, checkpoints, start, summary, wait_for_step, worker_pid
 
 pytestmark = [
@@ -84,16 +85,15 @@ def test_torchrun_tp_with_fsdp_sigterm_and_sigkill_then_resume_is_bitwise(tmp_pa
     assert checkpoints(dump)[-1] == f"step-{stopped:08d}.dcp"
 
     proc = _launch(dump, FOREVER, "--checkpoint.resume")
-    wait_for_step(proc, stopped + 1)
+    wait_for_step(proc, stopped + 1)  # every rank is up
     ranks = [worker_pid(proc, rank) for rank in range(WORLD)]
-    for pid in ranks:
-        os.kill(pid, signal.SIGKILL)
+    kill_during_write(proc, dump / "checkpoint", nth=1, kill=lambda: [os.kill(pid, signal.SIGKILL) for pid in ranks])
     _finish(proc)
     assert proc.returncode != 0
     torn = any((dump / "checkpoint").glob(".step-*.tmp"))
 
     _succeeds(_launch(dump, str(STEPS), "--checkpoint.resume"))
-    print(f"\nSIGTERM after step {stopped}; SIGKILL after step {stopped + 1} (torn checkpoint left: {torn})")
+    print(f"\nSIGTERM after step {stopped}; SIGKILL while writing a checkpoint (torn folder left: {torn})")
     assert [s["loss"] for s in summary(dump)["steps"]] == [s["loss"] for s in summary(straight)["steps"]]
     assert summary(dump)["final"]["params_sha256"] == summary(straight)["final"]["params_sha256"]
     resumed, expected = _final_model(dump), _final_model(straight)
