@@ -144,8 +144,8 @@ def _checkpoint_runs(out: str) -> dict[str, list[str]]:
 
 def _runs_4(out: str) -> dict[str, list[str]]:
     """RUNS_2D, then tp 2 x dp_shard 2 checkpoints: save at step 2 of 3 and resume at the same layout; the same
-    step-2 checkpoint (a copy) resumed on dp_shard 4 x tp 1 with the same global batch of 4 (local batch 1).
-    Then RUNS_TP4 and RUNS_REPLICATE."""
+    step-2 checkpoint (a copy) resumed on dp_shard 4 x tp 1 with the same global batch of 4 (local batch 1), and
+    the step-3 checkpoint that writes loaded back at tp 2 x dp_shard 2. Then RUNS_TP4 and RUNS_REPLICATE."""
     save = [*TRACE, "--checkpoint.enable", "true", "--checkpoint.interval", "1"]
     resume = [*save, "--checkpoint.resume", "true"]
     fsdp = ["--parallelism.tp", "1", "--parallelism.dp_shard", "4", "--training.local_batch_size", "1"]
@@ -154,6 +154,8 @@ def _runs_4(out: str) -> dict[str, list[str]]:
         "half": [*save, "--training.steps", "2"],
         "resumed": [*resume, "--job.dump_folder", f"{out}/half"],
         "resharded": [*resume, *fsdp, "--job.dump_folder", f"{out}/half_b"],
+        # its step-3 checkpoint (dp_shard 4) loaded at tp 2 x dp_shard 2: already complete, nothing trained
+        "back": [*resume, "--job.dump_folder", f"{out}/half_b"],
         **RUNS_TP4,
         **RUNS_REPLICATE,
     }
@@ -401,6 +403,14 @@ def test_tp_with_fsdp_checkpoint_reshards_to_dp_shard_4(out_4):
     print(f"tp {TP} x dp_shard 2 -> dp_shard 4: max |param - uninterrupted param| after {STEPS} steps: {diff:.3g}")
     assert diff < 1e-6
     assert len({_record(out_4, "resharded", rank)["params"] for rank in range(4)}) == 4
+
+
+def test_a_dp_shard_4_checkpoint_loads_exactly_at_tp_with_fsdp(out_4):
+    """dp_shard 4 -> tp 2 x dp_shard 2: DCP cuts the dp_shard 4 rows into FSDP's rows of TP's blocks; gathered
+    again they are the saved parameters, bitwise (a copy: no arithmetic)."""
+    assert _record(out_4, "back")["losses"] == []  # the run was complete: only the load happened
+    loaded, saved = torch.load(out_4 / "back.params.pt"), torch.load(out_4 / "resharded.params.pt")
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
 
 
 def test_export_of_a_tp_with_fsdp_checkpoint_writes_the_full_weights(out_4, one_process_4, tmp_path):
