@@ -237,8 +237,8 @@ class ExpertParallel(Parallelism):
     kind = KIND
     label = "EP"
 
-    def __init__(self, holders: ShardGroup, device_mesh: Any, block: int, full: dict[str, torch.Size]):
-        self.holders, self.device_mesh, self.block, self._full = holders, device_mesh, block, full
+    def __init__(self, holders: ShardGroup, block: int, full: dict[str, torch.Size]):
+        self.holders, self.block, self._full = holders, block, full
 
     @classmethod
     def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ExpertParallel | None:
@@ -273,7 +273,7 @@ class ExpertParallel(Parallelism):
             gathered = functools.partial(fsdp.gathered, name) if fsdp is not None else contextlib.nullcontext
             layer = _layer_of(name, plan.layers)
             experts.forward = functools.partial(_ep_forward, experts, group, factor, layer, inner, gathered)
-        return cls(holder_group, mesh.device_mesh[HOLDERS], group.block, full)
+        return cls(holder_group, group.block, full)
 
     def full_shapes(self) -> dict[str, torch.Size]:
         return dict(self._full)
@@ -284,19 +284,6 @@ class ExpertParallel(Parallelism):
             return None
         start = self.holders.rank * self.block
         return (slice(start, start + self.block), *(slice(0, n) for n in full[1:]))
-
-    def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """This rank's block of experts as its part of a DTensor of the logical [experts, ...] shape (`Shard(0)` over
-        dp_shard: the same layout for every ep)."""
-        from torch.distributed.tensor import DTensor, Shard
-
-        full = self._full.get(name)
-        if full is None:
-            return local
-        stride = torch.empty(full, device="meta").stride()
-        return DTensor.from_local(
-            local.detach(), self.device_mesh, [Shard(0)], run_check=False, shape=full, stride=stride
-        )
 
     def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` with every expert weight gathered whole (a collective over the dp_shard ranks)."""

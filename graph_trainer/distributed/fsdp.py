@@ -231,7 +231,6 @@ class FSDP(Parallelism):
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self._by_name = {u.name: u for u in units}
         self._full_shapes = self.full_shapes()
-        self.device_mesh: Any = None  # the 1-D DeviceMesh of `group`, for `logical` (set by `apply`)
         self.defers_grad_sync = False  # fsdp_grad_sync = "step" with accumulation: see `defer_grad_sync`
 
     @classmethod
@@ -247,7 +246,6 @@ class FSDP(Parallelism):
             reduce_dtype=DTYPES[t.mixed_precision_reduce],
             layers=plan.layers,
         )
-        fsdp.device_mesh = mesh.device_mesh[MESH_DIM]
         if cfg.parallelism.fsdp_grad_sync == "step" and accumulation_steps(cfg) > 1:
             fsdp.defer_grad_sync()
         return fsdp
@@ -358,26 +356,9 @@ class FSDP(Parallelism):
             if id(p) in full_by_id
         }
 
-    def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """`local` (a shard of `name`, padding rows included, or a tensor shaped like one, e.g. an AdamW moment)
-        as this rank's part of a DTensor of the parameter's full shape, the padding cut off.
-
-        Our shards are torch.chunk row blocks, the layout of DTensor's `Shard(0)` for an uneven dim 0, so DCP
-        can cut the saved tensors for any number of ranks on load."""
-        from torch.distributed.tensor import DTensor, Shard
-
-        full_shape = self._full_shapes.get(name)
-        if full_shape is None:
-            return local
-        rows = local.shape[0]
-        valid = max(0, min(rows, full_shape[0] - self.group.rank * rows))
-        stride = torch.empty(full_shape, device="meta").stride()
-        return DTensor.from_local(
-            local.detach()[:valid], self.device_mesh, [Shard(0)], run_check=False, shape=full_shape, stride=stride
-        )
-
     def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...] | None:
-        """This rank's row block of `name` (torch.chunk's, as `_shard` cut it), the padding rows left out."""
+        """This rank's row block of `name` (torch.chunk's, as `_shard` cut it), the padding rows left out. `name`'s
+        full shape is the one FSDP sharded: TP's block under tensor parallelism (`ParallelModel` places it)."""
         full_shape = self._full_shapes.get(name)
         if full_shape is None:
             return None

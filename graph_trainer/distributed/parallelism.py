@@ -10,8 +10,9 @@ then answers the few questions the step, the clip, the divergence guard and the 
   the gradients; sharded gradients make the clip norm a sum over the ranks); `makes_grads`: whose gradient hook
   makes the gradients (FSDP's once-per-step sync) and so runs before the others';
 - `check_traced`: refuse a traced step that the parallelism cannot run right;
-- `shard_sum`, `full_shapes`, `logical`, `full_state`, `local_slices`: what the divergence guard, the
-  checkpoint, exports and the loading of pretrained weights need of parameters that no rank holds whole.
+- `shard_sum`, `full_shapes`, `full_state`, `local_slices`: what the divergence guard, the checkpoint, exports
+  and the loading of pretrained weights need of parameters that no rank holds whole. A parameter split by two
+  parallelisms (FSDP's row block of TP's block) is answered by both: `ParallelModel.local_slices` composes them.
 
 Every collective a parallelism puts in the graph is annotated with one tag (`node_meta.COLLECTIVE`: kind,
 role, unit, layer), so the passes count, size, keep or re-issue collectives without knowing who made them.
@@ -87,20 +88,17 @@ class Parallelism:
         """Logical shape of every parameter this parallelism shards, by every name it is held under."""
         return {}
 
-    def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """`local` (this rank's part of `name`, or of a tensor shaped like it) as a tensor of its logical shape:
-        a DTensor for sharded state, `local` itself otherwise. Used by checkpoints."""
-        return local
-
     def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` (every parameter by name, as the parallelisms applied after this one leave it: their parts
         gathered) with this parallelism's parts gathered whole too. A collective: every rank calls it."""
         return state
 
     def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...] | None:
-        """Which part of the full parameter `name` this rank's `local` holds, one slice per dimension (padding
-        left out: `local` may hold more rows than the slice), or None when this parallelism does not split
-        `name`. Lets pretrained weights be read shard by shard."""
+        """Which part of `name` as this parallelism received it (the full parameter, or the block an earlier
+        parallelism left: TP's block for FSDP) this rank holds, one slice per dimension (padding left out: the
+        rank may hold more rows than the slice), or None when this parallelism does not split `name`. `local`
+        is this rank's part after every parallelism. Lets checkpoints and pretrained weights be read and
+        written part by part."""
         return None
 
 
@@ -152,21 +150,16 @@ class ParallelModel:
             shapes.update(part.full_shapes())  # the logical shape
         return shapes
 
-    def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        for part in self.parts:
-            local = part.logical(name, local)
-        return local
-
     def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...]:
-        """The part of the full parameter `name` that this rank's `local` holds (the whole of it when no
-        parallelism splits it). Where two split it (FSDP's row blocks of TP's blocks), the later one's slices are
-        within the earlier one's block, and the two compose."""
-        found = None
+        """The part of the full parameter `name` that this rank's `local` holds, padding left out (the whole of
+        it when no parallelism splits it). Each parallelism's slice lies inside the block of those applied before
+        it (FSDP's rows inside TP's block), so the answers compose in the order they were applied."""
+        box = None
         for part in self.parts:
-            inner = part.local_slices(name, local)
-            if inner is not None:
-                found = inner if found is None else _within(found, inner)
-        return found if found is not None else tuple(slice(0, n) for n in local.shape)
+            found = part.local_slices(name, local)
+            if found is not None:
+                box = found if box is None else tuple(_within(o, i) for o, i in zip(box, found))
+        return box if box is not None else tuple(slice(0, n) for n in local.shape)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by name (sharded ones gathered): for comparisons and exports."""
@@ -176,14 +169,11 @@ class ParallelModel:
         return state
 
 
-def _within(outer: tuple[slice, ...], inner: tuple[slice, ...]) -> tuple[slice, ...]:
-    """`inner` (slices of a block that holds `outer`'s entries first, then padding) as slices of the whole
-    tensor: whatever of it falls in the padding is left out."""
-    out = []
-    for o, i in zip(outer, inner):
-        start = min(o.start + i.start, o.stop)
-        out.append(slice(start, max(start, min(o.start + i.stop, o.stop))))
-    return tuple(out)
+def _within(outer: slice, inner: slice) -> slice:
+    """`inner`, a slice of the block that `outer` cuts from a dimension, as a slice of the dimension: shifted by
+    the block's start and cut at its end (the block's padding holds no real entries)."""
+    start = min(outer.start + inner.start, outer.stop)
+    return slice(start, max(start, min(outer.start + inner.stop, outer.stop)))
 
 
 def _chain(hooks: list[Callable[[Any], Any] | None]) -> Callable[[Any], Any] | None:
