@@ -95,7 +95,8 @@ def plan_modes(
         return _planned_per_mode(cfg, mesh, modes, log_passes)
     if fast and depth > SHORT[-1]:
         try:
-            return _extended(cfg, mesh, modes, depth, log_passes)
+            with lazy_codegen():
+                return _extended(cfg, mesh, modes, depth, log_passes)
         except NotUniform as e:
             logger.info(f"planning the whole depth: {e}")
     return _traced_whole(cfg, mesh, modes, log_passes)
@@ -187,7 +188,7 @@ def _extended(cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, log_pass
     if any(m in APPROXIMATE_MODES for m in modes):  # the budget is read off these two
         exact += [m for m in ("none", "full") if m not in exact]
     variants = [(mode, pin) for mode in exact for pin in _attention_pins(cfg, mode)]
-    shorts: dict[int, dict[tuple[str, str], _Short | UserError]] = {}
+    shorts: dict[int, dict[tuple[str, str], _Short | _Deferred | UserError]] = {}
     decisions: dict[int, dict[tuple[str, str], _Short]] = {}
     elapsed = 0.0
     for k in SHORT:
@@ -212,7 +213,10 @@ def _extended(cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, log_pass
             [_peak({k: decisions[k][(mode, pin)] for k in SHORT}, depth)[1] for pin in pins] if len(pins) > 1 else [0]
         )
         pin = pins[decisive.index(min(decisive))]
-        parts[mode] = _extend({k: shorts[k][(mode, pin)] for k in SHORT}, depth)
+        try:
+            parts[mode] = _extend({k: _finished(shorts[k][(mode, pin)]) for k in SHORT}, depth)
+        except UserError as e:
+            parts[mode] = e
     out: dict[str, StepPlan | UserError] = {}
     for mode in modes:
         mode_job = deep.for_mode(mode)
@@ -223,13 +227,14 @@ def _extended(cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, log_pass
 
 def _plan_short(
     job: Job, variants: list[tuple[str, str]], log_passes: bool
-) -> tuple[dict[tuple[str, str], _Short | UserError], dict[tuple[str, str], _Short], float]:
+) -> tuple[dict[tuple[str, str], _Short | _Deferred | UserError], dict[tuple[str, str], _Short], float]:
     """One short depth: traced once, then planned for each (AC mode, attention pin) of `variants` (see
     `_attention_pins`), with its blocks checked identical as traced and after each variant's passes.
 
     The passes that do not depend on the mode (the leading ones: dead code, no-ops) run once on the trace; each
     variant runs the rest on a copy (the last on the trace itself). A variant with a pin also gives the graph
-    the `full` pass compares its two choices on (`_decision_short`). Returns the variants' shorts (or the
+    the `full` pass compares its two choices on (`_decision_short`), and with FSDP its passes after the memory
+    policy are deferred until the choice is made at depth L (`_Deferred`). Returns the variants' shorts (or the
     UserError a variant's config raised), the decision shorts, and the trace time.
     """
     k, layers = job.model.args.n_layers, job.spec.parallel_plan.layers
@@ -239,38 +244,42 @@ def _plan_short(
             pipelines[variant] = build_pipeline(_pinned(job.cfg, *variant), dump_dir=None)
         except UserError as e:
             pipelines[variant] = e
-    with lazy_codegen():
-        traced, elapsed = _trace(job)
-        _check_blocks(traced.gm, k, layers, "as traced")
-        try:
-            traced = job.parallel.check_traced(traced)
-        except UserError as e:  # what the parallelism cannot run, whatever the mode
-            return dict.fromkeys(variants, e), {}, elapsed
-        planned = [p for p in pipelines.values() if isinstance(p, Pipeline)]
-        shared = _mode_independent(planned)
-        with contextlib.nullcontext() if log_passes else quiet():
-            if shared:
-                gm = Pipeline(shared, planned[0].config).run_passes(traced.gm, traced.layout.categories)
-                traced = dataclasses.replace(traced, gm=gm)
-            shorts: dict[tuple[str, str], _Short | UserError] = {}
-            decisions: dict[tuple[str, str], _Short] = {}
-            last = max((i for i, v in enumerate(variants) if isinstance(pipelines[v], Pipeline)), default=-1)
-            for i, variant in enumerate(variants):
-                pipeline = pipelines[variant]
-                if isinstance(pipeline, UserError):
-                    shorts[variant] = pipeline
-                    continue
-                rest = pipeline.passes[len(shared) :]
-                mine = traced if i == last else copy_traced(traced)  # the trace itself is not needed after
-                mode_job = job.with_config(_pinned(job.cfg, *variant))
-                try:
-                    shorts[variant], decision = _short(mode_job, mine, rest, pipeline, bool(variant[1]))
-                except UserError as e:
-                    shorts[variant] = e
-                    continue
-                if decision is not None:
-                    decisions[variant] = decision
+    traced, elapsed = _trace(job)
+    _check_blocks(traced.gm, k, layers, "as traced")
+    try:
+        traced = job.parallel.check_traced(traced)
+    except UserError as e:  # what the parallelism cannot run, whatever the mode
+        return dict.fromkeys(variants, e), {}, elapsed
+    planned = [p for p in pipelines.values() if isinstance(p, Pipeline)]
+    shared = _mode_independent(planned)
+    with _logged(log_passes):
+        if shared:
+            gm = Pipeline(shared, planned[0].config).run_passes(traced.gm, traced.layout.categories)
+            traced = dataclasses.replace(traced, gm=gm)
+        shorts: dict[tuple[str, str], _Short | _Deferred | UserError] = {}
+        decisions: dict[tuple[str, str], _Short] = {}
+        last = max((i for i, v in enumerate(variants) if isinstance(pipelines[v], Pipeline)), default=-1)
+        for i, variant in enumerate(variants):
+            pipeline = pipelines[variant]
+            if isinstance(pipeline, UserError):
+                shorts[variant] = pipeline
+                continue
+            rest = pipeline.passes[len(shared) :]
+            mine = traced if i == last else copy_traced(traced)  # the trace itself is not needed after
+            mode_job = job.with_config(_pinned(job.cfg, *variant))
+            try:
+                shorts[variant], decision = _short(mode_job, mine, rest, pipeline, bool(variant[1]), log_passes)
+            except UserError as e:
+                shorts[variant] = e
+                continue
+            if decision is not None:
+                decisions[variant] = decision
     return shorts, decisions, elapsed
+
+
+def _logged(log_passes: bool) -> contextlib.AbstractContextManager:
+    """The passes' log as asked: shown (the preflight's step), else quiet (the other plans would only add noise)."""
+    return contextlib.nullcontext() if log_passes else quiet()
 
 
 def _mode_independent(pipelines: list[Pipeline]) -> list[GraphPass]:
@@ -286,29 +295,51 @@ def _mode_independent(pipelines: list[Pipeline]) -> list[GraphPass]:
 
 
 def _short(
-    job: Job, traced: TracedStep, passes: list[GraphPass], pipeline: Pipeline, decide: bool
-) -> tuple[_Short, _Short | None]:
+    job: Job, traced: TracedStep, passes: list[GraphPass], pipeline: Pipeline, decide: bool, log_passes: bool
+) -> tuple[_Short | _Deferred, _Short | None]:
     """`traced` (one short depth, its mode-independent passes run) planned under `job`'s AC mode: `passes` run on
     it, its blocks checked identical after them. With `decide`, also the graph the `full` pass compares
-    (`_decision_short`), taken right after the memory policy."""
-    k, layers = job.model.args.n_layers, job.spec.parallel_plan.layers
-    categories = traced.layout.categories
+    (`_decision_short`), taken right after the memory policy; where passes follow the policy before remat
+    (FSDP's), the rest is deferred: only the variant chosen at depth L needs it."""
     names = [p.name for p in passes]
     split = names.index("memory_policy") + 1 if decide else 0
-    # Nothing but remat after the policy (no FSDP): the graph compared is the final one.
-    decided_by_final = decide and names[split:] == ["remat"]
-    decision = None
-    if decide and not decided_by_final:
-        gm = Pipeline(passes[:split], pipeline.config).run_passes(traced.gm, categories)
-        decision = _decision_short(job, gm, categories)
-        traced = dataclasses.replace(traced, gm=gm)
-        passes = passes[split:]
+    if decide and names[split:] != ["remat"]:
+        gm = Pipeline(passes[:split], pipeline.config).run_passes(traced.gm, traced.layout.categories)
+        decision = _decision_short(job, gm, traced.layout.categories)
+        return _Deferred(job, dataclasses.replace(traced, gm=gm), passes[split:], pipeline, log_passes), decision
+    short = _finish(job, traced, passes, pipeline)
+    # Nothing but remat after the policy (no FSDP): the graph the pass compares is the final one.
+    return short, short if decide else None
+
+
+def _finish(job: Job, traced: TracedStep, passes: list[GraphPass], pipeline: Pipeline) -> _Short:
+    """`passes` (the rest of `pipeline`) run on `traced`, its blocks checked identical after them."""
+    k, layers = job.model.args.n_layers, job.spec.parallel_plan.layers
     rest = Pipeline(passes, pipeline.config, log_saved_activations=pipeline.log_saved_activations)
     result = rest(traced)
     gm = result.traced.gm
     _check_blocks(gm, k, layers, f"after the passes of AC mode {job.cfg.activation_checkpoint.mode}")
-    short = _Short(job, gm, result.memory_estimate, eager_update_of(job), _keys(gm, k, layers), categories)
-    return short, short if decided_by_final else decision
+    categories = traced.layout.categories
+    return _Short(job, gm, result.memory_estimate, eager_update_of(job), _keys(gm, k, layers), categories)
+
+
+@dataclasses.dataclass
+class _Deferred:
+    """A variant's short graph with its passes up to the memory policy run; the rest run if it is chosen."""
+
+    job: Job
+    traced: TracedStep
+    passes: list[GraphPass]
+    pipeline: Pipeline
+    log_passes: bool
+
+    def finish(self) -> _Short:
+        with _logged(self.log_passes):
+            return _finish(self.job, self.traced, self.passes, self.pipeline)
+
+
+def _finished(short: _Short | _Deferred) -> _Short:
+    return short.finish() if isinstance(short, _Deferred) else short
 
 
 def _pinned(cfg: JobConfig, mode: str, pin: str) -> JobConfig:
