@@ -190,13 +190,12 @@ def _extended(cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, log_pass
     variants = [(mode, pin) for mode in exact for pin in _attention_pins(cfg, mode)]
     shorts: dict[int, dict[tuple[str, str], _Short | _Deferred | UserError]] = {}
     decisions: dict[int, dict[tuple[str, str], _Short]] = {}
-    elapsed = 0.0
+    start = time.perf_counter()
     for k in SHORT:
         short_cfg = copy.deepcopy(cfg)
         short_cfg.model.n_layers = k
         job = build_job(short_cfg, mesh, materialize=False)
-        shorts[k], decisions[k], trace_s = _plan_short(job, variants, log_passes and k == SHORT[-1])
-        elapsed += trace_s
+        shorts[k], decisions[k] = _plan_short(job, variants, log_passes and k == SHORT[-1])
     deep = _ArgsOnly(cfg, job)
     parts: dict[str, _Parts | UserError] = {}
     for mode in exact:
@@ -217,6 +216,7 @@ def _extended(cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, log_pass
             parts[mode] = _extend({k: _finished(shorts[k][(mode, pin)]) for k in SHORT}, depth)
         except UserError as e:
             parts[mode] = e
+    elapsed = time.perf_counter() - start  # the whole plan, all modes together (they share the traces)
     out: dict[str, StepPlan | UserError] = {}
     for mode in modes:
         mode_job = deep.for_mode(mode)
@@ -227,7 +227,7 @@ def _extended(cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, log_pass
 
 def _plan_short(
     job: Job, variants: list[tuple[str, str]], log_passes: bool
-) -> tuple[dict[tuple[str, str], _Short | _Deferred | UserError], dict[tuple[str, str], _Short], float]:
+) -> tuple[dict[tuple[str, str], _Short | _Deferred | UserError], dict[tuple[str, str], _Short]]:
     """One short depth: traced once, then planned for each (AC mode, attention pin) of `variants` (see
     `_attention_pins`), with its blocks checked identical as traced and after each variant's passes.
 
@@ -235,7 +235,7 @@ def _plan_short(
     variant runs the rest on a copy (the last on the trace itself). A variant with a pin also gives the graph
     the `full` pass compares its two choices on (`_decision_short`), and with FSDP its passes after the memory
     policy are deferred until the choice is made at depth L (`_Deferred`). Returns the variants' shorts (or the
-    UserError a variant's config raised), the decision shorts, and the trace time.
+    UserError a variant's config raised) and the decision shorts.
     """
     k, layers = job.model.args.n_layers, job.spec.parallel_plan.layers
     pipelines: dict[tuple[str, str], Pipeline | UserError] = {}
@@ -244,12 +244,12 @@ def _plan_short(
             pipelines[variant] = build_pipeline(_pinned(job.cfg, *variant), dump_dir=None)
         except UserError as e:
             pipelines[variant] = e
-    traced, elapsed = _trace(job)
+    traced, _ = _trace(job)
     _check_blocks(traced.gm, k, layers, "as traced")
     try:
         traced = job.parallel.check_traced(traced)
     except UserError as e:  # what the parallelism cannot run, whatever the mode
-        return dict.fromkeys(variants, e), {}, elapsed
+        return dict.fromkeys(variants, e), {}
     planned = [p for p in pipelines.values() if isinstance(p, Pipeline)]
     shared = _mode_independent(planned)
     with _logged(log_passes):
@@ -274,7 +274,7 @@ def _plan_short(
                 continue
             if decision is not None:
                 decisions[variant] = decision
-    return shorts, decisions, elapsed
+    return shorts, decisions
 
 
 def _logged(log_passes: bool) -> contextlib.AbstractContextManager:
@@ -418,7 +418,7 @@ def _affine(at3: int, at4: int, depth: int) -> int:
 
 
 def _affine_dict(at3: dict[str, int], at4: dict[str, int], depth: int) -> dict[str, int]:
-    out = {k: _affine(at3.get(k, 0), at4.get(k, 0), depth) for k in {*at3, *at4}}
+    out = {k: _affine(at3.get(k, 0), at4.get(k, 0), depth) for k in dict.fromkeys([*at4, *at3])}  # a stable order
     return {k: v for k, v in out.items() if v}
 
 
@@ -516,7 +516,7 @@ def _approximate_budget(cfg: JobConfig, none: _Parts | UserError, full: _Parts |
             "activation": none.est.peak_bytes_by_category.get("activation", 0) - (none.est.peak_bytes - peak),
         },
     )
-    comm = {k: mix(none.comm.get(k, 0), full.comm.get(k, 0)) for k in {*none.comm, *full.comm}}
+    comm = {k: mix(none.comm.get(k, 0), full.comm.get(k, 0)) for k in dict.fromkeys([*none.comm, *full.comm])}
     return _Parts(est, none.update, (None, "", "approximate"), mix(none.flops, full.flops), comm, approximate=True)
 
 
