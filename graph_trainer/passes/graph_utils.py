@@ -6,10 +6,13 @@ which only replaces `meta["val"]` on nodes that share it with an earlier node.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.utils._pytree import tree_iter, tree_map
 
 from graph_trainer.tracer import node_meta
@@ -112,6 +115,8 @@ def traffic_kind(node: torch.fx.Node) -> str | None:
 
 def tensors(val: Any) -> list[torch.Tensor]:
     """Tensors inside a node value (a tensor, a tuple/list of them, or nothing)."""
+    if isinstance(val, torch.Tensor):  # most nodes: skip the pytree walk, which dominated the estimate's time
+        return [val]
     return [t for t in tree_iter(val) if isinstance(t, torch.Tensor)]
 
 
@@ -229,6 +234,24 @@ def layer_forward_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         for n in gm.graph.nodes
         if n.op == "call_function" and node_meta.is_forward(n) and node_meta.layer_id(n) is not None
     ]
+
+
+@contextlib.contextmanager
+def lazy_codegen() -> Iterator[None]:
+    """Graph modules made inside (by make_fx, `graph_module`) generate their Python code only when first run or
+    read, and `recompile()` only marks them stale.
+
+    For graphs that are analysed and never run (the planner's short traces): generating and compiling the code
+    of a graph of tens of thousands of nodes after each pass cost a third of a plan. A module made here still
+    runs: its first call generates the code. This is torch's own switch (Inductor uses it for the same reason).
+    """
+    with _use_lazy_graph_module(True):
+        yield
+
+
+def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """`torch.fx.GraphModule(root, graph)`, whose code is generated lazily inside `lazy_codegen()`."""
+    return _make_graph_module(root, graph)
 
 
 def count_nodes(gm: torch.fx.GraphModule) -> int:

@@ -141,17 +141,7 @@ class Pipeline:
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
             _dump(gm, dump / "00_traced.py")
-        written = written_inputs(gm)
-        for i, p in enumerate(self.passes, start=1):
-            before = count_nodes(gm)
-            start = time.perf_counter()
-            gm = p.run(gm, ctx)
-            elapsed = time.perf_counter() - start
-            self._check(gm, i, written)
-            after = count_nodes(gm)
-            logger.info(f"pass {p.name}: {elapsed * 1000:.1f} ms, ops {before} -> {after} ({after - before:+d})")
-            if dump is not None:
-                _dump(gm, dump / f"{i:02d}_after_{p.name}.py")
+        gm = self.run_passes(gm, ctx.input_categories, dump=dump)
         est = estimate_peak_memory(gm, input_categories=ctx.input_categories)
         logger.info(
             f"memory estimate: peak {est.peak_bytes / MIB:.2f} MiB at {est.peak_node} "
@@ -164,6 +154,27 @@ class Pipeline:
             (dump / "saved_tensors.txt").write_text(saved_activation_report(gm, limit=None) + "\n")
             logger.info(f"graphs written to {dump}")
         return Transformed(dataclasses.replace(traced, gm=gm), est)
+
+    def run_passes(
+        self, gm: torch.fx.GraphModule, input_categories: list[str], *, dump: Path | None = None
+    ) -> torch.fx.GraphModule:
+        """The passes run in order on `gm` (each checked and logged, as in `__call__`), without the estimate.
+
+        The planner runs a pipeline in parts: the passes that do not depend on the AC mode once for every mode.
+        """
+        ctx = PassContext(self.config, input_categories)
+        written = written_inputs(gm)
+        for i, p in enumerate(self.passes, start=1):
+            before = count_nodes(gm)
+            start = time.perf_counter()
+            gm = p.run(gm, ctx)
+            elapsed = time.perf_counter() - start
+            self._check(gm, i, written)
+            after = count_nodes(gm)
+            logger.info(f"pass {p.name}: {elapsed * 1000:.1f} ms, ops {before} -> {after} ({after - before:+d})")
+            if dump is not None:
+                _dump(gm, dump / f"{i:02d}_after_{p.name}.py")
+        return gm
 
     def _check(self, gm: torch.fx.GraphModule, index: int, written: set[str]) -> None:
         """PassError unless the graph the `index`-th pass left is well formed and writes no new graph input."""

@@ -28,7 +28,7 @@ import types
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from graph_trainer.passes.graph_utils import refresh_duplicated_values
+from graph_trainer.passes.graph_utils import graph_module, refresh_duplicated_values
 from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.tracer import node_meta
 
@@ -96,7 +96,7 @@ def rematerialize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     new = remat_graph(gm.graph)
     if new is None:
         return gm
-    return torch.fx.GraphModule(gm, new)
+    return graph_module(gm, new)
 
 
 def peak_after_remat(gm: torch.fx.GraphModule, input_categories: list[str] | None = None) -> int:

@@ -47,9 +47,9 @@ from graph_trainer.observability.units import GIB
 from graph_trainer.optimizer.update_memory import EagerUpdate
 from graph_trainer.passes import build_pipeline
 from graph_trainer.passes.communication import communication_bytes
-from graph_trainer.passes.graph_utils import ATTENTION_OPS, node_flops, tensors
+from graph_trainer.passes.graph_utils import ATTENTION_OPS, graph_module, lazy_codegen, node_flops, tensors
 from graph_trainer.passes.memory_estimate import MemoryEstimate, estimate_peak_memory, live_by_category
-from graph_trainer.passes.pipeline import Pipeline
+from graph_trainer.passes.pipeline import GraphPass, Pipeline
 from graph_trainer.passes.remat import remat_graph
 from graph_trainer.plan.step_plan import (
     AC_MODES,
@@ -95,7 +95,8 @@ def plan_modes(
         return _planned_per_mode(cfg, mesh, modes, log_passes)
     if fast and depth > SHORT[-1]:
         try:
-            return _extended(cfg, mesh, modes, depth, log_passes)
+            with lazy_codegen():
+                return _extended(cfg, mesh, modes, depth, log_passes)
         except NotUniform as e:
             logger.info(f"planning the whole depth: {e}")
     return _traced_whole(cfg, mesh, modes, log_passes)
@@ -104,6 +105,12 @@ def plan_modes(
 def _traced_whole(cfg: JobConfig, mesh: Mesh, modes: list[str], log_passes: bool) -> dict[str, StepPlan | UserError]:
     """Trace all blocks once and plan every mode on a copy of the trace."""
     job = build_job(cfg, mesh, materialize=False)
+    with lazy_codegen():
+        return _planned_from_one_trace(job, modes, log_passes)
+
+
+def _planned_from_one_trace(job: Job, modes: list[str], log_passes: bool) -> dict[str, StepPlan | UserError]:
+    cfg = job.cfg
     traced, elapsed = _trace(job)
     out: dict[str, StepPlan | UserError] = {}
     for mode in modes:
@@ -158,8 +165,7 @@ def copy_traced(traced: TracedStep) -> TracedStep:
         for key in (node_meta.CUSTOM, node_meta.COLLECTIVE):
             if isinstance(node.meta.get(key), dict):
                 node.meta[key] = dict(node.meta[key])
-    gm = torch.fx.GraphModule(traced.gm, graph)
-    return dataclasses.replace(traced, gm=gm)
+    return dataclasses.replace(traced, gm=graph_module(traced.gm, graph))
 
 
 # The extension from two short depths.
@@ -178,36 +184,39 @@ class _Short:
 
 
 def _extended(cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, log_passes: bool):
-    start = time.perf_counter()
-    jobs, traces = {}, {}
-    for k in SHORT:
-        short_cfg = copy.deepcopy(cfg)
-        short_cfg.model.n_layers = k
-        jobs[k] = build_job(short_cfg, mesh, materialize=False)
-        traces[k], _ = _trace(jobs[k])
-        _check_blocks(traces[k].gm, k, jobs[k].spec.parallel_plan.layers, "as traced")
-    elapsed = time.perf_counter() - start
-    deep = _ArgsOnly(cfg, jobs[SHORT[0]])
-    parts: dict[str, _Parts | UserError] = {}
     exact = [m for m in modes if m not in APPROXIMATE_MODES]
     if any(m in APPROXIMATE_MODES for m in modes):  # the budget is read off these two
         exact += [m for m in ("none", "full") if m not in exact]
+    variants = [(mode, pin) for mode in exact for pin in _attention_pins(cfg, mode)]
+    shorts: dict[int, dict[tuple[str, str], _Short | _Deferred | UserError]] = {}
+    decisions: dict[int, dict[tuple[str, str], _Short]] = {}
+    start = time.perf_counter()
+    for k in SHORT:
+        short_cfg = copy.deepcopy(cfg)
+        short_cfg.model.n_layers = k
+        job = build_job(short_cfg, mesh, materialize=False)
+        shorts[k], decisions[k] = _plan_short(job, variants, log_passes and k == SHORT[-1])
+    deep = _ArgsOnly(cfg, job)
+    parts: dict[str, _Parts | UserError] = {}
     for mode in exact:
         pins = _attention_pins(cfg, mode)
+        failed = next(
+            (s[(mode, pin)] for s in shorts.values() for pin in pins if isinstance(s[(mode, pin)], UserError)), None
+        )
+        if failed is not None:
+            parts[mode] = failed
+            continue
+        # As the pass decides at depth L: the lower peak of the graph it compares (rematerialized right after the
+        # memory policy, before the passes that follow), saving attention on a tie (listed first).
+        decisive = (
+            [_peak({k: decisions[k][(mode, pin)] for k in SHORT}, depth)[1] for pin in pins] if len(pins) > 1 else [0]
+        )
+        pin = pins[decisive.index(min(decisive))]
         try:
-            options = [
-                _extend({k: _short(jobs[k], traces[k], mode, pin, log_passes) for k in SHORT}, depth) for pin in pins
-            ]
-            # As the pass decides at depth L: the lower peak of the graph it compares (rematerialized right after
-            # the memory policy, before the passes that follow), saving attention on a tie (listed first).
-            decisive = [
-                _extend({k: _decision_short(jobs[k], traces[k], mode, pin) for k in SHORT}, depth).est.peak_bytes
-                for pin in pins
-            ] if len(pins) > 1 else [0]  # fmt: skip
+            parts[mode] = _extend({k: _finished(shorts[k][(mode, pin)]) for k in SHORT}, depth)
         except UserError as e:
             parts[mode] = e
-            continue
-        parts[mode] = options[decisive.index(min(decisive))]
+    elapsed = time.perf_counter() - start  # the whole plan, all modes together (they share the traces)
     out: dict[str, StepPlan | UserError] = {}
     for mode in modes:
         mode_job = deep.for_mode(mode)
@@ -216,19 +225,121 @@ def _extended(cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, log_pass
     return out
 
 
-def _short(job: Job, traced: TracedStep, mode: str, pin: str, log_passes: bool) -> _Short:
-    """`traced` (one short depth) planned under AC mode `mode` (attention pinned as `pin` says: see
-    `_attention_pins`), its blocks checked identical after the passes."""
-    mode_job = job.with_config(_pinned(job.cfg, mode, pin))
-    k = job.model.args.n_layers
-    result = _transform(mode_job, traced, log_passes and k == SHORT[-1])
+def _plan_short(
+    job: Job, variants: list[tuple[str, str]], log_passes: bool
+) -> tuple[dict[tuple[str, str], _Short | _Deferred | UserError], dict[tuple[str, str], _Short]]:
+    """One short depth: traced once, then planned for each (AC mode, attention pin) of `variants` (see
+    `_attention_pins`), with its blocks checked identical as traced and after each variant's passes.
+
+    The passes that do not depend on the mode (the leading ones: dead code, no-ops) run once on the trace; each
+    variant runs the rest on a copy (the last on the trace itself). A variant with a pin also gives the graph
+    the `full` pass compares its two choices on (`_decision_short`), and with FSDP its passes after the memory
+    policy are deferred until the choice is made at depth L (`_Deferred`). Returns the variants' shorts (or the
+    UserError a variant's config raised) and the decision shorts.
+    """
+    k, layers = job.model.args.n_layers, job.spec.parallel_plan.layers
+    pipelines: dict[tuple[str, str], Pipeline | UserError] = {}
+    for variant in variants:
+        try:
+            pipelines[variant] = build_pipeline(_pinned(job.cfg, *variant), dump_dir=None)
+        except UserError as e:
+            pipelines[variant] = e
+    traced, _ = _trace(job)
+    _check_blocks(traced.gm, k, layers, "as traced")
+    try:
+        traced = job.parallel.check_traced(traced)
+    except UserError as e:  # what the parallelism cannot run, whatever the mode
+        return dict.fromkeys(variants, e), {}
+    planned = [p for p in pipelines.values() if isinstance(p, Pipeline)]
+    shared = _mode_independent(planned)
+    with _logged(log_passes):
+        if shared:
+            gm = Pipeline(shared, planned[0].config).run_passes(traced.gm, traced.layout.categories)
+            traced = dataclasses.replace(traced, gm=gm)
+        shorts: dict[tuple[str, str], _Short | _Deferred | UserError] = {}
+        decisions: dict[tuple[str, str], _Short] = {}
+        last = max((i for i, v in enumerate(variants) if isinstance(pipelines[v], Pipeline)), default=-1)
+        for i, variant in enumerate(variants):
+            pipeline = pipelines[variant]
+            if isinstance(pipeline, UserError):
+                shorts[variant] = pipeline
+                continue
+            rest = pipeline.passes[len(shared) :]
+            mine = traced if i == last else copy_traced(traced)  # the trace itself is not needed after
+            mode_job = job.with_config(_pinned(job.cfg, *variant))
+            try:
+                shorts[variant], decision = _short(mode_job, mine, rest, pipeline, bool(variant[1]), log_passes)
+            except UserError as e:
+                shorts[variant] = e
+                continue
+            if decision is not None:
+                decisions[variant] = decision
+    return shorts, decisions
+
+
+def _logged(log_passes: bool) -> contextlib.AbstractContextManager:
+    """The passes' log as asked: shown (the preflight's step), else quiet (the other plans would only add noise)."""
+    return contextlib.nullcontext() if log_passes else quiet()
+
+
+def _mode_independent(pipelines: list[Pipeline]) -> list[GraphPass]:
+    """The leading passes every pipeline of `pipelines` runs alike whatever its AC mode: the same passes, none
+    of which reads `activation_checkpoint`."""
+    shared: list[GraphPass] = []
+    for passes in zip(*(p.passes for p in pipelines)):
+        first = passes[0]
+        if any(p is not first for p in passes) or any(r.startswith("activation_checkpoint") for r in first.reads):
+            break
+        shared.append(first)
+    return shared if pipelines else []
+
+
+def _short(
+    job: Job, traced: TracedStep, passes: list[GraphPass], pipeline: Pipeline, decide: bool, log_passes: bool
+) -> tuple[_Short | _Deferred, _Short | None]:
+    """`traced` (one short depth, its mode-independent passes run) planned under `job`'s AC mode: `passes` run on
+    it, its blocks checked identical after them. With `decide`, also the graph the `full` pass compares
+    (`_decision_short`), taken right after the memory policy; where passes follow the policy before remat
+    (FSDP's), the rest is deferred: only the variant chosen at depth L needs it."""
+    names = [p.name for p in passes]
+    split = names.index("memory_policy") + 1 if decide else 0
+    if decide and names[split:] != ["remat"]:
+        gm = Pipeline(passes[:split], pipeline.config).run_passes(traced.gm, traced.layout.categories)
+        decision = _decision_short(job, gm, traced.layout.categories)
+        return _Deferred(job, dataclasses.replace(traced, gm=gm), passes[split:], pipeline, log_passes), decision
+    short = _finish(job, traced, passes, pipeline)
+    # Nothing but remat after the policy (no FSDP): the graph the pass compares is the final one.
+    return short, short if decide else None
+
+
+def _finish(job: Job, traced: TracedStep, passes: list[GraphPass], pipeline: Pipeline) -> _Short:
+    """`passes` (the rest of `pipeline`) run on `traced`, its blocks checked identical after them."""
+    k, layers = job.model.args.n_layers, job.spec.parallel_plan.layers
+    rest = Pipeline(passes, pipeline.config, log_saved_activations=pipeline.log_saved_activations)
+    result = rest(traced)
     gm = result.traced.gm
-    layers = job.spec.parallel_plan.layers
-    _check_blocks(gm, k, layers, f"after the passes of AC mode {mode}")
-    layout = result.traced.layout
-    return _Short(
-        mode_job, gm, result.memory_estimate, eager_update_of(mode_job), _keys(gm, k, layers), layout.categories
-    )
+    _check_blocks(gm, k, layers, f"after the passes of AC mode {job.cfg.activation_checkpoint.mode}")
+    categories = traced.layout.categories
+    return _Short(job, gm, result.memory_estimate, eager_update_of(job), _keys(gm, k, layers), categories)
+
+
+@dataclasses.dataclass
+class _Deferred:
+    """A variant's short graph with its passes up to the memory policy run; the rest run if it is chosen."""
+
+    job: Job
+    traced: TracedStep
+    passes: list[GraphPass]
+    pipeline: Pipeline
+    log_passes: bool
+
+    def finish(self) -> _Short:
+        with _logged(self.log_passes):
+            return _finish(self.job, self.traced, self.passes, self.pipeline)
+
+
+def _finished(short: _Short | _Deferred) -> _Short:
+    return short.finish() if isinstance(short, _Deferred) else short
 
 
 def _pinned(cfg: JobConfig, mode: str, pin: str) -> JobConfig:
@@ -241,22 +352,16 @@ def _pinned(cfg: JobConfig, mode: str, pin: str) -> JobConfig:
     return cfg
 
 
-def _decision_short(job: Job, traced: TracedStep, mode: str, pin: str) -> _Short:
-    """The short graph as the `full` pass compares its two choices: the passes up to the memory policy, then
-    rematerialized (`passes.remat.peak_after_remat`'s graph), with its keys and estimate."""
-    mode_job = job.with_config(_pinned(job.cfg, mode, pin))
-    pipeline = build_pipeline(mode_job.cfg, dump_dir=None)
-    names = [p.name for p in pipeline.passes]
-    partial = Pipeline(pipeline.passes[: names.index("memory_policy") + 1], pipeline.config)
-    with quiet():
-        result = partial(mode_job.parallel.check_traced(copy_traced(traced)))
-    gm, categories = result.traced.gm, result.traced.layout.categories
+def _decision_short(job: Job, gm: torch.fx.GraphModule, categories: list[str]) -> _Short:
+    """The short graph as the `full` pass compares its two choices: `gm` (the passes up to the memory policy
+    run) rematerialized (`passes.remat.peak_after_remat`'s graph, `gm` itself unchanged), with its keys and
+    estimate."""
     graph = remat_graph(gm.graph)
     if graph is not None:
-        gm = torch.fx.GraphModule(gm, graph)
+        gm = graph_module(gm, graph)
     est = estimate_peak_memory(gm, input_categories=categories)
     k, layers = job.model.args.n_layers, job.spec.parallel_plan.layers
-    return _Short(mode_job, gm, est, None, _keys(gm, k, layers), categories)
+    return _Short(job, gm, est, None, _keys(gm, k, layers), categories)
 
 
 def _attention_pins(cfg: JobConfig, mode: str) -> list[str]:
@@ -313,32 +418,22 @@ def _affine(at3: int, at4: int, depth: int) -> int:
 
 
 def _affine_dict(at3: dict[str, int], at4: dict[str, int], depth: int) -> dict[str, int]:
-    out = {k: _affine(at3.get(k, 0), at4.get(k, 0), depth) for k in {*at3, *at4}}
+    out = {k: _affine(at3.get(k, 0), at4.get(k, 0), depth) for k in dict.fromkeys([*at4, *at3])}  # a stable order
     return {k: v for k, v in out.items() if v}
 
 
 def _extend(shorts: dict[int, _Short], depth: int) -> _Parts:
     """The deep step's numbers from the two short ones (see the module docstring for why this is exact)."""
     s3, s4 = shorts[SHORT[0]], shorts[SHORT[1]]
-    if s3.keys.keys() != s4.keys.keys():
-        raise NotUniform("the 3- and 4-block graphs have different nodes outside the middle blocks")
-    n3, n4 = list(s3.gm.graph.nodes), list(s4.gm.graph.nodes)
-    for k, i in s4.keys.items():
-        if n3[s3.keys[k]].target != n4[i].target:
-            raise NotUniform(f"node {k} runs {n3[s3.keys[k]].target} at 3 blocks, {n4[i].target} at 4")
-    t3, t4 = s3.est.timeline, s4.est.timeline
-    # The peak: the largest extended live bytes; ties go to the earliest node, as in the estimate (key order
-    # in the 4-block graph is node order in the deep one).
-    key = max(s4.keys, key=lambda k: (_affine(t3[s3.keys[k]], t4[s4.keys[k]], depth), -s4.keys[k]))
+    key, peak_bytes = _peak(shorts, depth)
     i3, i4 = s3.keys[key], s4.keys[key]
     peak_by_category = _affine_dict(
         live_by_category(s3.gm, i3, input_categories=s3.categories),
         live_by_category(s4.gm, i4, input_categories=s4.categories),
         depth,
     )
-    compiled = _affine(extra_compiled_bytes(s3.job.cfg, s3.gm), extra_compiled_bytes(s4.job.cfg, s4.gm), depth)
     est = MemoryEstimate(
-        peak_bytes=_affine(t3[i3], t4[i4], depth) + compiled,
+        peak_bytes=peak_bytes,
         peak_node="",
         peak_op="",
         peak_module_fqn="",
@@ -362,6 +457,25 @@ def _extend(shorts: dict[int, _Short], depth: int) -> _Parts:
         flops=_affine(_flops(s3.gm), _flops(s4.gm), depth),
         comm=_affine_dict(communication_bytes(s3.gm), communication_bytes(s4.gm), depth),
     )
+
+
+def _peak(shorts: dict[int, _Short], depth: int) -> tuple[tuple[str, int], int]:
+    """The deep step's graph peak (the compile stage's extra included) and the key of the node it is at.
+
+    NotUniform unless the two short graphs have the same keys running the same ops."""
+    s3, s4 = shorts[SHORT[0]], shorts[SHORT[1]]
+    if s3.keys.keys() != s4.keys.keys():
+        raise NotUniform("the 3- and 4-block graphs have different nodes outside the middle blocks")
+    n3, n4 = list(s3.gm.graph.nodes), list(s4.gm.graph.nodes)
+    for k, i in s4.keys.items():
+        if n3[s3.keys[k]].target != n4[i].target:
+            raise NotUniform(f"node {k} runs {n3[s3.keys[k]].target} at 3 blocks, {n4[i].target} at 4")
+    t3, t4 = s3.est.timeline, s4.est.timeline
+    # The peak: the largest extended live bytes; ties go to the earliest node, as in the estimate (key order
+    # in the 4-block graph is node order in the deep one).
+    key = max(s4.keys, key=lambda k: (_affine(t3[s3.keys[k]], t4[s4.keys[k]], depth), -s4.keys[k]))
+    compiled = _affine(extra_compiled_bytes(s3.job.cfg, s3.gm), extra_compiled_bytes(s4.job.cfg, s4.gm), depth)
+    return key, _affine(t3[s3.keys[key]], t4[s4.keys[key]], depth) + compiled
 
 
 def _approximate_budget(cfg: JobConfig, none: _Parts | UserError, full: _Parts | UserError) -> _Parts | UserError:
@@ -402,7 +516,7 @@ def _approximate_budget(cfg: JobConfig, none: _Parts | UserError, full: _Parts |
             "activation": none.est.peak_bytes_by_category.get("activation", 0) - (none.est.peak_bytes - peak),
         },
     )
-    comm = {k: mix(none.comm.get(k, 0), full.comm.get(k, 0)) for k in {*none.comm, *full.comm}}
+    comm = {k: mix(none.comm.get(k, 0), full.comm.get(k, 0)) for k in dict.fromkeys([*none.comm, *full.comm])}
     return _Parts(est, none.update, (None, "", "approximate"), mix(none.flops, full.flops), comm, approximate=True)
 
 
