@@ -257,16 +257,26 @@ class Plans:
     the exact plans share it, so an exact plan at a reference's shape costs nothing more.
     """
 
-    def __init__(self, cfg: JobConfig, device: torch.device):
+    def __init__(self, cfg: JobConfig, device: torch.device, *, exact_prefetch: bool = True):
         self.cfg, self.device = cfg, device
+        # False: plan a prefetching candidate's memory without prefetch (the depth-free plan falls back to a
+        # whole-depth trace with it) and mark the plan approximate; its step time still counts the overlap.
+        self.exact_prefetch = exact_prefetch
         self._plans: dict[tuple, dict[str, StepPlan | UserError]] = {}
         self.calls = 0  # depth-free plans made (each traces 3 + 4 blocks once, for every mode asked together)
 
+    def planned_as(self, cand: Candidate) -> Candidate:
+        """The micro-step candidate whose plan stands for `cand`'s."""
+        fsdp = dict(cand.degrees).get("dp_shard", 1) > 1
+        return cand.micro() if not cand.prefetch else dataclasses.replace(
+            cand.micro(), prefetch=fsdp and self.exact_prefetch
+        )  # fmt: skip
+
     def get(self, cand: Candidate, modes: Iterable[str]) -> dict[str, StepPlan | UserError]:
         """`cand`'s micro-step plans for `modes` (cand's own AC mode is ignored)."""
-        micro = cand.micro()
+        micro = self.planned_as(cand)
         key = (micro.degrees, micro.ep, micro.local_batch, micro.loss_chunk_size, micro.trace_optimizer,
-               micro.prefetch and dict(micro.degrees).get("dp_shard", 1) > 1)  # fmt: skip
+               micro.prefetch)  # fmt: skip
         have = self._plans.setdefault(key, {})
         missing = sorted(set(modes) - set(have))
         if missing:
@@ -277,9 +287,11 @@ class Plans:
         return have
 
 
-def _affine(at1: int, at2: int, lb: int) -> int:
-    """The value at local batch `lb` of what is `at1` at 1 and `at2` at 2 (activations are affine in it)."""
-    return at1 + (lb - 1) * (at2 - at1)
+def _between(lo: tuple[int, int], hi: tuple[int, int], lb: int) -> int:
+    """The value at local batch `lb` on the chord through (lb_lo, value) `lo` and (lb_hi, value) `hi`."""
+    if hi[0] == lo[0]:
+        return lo[1]
+    return lo[1] + (lb - lo[0]) * (hi[1] - lo[1]) // (hi[0] - lo[0])
 
 
 SHARDED = ("parameter", "optimizer_state", "gradient")  # the categories FSDP divides by dp_shard
@@ -287,21 +299,23 @@ SHARDED = ("parameter", "optimizer_state", "gradient")  # the categories FSDP di
 
 def screen(cfg: JobConfig, cluster: Cluster, cands: list[Candidate], efficiency: float, plans: Plans) -> list[Screened]:
     """Predict each candidate's peak and step time from reference plans at its own tp (and ep, FSDP or not, loss
-    chunk, optimizer placement) at local batch 1 and 2, on the smallest dp_shard searched with them: the peak,
-    FLOPs and traffic are affine in the local batch between them, the sharded state scales with 1 / dp_shard,
-    and accumulation adds what `accumulate.accumulated` adds. Prefetch is left out of the references (docs)."""
+    chunk, optimizer placement), on the smallest dp_shard searched with them, at the smallest and the largest
+    local batch searched with them. Between the two, a candidate's peak, FLOPs and traffic are read off the
+    chord: every tensor's bytes are affine in the local batch, so the peak (their largest sum) is convex in it
+    and the chord bounds it from above. The sharded state scales with 1 / dp_shard, and accumulation adds what
+    `accumulate.accumulated` adds. Prefetch is left out of the references (docs/planner.md)."""
     modes = sorted({c.ac_mode for c in cands})
-    refs: dict[tuple, Candidate] = {}
+    refs: dict[tuple, tuple[Candidate, int, int]] = {}
     for c in sorted(cands, key=lambda c: dict(c.degrees).get("dp_shard", 1)):
-        refs.setdefault(_ref_key(c), _ref(c))
+        ref, lo, hi = refs.get(_ref_key(c), (_ref(c), c.local_batch, c.local_batch))
+        refs[_ref_key(c)] = (ref, min(lo, c.local_batch), max(hi, c.local_batch))
     out = []
     for cand in cands:
-        ref = refs[_ref_key(cand)]
-        p1 = plans.get(ref, modes)[cand.ac_mode]
-        p2 = plans.get(dataclasses.replace(ref, local_batch=2), modes)[cand.ac_mode]
-        if isinstance(p1, UserError) or isinstance(p2, UserError):
+        ref, lo, hi = refs[_ref_key(cand)]
+        ends = [plans.get(dataclasses.replace(ref, local_batch=lb), modes)[cand.ac_mode] for lb in (lo, hi)]
+        if any(isinstance(p, UserError) for p in ends):
             continue
-        out.append(_screened(cfg, cluster, cand, ref, p1, p2, efficiency))
+        out.append(_screened(cluster, cand, ref, (lo, ends[0]), (hi, ends[1]), efficiency))
     return out
 
 
@@ -316,27 +330,31 @@ def _ref(c: Candidate) -> Candidate:
     return Candidate(degrees, c.ac_mode, 1, c.loss_chunk_size, c.trace_optimizer, ep=c.ep)
 
 
-def _screened(cfg, cluster, cand: Candidate, ref: Candidate, p1: StepPlan, p2: StepPlan, efficiency) -> Screened:
+def _screened(cluster, cand: Candidate, ref: Candidate, lo: tuple, hi: tuple, efficiency) -> Screened:
     d, r = dict(cand.degrees), dict(ref.degrees)
     scale = r.get("dp_shard", 1) / d.get("dp_shard", 1)
-    lb = cand.local_batch
-    sharded = sum(p1.peak_by_category.get(k, 0) for k in SHARDED)
+    lb, (lb_lo, p_lo), (lb_hi, p_hi) = cand.local_batch, lo, hi
+
+    def at(value) -> int:
+        return _between((lb_lo, value(p_lo)), (lb_hi, value(p_hi)), lb)
+
+    sharded = sum(p_lo.peak_by_category.get(k, 0) for k in SHARDED)
     cats = {
-        "parameter": int(p1.peak_by_category.get("parameter", 0) * scale),
-        "batch": lb * p1.peak_by_category.get("batch", 0),
+        "parameter": int(p_lo.peak_by_category.get("parameter", 0) * scale),
+        "batch": lb * p_lo.peak_by_category.get("batch", 0) // lb_lo,
     }
     micro = dataclasses.replace(
-        p1,
-        peak_bytes=_affine(p1.peak_bytes, p2.peak_bytes, lb) + int(sharded * scale) - sharded,
+        p_lo,
+        peak_bytes=at(lambda p: p.peak_bytes) + int(sharded * scale) - sharded,
         peak_by_category=cats,
-        flops=_affine(p1.flops, p2.flops, lb),
-        comm_bytes={k: _affine(p1.comm_bytes.get(k, 0), p2.comm_bytes.get(k, 0), lb) for k in p2.comm_bytes},
+        flops=at(lambda p: p.flops),
+        comm_bytes={k: at(lambda p, k=k: p.comm_bytes.get(k, 0)) for k in {*p_lo.comm_bytes, *p_hi.comm_bytes}},
     )
     plan = accumulated(micro, cand.accumulation, cand.grad_sync, d.get("dp_shard", 1))
     comm = dict(plan.comm_bytes)
     if d.get("dp_replicate", 1) > 1:  # the references replicate nothing: the gradients' all-reduce, once a step
-        comm["dp_replicate all_reduce"] = p1.num_params * 4 // (d.get("dp_shard", 1) * d.get("tp", 1))
-    t = step_time(cluster, plan.flops, comm, d, efficiency, prefetch=cand.prefetch)
+        comm["dp_replicate all_reduce"] = p_lo.num_params * 4 // (d.get("dp_shard", 1) * d.get("tp", 1))
+    t = step_time(cluster, plan.flops, comm, {**d, "ep": cand.ep}, efficiency, prefetch=cand.prefetch)
     return Screened(cand, plan.peak_bytes, t)
 
 
@@ -345,13 +363,18 @@ def plan_exactly(cfg: JobConfig, cluster: Cluster, rows: list[Screened], efficie
     accumulated over its micro-steps (`accumulate.accumulated`)."""
     for row in rows:
         c = row.cand
-        plan = plans.get(c, sorted({r.cand.ac_mode for r in rows if r.cand.micro() == c.micro()} | {c.ac_mode}))
+        same = {r.cand.ac_mode for r in rows if plans.planned_as(r.cand) == plans.planned_as(c)}
+        plan = plans.get(c, sorted(same | {c.ac_mode}))
         plan = plan[c.ac_mode]
         if isinstance(plan, UserError):
             continue
         d = dict(c.degrees)
+        if plans.planned_as(c).prefetch != (c.prefetch and d.get("dp_shard", 1) > 1):
+            plan = dataclasses.replace(plan, approximate=True)  # planned without the prefetch it runs with
         row.exact = accumulated(plan, c.accumulation, c.grad_sync, d.get("dp_shard", 1))
-        row.exact_time = step_time(cluster, row.exact.flops, row.exact.comm_bytes, d, efficiency, c.prefetch)
+        row.exact_time = step_time(
+            cluster, row.exact.flops, row.exact.comm_bytes, {**d, "ep": c.ep}, efficiency, c.prefetch
+        )
 
 
 def screen_errors(rows: list[Screened]) -> list[tuple[Screened, float, float]]:
