@@ -38,6 +38,7 @@ def _row(r: search.Screened, cluster: Cluster, seq: int) -> dict:
         "optimizer_in_graph": r.cand.trace_optimizer,
         "peak_bytes": plan.peak_bytes,
         "peak_gib": to_gib(plan.peak_bytes),
+        "peak_approximate": plan.approximate,  # an upper bound, not the exact plan (docs/planner.md says where)
         "headroom_gib": to_gib(cluster.memory_bytes - plan.peak_bytes),
         "step_s": t.total_s,
         "compute_s": t.compute_s,
@@ -62,8 +63,9 @@ def print_table(rows: list[search.Screened], cluster: Cluster, seq: int) -> None
         x = _row(r, cluster, seq)
         comm = " ".join(f"{sum(v for k, v in x['comm_gib'].items() if counts(k)):.1f}" for _, counts in COLUMNS)
         batch = r.cand.batch()
+        peak = ("~" if x["peak_approximate"] else "") + f"{x['peak_gib']:.2f}"  # ~: an upper bound
         print(
-            f"{i:>2} {x['layout']:<26} {x['ac_mode']:<9} {batch:>8} {x['peak_gib']:8.2f} "
+            f"{i:>2} {x['layout']:<26} {x['ac_mode']:<9} {batch:>8} {peak:>8} "
             f"{x['headroom_gib']:8.2f} {x['step_s']:7.2f} {x['tokens_per_s_per_gpu']:9.0f} {x['mfu']:5.1%}  {comm}"
         )
 

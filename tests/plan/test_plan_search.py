@@ -72,7 +72,8 @@ def test_the_best_cpu_plan_runs_through_its_command_at_the_planned_peak(tmp_path
     out = tmp_path / "plan"
     proc = subprocess.run(
         [sys.executable, "-m", "graph_trainer.plan", *DEBUG, "--cluster.device", "cpu", "--cluster.gpus", str(ranks),
-         "--cluster.gpus_per_node", str(ranks), "--search.exact", "2", "--out", str(out)],
+         "--cluster.gpus_per_node", str(ranks), "--search.exact", "2", "--out", str(out),
+         "--batch.global_seqs", str(2 * ranks)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
