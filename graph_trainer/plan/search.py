@@ -125,11 +125,13 @@ def factorizations(gpus: int, names: tuple[str, ...]) -> Iterator[dict[str, int]
 
 
 def model_allows(cfg: JobConfig, degrees: dict[str, int], gpus_per_node: int) -> str | None:
-    """Why the model refuses these degrees (None: it allows them): tp must divide the heads and KV heads and
-    stay within a node."""
+    """Why the model refuses these degrees (None: it allows them): tp needs the family's tensor-parallel plan,
+    must divide the heads and KV heads and stay within a node."""
     tp = degrees.get("tp", 1)
     if tp == 1:
         return None
+    if get_model_spec(cfg.model.name).parallel_plan.tensor_parallel is None:
+        return f"model {cfg.model.name} declares no tensor-parallel plan"
     args = resolve_model_args(cfg)
     kv = getattr(args, "n_kv_heads", None) or args.n_heads
     if args.n_heads % tp or kv % tp:
