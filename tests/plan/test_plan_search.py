@@ -151,3 +151,22 @@ def test_expert_parallel_degrees_follow_the_expert_count():
     degrees = search.expert_degrees(cfg, 8)
     assert degrees[0] == 1 and all(8 % e == 0 and experts % e == 0 for e in degrees[1:])
     assert (len(degrees) > 1) == bool(experts)
+
+
+def test_nothing_fits_names_the_activations_when_the_state_fits():
+    """The line blames what does not fit: with the state under the memory but the smallest local batch's
+    activations over it, it names the activations, and more GPUs cannot help when they alone exceed it."""
+    from graph_trainer.plan.cluster import Cluster, Device
+    from graph_trainer.plan.report import nothing_fits
+
+    cfg, _ = load_config(DEBUG)
+    cand = search.Candidate((("dp_replicate", 1), ("dp_shard", 4), ("tp", 1)), "full", 1, 0, False)
+    state = search.state_bytes(cfg, cand)
+    device = Device("tiny", (state + 10 * 2**20) / 2**30, 1.0, 1.0, 1.0, "test")
+    cluster = Cluster(device, 4, 4)
+    over = search.Screened(cand, state + 2 * cluster.memory_bytes, None)  # activations alone above the memory
+    line = nothing_fits(cfg, cluster, 4, [cand], [over], [])
+    assert "activations at the smallest local batch" in line and "only pipeline parallelism" in line
+    some = search.Screened(cand, cluster.memory_bytes + 2**20, None)  # state + activations just above it
+    line = nothing_fits(cfg, cluster, 4, [cand], [some], [])
+    assert "of activations" in line and "--cluster.gpus 8" in line and "pipeline" not in line
