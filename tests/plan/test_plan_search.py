@@ -107,7 +107,7 @@ def test_the_accumulated_plan_equals_the_whole_accumulating_plan(sync):
     cfg, _ = load_config(DEBUG)
     micro = search.Candidate((("dp_replicate", 1), ("dp_shard", 2), ("tp", 1)), "none", 2, 0, False)
     plans = search.Plans(cfg, torch.device("cpu"))
-    for steps in (2, 3):
+    for steps in (3,):  # one count: the accumulated buffers scale with it, and 3 exercises the "other" batches
         cand = dataclasses.replace(micro, accumulation=steps, grad_sync=sync)
         acc_cfg = cand.apply(cfg)
         with planning_mesh(ParallelDims.from_config(acc_cfg.parallelism), torch.device("cpu")) as mesh:
@@ -120,7 +120,7 @@ def test_the_accumulated_plan_equals_the_whole_accumulating_plan(sync):
             else:  # upper bound: the deferred sync makes no sharded gradients during the micro-steps
                 assert got.approximate
                 assert 0 <= got.peak_bytes - whole[mode].peak_bytes <= got.peak_by_category["parameter"]
-    assert plans.calls == 1  # one micro-step plan served both step counts and both modes
+    assert plans.calls == 1  # one micro-step plan served both modes
 
 
 def test_the_search_crosses_local_batch_with_accumulation_and_both_grad_syncs():
