@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.checkpoint.hf import Pretrained
-from graph_trainer.data.hf_datasets import SequentialPackedLoader
+from graph_trainer.data.hf_datasets import SequentialPackedLoader, Shuffle
 from graph_trainer.data.loader import PackedBatchLoader, build_dataloader
 from graph_trainer.data.tokenizer import Tokenizer, build_tokenizer
 from graph_trainer.distributed.mesh import Mesh
@@ -141,7 +141,9 @@ def build_data(cfg: JobConfig, mesh: Mesh) -> JobData:
     gather = gather_over_data_ranks(mesh)
     # A training batch is one step's (every micro-batch); the eval step runs one local batch at a time.
     common["batch_size"] = t.local_batch_size * accumulation_steps(cfg)
-    loader = build_dataloader(d.source, d.path, tokenizer, gather=gather, holdout=kept, **common)
+    # Only training is shuffled: validation reads the same held-out batches every time.
+    shuffle = Shuffle(seed=t.seed, buffer=d.shuffle_buffer) if d.shuffle else None
+    loader = build_dataloader(d.source, d.path, tokenizer, gather=gather, holdout=kept, shuffle=shuffle, **common)
     return JobData(tokenizer, loader, validation)
 
 
@@ -332,8 +334,13 @@ class Job:
         )
 
     def _accumulation(self) -> dict[str, Any]:
-        """The step's gradient accumulation: micro-batches per step and the token count's reduction."""
-        return {"accumulation_steps": accumulation_steps(self.cfg), "count_reduce": self.parallel.count_reduce()}
+        """What the step runs around its micro-batches: their number, the token count's reduction, and the model's
+        once-per-step update after all of them."""
+        return {
+            "accumulation_steps": accumulation_steps(self.cfg),
+            "count_reduce": self.parallel.count_reduce(),
+            "step_update": self.spec.step_update,  # once per step, after every micro-batch: a MoE's balancing bias
+        }
 
     def graph_step(
         self,
@@ -377,17 +384,6 @@ class Job:
         )
 
 
-def _check_balancing_steps(model: nn.Module, micro_batches: int) -> None:
-    """Refuse gradient accumulation for a mixture of experts: its balancing bias is updated at the start of each
-    training forward (models/deepseek_v3), which would be after every micro-batch, not once per step."""
-    if micro_batches > 1 and any(hasattr(m, "count_reduce") for m in model.modules()):
-        raise UserError(
-            f"model {model.__class__.__name__} moves its expert-balancing bias at every training forward, so with "
-            f"{micro_batches} micro-batches per step it would move {micro_batches} times, not once per step; "
-            "set training.global_batch_size -1 (no gradient accumulation) for this model"
-        )
-
-
 def _check_balancing_counts(model: nn.Module, mesh: Mesh) -> None:
     """Refuse a mixture of experts on several data-parallel ranks when no parallelism sums its routers' counts.
 
@@ -427,7 +423,6 @@ def build_job(cfg: JobConfig, mesh: Mesh, *, materialize: bool = True, vocab_nee
     # From here on, a sharded parameter is this rank's part of it (same names, smaller shapes).
     parallel = parallelize_model(model, mesh, cfg, spec.parallel_plan)
     _check_balancing_counts(model, mesh)
-    _check_balancing_steps(model, accumulation_steps(cfg))
     if materialize and pretrained is not None:
         pretrained.load_into(model, parallel, mesh.device)
     optimizer = build_job_optimizer(cfg, model, mesh.device)

@@ -84,22 +84,17 @@ def cross_entropy_loss(
     """
     shard = _VOCAB_SHARD.get()
     if shard is not None:
-        _refuse_token_count(num_tokens)
-        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), labels.flatten(0, 1), shard)
+        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), labels.flatten(0, 1), shard, num_tokens)
     logits, labels = logits.flatten(0, 1).float(), labels.flatten(0, 1)
     if num_tokens is None:
         return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum") / num_tokens
 
 
-def _refuse_token_count(num_tokens: torch.Tensor | None) -> None:
-    # The vocabulary-parallel losses average over their own tokens; a step-wide count (gradient accumulation)
-    # is not wired into them yet, and a silently different normalisation would be a wrong gradient.
-    if num_tokens is not None:
-        raise UserError(
-            "gradient accumulation with tensor parallelism is not supported yet: drop training.global_batch_size "
-            "or set parallelism.tp = 1"
-        )
+def _token_count(labels: torch.Tensor, num_tokens: torch.Tensor | None) -> torch.Tensor:
+    """The divisor of the summed token losses: `num_tokens` when given (see `NUM_TOKENS`), else this batch's valid
+    labels. The tp ranks read the same batch, so either is the same on each of them and needs no reduction."""
+    return valid_tokens(labels).float() if num_tokens is None else num_tokens
 
 
 def _shard_statistics(
@@ -150,14 +145,17 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of logits split by vocabulary over the tensor-parallel ranks (this rank's [N, V / tp]).
 
     The counterpart of torch's `loss_parallel`: forward reduces three per-token numbers over the ranks
-    (`_shard_statistics`); backward is local. The padding columns never count and get zero gradient.
+    (`_shard_statistics`); backward is local. The padding columns never count and get zero gradient. With
+    `num_tokens` the sum over the valid tokens is divided by it instead of their number (see `NUM_TOKENS`).
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    def forward(
+        ctx: Any, logits: torch.Tensor, labels: torch.Tensor, shard: VocabShard, num_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = logits[:, : shard.valid].float()
         top, log_sum, target, column = _shard_statistics(x, labels, shard)
-        count = (labels != IGNORE_INDEX).sum().float()
+        count = _token_count(labels, num_tokens)
         ctx.save_for_backward(logits, labels, top, log_sum, column, count)
         ctx.valid = shard.valid
         return _token_sum(target, labels) / count
@@ -167,7 +165,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         logits, labels, top, log_sum, column, count = ctx.saved_tensors
         x = logits[:, : ctx.valid].float()
         grad = _grad_shard_logits(x, top, log_sum, column, labels, grad_loss / count, logits.shape[1])
-        return grad.to(logits.dtype), None, None
+        return grad.to(logits.dtype), None, None, None
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -255,6 +253,7 @@ class VocabParallelChunkedCrossEntropy(torch.autograd.Function):
         chunk_size: int,
         dtype: torch.dtype,
         shard: VocabShard,
+        num_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         total = hidden.new_zeros((), dtype=torch.float32)
         stats: list[list[torch.Tensor]] = [[], [], []]  # per chunk: max, log-sum-exp, target column
@@ -266,7 +265,7 @@ class VocabParallelChunkedCrossEntropy(torch.autograd.Function):
             for kept, t in zip(stats, (top, log_sum, column)):
                 kept.append(t)
             del x  # one chunk's logits alive at a time
-        count = (labels != IGNORE_INDEX).sum().float()
+        count = _token_count(labels, num_tokens)
         ctx.save_for_backward(hidden, weight, labels, count, *(torch.cat(kept) for kept in stats))
         ctx.chunk_size, ctx.dtype, ctx.valid = chunk_size, dtype, shard.valid
         return total / count
@@ -287,7 +286,7 @@ class VocabParallelChunkedCrossEntropy(torch.autograd.Function):
             del x
             grad_hidden[rows] = (g @ w).to(hidden.dtype)
             grad_weight += (g.t() @ h.to(ctx.dtype)).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def chunked_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, chunk_size: int) -> torch.Tensor:
@@ -312,8 +311,9 @@ def chunked_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, chunk_s
     hidden, labels = hidden.flatten(0, 1), batch["labels"].flatten(0, 1)
     with torch.autocast(device_type, enabled=False):
         if shard is not None:
-            _refuse_token_count(batch.get(NUM_TOKENS))
-            return VocabParallelChunkedCrossEntropy.apply(hidden, output.weight, labels, chunk_size, dtype, shard)
+            return VocabParallelChunkedCrossEntropy.apply(
+                hidden, output.weight, labels, chunk_size, dtype, shard, batch.get(NUM_TOKENS)
+            )
         return ChunkedCrossEntropy.apply(hidden, output.weight, labels, chunk_size, dtype, batch.get(NUM_TOKENS))
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import functools
 import signal
 import time
@@ -35,6 +34,7 @@ from graph_trainer.observability.log import configure_console, get_logger
 from graph_trainer.observability.memory import MemoryMonitor
 from graph_trainer.observability.memory_timeline import require_matplotlib, write_timeline
 from graph_trainer.observability.metrics import SUMMARY_FILE, TB_SUBDIR, MetricsLogger
+from graph_trainer.observability.outcome import diverged_line, interrupted_line, kept_line, write_failed_line
 from graph_trainer.observability.profiling import StepProfiler
 from graph_trainer.observability.units import to_gib
 from graph_trainer.optimizer.lr_schedule import resync_lr
@@ -415,7 +415,7 @@ class Trainer:
                     guard.check_before_save(self.step, record["loss"], self.model.parameters())
             except TrainingDiverged as e:
                 metrics.set_final({"status": "diverged", "final_step": self.step, "reason": str(e)})
-                raise TrainingDiverged(self._diverged_message(str(e))) from None
+                raise TrainingDiverged(diverged_line(str(e), *self._latest_checkpoint())) from None
             # Every rank builds the state: a data position may gather every rank's (data.hf_datasets).
             state = self._state() if save else None
             if save:  # every rank: the write check is a collective, even where only rank 0 writes the file
@@ -423,7 +423,8 @@ class Trainer:
             elif len(losses) == 1:
                 self._write_together(self._adopt_new_files)  # the first step opened TensorBoard, dumped the graphs
             if signum is not None:
-                message = self._interrupted_message(signum)
+                saved = self.checkpointer.path(self.step) if cfg.checkpoint.enable else None
+                message = interrupted_line(signum, self.step, saved, cfg.checkpoint.resume)
                 final = {"status": "interrupted", "final_step": self.step, "signal": signal.Signals(signum).name}
                 self._write_together(metrics.set_final, {**final, "message": message})
                 raise Interrupted(signum, message)
@@ -480,13 +481,7 @@ class Trainer:
 
     def _write_failed(self, error: WriteError, metrics: MetricsLogger | None) -> str:
         """The one line for a run stopped by a failed write, after marking summary.json (see `__main__`)."""
-        cause = error.strerror or str(error.cause)
-        if error.errno in errno.errorcode:
-            cause += f" [{errno.errorcode[error.errno]}]"
-        where = f"in {error.path}" if error.path.is_dir() else f"{error.path.name} in {error.path.parent}"
-        when = f"after step {self.step}" if self.step else "before its first step"
-        message = f"writing {where} failed: {cause}; the run stopped {when} and left no partial file; "
-        message += self._what_was_kept()
+        message = write_failed_line(error, self.step, kept_line(*self._latest_checkpoint()))
         final = {"status": "write_failed", "final_step": self.step, "path": str(error.path), "message": message}
         metrics = metrics or self._summary_at_start()
         second = metrics.record_failure(final) if metrics is not None else None
@@ -510,14 +505,10 @@ class Trainer:
             config_toml=config_to_toml(self.cfg),
         )
 
-    def _what_was_kept(self) -> str:
-        kept = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None
-        if kept is None:
-            return "no checkpoint was saved: free space, then start again with --job.overwrite true"
-        return (
-            f"every earlier checkpoint is kept, the latest {self.checkpointer.path(kept)} (step {kept}): "
-            "free space, then continue with --checkpoint.resume"
-        )
+    def _latest_checkpoint(self) -> tuple[Path | None, int | None]:
+        """(path, step) of the latest checkpoint this run can continue from, or (None, None)."""
+        latest = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None
+        return (None, None) if latest is None else (self.checkpointer.path(latest), latest)
 
     def _result(self, losses: list[float], records: list[dict[str, Any]]) -> TrainResult:
         return TrainResult(
@@ -541,34 +532,9 @@ class Trainer:
         self._adopt_new_files()
 
     def _results_line(self) -> str:
-        latest = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None
-        ckpt = f", checkpoint {self.checkpointer.path(latest)}" if latest is not None else ""
+        latest, _ = self._latest_checkpoint()
         return (
             f"results in {self.dump_folder}: {SUMMARY_FILE}, {CONFIG_FILE}"
             + (f", {TB_SUBDIR}/" if self.cfg.metrics.enable_tensorboard else "")
-            + ckpt
-        )
-
-    def _diverged_message(self, reason: str) -> str:
-        kept = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None
-        fix = "a lower optimizer.lr, more lr_scheduler.warmup_steps or training.max_norm > 0"
-        if kept is None:
-            return f"training diverged: {reason}; no checkpoint was saved; start again with {fix}"
-        # Every checkpoint passed the same checks before it was written, so the latest is good.
-        return (
-            f"training diverged: {reason}; nothing was saved for it; the last good checkpoint is "
-            f"{self.checkpointer.path(kept)} (step {kept}): resume it with --checkpoint.resume and {fix}"
-        )
-
-    def _interrupted_message(self, signum: int) -> str:
-        name = signal.Signals(signum).name
-        if not self.cfg.checkpoint.enable:
-            return (
-                f"interrupted by {name} after step {self.step}; checkpointing is off (checkpoint.enable = false), "
-                "so this run cannot be continued: start it again with --job.overwrite true"
-            )
-        again = "the same command again" if self.cfg.checkpoint.resume else "the same command with --checkpoint.resume"
-        return (
-            f"interrupted by {name} after step {self.step}; saved {self.checkpointer.path(self.step)}; "
-            f"to continue, run {again}"
+            + (f", checkpoint {latest}" if latest is not None else "")
         )

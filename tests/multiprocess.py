@@ -151,8 +151,9 @@ def assert_bitwise_equal_runs(reference: dict, run: dict, steps: int, name: str)
 
 
 def step_graph_nodes(trainer: Trainer) -> list[torch.fx.Node]:
-    """The nodes of the trainer's final step graph ([] for an eager step)."""
-    return list(trainer.step_fn.traced.gm.graph.nodes) if hasattr(trainer.step_fn, "traced") else []
+    """The nodes of the trainer's final step graph ([] for an eager step, or a traced one that never ran)."""
+    traced = getattr(trainer.step_fn, "traced", None)
+    return list(traced.gm.graph.nodes) if traced is not None else []
 
 
 def train_fully_shard(cfg: Any, rank: int, world: int, mp_policy: Any = None) -> tuple[list[float], dict]:

@@ -125,8 +125,8 @@ def _check_trainer(argv: list[str], nproc: int = 1) -> None:
         assert "--training.steps" in help_text(opts.config)
         return
     if not opts.dry_run:  # a dry run plans one rank of N without a launch
-        degree = cfg.parallelism.dp_shard * cfg.parallelism.dp_replicate
-        assert nproc == degree, "torchrun must start one process per data-parallel rank"
+        p = cfg.parallelism
+        assert nproc == p.dp_replicate * p.dp_shard * p.tp, "torchrun must start one process per rank of the mesh"
 
 
 def _check_plan(argv: list[str]) -> None:

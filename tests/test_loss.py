@@ -143,3 +143,24 @@ def test_vocab_parallel_loss_of_one_shard_is_cross_entropy_and_ignores_padding_l
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(mine.grad[..., :vocab], ref.grad, rtol=0, atol=1e-7)
     assert torch.equal(mine.grad[..., vocab:], torch.zeros(2, 5, pad))
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["plain", "chunked"])
+def test_vocab_parallel_losses_divide_by_the_step_token_count_as_the_others_do(chunked):
+    """With `num_tokens` (a micro-batch of an accumulated step) the vocabulary-parallel losses of one shard, plain and
+    chunked, are the losses without tensor parallelism given the same count: the sum over the valid tokens divided
+    by it, not by this batch's own count (here 43 valid tokens and a count of 100). Tolerance: the one-shard test's
+    above (summation order of the log-sum-exp), 1e-6 on the loss and 1e-7 on the gradients."""
+    from graph_trainer.loss import NUM_TOKENS, vocab_parallel
+
+    model, batch = _model_and_batch()
+    batch = {**batch, NUM_TOKENS: torch.tensor(100.0)}
+    loss_fn = build_lm_loss(CHUNK if chunked else 0)
+    with vocab_parallel(_OneRankShard(ARGS.vocab_size)):
+        loss, grads = _loss_and_grads(model, batch, loss_fn)
+    expected, expected_grads = _loss_and_grads(model, batch, loss_fn)
+    own_count = _loss_and_grads(model, {k: v for k, v in batch.items() if k != NUM_TOKENS}, loss_fn)[0]
+    assert abs(own_count / expected - 100 / 43) < 1e-5  # the count is what tells them apart
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, expected_grads[name], rtol=0, atol=1e-7, msg=name)

@@ -207,7 +207,7 @@ def test_a_checkpoint_without_a_stored_config_resumes_with_a_warning(tmp_path):
     assert [s["step"] for s in summary(dump)["steps"]] == [1, 2]
 
 
-def _worker_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+def worker_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     """The pid of torchrun's worker process of `rank`, read from /proc (None until it has started)."""
     try:
         children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
@@ -251,7 +251,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves(tmp_
         stderr=subprocess.PIPE,
     )
     wait_for_step(launcher, 2)
-    rank1 = _worker_pid(launcher, 1)
+    rank1 = worker_pid(launcher, 1)
     assert rank1 is not None
     os.kill(rank1, signal.SIGTERM)
     _, err = launcher.communicate(timeout=120)  # a hang fails here

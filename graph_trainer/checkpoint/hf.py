@@ -5,12 +5,12 @@ named by `model.safetensors.index.json`. Only safetensors are read: a folder wit
 `pytorch_model.bin` (a pickle, which runs code when loaded) is refused.
 
 Loading (`checkpoint.initial_load_path`) fills the model tensor by tensor, straight into the parameters
-of the model built on the meta device, after its parallelisms have cut it: each rank reads only the rows
-of its own shards (safetensors' `get_slice`), converted by the family's adapter (`ModelSpec.hf_adapter`,
-e.g. models/llama3/state_dict_adapter.py). Each tensor is read through its own `safe_open`: the file is
-memory-mapped while open, and the pages a read touched stay in the process's resident memory until the
-mapping closes, so one mapping for the whole file would hold the model a second time. The peak is the
-model plus one tensor (measured: benchmarks/hf_load.py).
+of the model built on the meta device, after its parallelisms have cut it: each rank reads only its own
+block (safetensors' `get_slice`: FSDP's rows, TP's row or column blocks, or FSDP's rows of those), converted by
+the family's adapter (`ModelSpec.hf_adapter`, e.g. models/llama3/state_dict_adapter.py). Each tensor is read
+through its own `safe_open`: the file is memory-mapped while open, and the pages a read touched stay in the
+process's resident memory until the mapping closes, so one mapping for the whole file would hold the model a
+second time. The peak is the model plus one tensor (measured: benchmarks/hf_load.py).
 
 Saving (`python -m graph_trainer.export ... --format hf`) writes `config.json` and safetensors, sharded
 with an index above `max_shard_bytes`, that `transformers.AutoModelForCausalLM.from_pretrained` loads.
@@ -287,11 +287,14 @@ def _read_local(
                 f"{folder.path}: tensor {hf_name} has shape {tuple(sliced.get_shape())} but the model expects "
                 f"{full_shape}; check the model folder and --model options"
             )
-        part = adapter.from_hf_rows(name, sliced[first : min(end, full_shape[0])])
+        # The other dimensions are cut in the read too (a row-parallel TP block is a block of columns).
+        part = adapter.from_hf_rows(name, sliced[(slice(first, min(end, full_shape[0])), *rest)])
     out = torch.empty(param.shape, dtype=param.dtype, device=device)
     n = rows.stop - rows.start
-    out[:n].copy_(part[rows.start - first : rows.stop - first][(slice(None), *rest)])
-    out[n:].zero_()  # an FSDP shard's padding rows stay zero (their gradients are zero, AdamW keeps them so)
+    out[:n].copy_(part[rows.start - first : rows.stop - first])
+    # The padding rows stay zero: an FSDP shard's, and TP's vocabulary padding (masked logits, zero gradients, so
+    # AdamW keeps them zero).
+    out[n:].zero_()
     return out
 
 

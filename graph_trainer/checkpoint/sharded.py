@@ -1,29 +1,30 @@
-"""Checkpoints of an FSDP job (`parallelism.dp_shard`): every rank writes its own shards with torch's DCP.
+"""Checkpoints of a job that holds parameters in parts (FSDP, TP, EP and their compositions): every rank writes
+its own parts with torch's DCP.
 
 Layout: `{folder}/step-{step:08d}.dcp/`, a `torch.distributed.checkpoint` folder:
 - `.metadata` and one `__{rank}_0.distcp` per rank: the tensors. Parameters and AdamW
-  moments are saved as DTensor shards of their *logical* (unpadded) shape; replicated
-  tensors (buffers, AdamW step counts) are written once.
+  moments are saved as chunks of their *logical* (whole, unpadded) tensors; replicated
+  tensors (buffers, AdamW step counts, the norms under TP) are written once.
 - `rank{r}.pt` per rank: the plain state (step, lr schedule, this rank's data position and
   RNG state, the config), `torch.save`d so that it reads back with `weights_only=True`.
   (DCP's own `.metadata` is a pickle: it is read through `dcp_reader.SafeFileSystemReader`, which builds
   only DCP's metadata classes, so a tampered checkpoint runs no code.) No bytes item is written: DCP
   would unpickle it on load; the tensors only go through DCP.
 
-Why DTensors of the logical shape: our shards (`graph_trainer.distributed.fsdp`) are torch.chunk
-row blocks with zero rows padding the last; DTensor's `Shard(0)` uses the same
-torch.chunk layout for uneven dim 0. Each rank hands DCP the unpadded rows of its block
-(`DTensor.from_local(..., shape=full shape)`), so the padding never reaches the file,
-and the checkpoint describes whole tensors that DCP can cut for any number of ranks on
-load (resharding) or write whole (`export_full`). On load the DTensors wrap views of
-the live shards, so DCP reads straight into them and the padding rows stay zero.
+Why chunks of the logical tensors: our parts are torch.chunk blocks with zero rows padding the
+last ones (FSDP's rows, TP's blocks along their split dimension, FSDP's rows of TP's blocks).
+`ParallelModel.local_slices` says which chunk of the logical tensor a rank's part holds, and
+each rank hands DCP only that chunk (`checkpoint.logical_chunk`), so the padding never reaches
+the file, and the checkpoint describes whole tensors that DCP can cut for any layout on load
+(resharding) or write whole (`export_full`). On load the chunks are views of the live shards,
+so DCP reads straight into them and the padding stays zero.
 
 Atomic: all ranks write into `.step-{step:08d}.dcp.tmp`; after a barrier rank 0 fsyncs
 it and renames it to its final name. Only complete folders match `step-*.dcp`; a torn
 temp folder left by a kill is removed by the next save (if the run manifest owns it).
 Rank 0 records the final folder in the manifest before any rank writes.
 
-Resharding (another `dp_shard` on resume): the tensors reshard through DCP; the data
+Resharding (another `dp_shard` or `tp` on resume): the tensors reshard through DCP; the data
 position carries over only with the same global batch (`graph_trainer.job_config.resume`);
 every rank then continues from rank 0's data position and RNG state (the ranks of the
 saved run had the same position; their RNG streams cannot be mapped onto other ranks).
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from graph_trainer.checkpoint.dcp_reader import SafeFileSystemReader
+from graph_trainer.checkpoint.logical_chunk import logical_chunk
 from graph_trainer.checkpoint.single_file import CheckpointManager, check_compatible
 from graph_trainer.distributed.parallelism import ParallelModel
 from graph_trainer.errors import UserError
@@ -73,7 +75,8 @@ def _rank_file(rank: int) -> str:
 
 
 class ShardedCheckpointManager(CheckpointManager):
-    """Saves, prunes and loads `step-XXXXXXXX.dcp` folders of an FSDP job; every rank calls `save` and `load`.
+    """Saves, prunes and loads `step-XXXXXXXX.dcp` folders of a job holding parameters in parts; every rank calls
+    `save` and `load`.
 
     Pruning and the run manifest (`record`, `owns`, `forget`) are rank 0's, as with
     `CheckpointManager`. `optimizer` is the job's AdamW over the model's shards.
@@ -114,16 +117,24 @@ class ShardedCheckpointManager(CheckpointManager):
 
     def _tensors(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> dict[str, Any]:
         """What DCP saves or loads into: sharded tensors as DTensors (views of `model_state`/`optimizer_state`)."""
-        model = {name: self.parallel.logical(name, t.detach()) for name, t in model_state.items()}
+        model = {name: self._logical(name, t) for name, t in model_state.items()}
         optimizer = {}
         for index, state in optimizer_state["state"].items():
             name = self.param_names[index]
             shard_shape = model_state[name].shape
             optimizer[name] = {
-                k: self.parallel.logical(name, v) if isinstance(v, torch.Tensor) and v.shape == shard_shape else v
+                k: self._logical(name, v) if isinstance(v, torch.Tensor) and v.shape == shard_shape else v
                 for k, v in state.items()
             }
         return {_MODEL: model, _OPTIMIZER: optimizer}
+
+    def _logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """`local` (this rank's part of `name`, or a tensor shaped like it) as its chunk of the logical tensor, where
+        the parallelisms say it sits; a tensor no parallelism splits as itself (every rank holds it whole)."""
+        size = self.full_shapes.get(name)
+        if size is None:
+            return local.detach()
+        return logical_chunk(local, self.parallel.local_slices(name, local), size)
 
     # --- save --------------------------------------------------------------------------------------------
 

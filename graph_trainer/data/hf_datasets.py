@@ -10,21 +10,29 @@ a loaded dataset is cut into N contiguous row ranges (`Dataset.shard(N, r, conti
 by `datasets.distributed.split_dataset_by_node` (whole files per rank when the number of files divides by N,
 else every N-th row). No rank tokenizes another rank's documents.
 
-Packing, as the other sources do, but in the dataset's order (no shuffle: shuffle the rows beforehand if the
-order matters): each document's ids are followed by EOS and the stream is cut into windows of seq_len + 1
-tokens; a batch is `local_batch_size` consecutive windows. At the end of the slice a new pass (epoch) starts
-from its first row, and the stream runs on across the boundary.
+Packing, as the other sources do: each document's ids are followed by EOS and the stream is cut into windows of
+seq_len + 1 tokens; a batch is `local_batch_size` consecutive windows. At the end of the slice a new pass (epoch)
+starts from its first row, and the stream runs on across the boundary. The rows come in the dataset's order, or
+with `data.shuffle` in an order drawn per pass from `(training.seed, epoch)`: a loaded slice is permuted whole
+(`Dataset.shuffle`, an index mapping kept in memory: nothing is written to the datasets cache); a stream is
+shuffled within a buffer of `data.shuffle_buffer` rows, its files' order drawn too (`IterableDataset.shuffle` and
+`set_epoch`; when the ranks read whole files, the files are dealt to them anew each pass). Every rank draws with
+the same seed, so the slices stay disjoint. Either order is a function of the seed and the pass alone, so a
+resume re-draws it and the position below still names the same rows.
 
-Position: `(epoch, doc, token)`, the next window starts at token `token` of row `doc` of the rank's slice in
-pass `epoch`. Resuming re-opens the slice at row `doc` (`skip`: an index for a loaded dataset, a re-read of the
-rows before it for a stream) and re-tokenizes that one row, so the batches after a resume are exactly those the
-run would have read. Every data-parallel rank has its own position; `state_dict` gathers all of them (through
-`gather`, a collective: every rank calls it), so a checkpoint written by one rank restores every rank.
+Position: `(epoch, doc, token)`, the next window starts at token `token` of row `doc` of the rank's slice (in
+that pass's order) in pass `epoch`. Resuming re-opens the slice at row `doc` (`skip`: an index for a loaded
+dataset; a re-read of the rows before it for a stream) and re-tokenizes that one row, so the batches after a
+resume are exactly those the run would have read. Every data-parallel rank has its own position; `state_dict`
+gathers all of them (through `gather`, a collective: every rank calls it), so a checkpoint written by one rank
+restores every rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +52,16 @@ _READ_BATCH = 256  # rows fetched from Arrow at a time: far faster than row by r
 
 # Gathers one picklable value from every data-parallel rank, in data-rank order (None: one data rank).
 Gather = Callable[[Any], list[Any]]
+# rows(start, epoch): the texts of a rank's slice from row `start` on, in pass `epoch`'s order.
+Rows = Callable[[int, int], Iterator[str]]
+
+
+@dataclass(frozen=True)
+class Shuffle:
+    """How the rows are shuffled: one order per pass, drawn from `seed + epoch`; `buffer` rows for a stream."""
+
+    seed: int
+    buffer: int
 
 
 def _import_datasets() -> Any:
@@ -175,13 +193,13 @@ def rank_slice(ds: Any, rank: int, world_size: int, where: str) -> Any:
 class SequentialPackedLoader:
     """Endless iterator of `{"input": LongTensor[B, S], "labels": LongTensor[B, S]}`, packed in the rows' order.
 
-    `rows(start)` yields the texts of this rank's slice from row `start` on (one pass). The position and
-    resume rules are the module docstring's. `epoch` is the pass the most recent batch ended in.
+    `rows(start, epoch)` yields the texts of this rank's slice from row `start` on, in pass `epoch`'s order. The
+    position and resume rules are the module docstring's. `epoch` is the pass the most recent batch ended in.
     """
 
     def __init__(
         self,
-        rows: Callable[[int], Iterator[str]],
+        rows: Rows,
         tokenizer: Tokenizer,
         *,
         batch_size: int,
@@ -212,7 +230,7 @@ class SequentialPackedLoader:
         """The ids of row `doc` (moving to the next pass at the end of the slice)."""
         while self._ids is None:
             if self._texts is None:
-                self._texts, self._pass_from, self._pass_has_text = self.rows(self.doc), self.doc, False
+                self._texts, self._pass_from, self._pass_has_text = self.rows(self.doc, self.epoch), self.doc, False
             text = next(self._texts, None)
             if text is None:
                 if self._pass_from == 0 and not self._pass_has_text:  # a whole pass gave no token: never will
@@ -287,13 +305,32 @@ class SequentialPackedLoader:
         self.seek({"epoch": 0, "doc": 0, "token": 0})
 
 
-def text_rows(ds: Any, column: str) -> Callable[[int], Iterator[str]]:
-    """`rows(start)`: the texts of `ds`'s `column` from row `start` on, read in blocks."""
+def _in_order(ds: Any, shuffle: Shuffle | None, epoch: int) -> Any:
+    """`ds` in pass `epoch`'s order: as it is, or shuffled from `(shuffle.seed, epoch)` (module docstring)."""
+    if shuffle is None:
+        return ds
+    if _is_stream(ds):
+        shuffled = ds.shuffle(seed=shuffle.seed, buffer_size=shuffle.buffer)
+        shuffled.set_epoch(epoch)  # the stream's own rule: its generator is seeded with seed + epoch
+        return shuffled
+    # keep_in_memory: the index mapping is not written next to the data (a run touches only its own files)
+    return ds.shuffle(seed=shuffle.seed + epoch, keep_in_memory=True)
 
-    def rows(start: int) -> Iterator[str]:
-        part = ds.skip(start) if start else ds
-        for block in part.iter(batch_size=_READ_BATCH):
-            yield from (text if text is not None else "" for text in block[column])  # a null is an empty row
+
+def text_rows(ds: Any, column: str, shuffle: Shuffle | None = None) -> Rows:
+    """`rows(start, epoch)`: the texts of `ds`'s `column` from row `start` on, in pass `epoch`'s order, read in
+    blocks."""
+
+    def rows(start: int, epoch: int) -> Iterator[str]:
+        ordered = _in_order(ds, shuffle, epoch)
+        # A stream re-reads the rows before `start` either way; dropping them here, not with `skip`, keeps a shuffled
+        # stream's order (`skip` would freeze the order of its files and so read another sequence).
+        stream = _is_stream(ds)
+        part = ordered.skip(start) if start and not stream else ordered
+        texts = (
+            text if text is not None else "" for block in part.iter(batch_size=_READ_BATCH) for text in block[column]
+        )
+        yield from islice(texts, start, None) if stream else texts  # a null is an empty row
 
     return rows
 
@@ -310,12 +347,14 @@ def build_hf_loader(
     data_size: int = 1,
     gather: Gather | None = None,
     holdout: tuple[int, bool] | None = None,
+    shuffle: Shuffle | None = None,
     option: str = "data.path",
 ) -> SequentialPackedLoader:
     """This data-parallel rank's loader over the dataset at `path`.
 
     `holdout` = (every, held_out) keeps only the held-out rows (True) or only the others (False) of the
-    validation split rule (`holdout_split`), applied before the ranks' slices are cut.
+    validation split rule (`holdout_split`), applied before the ranks' slices are cut. `shuffle` draws each pass's
+    order of the rank's slice (None: the dataset's order).
     """
     where = f"{option} '{path}'"
     ds = column_checked(open_dataset(path, streaming=streaming, option=option), text_column, where)
@@ -323,7 +362,7 @@ def build_hf_loader(
         ds = holdout_split(ds, *holdout)
     ds = rank_slice(ds, data_rank, data_size, where)
     loader = SequentialPackedLoader(
-        text_rows(ds, text_column),
+        text_rows(ds, text_column, shuffle),
         tokenizer,
         batch_size=batch_size,
         seq_len=seq_len,

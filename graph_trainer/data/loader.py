@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from graph_trainer.data.hf_datasets import SOURCE as HF_SOURCE
-from graph_trainer.data.hf_datasets import Gather, SequentialPackedLoader, build_hf_loader
+from graph_trainer.data.hf_datasets import Gather, SequentialPackedLoader, Shuffle, build_hf_loader
 from graph_trainer.data.tokenizer import Tokenizer
 from graph_trainer.errors import ConfigError, UserError, closest_match
 from graph_trainer.observability.log import get_logger
@@ -282,6 +282,7 @@ def build_dataloader(
     streaming: bool = False,
     gather: Gather | None = None,
     holdout: tuple[int, bool] | None = None,
+    shuffle: Shuffle | None = None,
     option: str = "data.path",
 ) -> PackedBatchLoader | SequentialPackedLoader:
     """Read `source` (see `SOURCES`), tokenize and pack it, and return this rank's loader.
@@ -290,7 +291,8 @@ def build_dataloader(
     `tokenizer.vocab_size` from `seed`. "hf_datasets" reads `text_column` of the dataset at `path`, streamed
     when `streaming`, and gathers the ranks' positions with `gather` (see `graph_trainer.data.hf_datasets`).
     `holdout` = (every, held_out) keeps only the held-out documents (True) or only the others (False) of the
-    validation split rule (`holdout_documents`); `option` names `path` in messages.
+    validation split rule (`holdout_documents`); `shuffle` draws each pass's row order of "hf_datasets" (the other
+    sources always visit their windows in an order drawn from `seed`); `option` names `path` in messages.
     """
     if batch_size < 1:
         raise ConfigError(f"training.local_batch_size must be >= 1, got {batch_size}")
@@ -308,6 +310,7 @@ def build_dataloader(
             data_size=world_size,
             gather=gather,
             holdout=holdout,
+            shuffle=shuffle,
             option=option,
         )
     if source == "synthetic":

@@ -5,9 +5,10 @@ router's `tokens_per_expert` buffer and its `count_reduce` hook). Ranks that rea
 different tokens: without a sum over them each rank's bias would drift on its own tokens and the replicas
 of the (unsharded) bias would silently disagree. This parallelism sets every router's `count_reduce` to a
 traceable all-reduce over the data-parallel ranks, so the bias update reads the global counts and stays
-equal on every rank. It runs in the forward (the bias update is the first thing a training forward does),
-as `_c10d_functional.all_reduce` + `wait_tensor` nodes of the step graph tagged `expert_count_reduce`; eagerly it
-runs the same ops, so the eager and traced steps agree bitwise.
+equal on every rank (and so do the logged counts, `tokens_per_expert`). It runs once per step with the bias
+update, after the gradients (every micro-batch's, with accumulation: the counts are summed over micro-batches
+first), as `_c10d_functional.all_reduce` + `wait_tensor` nodes of the graph holding the update, tagged
+`expert_count_reduce`; eagerly it runs the same ops, so the eager and traced steps agree bitwise.
 """
 
 from __future__ import annotations

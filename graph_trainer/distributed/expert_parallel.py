@@ -19,13 +19,24 @@ with equal splits is its own transpose), so the backward is traced into the step
 the collective tag (kind "ep", role dispatch or combine, the layer). Eagerly the very same ops run, so the
 eager and traced EP steps agree bitwise.
 
-Gradients: a rank's expert weights see every rank's tokens through the all-to-alls, so their gradient is the
-sum over the ranks' losses; dividing it by the data-parallel degree gives the mean over ranks that FSDP's
-reduce-scatter gives every other parameter. Expert weights are not FSDP-sharded (ep = dp_shard for now).
+With ep below dp_shard the experts are FSDP-sharded too, over the mesh's derived `dp_shard_mod_ep` dimension
+(the S = dp_shard / ep ranks that share an ep index): each of the dp_shard ranks holds n / dp_shard whole experts
+(a "block"), and its ep rank's n / ep experts are the S blocks of its `dp_shard_mod_ep` peers, all-gathered
+inside the experts' forward (`fsdp.FSDP.gathered`, one unit per experts module, tagged as FSDP's gathers are;
+its backward reduce-scatters). Rank r of dp_shard (r = s * ep + e: the mesh lays ep innermost) holds the
+experts r * block .. (r + 1) * block - 1, so every rank's part is its `Shard(0)` row block over dp_shard whatever
+the ep, and checkpoints reshard between any ep (and dp_shard) that divide the experts. Expert x therefore lives
+on ep rank (x // block) % ep, as local expert (x // (block * ep)) * block + x % block: the blocks are dealt to the
+ep ranks in turn, which `plan_slots` follows. With ep = dp_shard, S is 1 and each rank holds one contiguous block.
+
+Gradients: a rank's expert weights see the tokens of its ep group through the all-to-alls, so their gradient is
+the sum over those ranks' losses; the reduce-scatter over the S blocks' holders sums the ep groups and divides by
+S, and dividing by ep first gives the mean over the data-parallel ranks that FSDP gives every other parameter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -37,15 +48,17 @@ import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
-from graph_trainer.distributed.mesh import EP, Mesh
+from graph_trainer.distributed.fsdp import EXPERT_PARALLEL, FSDP, ShardGroup, Unit
+from graph_trainer.distributed.mesh import EP, EXPERT_SHARD, Mesh
 from graph_trainer.distributed.parallelism import Parallelism
 from graph_trainer.errors import UserError
+from graph_trainer.runtime.device import DTYPES
 from graph_trainer.tracer import node_meta
 
 c10d = torch.ops._c10d_functional
 KIND = "ep"
 DROPPED = "ep_dropped_tokens"  # the experts module's buffer: rows dropped over capacity by the last training step
-EXPERT_PARALLEL = "expert_parallel"  # attribute set on the parameters this parallelism holds (FSDP leaves them)
+HOLDERS = "dp_shard"  # the mesh dimension whose ranks each hold one block of every experts module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +68,8 @@ class EPGroup:
     rank: int
     size: int
     group_name: str
-    data_parallel: int  # the ranks whose losses are averaged (the expert gradients' divisor)
+    grad_divisor: int  # the gathered experts' gradient is divided by it before the reduce-scatter (mean over ranks)
+    block: int  # experts each dp_shard rank holds: the ep ranks are dealt blocks of this many in turn
 
 
 class AllToAll(torch.autograd.Function):
@@ -107,32 +121,57 @@ class Slots:
     kept: torch.Tensor  # [rows] bool: the row fit in its destination's capacity
 
 
-def plan_slots(offsets: torch.Tensor, rows: int, ep: int, cap: int) -> Slots:
-    """The dispatch layout of `rows` rows sorted by expert (`offsets`: cumulative row ends per expert)."""
+def plan_slots(offsets: torch.Tensor, rows: int, ep: int, cap: int, block: int | None = None) -> Slots:
+    """The dispatch layout of `rows` rows sorted by expert (`offsets`: cumulative row ends per expert).
+
+    `block`: the experts are dealt to the `ep` ranks in blocks of this many, in turn (the module docstring);
+    None: one contiguous block of n / ep per rank. A destination's rows keep their order (by expert).
+    """
     ends = offsets.to(torch.int64)
-    local = ends.shape[0] // ep
-    idx = torch.arange(rows, device=ends.device)
-    expert_of_row = torch.searchsorted(ends, idx, right=True).clamp(max=ends.shape[0] - 1)
-    rank_end = ends[local - 1 :: local]  # [ep] the end row of each destination's block
-    rank_start = torch.cat([rank_end.new_zeros(1), rank_end[:-1]])
-    dest = expert_of_row // local
-    pos = idx - rank_start[dest]
+    n, device = ends.shape[0], ends.device
+    block = block or n // ep
+    local = n // ep  # experts per destination: n / (block * ep) rounds of `block`
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    start = ends - counts  # each expert's first row
+    by_dest = counts.view(-1, ep, block).transpose(0, 1).reshape(ep, local)  # [ep, local] in each one's order
+    dest_ends = by_dest.cumsum(1)
+    dest_starts = dest_ends - by_dest
+    local_ids = torch.arange(local, device=device)
+    dest_ids = torch.arange(ep, device=device).unsqueeze(1)
+    expert_of_local = ((local_ids // block) * ep + dest_ids) * block + local_ids % block  # [ep, local]
+
+    idx = torch.arange(rows, device=device)
+    expert_of_row = torch.searchsorted(ends, idx, right=True).clamp(max=n - 1)
+    dest = (expert_of_row // block) % ep
+    local_of_row = (expert_of_row // (block * ep)) * block + expert_of_row % block
+    pos = dest_starts[dest, local_of_row] + idx - start[expert_of_row]
     kept = pos < cap
     slot_of_row = torch.where(kept, dest * cap + pos, 0)
-    slot_pos = torch.arange(cap, device=ends.device)
-    row_of_slot = (rank_start.unsqueeze(1) + slot_pos).flatten()  # [ep*cap]
-    slot_valid = (slot_pos < (rank_end - rank_start).unsqueeze(1)).flatten()
-    row_of_slot = torch.where(slot_valid, row_of_slot, 0)
-    dest_of_slot = torch.arange(ep, device=ends.device).repeat_interleave(cap)
+
+    slot_pos = torch.arange(cap, device=device).expand(ep, cap).contiguous()
+    slot_valid = slot_pos < dest_ends[:, -1:]  # [ep, cap]
+    local_of_slot = torch.searchsorted(dest_ends, slot_pos, right=True).clamp(max=local - 1)
+    row_of_slot = start[expert_of_local.gather(1, local_of_slot)] + slot_pos - dest_starts.gather(1, local_of_slot)
+    row_of_slot = torch.where(slot_valid, row_of_slot, 0).flatten()
     # An empty slot is a zero row: any expert maps it to zero; the last one keeps the sort simple.
-    local_expert = torch.where(slot_valid, expert_of_row[row_of_slot] - dest_of_slot * local, local - 1)
-    return Slots(row_of_slot, slot_valid, local_expert, slot_of_row, kept)
+    local_expert = torch.where(slot_valid, local_of_slot, local - 1).flatten()
+    return Slots(row_of_slot, slot_valid.flatten(), local_expert, slot_of_row, kept)
 
 
-def _ep_forward(experts: nn.Module, group: EPGroup, factor: float, layer: int | None, inner: Callable, rows, offsets):
-    """The wrapped forward of a routed-experts module: dispatch, local experts, combine (module docstring)."""
+def _ep_forward(
+    experts: nn.Module,
+    group: EPGroup,
+    factor: float,
+    layer: int | None,
+    inner: Callable,
+    gathered: Callable[[], Any],
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """The wrapped forward of a routed-experts module: dispatch, local experts (`gathered`: their weights whole
+    inside it), combine (module docstring)."""
     cap = capacity(rows.shape[0], group.size, factor)
-    slots = plan_slots(offsets, rows.shape[0], group.size, cap)
+    slots = plan_slots(offsets, rows.shape[0], group.size, cap, group.block)
     _count_dropped(experts, slots.kept)
     tag = functools.partial(node_meta.collective_tag, KIND, layer=layer)
     send = rows.index_select(0, slots.row_of_slot) * slots.slot_valid.unsqueeze(-1).to(rows.dtype)
@@ -140,11 +179,11 @@ def _ep_forward(experts: nn.Module, group: EPGroup, factor: float, layer: int | 
     with fx_traceback.annotate({node_meta.COLLECTIVE: tag(node_meta.DISPATCH)}):
         recv_expert = _all_to_all(slots.local_expert, group)
     order = recv_expert.argsort(stable=True)
-    local = next(iter(experts._parameters.values())).shape[0]
+    local = offsets.shape[0] // group.size
     counts = torch.zeros(local, dtype=torch.int64, device=rows.device).scatter_add(
         0, recv_expert, torch.ones_like(recv_expert)
     )
-    with _mean_gradients(experts, group.data_parallel):
+    with gathered(), _mean_gradients(experts, group.grad_divisor):
         out_sorted = inner(recv.index_select(0, order), counts.cumsum(0).to(torch.int32))
     out = out_sorted.index_select(0, order.argsort())
     back = AllToAll.apply(group, tag(node_meta.COMBINE), tag(node_meta.COMBINE), out)
@@ -193,21 +232,21 @@ def dropped_tokens(model: nn.Module) -> torch.Tensor | None:
 
 
 class ExpertParallel(Parallelism):
-    """Routed experts split over the mesh's `ep` dimension (see the module docstring)."""
+    """Routed experts split over the mesh's `ep` dimension, FSDP-sharded over the rest of dp_shard (see above)."""
 
     kind = KIND
     label = "EP"
 
-    def __init__(self, model: nn.Module, group: EPGroup, device_mesh: Any, full: dict[str, torch.Size]):
-        self.model, self.group, self.device_mesh, self._full = model, group, device_mesh, full
+    def __init__(self, holders: ShardGroup, block: int, full: dict[str, torch.Size]):
+        self.holders, self.block, self._full = holders, block, full
 
     @classmethod
     def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ExpertParallel | None:
         """None when ep is 1.
 
         Raises:
-            UserError: ep > 1 on a model without routed experts, an ep that does not divide their number, or
-                ep below dp_shard (expert weights FSDP-sharded over dp_shard / ep is not implemented yet).
+            UserError: ep > 1 on a model without routed experts, or an ep (or, below it, a dp_shard) that does not
+                divide their number.
         """
         ep = mesh.size(EP)
         if ep == 1:
@@ -218,26 +257,23 @@ class ExpertParallel(Parallelism):
         found = _experts_modules(model, suffix)
         if not found:  # a family with experts, built too shallow to reach its MoE layers (the planner's short models)
             return None
-        if ep != mesh.size("dp_shard"):
-            raise UserError(
-                f"parallelism.ep = {ep} below parallelism.dp_shard = {mesh.size('dp_shard')} (expert weights "
-                "FSDP-sharded over dp_shard / ep) is not supported yet; set --parallelism.ep equal to dp_shard"
-            )
-        n = next(found[0][1].parameters()).shape[0]
-        if n % ep:
-            raise UserError(
-                f"parallelism.ep = {ep} does not divide the {n} routed experts; pick an ep that divides {n}"
-            )
+        n, holders = next(found[0][1].parameters()).shape[0], mesh.size(HOLDERS)
+        _check_divides(n, ep, holders)
         pg = mesh.group(EP)
-        group = EPGroup(dist.get_rank(pg), ep, pg.group_name, mesh.data_size)
-        factor = cfg.parallelism.ep_capacity_factor
+        shard = mesh.size(EXPERT_SHARD)  # the ranks whose blocks make up one ep rank's experts
+        group = EPGroup(dist.get_rank(pg), ep, pg.group_name, mesh.data_size // shard, n // holders)
+        holder_group = ShardGroup.of(mesh.group(HOLDERS))
         full = {}
         for name, experts in found:
-            full.update(_split_experts(name, experts, group))
+            full.update(_split_experts(name, experts, holder_group, group.block))
+        fsdp = _expert_fsdp(model, found, mesh, cfg, plan.layers) if shard > 1 else None
+        factor = cfg.parallelism.ep_capacity_factor
+        for name, experts in found:
             inner = type(experts).forward.__get__(experts)
+            gathered = functools.partial(fsdp.gathered, name) if fsdp is not None else contextlib.nullcontext
             layer = _layer_of(name, plan.layers)
-            experts.forward = functools.partial(_ep_forward, experts, group, factor, layer, inner)
-        return cls(model, group, mesh.device_mesh[EP], full)
+            experts.forward = functools.partial(_ep_forward, experts, group, factor, layer, inner, gathered)
+        return cls(holder_group, group.block, full)
 
     def full_shapes(self) -> dict[str, torch.Size]:
         return dict(self._full)
@@ -246,37 +282,58 @@ class ExpertParallel(Parallelism):
         full = self._full.get(name)
         if full is None:
             return None
-        rows = full[0] // self.group.size
-        return (slice(self.group.rank * rows, (self.group.rank + 1) * rows), *(slice(0, n) for n in full[1:]))
-
-    def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """This rank's experts as its part of a DTensor of the logical [experts, ...] shape (`Shard(0)` over ep)."""
-        from torch.distributed.tensor import DTensor, Shard
-
-        full = self._full.get(name)
-        if full is None:
-            return local
-        stride = torch.empty(full, device="meta").stride()
-        return DTensor.from_local(
-            local.detach(), self.device_mesh, [Shard(0)], run_check=False, shape=full, stride=stride
-        )
+        start = self.holders.rank * self.block
+        return (slice(start, start + self.block), *(slice(0, n) for n in full[1:]))
 
     def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`state` with every expert weight gathered whole (a collective over the ep ranks)."""
+        """`state` with every expert weight gathered whole (a collective over the dp_shard ranks)."""
         out = dict(state)
+        g = self.holders
         with torch.no_grad():
             for name in self._full:
                 local = state[name].detach().contiguous()
-                out[name] = c10d.wait_tensor(c10d.all_gather_into_tensor(local, self.group.size, self.group.group_name))
+                out[name] = c10d.wait_tensor(c10d.all_gather_into_tensor(local, g.world_size, g.group_name))
         return out
 
 
-def _split_experts(prefix: str, experts: nn.Module, group: EPGroup) -> dict[str, torch.Size]:
+def _check_divides(n: int, ep: int, holders: int) -> None:
+    """Refuse an ep that does not divide the `n` routed experts, or a dp_shard (the blocks' holders) that does not."""
+    if n % ep:
+        raise UserError(f"parallelism.ep = {ep} does not divide the {n} routed experts; pick an ep that divides {n}")
+    if n % holders:
+        raise UserError(
+            f"parallelism.dp_shard = {holders} does not divide the {n} routed experts: with parallelism.ep = {ep} "
+            f"each rank holds n_routed_experts / dp_shard whole experts; pick a dp_shard that divides {n} "
+            f"(or ep = dp_shard)"
+        )
+
+
+def _expert_fsdp(model: nn.Module, found: list[tuple[str, nn.Module]], mesh: Mesh, cfg: Any, layers: str) -> FSDP:
+    """The FSDP that gathers each (split) experts module's blocks over `dp_shard_mod_ep`: one unit per module."""
+    t, shard = cfg.training, mesh.size(EXPERT_SHARD)
+    return FSDP(
+        model,
+        ShardGroup.of(mesh.group(EXPERT_SHARD)),
+        [_expert_unit(name, experts, shard, layers) for name, experts in found],
+        param_dtype=DTYPES[t.mixed_precision_param],
+        reduce_dtype=DTYPES[t.mixed_precision_reduce],
+    )
+
+
+def _expert_unit(name: str, experts: nn.Module, shard: int, layers: str) -> Unit:
+    """One gather unit per experts module: its weights' blocks, whole once gathered over `shard` ranks."""
+    attrs = list(experts._parameters)
+    shapes = [torch.Size([shard * experts._parameters[a].shape[0], *experts._parameters[a].shape[1:]]) for a in attrs]
+    slots = [[(experts, a)] for a in attrs]
+    return Unit(name, shapes, slots, [f"{name}.{a}" for a in attrs], _layer_of(name, layers))
+
+
+def _split_experts(prefix: str, experts: nn.Module, holders: ShardGroup, block: int) -> dict[str, torch.Size]:
     """Keep this rank's block of every stacked expert weight of `experts`, in place; their full shapes by name."""
     full = {}
+    start = holders.rank * block
     for attr, p in list(experts._parameters.items()):
-        rows = p.shape[0] // group.size
-        local = nn.Parameter(p.detach()[group.rank * rows : (group.rank + 1) * rows].clone(), p.requires_grad)
+        local = nn.Parameter(p.detach()[start : start + block].clone(), p.requires_grad)
         setattr(local, EXPERT_PARALLEL, True)
         experts._parameters[attr] = local
         full[f"{prefix}.{attr}"] = p.shape

@@ -66,7 +66,6 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from graph_trainer.distributed.expert_parallel import EXPERT_PARALLEL
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import Parallelism, mean_count_over
 from graph_trainer.job_config.batching import accumulation_steps
@@ -80,6 +79,9 @@ ROOT = ""  # the root unit's name
 GRAD_SUM = "_fsdp_grad_sum_{}"  # the model buffer holding unit i's whole gradient sum (fsdp_grad_sync = "step")
 KIND = "fsdp"  # the collective tag's kind
 MESH_DIM = "dp_shard"
+# Set on the parameters another parallelism holds (expert parallelism's experts, which gathers them with a unit of
+# its own on another mesh dimension): the model's FSDP leaves them alone.
+EXPERT_PARALLEL = "expert_parallel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +231,6 @@ class FSDP(Parallelism):
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self._by_name = {u.name: u for u in units}
         self._full_shapes = self.full_shapes()
-        self.device_mesh: Any = None  # the 1-D DeviceMesh of `group`, for `logical` (set by `apply`)
         self.defers_grad_sync = False  # fsdp_grad_sync = "step" with accumulation: see `defer_grad_sync`
 
     @classmethod
@@ -245,7 +246,6 @@ class FSDP(Parallelism):
             reduce_dtype=DTYPES[t.mixed_precision_reduce],
             layers=plan.layers,
         )
-        fsdp.device_mesh = mesh.device_mesh[MESH_DIM]
         if cfg.parallelism.fsdp_grad_sync == "step" and accumulation_steps(cfg) > 1:
             fsdp.defer_grad_sync()
         return fsdp
@@ -272,9 +272,13 @@ class FSDP(Parallelism):
         every backward reduce-scatters already."""
         return self.reduce_grad_sums if self.defers_grad_sync else None
 
+    def makes_grads(self) -> bool:
+        return self.defers_grad_sync
+
     def reduce_grad_sums(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """The sharded mean gradients from the units' whole sums (one reduce-scatter each), the sums zeroed for
-        the next step. `grads` (the trainable parameters', none of them computed) only give the order."""
+        the next step. `grads`: the trainable parameters' accumulated gradients, none computed for the units'
+        parameters; another parallelism's (expert parallelism's experts, reduced in each backward) pass through."""
         by_name = {}
         for unit in self.units:
             total = self._grad_sum(unit)
@@ -285,7 +289,7 @@ class FSDP(Parallelism):
             by_name.update(zip(unit.param_names, _cut(shard, [t.shape for t in shards])))
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         assert len(names) == len(grads), "one gradient per trainable parameter"
-        return [by_name[n] for n in names]
+        return [by_name.get(n, g) for n, g in zip(names, grads)]
 
     @contextlib.contextmanager
     def gathered(self, name: str):
@@ -352,26 +356,9 @@ class FSDP(Parallelism):
             if id(p) in full_by_id
         }
 
-    def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """`local` (a shard of `name`, padding rows included, or a tensor shaped like one, e.g. an AdamW moment)
-        as this rank's part of a DTensor of the parameter's full shape, the padding cut off.
-
-        Our shards are torch.chunk row blocks, the layout of DTensor's `Shard(0)` for an uneven dim 0, so DCP
-        can cut the saved tensors for any number of ranks on load."""
-        from torch.distributed.tensor import DTensor, Shard
-
-        full_shape = self._full_shapes.get(name)
-        if full_shape is None:
-            return local
-        rows = local.shape[0]
-        valid = max(0, min(rows, full_shape[0] - self.group.rank * rows))
-        stride = torch.empty(full_shape, device="meta").stride()
-        return DTensor.from_local(
-            local.detach()[:valid], self.device_mesh, [Shard(0)], run_check=False, shape=full_shape, stride=stride
-        )
-
     def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...] | None:
-        """This rank's row block of `name` (torch.chunk's, as `_shard` cut it), the padding rows left out."""
+        """This rank's row block of `name` (torch.chunk's, as `_shard` cut it), the padding rows left out. `name`'s
+        full shape is the one FSDP sharded: TP's block under tensor parallelism (`ParallelModel` places it)."""
         full_shape = self._full_shapes.get(name)
         if full_shape is None:
             return None
@@ -524,4 +511,14 @@ def layer_forward(layer: nn.Module) -> Callable:
     return type(layer).forward.__get__(layer)
 
 
-__all__ = ["AllGather", "FSDP", "ShardGroup", "Unit", "check_gathered", "fully_shard_model", "layer_forward", "ROOT"]
+__all__ = [
+    "EXPERT_PARALLEL",
+    "AllGather",
+    "FSDP",
+    "ShardGroup",
+    "Unit",
+    "check_gathered",
+    "fully_shard_model",
+    "layer_forward",
+    "ROOT",
+]

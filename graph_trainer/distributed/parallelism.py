@@ -7,10 +7,12 @@ then answers the few questions the step, the clip, the divergence guard and the 
 - `wrap_loss`: the loss function as it must run (FSDP gathers the root unit around it);
 - `count_reduce`: with gradient accumulation, the divisor of each rank's summed loss (tokens over the ranks);
 - `grad_reduce` / `norm_reduce`: hooks traced into the step graph after the backward (replication averages
-  the gradients; sharded gradients make the clip norm a sum over the ranks);
+  the gradients; sharded gradients make the clip norm a sum over the ranks); `makes_grads`: whose gradient hook
+  makes the gradients (FSDP's once-per-step sync) and so runs before the others';
 - `check_traced`: refuse a traced step that the parallelism cannot run right;
-- `shard_sum`, `full_shapes`, `logical`, `full_state`, `local_slices`: what the divergence guard, the
-  checkpoint, exports and the loading of pretrained weights need of parameters that no rank holds whole.
+- `shard_sum`, `full_shapes`, `full_state`, `local_slices`: what the divergence guard, the checkpoint, exports
+  and the loading of pretrained weights need of parameters that no rank holds whole. A parameter split by two
+  parallelisms (FSDP's row block of TP's block) is answered by both: `ParallelModel.local_slices` composes them.
 
 Every collective a parallelism puts in the graph is annotated with one tag (`node_meta.COLLECTIVE`: kind,
 role, unit, layer), so the passes count, size, keep or re-issue collectives without knowing who made them.
@@ -58,6 +60,12 @@ class Parallelism:
         """Traced after `autograd.grad`, before clipping: maps the raw gradients to the ones applied."""
         return None
 
+    def makes_grads(self) -> bool:
+        """Whether `grad_reduce` makes the gradients from sums this parallelism held back during the micro-batches
+        (FSDP's `fsdp_grad_sync = "step"`) rather than mapping the backward's: its hook then runs before the
+        others', which reduce what it made (TP sums the norms' gradients over tp)."""
+        return False
+
     def norm_reduce(self) -> NormReduce | None:
         """Maps this rank's squared gradient norm to the global one (sharded gradients)."""
         return None
@@ -80,20 +88,17 @@ class Parallelism:
         """Logical shape of every parameter this parallelism shards, by every name it is held under."""
         return {}
 
-    def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """`local` (this rank's part of `name`, or of a tensor shaped like it) as a tensor of its logical shape:
-        a DTensor for sharded state, `local` itself otherwise. Used by checkpoints."""
-        return local
-
     def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` (every parameter by name, as the parallelisms applied after this one leave it: their parts
         gathered) with this parallelism's parts gathered whole too. A collective: every rank calls it."""
         return state
 
     def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...] | None:
-        """Which part of the full parameter `name` this rank's `local` holds, one slice per dimension (padding
-        left out: `local` may hold more rows than the slice), or None when this parallelism does not split
-        `name`. Lets pretrained weights be read shard by shard."""
+        """Which part of `name` as this parallelism received it (the full parameter, or the block an earlier
+        parallelism left: TP's block for FSDP) this rank holds, one slice per dimension (padding left out: the
+        rank may hold more rows than the slice), or None when this parallelism does not split `name`. `local`
+        is this rank's part after every parallelism. Lets checkpoints and pretrained weights be read and
+        written part by part."""
         return None
 
 
@@ -122,7 +127,8 @@ class ParallelModel:
         return loss_fn
 
     def grad_reduce(self) -> GradReduce | None:
-        return _chain([p.grad_reduce() for p in self.parts])
+        makers = [p for p in self.parts if p.makes_grads()]  # first: the others reduce the gradients they make
+        return _chain([p.grad_reduce() for p in makers + [p for p in self.parts if p not in makers]])
 
     def norm_reduce(self) -> NormReduce | None:
         return _chain([p.norm_reduce() for p in self.parts])
@@ -144,19 +150,16 @@ class ParallelModel:
             shapes.update(part.full_shapes())  # the logical shape
         return shapes
 
-    def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        for part in self.parts:
-            local = part.logical(name, local)
-        return local
-
     def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...]:
-        """The part of the full parameter `name` that this rank's `local` holds (the whole of it when no
-        parallelism splits it; one parallelism splits a parameter today, so the first answer is the answer)."""
+        """The part of the full parameter `name` that this rank's `local` holds, padding left out (the whole of
+        it when no parallelism splits it). Each parallelism's slice lies inside the block of those applied before
+        it (FSDP's rows inside TP's block), so the answers compose in the order they were applied."""
+        box = None
         for part in self.parts:
             found = part.local_slices(name, local)
             if found is not None:
-                return found
-        return tuple(slice(0, n) for n in local.shape)
+                box = found if box is None else tuple(_within(o, i) for o, i in zip(box, found))
+        return box if box is not None else tuple(slice(0, n) for n in local.shape)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by name (sharded ones gathered): for comparisons and exports."""
@@ -164,6 +167,13 @@ class ParallelModel:
         for part in reversed(self.parts):  # undo the last split first (FSDP's shards of TP's blocks)
             state = part.full_state(state)
         return state
+
+
+def _within(outer: slice, inner: slice) -> slice:
+    """`inner`, a slice of the block that `outer` cuts from a dimension, as a slice of the dimension: shifted by
+    the block's start and cut at its end (the block's padding holds no real entries)."""
+    start = min(outer.start + inner.start, outer.stop)
+    return slice(start, max(start, min(outer.start + inner.stop, outer.stop)))
 
 
 def _chain(hooks: list[Callable[[Any], Any] | None]) -> Callable[[Any], Any] | None:

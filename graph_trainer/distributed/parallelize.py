@@ -20,17 +20,19 @@ from graph_trainer.distributed.parallelism import Apply, ParallelModel, parallel
 from graph_trainer.distributed.replicate import Replicate
 from graph_trainer.distributed.tp import TensorParallel
 
-# Expert parallelism comes first: it splits the routed experts itself, and FSDP leaves what it holds alone. Tensor
-# parallelism splits parameters itself too; fully sharded data parallelism then shards what the others leave (FSDP
-# shards the TP blocks, as FSDP2 on top of TP does); replication averages the gradients FSDP has already reduced
-# within a replica. The norm hooks chain in this order too: TP's counts its replicated gradients once on this rank's
-# FSDP shards, before FSDP sums over dp_shard. The MoE balancing counts are summed over whichever data-parallel
-# dimension is used.
+# Expert parallelism comes first: it splits the routed experts itself, and FSDP leaves what it holds alone.
+# Replication changes no parameter; its gradient hook (the average over the replicas) must run before TP's, which
+# sums the norms' gradients over tp and keeps them for the clip norm: kept before the average, they would differ
+# between the replicas, and so would the clip factor (dp_replicate x tp). Tensor parallelism splits parameters
+# itself; fully sharded data parallelism then shards what the others leave (FSDP shards the TP blocks, as FSDP2 on
+# top of TP does; its reduce-scatters run in the backward, before any gradient hook). The norm hooks chain in this
+# order too: TP's counts its replicated gradients once on this rank's FSDP shards, before FSDP sums over dp_shard.
+# The MoE balancing counts are summed over whichever data-parallel dimension is used.
 PARALLELISMS: tuple[Apply, ...] = (
     ExpertParallel.apply,
+    Replicate.apply,
     TensorParallel.apply,
     FSDP.apply,
-    Replicate.apply,
     ExpertBalance.apply,
 )
 

@@ -229,7 +229,6 @@ class TensorParallel(Parallelism):
     def __init__(self, model: nn.Module, group: ShardGroup, split: list[SplitParam], vocab: VocabSplit, grads):
         self.model, self.group, self.vocab, self.grads = model, group, vocab, grads
         self.split = {p.name: p for p in split}
-        self.device_mesh: Any = None  # the 1-D DeviceMesh of `group`, for `logical` (set by `apply`)
 
     @classmethod
     def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> TensorParallel | None:
@@ -246,14 +245,7 @@ class TensorParallel(Parallelism):
                 "(or add a TensorParallelPlan to its ParallelPlan)"
             )
         check_divisible(model, plan, mesh.size(MESH_DIM), cfg.training.seq_len)
-        if cfg.checkpoint.enable and mesh.size("dp_shard") > 1:
-            raise UserError(
-                "checkpoint.enable with parallelism.tp and parallelism.dp_shard together is not supported yet (FSDP's "
-                "row blocks of TP's blocks have no DCP layout here); checkpoint with one of them or disable checkpoints"
-            )
-        tp = tensor_parallelize(model, ShardGroup.of(mesh.group(MESH_DIM)), plan.tensor_parallel, plan.layers)
-        tp.device_mesh = mesh.device_mesh[MESH_DIM]
-        return tp
+        return tensor_parallelize(model, ShardGroup.of(mesh.group(MESH_DIM)), plan.tensor_parallel, plan.layers)
 
     def wrap_loss(self, loss_fn: Callable) -> Callable:
         """`loss_fn` with the logits taken as this rank's vocabulary shard (the vocabulary-parallel loss)."""
@@ -284,21 +276,14 @@ class TensorParallel(Parallelism):
     def full_shapes(self) -> dict[str, torch.Size]:
         return {name: p.shape for name, p in self.split.items()}
 
-    def logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """`local` (this rank's block of `name`, padding included) as its part of a DTensor of the logical shape.
-
-        Blocks are torch.chunk blocks along the split dimension: DTensor's `Shard(dim)` layout, also when the
-        vocabulary's last blocks are short, so DCP can cut the saved tensors for another tp on load."""
-        from torch.distributed.tensor import DTensor, Shard
-
+    def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...] | None:
+        """This rank's torch.chunk block of `name` along its split dimension (as `_split_weight` cut it), the
+        vocabulary's padding rows left out; None for a parameter left whole (the norms)."""
         p = self.split.get(name)
         if p is None:
-            return local
-        rows = local.shape[p.dim]
-        valid = max(0, min(rows, p.shape[p.dim] - self.group.rank * rows))
-        stride = torch.empty(p.shape, device="meta").stride()
-        part = local.detach().narrow(p.dim, 0, valid)
-        return DTensor.from_local(part, self.device_mesh, [Shard(p.dim)], run_check=False, shape=p.shape, stride=stride)
+            return None
+        start, stop = _block(p.shape[p.dim], self.group)
+        return tuple(slice(start, stop) if d == p.dim else slice(0, n) for d, n in enumerate(p.shape))
 
     def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` with every split parameter gathered whole (padding cut off). A collective: every tp rank calls it."""
@@ -336,14 +321,21 @@ def _first_layer(model: nn.Module, layers: str) -> nn.Module:
     return model.get_submodule(next(iter(transformer_layers(model, layers))))
 
 
+def _block(length: int, group: ShardGroup) -> tuple[int, int]:
+    """[start, stop) of this rank's torch.chunk block of `length` entries: blocks of ceil(length / tp), the last
+    ones short or empty (the padding that makes them whole is not in [start, stop))."""
+    size = math.ceil(length / group.world_size)
+    start = min(group.rank * size, length)
+    return start, min(start + size, length)
+
+
 def _split_weight(module: nn.Module, dim: int, group: ShardGroup) -> nn.Parameter:
     """This rank's torch.chunk block of `module.weight` along `dim`, zero-padded to ceil(size / tp)."""
     w = module.weight
-    size = math.ceil(w.shape[dim] / group.world_size)
-    start = min(group.rank * size, w.shape[dim])
-    block = w.detach().narrow(dim, start, min(size, w.shape[dim] - start))
+    start, stop = _block(w.shape[dim], group)
+    block = w.detach().narrow(dim, start, stop - start)
     shape = list(w.shape)
-    shape[dim] = size
+    shape[dim] = math.ceil(w.shape[dim] / group.world_size)
     part = torch.zeros(shape, dtype=w.dtype, device=w.device)
     if part.device.type != "meta":
         part.narrow(dim, 0, block.shape[dim]).copy_(block)

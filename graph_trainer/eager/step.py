@@ -17,7 +17,7 @@ import torch.nn as nn
 from graph_trainer.loss import lm_loss
 from graph_trainer.optimizer.clip import clip_grads_
 from graph_trainer.step import CountReduce, StepOutput, StepReport, micro_batches, sum_losses
-from graph_trainer.tracer.capture import GradReduce, LossFn, NormReduce
+from graph_trainer.tracer.capture import GradReduce, LossFn, NormReduce, StepUpdate
 
 
 class EagerStep:
@@ -26,6 +26,8 @@ class EagerStep:
     Without `optimizer` the update stays with the caller. With `accumulation_steps` > 1 the batch is cut into
     that many micro-batches (`graph_trainer.step.micro_batches`) whose backwards accumulate into `param.grad` as
     autograd does (the first assigns, the next add); `grad_reduce` and clipping then run once, on the sums.
+    `step_update` (the model's once-per-step buffer update) runs after the gradients, before clipping, as the
+    traced step runs it.
     """
 
     def __init__(
@@ -39,8 +41,10 @@ class EagerStep:
         norm_reduce: NormReduce | None = None,
         accumulation_steps: int = 1,
         count_reduce: CountReduce | None = None,
+        step_update: StepUpdate | None = None,
     ):
         self.model = model
+        self.step_update = step_update
         self.accumulation_steps, self.count_reduce = accumulation_steps, count_reduce
         self.loss_fn = loss_fn
         self.max_norm = max_norm
@@ -76,6 +80,8 @@ class EagerStep:
                 # Before clipping, as in the traced step: the norm is of the averaged gradients.
                 for p, g in zip(self._params, self.grad_reduce([p.grad for p in self._params])):
                     p.grad = g
+            if self.step_update is not None:
+                self.step_update(self.model)
             grad_norm = clip_grads_([p.grad for p in self._params], self.max_norm, self.norm_reduce)
         if self.optimizer is not None:
             self.optimizer.step()

@@ -17,7 +17,7 @@ from typing import Any
 import tomli_w
 
 from graph_trainer.errors import ConfigError, did_you_mean
-from graph_trainer.job_config.batching import accumulation_steps, check_global_batch, check_grad_sync
+from graph_trainer.job_config.batching import check_global_batch, check_grad_sync
 from graph_trainer.job_config.schema import JobConfig, field_aliases, section_fields, sections
 from graph_trainer.job_config.values import check_limits, coerce, value_desc
 
@@ -104,6 +104,12 @@ def validate(cfg: JobConfig) -> None:
         )
     if not data.tokenizer:
         raise ConfigError("data.tokenizer must be 'byte' or a path to a tokenizer.json, got ''")
+    if data.shuffle and data.source != "hf_datasets":
+        # An error, not an ignored option: these sources already visit their windows in a seeded random order.
+        raise ConfigError(
+            f"data.shuffle is for data.source = 'hf_datasets'; data.source = '{data.source}' always shuffles its "
+            "windows (from training.seed): drop --data.shuffle"
+        )
 
     ac = cfg.activation_checkpoint
     ac.selective_ac_option = parse_ac_option(ac.selective_ac_option)
@@ -134,7 +140,6 @@ def validate(cfg: JobConfig) -> None:
     _check_mixed_precision(cfg)
     check_global_batch(cfg)
     check_grad_sync(cfg)
-    _check_tensor_parallel_combinations(cfg)
 
     args = resolve_model_args(cfg)
     max_seq_len = getattr(args, "max_seq_len", None)
@@ -143,24 +148,6 @@ def validate(cfg: JobConfig) -> None:
             f"training.seq_len must be <= the model's max_seq_len ({max_seq_len} for "
             f"{cfg.model.name}/{cfg.model.flavor}), got {cfg.training.seq_len}: lower "
             f"--training.seq_len or raise --model.max_seq_len"
-        )
-
-
-def _check_tensor_parallel_combinations(cfg: JobConfig) -> None:
-    """What tensor parallelism does not compose with yet: refused before the run, never run half right."""
-    if cfg.parallelism.tp <= 1:
-        return
-    if accumulation_steps(cfg) > 1:
-        # The vocabulary-parallel loss averages over its own tokens; the step-wide token count is not wired in.
-        raise ConfigError(
-            "training.global_batch_size (gradient accumulation) with parallelism.tp > 1 is not supported yet: "
-            "drop --training.global_batch_size, or set --parallelism.tp 1"
-        )
-    if cfg.checkpoint.initial_load_path:
-        # The loader reads each rank's rows of FSDP's shards; TP's column and row blocks are not mapped yet.
-        raise ConfigError(
-            "checkpoint.initial_load_path with parallelism.tp > 1 is not supported yet: start from Hugging Face "
-            "weights with --parallelism.tp 1 (parallelism.dp_shard shards them)"
         )
 
 

@@ -54,6 +54,8 @@ REFUSED: dict[str, str] = {
     "data.tokenizer": _DATA,
     "data.text_column": _DATA,
     "data.streaming": _DATA,  # a stream is cut into the ranks' slices another way than a loaded dataset
+    "data.shuffle": _DATA,
+    "data.shuffle_buffer": _DATA,
     "parallelism.dp_shard": _DATA,
     **{
         f"model.{f.name}": _MODEL

@@ -138,6 +138,12 @@ class DataConfig:
     tokenizer: str = _opt("byte", "'byte' (256 bytes + BOS/EOS) or a path to a HF tokenizer.json")
     text_column: str = _opt("text", "hf_datasets: the column that holds the text")
     streaming: bool = _opt(False, "hf_datasets: stream the files (IterableDataset) instead of loading them")
+    shuffle: bool = _opt(
+        False,
+        "hf_datasets: visit the rows in an order drawn from training.seed anew each pass (the other sources always "
+        "shuffle their windows)",
+    )
+    shuffle_buffer: int = _opt(10_000, "hf_datasets with data.streaming: rows a stream is shuffled within", ge=1)
 
 
 @dataclass
@@ -259,8 +265,9 @@ class ParallelismConfig:
     )
     ep: int = _opt(
         1,
-        "expert-parallel degree, carved out of dp_shard (not extra processes): each rank holds n_routed_experts / ep "
-        "routed experts and tokens travel to them by all-to-all; must divide dp_shard and n_routed_experts",
+        "expert-parallel degree, carved out of dp_shard (not extra processes): each rank runs n_routed_experts / ep "
+        "routed experts (FSDP-sharded over dp_shard / ep ranks) and tokens travel to them by all-to-all; must divide "
+        "dp_shard and n_routed_experts (below dp_shard, dp_shard must divide n_routed_experts too)",
         alias="expert_parallel_degree",
         ge=1,
     )

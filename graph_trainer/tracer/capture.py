@@ -52,6 +52,9 @@ GradReduce = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 # Maps this process's squared gradient norm to the global one when gradients are sharded
 # (graph_trainer.distributed.fsdp.FSDP.norm_reduce); see graph_trainer.optimizer.adamw.clip_grads_.
 NormReduce = Callable[[torch.Tensor], torch.Tensor]
+# Once per step, after the gradients, under no_grad: writes the model's own per-step state (its buffers) in place,
+# e.g. a mixture of experts' balancing bias (models.common.spec.ModelSpec.step_update).
+StepUpdate = Callable[[nn.Module], None]
 
 
 class TraceError(UserError):
@@ -454,6 +457,7 @@ def trace_step(
     layers: str | None = None,
     norm_reduce: NormReduce | None = None,
     part: str = "step",
+    step_update: StepUpdate | None = None,
 ) -> TracedStep:
     """Trace one whole training step of `model` on a batch shaped like `batch` (or one `part` of it).
 
@@ -478,6 +482,8 @@ def trace_step(
         part: "step" (the whole step), or with gradient accumulation "micro" (a micro-batch's forward and
             backward, accumulated in place into gradient inputs) or "update" (clipping and the update on the
             accumulated gradients; `batch` is ignored): see `PARTS`.
+        step_update: traced once per step after the gradients, before clipping, with the model's buffers in its
+            slots: its in-place writes to them are the graph's (the "step" part's, or the "update" part's).
 
     Raises:
         TraceError: with the module FQN, source line and op that could not be traced.
@@ -489,7 +495,7 @@ def trace_step(
     batch = as_pytree(batch) if part != "update" else {}
     layout, constants, inputs = _lay_out_inputs(model, batch, optimizer if part != "micro" else None, part)
     step = _StepFunction(model, layout, constants, loss_fn, max_norm, optimizer, grad_reduce, norm_reduce, layers)
-    step.part = part
+    step.part, step.step_update = part, step_update
     gm, trace_time = _make_graph(step, _fake_inputs(inputs, layout, device), failure_dir)
     _annotate_graph(gm, layout, step.annotator)
     return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch), trace_time_s=trace_time)
@@ -579,6 +585,7 @@ class _StepFunction:
         self.annotator = _ModuleAnnotator(model, layers)
         self.failure: dict[str, Any] = {}
         self.part = "step"  # see PARTS
+        self.step_update: StepUpdate | None = None
 
     def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
         params, buffers, batch, state, host, accums = self.layout.split(list(flat))
@@ -589,12 +596,14 @@ class _StepFunction:
                 # Swapped in as for the forward: a reduction may read the model's buffers (FSDP's gradient sums).
                 with self._swapped(params, buffers):
                     grads = self._reduce(accums)
+                self._step_update(params, buffers)
                 return [self._update(trained, grads, state, host), *grads]
             loss = self._forward(params, buffers, batch)
             grads = self._backward(loss, trained)
             if self.part == "micro":
                 self._accumulate(accums, grads)
                 return [loss]
+            self._step_update(params, buffers)
             grad_norm = self._update(trained, grads, state, host)
             return [loss, grad_norm, *grads]
         except Exception:
@@ -638,6 +647,14 @@ class _StepFunction:
             for acc, grad in zip(accums, grads):
                 if grad is not None:
                     acc.add_(grad)
+
+    def _step_update(self, params: list, buffers: list) -> None:
+        """The model's once-per-step buffer update (see `trace_step`) on the graph's buffers, in the update's phase."""
+        if self.step_update is None:
+            return
+        with fx_traceback.annotate({node_meta.PHASE: node_meta.OPTIMIZER}), torch.no_grad():
+            with self._swapped(params, buffers):
+                self.step_update(self.model)
 
     def _update(self, trained: list, grads: list, state: list, host: list) -> torch.Tensor:
         with fx_traceback.annotate({node_meta.PHASE: node_meta.OPTIMIZER}), torch.no_grad():
@@ -760,6 +777,7 @@ __all__ = [
     "GradReduce",
     "NormReduce",
     "PARTS",
+    "StepUpdate",
     "trace_step",
     "batch_signature",
     "check_no_compiled_autograd",

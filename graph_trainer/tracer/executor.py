@@ -33,6 +33,7 @@ from graph_trainer.tracer.capture import (
     GraphOptimizer,
     LossFn,
     NormReduce,
+    StepUpdate,
     TracedStep,
     batch_signature,
     batch_tensors,
@@ -106,6 +107,8 @@ class GraphStep:
             accumulator (zeros at the start of the step), then "update" reduces (`grad_reduce`, once), clips and
             updates on the sums. Neither depends on the number of micro-batches.
         count_reduce: maps this rank's count of valid tokens to its loss divisor (see `step.micro_batches`).
+        step_update: the model's once-per-step buffer update, traced after the gradients (see `trace_step`): into
+            the step graph, or with accumulation into the update graph (once per step, after every micro-batch).
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class GraphStep:
         norm_reduce: NormReduce | None = None,
         accumulation_steps: int = 1,
         count_reduce: CountReduce | None = None,
+        step_update: StepUpdate | None = None,
     ):
         if on_shape_change not in ("retrace", "error"):
             raise UserError(f"compile.on_shape_change: expected retrace|error, got {on_shape_change!r}")
@@ -145,6 +149,7 @@ class GraphStep:
         self._reusable: tuple[Transformed, str] | None = None  # (a trace made elsewhere, by whom): see reuse_trace
         self.layers = layers
         self.accumulation_steps, self.count_reduce = accumulation_steps, count_reduce
+        self.step_update = step_update
         self.update: Transformed | None = None  # the "update" part of an accumulated step, traced on first use
         self._batch_bytes = 0  # the trainer's whole batch (every micro-batch), alive throughout the step
         self.stats = TraceStats()
@@ -223,6 +228,7 @@ class GraphStep:
             layers=self.layers,
             norm_reduce=self.norm_reduce,
             part=part,
+            step_update=self.step_update,
         )
         self._count_trace(traced)
         return traced

@@ -86,5 +86,9 @@ class ModelSpec:
     # What the trainer logs after each step besides the loss, read from the live model (e.g. a mixture of
     # experts' load per expert): name -> value. None: nothing.
     step_metrics: Callable[[nn.Module], dict[str, float]] | None = None
+    # Once per training step, after the gradients (every micro-batch's), under no_grad: updates the family's own
+    # per-step state in place (a mixture of experts' balancing bias). The trainer traces it into the graph that
+    # holds the step's update. None: nothing.
+    step_update: Callable[[nn.Module], None] | None = None
     # args -> the family's Hugging Face state dict adapter (names, layouts, config.json); None: no HF weights.
     hf_adapter: Callable[[Any], Any] | None = None

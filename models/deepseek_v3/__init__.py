@@ -10,6 +10,7 @@ from models.deepseek_v3.model import (
     expert_load,
     flops_per_token,
     num_params,
+    rebalance,
 )
 
 SPEC = ModelSpec(
@@ -22,6 +23,7 @@ SPEC = ModelSpec(
     parallel_plan=ParallelPlan(layers="layers", routed_experts="moe.experts"),
     active_params=active_params,
     step_metrics=expert_load,
+    step_update=rebalance,
 )
 
 __all__ = [
@@ -34,4 +36,5 @@ __all__ = [
     "expert_load",
     "flops_per_token",
     "num_params",
+    "rebalance",
 ]

@@ -12,10 +12,12 @@ offsets `torch._grouped_mm` reads), never as a Python number. No `.item()`, no `
 Load balancing is DeepSeek-V3's auxiliary-loss-free rule: each router keeps a per-expert bias that is added
 to the scores for *selection only* (the gate weights come from the unbiased scores), and after each step
 the bias moves by `bias_update_rate` toward the under-loaded experts: bias += rate * sign(mean - count).
-The counts and the bias are buffers, written in place under no_grad, outside the gradient. The step's
-update is applied at the start of the next training forward (equivalent: the next routing is the first
-thing that reads the bias), so the whole rule lives inside the step that a trace captures, and the
-checkpointed (bias, counts) pair resumes bitwise.
+The counts and the bias are buffers, written in place under no_grad, outside the gradient. Each training
+forward adds its counts to `step_counts`; once per step, after the gradients (every micro-batch's, with
+gradient accumulation), `rebalance` moves the bias from them (summed over the data-parallel ranks first) and
+clears them. The trainer traces that update into the graph that holds the step's update, so the whole rule
+lives inside the step; between steps the only state is the bias (equal on every rank), which a checkpoint
+resumes bitwise.
 
 Big flavors are built without memory and materialized afterwards:
 
@@ -244,9 +246,11 @@ def recomputed_in_backward() -> bool:
 class Router(nn.Module):
     """Top-k expert choice per token, with DeepSeek-V3's auxiliary-loss-free balancing bias.
 
-    Buffers (fp32, persistent: a checkpoint resumes them): `expert_bias` shifts the scores used to *select*
-    experts; `tokens_per_expert` holds the last training step's count of (token, choice) pairs per expert.
-    Counts are exact in fp32 up to 2^24 pairs per expert and step.
+    Buffers (fp32): `expert_bias` shifts the scores used to *select* experts (persistent: the state a resume
+    needs); `step_counts` adds up this rank's (token, choice) pairs per expert over the step's training forwards
+    (not persistent: `rebalance_` clears it at every step's end, so between steps it is zero); `tokens_per_expert`
+    holds the last step's counts summed over the data-parallel ranks, the ones the bias moved by (persistent but
+    only logged; equal on every rank). Counts are exact in fp32 up to 2^24 pairs per expert and step.
     """
 
     def __init__(self, args: ModelArgs):
@@ -258,6 +262,7 @@ class Router(nn.Module):
         self.gate = nn.Linear(args.dim, args.n_routed_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_routed_experts, dtype=torch.float32))
+        self.register_buffer("step_counts", torch.zeros(args.n_routed_experts, dtype=torch.float32), persistent=False)
         # Set by a parallelism whose ranks route different tokens: sums the counts over them, so that the
         # bias stays equal on every rank. None: this process sees every token.
         self.count_reduce = None
@@ -291,24 +296,31 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def rebalance_(self) -> None:
-        """Apply the last step's counts to the bias, then clear them: bias += rate * sign(mean - count).
+        """The step's end: move the bias by this step's counts, bias += rate * sign(mean - count), then clear them.
 
-        Called at the start of each training forward; with zero counts (the first step) sign(0) leaves the
-        bias unchanged. Counts are summed over the ranks first (`count_reduce`) so every rank moves the same.
+        The counts are summed over the ranks first (`count_reduce`), so every rank moves its bias alike and keeps
+        the same `tokens_per_expert`. With zero counts (no training forward) sign(0) leaves the bias unchanged.
         """
-        if not self.training or recomputed_in_backward():
-            return
-        counts = self.tokens_per_expert
+        counts = self.step_counts
         if self.count_reduce is not None:
             counts = self.count_reduce(counts)
         self.expert_bias.add_(torch.sign(counts.mean() - counts), alpha=self.bias_update_rate)
-        self.tokens_per_expert.zero_()
+        self.tokens_per_expert.copy_(counts)
+        self.step_counts.zero_()
 
     @torch.no_grad()
     def record_(self, counts: torch.Tensor) -> None:
-        """Add this forward's per-expert counts to `tokens_per_expert` (once, not again when recomputed)."""
+        """Add this forward's per-expert counts to `step_counts` (once, not again when recomputed)."""
         if self.training and not recomputed_in_backward():
-            self.tokens_per_expert.add_(counts.float())
+            self.step_counts.add_(counts.float())
+
+
+def rebalance(model: nn.Module) -> None:
+    """Once per training step, after its gradients: every router's bias moves by the step's counts
+    (`Router.rebalance_`). The family's `ModelSpec.step_update`: the trainer traces it into the step's update."""
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.rebalance_()
 
 
 # --------------------------------------------------------------------------- routed experts
@@ -354,7 +366,6 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])  # [T, dim]
-        self.router.rebalance_()
         weights, experts = self.router(tokens)
         order, counts = dispatch_order(experts, self.n_experts)
         self.router.record_(counts)
@@ -411,6 +422,7 @@ class TransformerBlock(nn.Module):
         if self.moe is not None:
             self.moe.router.expert_bias.zero_()
             self.moe.router.tokens_per_expert.zero_()
+            self.moe.router.step_counts.zero_()
 
 
 # --------------------------------------------------------------------------- the model

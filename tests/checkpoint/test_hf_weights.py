@@ -24,6 +24,7 @@ from graph_trainer.checkpoint.hf import INDEX_FILE, SINGLE_FILE, HFFolder, Pretr
 from graph_trainer.distributed.fsdp import ShardGroup, fully_shard_model
 from graph_trainer.distributed.launch import trainer_command
 from graph_trainer.distributed.parallelism import ParallelModel
+from graph_trainer.distributed.tp import tensor_parallelize
 from graph_trainer.errors import UserError
 from graph_trainer.export import full_model_state
 from graph_trainer.export import main as export_main
@@ -48,7 +49,7 @@ LOGITS_ATOL = 1e-5
 QK_SCALE = 20.0  # q/k weights x20 (std 0.4): attention scores of several units, far from uniform
 
 
-def hf_llama(*, tie: bool = False, layers: int = 2, scaling: bool = False) -> torch.nn.Module:
+def hf_llama(*, tie: bool = False, layers: int = 2, scaling: bool = False, vocab: int = 2048) -> torch.nn.Module:
     """A random Hugging Face Llama shaped like tests/tiny.py's model (debugmodel's vocabulary and FFN width)."""
     rope_scaling = {
         "rope_type": "llama3",
@@ -58,7 +59,7 @@ def hf_llama(*, tie: bool = False, layers: int = 2, scaling: bool = False) -> to
         "original_max_position_embeddings": 64,
     }
     config = transformers.LlamaConfig(
-        vocab_size=2048,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=256,
         num_hidden_layers=layers,
@@ -80,11 +81,10 @@ def hf_llama(*, tie: bool = False, layers: int = 2, scaling: bool = False) -> to
     return model
 
 
-def our_args(*, tie: bool = False, layers: int = 2, scaling: bool = False):
+def our_args(*, tie: bool = False, layers: int = 2, scaling: bool = False, vocab: int = 2048):
     """Our arguments for `hf_llama` with the same options."""
-    args = build_model_args(
-        "llama3", "debugmodel", {"dim": 64, "n_layers": layers, "n_heads": 4, "n_kv_heads": 2, "tie_embeddings": tie}
-    )
+    overrides = {"dim": 64, "n_layers": layers, "n_heads": 4, "n_kv_heads": 2, "tie_embeddings": tie}
+    args = build_model_args("llama3", "debugmodel", {**overrides, "vocab_size": vocab})
     if scaling:
         args = dataclasses.replace(args, use_rope_scaling=True, scaling_factor=8.0, original_max_seq_len=64)
     return args
@@ -243,6 +243,61 @@ def test_each_fsdp_rank_reads_exactly_its_rows(tmp_path, tie):
         assert not stacked[full.shape[0] :].any(), name
 
 
+def load_parallel(folder: Path, args, tp: ShardGroup, dp: ShardGroup | None = None) -> Transformer:
+    """Our model built on meta, split as rank `tp.rank` of tensor parallelism (then FSDP-sharded as rank `dp.rank`
+    of `dp`), then filled from the Hugging Face `folder` (no process group: splitting and loading need none)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    plan = LLAMA.parallel_plan
+    parts = [tensor_parallelize(model, tp, plan.tensor_parallel, plan.layers)]
+    parts += [fully_shard_model(model, dp, layers=plan.layers)] if dp is not None else []
+    Pretrained.open(folder, LLAMA, args).load_into(model, ParallelModel(model, None, parts), torch.device("cpu"))
+    return model
+
+
+@pytest.mark.parametrize("dp", [1, 3], ids=["tp2", "tp2xdp_shard3"])
+def test_each_tp_rank_reads_exactly_its_block_the_vocabulary_padding_zero(tmp_path, monkeypatch, dp):
+    """tp 2 (x FSDP 3 over the TP blocks): vocabulary 2047, so the last TP rank's embedding and output blocks end
+    in a padding row, and FSDP's rows cut through heads and through that padding. Each rank's parameters are its
+    block of the whole loaded model, bitwise, padding rows zero; every read covers the rank's block plus at most
+    the rest of the two heads its q/k rows start and end in (a row-parallel block is read as columns)."""
+    vocab, tp = 2047, 2
+    hf_llama(vocab=vocab).save_pretrained(tmp_path / "hf")
+    args = our_args(vocab=vocab)
+    whole = load_ours(tmp_path / "hf", args).state_dict()
+    reads: list[tuple[str, int]] = []
+    convert = Llama3StateDictAdapter.from_hf_rows
+    monkeypatch.setattr(
+        Llama3StateDictAdapter,
+        "from_hf_rows",
+        lambda self, n, rows: reads.append((n, rows.numel())) or convert(self, n, rows),
+    )
+    blocks: dict[str, list[torch.Tensor]] = {}  # name -> the tp ranks' blocks (FSDP's shards stacked back)
+    for t in range(tp):
+        shards = []
+        for d in range(dp):
+            model = load_parallel(
+                tmp_path / "hf", args, ShardGroup(t, tp, "unused"), ShardGroup(d, dp, "unused") if dp > 1 else None
+            )
+            local = dict(model.named_parameters())
+            assert all(numel <= local[n].numel() + 2 * args.head_dim * args.dim for n, numel in reads), reads
+            reads.clear()
+            shards.append(local)
+        for name in shards[0]:
+            blocks.setdefault(name, []).append(torch.cat([s[name].detach() for s in shards]))
+    for name, full in whole.items():
+        dim = 1 if name.endswith(("wo.weight", "w2.weight")) else 0
+        size = -(-full.shape[dim] // tp) if full.dim() > 1 else None
+        if size is None:  # a norm: whole on every tp rank (FSDP's shards stacked back, padding cut)
+            assert all(torch.equal(b[: full.shape[0]], full) for b in blocks[name]), name
+            continue
+        # FSDP's padding rows cut off: a TP block's own rows (dim 0), or the parameter's (row-parallel, dim 1).
+        stacked = torch.cat([b[: size if dim == 0 else full.shape[0]] for b in blocks[name]], dim=dim)
+        assert torch.equal(stacked.narrow(dim, 0, full.shape[dim]), full), name
+        assert not stacked.narrow(dim, full.shape[dim], stacked.shape[dim] - full.shape[dim]).any(), name
+    assert blocks["output.weight"][0].shape[0] >= 1024  # 1024 rows a tp rank, the last one padding on rank 1
+
+
 # --------------------------------------------------------------------------- config.json and bad folders
 
 
@@ -386,14 +441,14 @@ def test_initial_load_in_hf_false_is_refused_and_an_export_never_overwrites(tmp_
 # --------------------------------------------------------------------------- end to end
 
 
-def _assert_exported_is_the_trained_model(checkpoint: Path, exported: Path, pretrained_folder: Path) -> None:
+def assert_exported_is_the_trained_model(checkpoint: Path, exported: Path, pretrained_folder: Path, args=None) -> None:
     """transformers' logits of the export equal ours of the checkpoint; every trained weight moved only a little
     from the pretrained one (a tensor read from the wrong place would be off by the weights' own size)."""
-    args = our_args()
+    args = args or our_args()
     trained = Transformer(args)
     trained.load_state_dict(full_model_state(checkpoint))
     hf = transformers.AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()
-    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, trained(tokens), atol=LOGITS_ATOL, rtol=0)
     pretrained = load_ours(pretrained_folder, args).state_dict()
@@ -420,7 +475,7 @@ def test_the_documented_round_trip_runs_verbatim(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loaded 21 tensors" in result.stdout and result.stdout.splitlines()[-1] == "2 385344"
     out = tmp_path / "outputs"
-    _assert_exported_is_the_trained_model(
+    assert_exported_is_the_trained_model(
         out / "hf_run" / "checkpoint" / "step-00000003.pt", out / "hf_trained", out / "hf_tiny"
     )
 
@@ -453,7 +508,7 @@ def test_fsdp_ranks_train_from_hf_and_the_sharded_checkpoint_exports_to_hf(tmp_p
     checkpoint = run / "checkpoint" / "step-00000003.dcp"
     assert export_main([str(checkpoint), str(tmp_path / "exported"), "--format", "hf"]) == 0
     assert (tmp_path / "exported" / "config.json").is_file() and (tmp_path / "exported" / SINGLE_FILE).is_file()
-    _assert_exported_is_the_trained_model(checkpoint, tmp_path / "exported", hf_folder)
+    assert_exported_is_the_trained_model(checkpoint, tmp_path / "exported", hf_folder)
 
 
 _PEAK_SCRIPT = (

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from graph_trainer import __main__ as cli
-from graph_trainer.data.hf_datasets import build_hf_loader
+from graph_trainer.data.hf_datasets import Shuffle, build_hf_loader
 from graph_trainer.data.loader import pack_windows, tokenize_documents
 from graph_trainer.data.tokenizer import ByteTokenizer
-from graph_trainer.errors import UserError
+from graph_trainer.errors import ConfigError, UserError
+from graph_trainer.job_config.cli import load_config
 from tests.tiny import TINY
 
 # A test extra: CI installs it, and there a missing package must fail, not skip.
@@ -90,7 +91,7 @@ def test_data_parallel_ranks_read_disjoint_slices_that_cover_the_rows(tmp_path, 
     texts = []
     for rank in range(2):
         rows = loader(path, streaming, data_rank=rank, data_size=2).rows
-        texts.append(list(rows(0)))
+        texts.append(list(rows(0, 0)))
     assert texts[0] and texts[1]
     assert set(texts[0]).isdisjoint(texts[1])
     assert sorted(texts[0] + texts[1]) == sorted(ROWS)
@@ -111,6 +112,41 @@ def test_resume_at_any_batch_yields_exactly_the_batches_the_run_would_have_read(
             assert torch.equal(got["input"], want["input"]) and torch.equal(got["labels"], want["labels"])
 
 
+SHUFFLED = dict(shuffle=Shuffle(seed=3, buffer=8))  # a buffer smaller than a slice: the stream is only locally mixed
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_shuffled_passes_deal_every_row_once_each_in_its_own_order(tmp_path, streaming):
+    path = write(tmp_path, "parquet", files=2)
+    ranks = [loader(path, streaming, data_rank=r, data_size=2, **SHUFFLED).rows for r in range(2)]
+    passes = [[list(rows(0, epoch)) for rows in ranks] for epoch in range(3)]
+    for two in passes:  # every row once per pass, on one rank: the slices stay disjoint
+        assert two[0] and two[1] and sorted(two[0] + two[1]) == sorted(ROWS)
+    in_order = list(loader(path, streaming, data_rank=0, data_size=2).rows(0, 0))
+    assert passes[0][0] != in_order and passes[1][0] != passes[0][0]  # shuffled, and anew each pass
+    assert passes[0][0] == list(ranks[0](0, 0))  # the order is the seed's and the pass's alone
+    assert list(ranks[0](5, 1)) == passes[1][0][5:]  # so a resume at row 5 of pass 1 reads what the pass would have
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_shuffled_run_resumes_at_any_batch_exactly(tmp_path, streaming):
+    path = write(tmp_path, "parquet")
+    whole = list(islice(loader(path, streaming, **SHUFFLED), 45))
+    assert not all(torch.equal(g, w[:, :-1]) for g, w in zip((b["input"] for b in whole), expected_batches(ROWS, 45)))
+    for k in (1, 33, 40):  # inside the first pass, around its end, inside the second
+        first = loader(path, streaming, **SHUFFLED)
+        list(islice(first, k))
+        resumed = loader(path, streaming, **SHUFFLED)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+        for got, want in zip(islice(resumed, 5), whole[k : k + 5], strict=True):
+            assert torch.equal(got["input"], want["input"]) and torch.equal(got["labels"], want["labels"])
+
+
+def test_shuffle_on_a_source_that_always_shuffles_is_refused():
+    with pytest.raises(ConfigError, match="data.source = 'embedded' always shuffles its windows"):
+        load_config(["--config", "llama3_debug.toml", "--data.shuffle", "true"])
+
+
 def test_a_position_saved_by_other_data_parallel_ranks_is_refused(tmp_path):
     path = write(tmp_path, "parquet")
     state = {"data_ranks": 2, "positions": [{"epoch": 0, "doc": 3, "token": 0}] * 2}
@@ -120,8 +156,8 @@ def test_a_position_saved_by_other_data_parallel_ranks_is_refused(tmp_path):
 
 def test_the_holdout_rule_splits_rows_by_index(tmp_path):
     path = write(tmp_path, "parquet")
-    held = list(loader(path, True, holdout=(4, True)).rows(0))
-    kept = list(loader(path, False, holdout=(4, False)).rows(0))
+    held = list(loader(path, True, holdout=(4, True)).rows(0, 0))
+    kept = list(loader(path, False, holdout=(4, False)).rows(0, 0))
     assert held == [r for i, r in enumerate(ROWS) if i % 4 == 3]
     assert kept == [r for i, r in enumerate(ROWS) if i % 4 != 3]
 

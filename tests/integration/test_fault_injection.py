@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -41,8 +42,9 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def _kill_during_write(proc, folder, nth: int, timeout: float = 120.0) -> None:
-    """SIGKILL `proc` while it writes its `nth` checkpoint (seen as its temp file)."""
+def kill_during_write(proc, folder, nth: int, timeout: float = 120.0, kill: Callable[[], None] | None = None) -> None:
+    """SIGKILL `proc` (or call `kill`, e.g. to kill every rank of a torchrun job) while it writes its `nth`
+    checkpoint (seen as its temp file or folder)."""
     seen: set[str] = set()
     end = time.monotonic() + timeout
     while time.monotonic() < end and proc.poll() is None:
@@ -50,7 +52,7 @@ def _kill_during_write(proc, folder, nth: int, timeout: float = 120.0) -> None:
         if len(seen) >= nth:
             break
         time.sleep(0.005)
-    proc.kill()
+    (kill or proc.kill)()
 
 
 def _final_checkpoint(dump) -> dict:
@@ -77,7 +79,7 @@ def test_sigkill_anywhere_then_resume_is_bitwise_equal_to_an_uninterrupted_run(t
         )
         wait_for_step(proc, 1)
         if aimed:
-            _kill_during_write(proc, dump / "checkpoint", nth=rng.randint(1, int(STEPS)))
+            kill_during_write(proc, dump / "checkpoint", nth=rng.randint(1, int(STEPS)))
         else:
             time.sleep(rng.uniform(0.0, 0.4))
             proc.kill()

@@ -314,20 +314,21 @@ def test_config_to_toml_round_trips(tmp_path):
         ),
         (["--config", "missing/dir.toml"], ["config file 'missing/dir.toml' not found"]),
         (["positional"], ["unexpected argument 'positional'"]),
-        (
-            ["--parallelism.tp", "2", "--training.local_batch_size", "2", "--training.global_batch_size", "8"],
-            ["training.global_batch_size (gradient accumulation) with parallelism.tp > 1 is not supported yet"],
-        ),
-        (
-            ["--parallelism.tp", "2", "--checkpoint.initial_load_path", "somewhere"],
-            ["checkpoint.initial_load_path with parallelism.tp > 1 is not supported yet"],
-        ),
     ],
 )
 def test_bad_input_raises_one_line_config_error(argv, expected):
     message = _error(argv)
     for part in expected:
         assert part in message
+
+
+def test_tensor_parallelism_composes_with_accumulation_and_hugging_face_weights():
+    """Once refused: tests/distributed/test_tp_real_runs.py trains them."""
+    cfg, _ = load_config(
+        ["--parallelism.tp", "2", "--training.local_batch_size", "2", "--training.global_batch_size", "8"]
+        + ["--checkpoint.initial_load_path", "somewhere"]
+    )
+    assert (cfg.parallelism.tp, cfg.training.global_batch_size, cfg.checkpoint.initial_load_path) == (2, 8, "somewhere")
 
 
 def test_unknown_section_and_key_in_toml_suggest_the_right_name(tmp_path):

@@ -15,7 +15,7 @@ from graph_trainer.eager.step import EagerStep
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.tracer import GraphStep
 from graph_trainer.trainer import Trainer
-from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3, active_params, num_params
+from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3, active_params, num_params, rebalance
 from tests.passes.test_activation_checkpoint import _measure as measure_traced_step
 from tests.tiny import DETERMINISTIC, TINY_BATCH
 
@@ -129,7 +129,7 @@ def test_all_tokens_to_one_expert_and_empty_experts_equal_eager_without_retrace(
     # keeps the forced bias as set.
     changes = dict(n_activated_experts=1, n_expert_groups=1, n_limited_groups=1, bias_update_rate=0.0)
     eager_model, graph_model = _tiny_model(**changes), _tiny_model(**changes)
-    eager, graph = EagerStep(eager_model), GraphStep(graph_model)
+    eager, graph = EagerStep(eager_model, step_update=rebalance), GraphStep(graph_model, step_update=rebalance)
     for batch, expert in ((_batch(0), 5), (_batch(1), None), (_batch(2), 0)):
         for model in (eager_model, graph_model):
             _force_expert(model, expert)
@@ -149,11 +149,14 @@ def test_all_tokens_to_one_expert_and_empty_experts_equal_eager_without_retrace(
 def test_balancing_bias_moves_toward_underloaded_experts():
     model = _tiny_model()
     router = model.routers()[0]
-    router.tokens_per_expert.copy_(torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6]))  # mean 2
-    router.rebalance_()  # what the next training forward does first
+    counts = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6])  # mean 2
+    router.step_counts.copy_(counts)
+    router.rebalance_()  # what the end of each training step does
     rate = model.args.bias_update_rate
     assert torch.equal(router.expert_bias, torch.tensor([-rate, rate, rate, rate, rate, rate, rate, -rate]))
-    assert not router.tokens_per_expert.any()  # cleared for this step's counts
+    assert not router.step_counts.any()  # cleared for the next step's counts
+    assert torch.equal(router.tokens_per_expert, counts)  # the step's counts, kept for the load's log
+    assert "step_counts" not in model.state_dict()  # zero between steps: nothing to checkpoint
 
 
 # --------------------------------------------------------------------------- resume, CLI
@@ -195,8 +198,27 @@ def test_several_data_parallel_ranks_are_refused_until_the_counts_are_summed():
         _check_balancing_counts(model, SimpleNamespace(data_size=2))
 
 
-def test_gradient_accumulation_is_refused_for_the_balancing_bias(tmp_path):
-    from graph_trainer.errors import UserError
+def _biases(trainer: Trainer) -> list[torch.Tensor]:
+    return [r.expert_bias.clone() for r in trainer.model.routers()]
 
-    with pytest.raises(UserError, match="with 2 micro-batches per step it would move 2 times"):
-        _trainer(tmp_path, "accum", "--training.global_batch_size", "4")  # local batch 2: 2 micro-batches
+
+@pytest.mark.integration
+def test_gradient_accumulation_moves_the_bias_once_per_step_as_one_big_batch(tmp_path):
+    """2 micro-batches of 2 sequences: the counts add up over both, the bias moves once, in the update graph."""
+    accumulate = ["--training.global_batch_size", "4"]  # local batch 2: 2 micro-batches per step
+    runs = {
+        "eager": _trainer(tmp_path, "eager", "--compile.mode", "eager", *accumulate),
+        "trace": _trainer(tmp_path, "trace", *accumulate),
+        "big": _trainer(tmp_path, "big", "--compile.mode", "eager", "--training.local_batch_size", "4"),
+    }
+    results = {name: _run(tmp_path, name, trainer=t) for name, t in runs.items()}
+    assert results["trace"][0] == results["eager"][0]  # losses, parameters + bias, grads: bitwise
+    assert results["trace"][1].trace_count == 2  # the micro graph and the update graph, each traced once
+    bias = {name: _biases(t) for name, t in runs.items()}
+    assert any(b.any() for b in bias["trace"])  # it moved
+    # The same tokens in one batch of 4 route alike, and integer counts add up exactly in fp32: the bias after 2
+    # steps equals the big batch's bit for bit (a bias moved once per micro-batch would have moved twice as often).
+    for acc, big in zip(bias["trace"], bias["big"]):
+        assert torch.equal(acc, big)
+    for a, b in zip(runs["trace"].model.routers(), runs["big"].model.routers()):
+        assert torch.equal(a.tokens_per_expert, b.tokens_per_expert) and a.tokens_per_expert.sum() == 4 * 32 * 2
