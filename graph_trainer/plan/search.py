@@ -146,8 +146,8 @@ def trainer_refuses(cfg: JobConfig, cand: Candidate) -> str | None:
     proposes a combination (tp with accumulation, ep below dp_shard, HSDP) as soon as the trainer takes it.
 
     It runs the trainer's own checks: the config validation (`job_config.load.validate`) and the mesh's
-    (`ParallelDims.from_config`). Expert parallelism below dp_shard is refused when the model is built
-    (`ExpertParallel.apply`), too late for a gate: `EP_BELOW_DP_SHARD` mirrors it.
+    (`ParallelDims.from_config`). Expert parallelism's own check runs when the model is built
+    (`expert_parallel._check_divides`), too late for a gate: its dp_shard rule is mirrored here.
     """
     trial = cand.apply(cfg)
     try:
@@ -155,12 +155,11 @@ def trainer_refuses(cfg: JobConfig, cand: Candidate) -> str | None:
         ParallelDims.from_config(trial.parallelism)
     except UserError as e:
         return str(e).split(";")[0].split(":")[0]
-    if 1 < cand.ep < trial.parallelism.dp_shard and not EP_BELOW_DP_SHARD:
-        return "parallelism.ep below parallelism.dp_shard is not supported yet"
+    experts = getattr(resolve_model_args(trial), "n_routed_experts", 0) or 0
+    shard = trial.parallelism.dp_shard
+    if 1 < cand.ep < shard and experts % shard:  # mirrors expert_parallel._check_divides, which runs at build time
+        return f"parallelism.dp_shard = {shard} does not divide the {experts} routed experts (ep below dp_shard)"
     return None
-
-
-EP_BELOW_DP_SHARD = False  # ExpertParallel.apply refuses ep < dp_shard today; True once it accepts it
 
 
 def layouts(cfg: JobConfig, cluster: Cluster) -> tuple[list[dict[str, int]], list[str]]:

@@ -133,16 +133,25 @@ def test_the_search_crosses_local_batch_with_accumulation_and_both_grad_syncs():
 
 
 def test_every_proposed_layout_passes_the_trainers_gate(monkeypatch):
-    """One gate (`trainer_refuses`): tp with accumulation is refused today and proposed once the trainer takes it."""
+    """One gate (`trainer_refuses`, the trainer's own checks): tp with accumulation is proposed since the trainer
+    takes it, and whatever the trainer refuses is skipped and counted, never proposed."""
+    from graph_trainer.errors import ConfigError
+
     cfg, _ = load_config(DEBUG)
     tp = [{"dp_replicate": 1, "dp_shard": 1, "tp": 2}]
     space = search.candidates(cfg, tp, 4, ("none",), (0,), (False,))
-    assert {c.accumulation for c in space.cands} == {1}
-    assert any("accumulation" in what for what in space.refused)
+    assert {c.accumulation for c in space.cands} == {1, 2, 4} and not space.refused
     for cand in space.cands:
         assert search.trainer_refuses(cfg, cand) is None
-    monkeypatch.setattr(search, "validate", lambda cfg: None)  # as if the trainer accepted tp x accumulation
-    assert {c.accumulation for c in search.candidates(cfg, tp, 4, ("none",), (0,), (False,)).cands} == {1, 2, 4}
+
+    def refuse_accumulation(trial):  # as the trainer did before tp composed with accumulation
+        if trial.training.global_batch_size != -1:
+            raise ConfigError("training.global_batch_size with parallelism.tp > 1 is not supported yet: drop it")
+
+    monkeypatch.setattr(search, "validate", refuse_accumulation)
+    space = search.candidates(cfg, tp, 4, ("none",), (0,), (False,))
+    assert {c.accumulation for c in space.cands} == {1}
+    assert list(space.refused.values()) == [2]  # local batch 1 x 4 and 2 x 2
 
 
 def test_expert_parallel_degrees_follow_the_expert_count():
