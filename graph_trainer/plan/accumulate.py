@@ -12,9 +12,9 @@ point of the graph and leaves the peak where it was:
 - with `parallelism.fsdp_grad_sync = "step"`, each FSDP unit's whole gradient sum as well (dp_shard times the
   shards, `distributed.fsdp.FSDP.defer_grad_sync`).
 With "micro_batch" the micro-step's graph is the planned one, and the peak equals the whole accumulating plan's
-to the byte (tests/plan/test_plan_search.py: debug model, AC none and full, 3 micro-steps; 2 as well when
-written). The bytes are the same, their categories differ: the plan calls the accumulator's share of a new
-gradient an activation.
+to the byte (tests/plan/test_plan_search.py: debug model, AC none and full, 3 micro-steps, dp_shard 2
+and tp 2 x dp_shard 2; 2 micro-steps as well when written). The bytes are the same, their categories
+differ: the plan calls the accumulator's share of a new gradient an activation.
 With "step" the micro-step's graph lacks FSDP's reduce-scatters, so the sharded gradients they would have made
 before the peak are not there: the plan is an upper bound by at most the rank's parameter bytes, marked
 approximate (measured +0% and +4.5% on the debug model, AC none and full). Without FSDP the same buffers
