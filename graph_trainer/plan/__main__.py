@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--search.ac_modes", dest="ac_modes", nargs="+", default=["none", "selective", "full"])
     p.add_argument("--search.loss_chunk_sizes", dest="chunks", type=int, nargs="+", default=None)
     p.add_argument("--search.optimizer_in_graph", dest="in_graph", nargs="+", default=["false"])
+    # Prefetch is off by default: the depth-free plan falls back to a whole-depth trace with it (docs/planner.md).
+    p.add_argument("--search.fsdp_prefetch", dest="prefetch", nargs="+", default=["false"])
     p.add_argument("--search.exact", dest="exact", type=int, default=4, help="candidates planned exactly")
     p.add_argument("--out", default=None, help="folder for plan.json and plan.png")
     return p
@@ -58,7 +60,7 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     from graph_trainer.plan.cluster import build_cluster
     from graph_trainer.plan.report import nothing_fits, print_table, write_json, write_picture
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     overrides = {k: getattr(opts, k) for k in ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "efficiency")}
     cluster = build_cluster(opts.device, opts.gpus, opts.gpus_per_node, overrides)
     cfg, _ = load_config(rest)
@@ -72,38 +74,43 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     global_seqs = opts.global_seqs or cfg.training.local_batch_size * cluster.gpus
     chunks = tuple(opts.chunks) if opts.chunks else (cfg.training.loss_chunk_size,)
     in_graph = tuple(v.lower() == "true" for v in opts.in_graph)
+    prefetch = tuple(v.lower() == "true" for v in opts.prefetch)
     layouts, skipped = search.layouts(cfg, cluster)
-    cands = search.candidates(cfg, layouts, global_seqs, tuple(opts.ac_modes), chunks, in_graph)
+    space = search.candidates(cfg, layouts, global_seqs, tuple(opts.ac_modes), chunks, in_graph, prefetch)
+    cands = space.cands
     if not cands:
-        raise UserError(f"no layout of {cluster.gpus} GPUs divides the global batch of {global_seqs} sequences")
+        raise UserError(
+            f"no layout of {cluster.gpus} GPUs that the trainer accepts divides the global batch of {global_seqs} "
+            "sequences: pick a global batch that is a multiple of the data-parallel degree"
+        )
     kept = [c for c in cands if search.state_bytes(cfg, c) < cluster.memory_bytes]
-    device = torch.device("cpu")
-    rows = search.screen(cfg, cluster, kept, cluster.device.efficiency, device) if kept else []
+    plans = search.Plans(cfg, torch.device("cpu"))
+    rows = search.screen(cfg, cluster, kept, cluster.device.efficiency, plans) if kept else []
     fitting = sorted((r for r in rows if r.peak <= cluster.memory_bytes), key=lambda r: r.time.total_s)
     exact = fitting[: opts.exact]
-    search.plan_exactly(cfg, cluster, exact, cluster.device.efficiency, device)
+    search.plan_exactly(cfg, cluster, exact, cluster.device.efficiency, plans)
     final = sorted(
         (r for r in exact if r.exact is not None and r.exact.peak_bytes <= cluster.memory_bytes),
         key=lambda r: r.exact_time.total_s,
     )
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     print(
         f"plan: {cfg.model.name}/{cfg.model.flavor} on {cluster.gpus} x {cluster.device.name} "
         f"({cluster.gpus_per_node} per node), global batch {global_seqs} x {seq} tokens; "
         f"{len(cands)} candidates, {len(cands) - len(kept)} pruned (state alone over memory), {len(rows)} screened, "
-        f"{len(exact)} planned exactly, {elapsed:.0f} s"
+        f"{len(exact)} planned exactly; {plans.calls} depth-free plans, {elapsed:.0f} s ({cpu:.0f} s of CPU)"
     )
     for line in skipped:
         print(f"skipped layout {line}")
+    for what, n in space.refused.items():
+        print(f"skipped {n} candidates of {what}")
+    for row, peak_err, time_err in search.screen_errors(exact):
+        c = row.cand
+        print(f"screen vs exact: {c.layout()} {c.ac_mode} {c.batch()}: peak {peak_err:+.1%}, step time {time_err:+.1%}")
     if not final:
-        print(nothing_fits(cfg, cluster, global_seqs, tuple(opts.ac_modes)))
+        print(nothing_fits(cfg, cluster, global_seqs, cands, rows, exact))
         return EXIT_USER_ERROR
     print_table(final, cluster, seq)
-    for row in exact:
-        if row.exact is not None:
-            err = row.peak / row.exact.peak_bytes - 1
-            t_err = row.time.total_s / row.exact_time.total_s - 1
-            print(f"screen vs exact: {row.cand.layout()} {row.cand.ac_mode}: peak {err:+.1%}, step time {t_err:+.1%}")
     best = final[0]
     command = _command(rest, best.cand, cluster)
     print("best plan's command:\n  " + command)
@@ -126,11 +133,13 @@ def _command(rest: list[str], cand, cluster) -> str:
         argv = ["torchrun", f"--nnodes={cluster.gpus // per_node}", f"--nproc_per_node={per_node}",
                 "--rdzv_backend=c10d", "--rdzv_endpoint=$MASTER_ADDR:29500", "-m", "graph_trainer"]  # fmt: skip
     options = [a for o in cand.overrides() for a in o.split()]
-    rest = _without(rest, {o.split()[0] for o in cand.overrides()})
     if cluster.device.name != "cpu":
-        options += ["--training.dtype", "bfloat16"]
-        if dict(cand.degrees).get("dp_shard", 1) > 1:
-            options += ["--training.mixed_precision_param", "bfloat16"]
+        # bf16 as on a GPU: FSDP's bf16 gathered parameters set the compute dtype (the trainer refuses
+        # --training.dtype bfloat16 beside them); without FSDP, bf16 autocast.
+        fsdp = dict(cand.degrees).get("dp_shard", 1) > 1
+        options += ["--training.mixed_precision_param", "bfloat16"] if fsdp else ["--training.dtype", "bfloat16"]
+    dtype = {"--training.dtype"} if cluster.device.name != "cpu" else set()
+    rest = _without(rest, {a for a in options if a.startswith("--")} | dtype)
     endpoint = "--rdzv_endpoint=$MASTER_ADDR:29500"  # shlex quotes it whole; the shell must expand $MASTER_ADDR
     return shlex.join([*argv, *rest, *options]).replace(f"'{endpoint}'", endpoint)
 

@@ -39,7 +39,8 @@ def step_time(
     cluster: Cluster, flops: int, comm: dict[str, int], degrees: dict[str, int], efficiency: float, prefetch: bool
 ) -> StepTime:
     """The step time of a plan with `flops` and `comm` bytes by '<parallelism> <collective>' on a layout of
-    `degrees` (mesh order: dp_replicate outermost, then dp_shard, then tp innermost)."""
+    `degrees` (mesh order: dp_replicate outermost, then dp_shard, then tp innermost; ep, when given, is carved out
+    of dp_shard)."""
     compute = flops / (cluster.device.peak_tflops * 1e12 * efficiency)
     tp = degrees.get("tp", 1)
     shard = degrees.get("dp_shard", 1)
@@ -49,6 +50,8 @@ def step_time(
         "fsdp": (shard, tp),
         # Replication all-reduces the gradients across replicas.
         "dp_replicate": (replicate, shard * tp),
+        # Expert parallelism's all-to-alls run over ep ranks carved out of dp_shard (its inner part), tp apart.
+        "ep": (degrees.get("ep", 1), tp),
     }
     times = {}
     for key, nbytes in comm.items():

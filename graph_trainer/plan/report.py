@@ -23,7 +23,7 @@ COLUMNS = (
 
 def _row(r: search.Screened, cluster: Cluster, seq: int) -> dict:
     plan, t = r.exact, r.exact_time
-    tokens = r.cand.local_batch * seq
+    tokens = r.cand.local_batch * r.cand.accumulation * seq
     d = dict(r.cand.degrees)
     tokens_per_gpu = tokens / d.get("tp", 1) / t.total_s
     return {
@@ -31,10 +31,14 @@ def _row(r: search.Screened, cluster: Cluster, seq: int) -> dict:
         "ac_mode": r.cand.ac_mode,
         "local_batch": r.cand.local_batch,
         "accumulation": r.cand.accumulation,
+        "fsdp_grad_sync": r.cand.grad_sync,
+        "ep": r.cand.ep,
+        "fsdp_prefetch": r.cand.prefetch,
         "loss_chunk_size": r.cand.loss_chunk_size,
         "optimizer_in_graph": r.cand.trace_optimizer,
         "peak_bytes": plan.peak_bytes,
         "peak_gib": to_gib(plan.peak_bytes),
+        "peak_approximate": plan.approximate,  # an upper bound, not the exact plan (docs/planner.md says where)
         "headroom_gib": to_gib(cluster.memory_bytes - plan.peak_bytes),
         "step_s": t.total_s,
         "compute_s": t.compute_s,
@@ -58,9 +62,10 @@ def print_table(rows: list[search.Screened], cluster: Cluster, seq: int) -> None
     for i, r in enumerate(rows, 1):
         x = _row(r, cluster, seq)
         comm = " ".join(f"{sum(v for k, v in x['comm_gib'].items() if counts(k)):.1f}" for _, counts in COLUMNS)
-        batch = f"{x['local_batch']} x {x['accumulation']}"
+        batch = r.cand.batch()
+        peak = ("~" if x["peak_approximate"] else "") + f"{x['peak_gib']:.2f}"  # ~: an upper bound
         print(
-            f"{i:>2} {x['layout']:<26} {x['ac_mode']:<9} {batch:>8} {x['peak_gib']:8.2f} "
+            f"{i:>2} {x['layout']:<26} {x['ac_mode']:<9} {batch:>8} {peak:>8} "
             f"{x['headroom_gib']:8.2f} {x['step_s']:7.2f} {x['tokens_per_s_per_gpu']:9.0f} {x['mfu']:5.1%}  {comm}"
         )
 
@@ -70,9 +75,16 @@ def write_json(path: Path, final, exact, skipped, cluster: Cluster, seq: int, co
         "cluster": {"device": cluster.device.__dict__, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node},
         "ranked": [_row(r, cluster, seq) for r in final],
         "screen_vs_exact": [
-            {"layout": r.cand.layout(), "ac_mode": r.cand.ac_mode, "screen": r.peak, "exact": r.exact.peak_bytes}
-            for r in exact
-            if r.exact is not None
+            {
+                "layout": r.cand.layout(),
+                "ac_mode": r.cand.ac_mode,
+                "batch": r.cand.batch(),
+                "screen_peak": r.peak,
+                "exact_peak": r.exact.peak_bytes,
+                "peak_error": peak_err,
+                "step_time_error": time_err,
+            }
+            for r, peak_err, time_err in search.screen_errors(exact)
         ],
         "skipped_layouts": skipped,
         "command": command,
@@ -91,7 +103,7 @@ def write_picture(path: Path, screened, final, cluster: Cluster, seq: int) -> No
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.scatter(
         [to_gib(r.peak) for r in screened],
-        [r.cand.local_batch * seq / dict(r.cand.degrees).get("tp", 1) / r.time.total_s for r in screened],
+        [r.cand.global_batch * seq / r.cand.dp / dict(r.cand.degrees).get("tp", 1) / r.time.total_s for r in screened],
         s=12, c="0.6", label="screened (analytic)",
     )  # fmt: skip
     pts = sorted((_row(r, cluster, seq)["peak_gib"], _row(r, cluster, seq)["tokens_per_s_per_gpu"]) for r in final)
@@ -111,18 +123,44 @@ def write_picture(path: Path, screened, final, cluster: Cluster, seq: int) -> No
     plt.close(fig)
 
 
-def nothing_fits(cfg: JobConfig, cluster: Cluster, global_seqs: int, ac_modes: tuple[str, ...]) -> str:
-    """One line: the smallest GPU count whose state alone fits with full sharding, or the memory that would."""
-    probe = search.Candidate((("dp_shard", 1),), "full", 1, cfg.training.loss_chunk_size, False)
-    state = search.state_bytes(cfg, probe)
+def nothing_fits(cfg: JobConfig, cluster: Cluster, global_seqs: int, cands, screened, exact) -> str:
+    """One line: why nothing fits (the state alone, or the activations at the smallest local batch), the
+    smallest GPU count or memory per GPU that would fit, and whether only pipeline parallelism would help."""
+    where = f"nothing fits on {cluster.gpus} x {cluster.device.name} ({cluster.device.memory_gib:.0f} GiB each)"
+    limit = cluster.memory_bytes
+    if screened and any(r.peak <= limit for r in screened):  # the screen's fitting candidates were planned low
+        return (
+            f"{where}: the {len(exact)} fastest candidates the screen fitted exceed the memory when planned exactly; "
+            f"plan more of them with --search.exact {4 * max(len(exact), 1)}"
+        )
+    if not screened:
+        state = min(search.state_bytes(cfg, c) for c in cands)
+        gpus = cluster.gpus
+        while state * cluster.gpus / gpus >= limit and gpus < 1 << 20:
+            gpus *= 2
+        return (
+            f"{where}: parameters, gradients and AdamW state alone need {to_gib(state):.0f} GiB per GPU at the "
+            f"most sharded layout; try --cluster.gpus {gpus} or --cluster.memory_gib {to_gib(state) * 1.25:.0f} "
+            "(then plan again: activations come on top)"
+        )
+    low = min(screened, key=lambda r: r.peak)  # the smallest local batch, most sharded, most recomputing
+    state = search.state_bytes(cfg, low.cand)
+    act = low.peak - state  # what no more GPUs lower: activations at this local batch and tp
+    c = low.cand
+    what = f"{c.layout()}, AC {c.ac_mode}, local batch {c.local_batch} x {c.accumulation} micro-steps"
+    if act >= limit:
+        return (
+            f"{where}: the activations at the smallest local batch ({what}) alone take {to_gib(act):.1f} GiB per "
+            f"GPU, and more GPUs do not lower them: only pipeline parallelism (which this trainer lacks) or "
+            f"--cluster.memory_gib {to_gib(low.peak) * 1.05:.0f} would make it fit"
+        )
     gpus = cluster.gpus
-    while gpus <= 65536 and state / gpus >= cluster.memory_bytes:
+    while state * cluster.gpus / gpus + act > limit and gpus < 1 << 20:
         gpus *= 2
     return (
-        f"nothing fits on {cluster.gpus} x {cluster.device.name} ({cluster.device.memory_gib:.0f} GiB each, AC "
-        f"{'/'.join(ac_modes)}): parameters, gradients and AdamW state alone need {to_gib(state):.0f} GiB; try "
-        f"--cluster.gpus {max(gpus, cluster.gpus * 2)} or --cluster.memory_gib "
-        f"{to_gib(state) / cluster.gpus * 1.25:.0f} (then plan again: activations come on top)"
+        f"{where}: the smallest plan ({what}) needs {to_gib(low.peak):.1f} GiB per GPU ({to_gib(state):.1f} of "
+        f"state, {to_gib(act):.1f} of activations at its local batch); try --cluster.gpus {gpus} (and a global "
+        f"batch they divide) or --cluster.memory_gib {to_gib(low.peak) * 1.05:.0f}"
     )
 
 

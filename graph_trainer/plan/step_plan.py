@@ -218,13 +218,17 @@ def plan_of(
     # The trace is of a batch on the meta device; the step's batches live on `device`.
     traced.signature = tuple((path, shape, dtype, device.type) for path, shape, dtype, _ in traced.signature)
     est = dataclasses.replace(est, peak_bytes=est.peak_bytes + extra_compiled_bytes(job.cfg, traced.gm))
-    peak_index = next(i for i, n in enumerate(traced.gm.graph.nodes) if n.name == est.peak_node)
+    peak_index = next((i for i, n in enumerate(traced.gm.graph.nodes) if n.name == est.peak_node), None)
     module = f" in {est.peak_module_fqn}" if est.peak_module_fqn else ""
+    if peak_index is None:  # with accumulation the peak can be the update graph's (`step_estimate`), not this one's
+        location = (None, est.peak_module_fqn or "", f"{est.peak_op} (the gradient reduction and update graph)")
+    else:
+        location = peak_location(traced.gm, peak_index, job.spec.parallel_plan.layers)
     return finish_plan(
         job,
         est,
         eager_update_of(job),
-        peak_location(traced.gm, peak_index, job.spec.parallel_plan.layers),
+        location,
         num_params=job.num_params(),
         flops=sum(node_flops(n) for n in traced.gm.graph.nodes) if flops is None else flops,
         comm=communication_bytes(traced.gm),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -33,7 +34,7 @@ def test_a_layout_that_breaks_divisibility_is_never_proposed():
     assert search.model_allows(cfg, {"tp": 4}, 8) is None
     cluster = Cluster(DEVICES["h100-80gb"], 8, 8)
     layouts, skipped = search.layouts(cfg, cluster)
-    for cand in search.candidates(cfg, layouts, 12, ("none",), (0,), (False,)):  # 12 sequences: dp must divide
+    for cand in search.candidates(cfg, layouts, 12, ("none",), (0,), (False,)).cands:  # 12 sequences: dp must divide
         d = dict(cand.degrees)
         assert 12 % (d.get("dp_replicate", 1) * d.get("dp_shard", 1)) == 0
         assert search.model_allows(cfg, d, 8) is None
@@ -71,7 +72,8 @@ def test_the_best_cpu_plan_runs_through_its_command_at_the_planned_peak(tmp_path
     out = tmp_path / "plan"
     proc = subprocess.run(
         [sys.executable, "-m", "graph_trainer.plan", *DEBUG, "--cluster.device", "cpu", "--cluster.gpus", str(ranks),
-         "--cluster.gpus_per_node", str(ranks), "--search.exact", "2", "--out", str(out)],
+         "--cluster.gpus_per_node", str(ranks), "--search.exact", "2", "--out", str(out),
+         "--batch.global_seqs", str(2 * ranks)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -90,3 +92,90 @@ def test_the_best_cpu_plan_runs_through_its_command_at_the_planned_peak(tmp_path
         # it by no more than what gloo's worker thread freed late that step (tests/multiprocess.assert_peaks_match).
         late = step.get("late_free_bytes", 0)
         assert step["peak_active_bytes"] == planned or 0 < step["peak_active_bytes"] - planned <= late, step
+
+
+@pytest.mark.parametrize(("sync", "tp"), [("micro_batch", 1), ("step", 1), ("micro_batch", 2)])
+def test_the_accumulated_plan_equals_the_whole_accumulating_plan(sync, tp):
+    """The planner plans one micro-step and adds what lives across micro-steps (plan/accumulate.py): to the byte
+    what planning the accumulating step whole gives, whatever the number of micro-steps."""
+    import torch
+
+    from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
+    from graph_trainer.plan.accumulate import accumulated
+    from graph_trainer.plan.block_plan import plan_modes
+
+    cfg, _ = load_config(DEBUG)
+    micro = search.Candidate((("dp_replicate", 1), ("dp_shard", 2), ("tp", tp)), "none", 2, 0, False)
+    plans = search.Plans(cfg, torch.device("cpu"))
+    for steps in (3,):  # one count: the accumulated buffers scale with it, and 3 exercises the "other" batches
+        cand = dataclasses.replace(micro, accumulation=steps, grad_sync=sync)
+        acc_cfg = cand.apply(cfg)
+        with planning_mesh(ParallelDims.from_config(acc_cfg.parallelism), torch.device("cpu")) as mesh:
+            whole = plan_modes(acc_cfg, mesh, ["none", "full"])
+        for mode in ("none", "full"):
+            got = accumulated(plans.get(cand, ["none", "full"])[mode], steps, sync, 2)
+            assert got.flops == whole[mode].flops
+            if sync == "micro_batch":  # exact: the micro-step's graph is the planned one
+                assert (got.peak_bytes, got.peak_location) == (whole[mode].peak_bytes, whole[mode].peak_location)
+            else:  # upper bound: the deferred sync makes no sharded gradients during the micro-steps
+                assert got.approximate
+                assert 0 <= got.peak_bytes - whole[mode].peak_bytes <= got.peak_by_category["parameter"]
+    assert plans.calls == 1  # one micro-step plan served both modes
+
+
+def test_the_search_crosses_local_batch_with_accumulation_and_both_grad_syncs():
+    cfg, _ = load_config(DEBUG)
+    space = search.candidates(cfg, [{"dp_replicate": 1, "dp_shard": 2, "tp": 1}], 8, ("none",), (0,), (False,))
+    got = {(c.local_batch, c.accumulation, c.grad_sync) for c in space.cands}
+    assert got == {(4, 1, "micro_batch"), (2, 2, "micro_batch"), (2, 2, "step"), (1, 4, "micro_batch"),
+                   (1, 4, "step")}  # fmt: skip
+    assert all(c.global_batch == 8 for c in space.cands)
+
+
+def test_every_proposed_layout_passes_the_trainers_gate(monkeypatch):
+    """One gate (`trainer_refuses`, the trainer's own checks): tp with accumulation is proposed since the trainer
+    takes it, and whatever the trainer refuses is skipped and counted, never proposed."""
+    from graph_trainer.errors import ConfigError
+
+    cfg, _ = load_config(DEBUG)
+    tp = [{"dp_replicate": 1, "dp_shard": 1, "tp": 2}]
+    space = search.candidates(cfg, tp, 4, ("none",), (0,), (False,))
+    assert {c.accumulation for c in space.cands} == {1, 2, 4} and not space.refused
+    for cand in space.cands:
+        assert search.trainer_refuses(cfg, cand) is None
+
+    def refuse_accumulation(trial):  # as the trainer did before tp composed with accumulation
+        if trial.training.global_batch_size != -1:
+            raise ConfigError("training.global_batch_size with parallelism.tp > 1 is not supported yet: drop it")
+
+    monkeypatch.setattr(search, "validate", refuse_accumulation)
+    space = search.candidates(cfg, tp, 4, ("none",), (0,), (False,))
+    assert {c.accumulation for c in space.cands} == {1}
+    assert list(space.refused.values()) == [2]  # local batch 1 x 4 and 2 x 2
+
+
+def test_expert_parallel_degrees_follow_the_expert_count():
+    cfg, _ = load_config(["--config", "deepseek_v3_debug"])
+    experts = getattr(search.resolve_model_args(cfg), "n_routed_experts", 0)
+    degrees = search.expert_degrees(cfg, 8)
+    assert degrees[0] == 1 and all(8 % e == 0 and experts % e == 0 for e in degrees[1:])
+    assert (len(degrees) > 1) == bool(experts)
+
+
+def test_nothing_fits_names_the_activations_when_the_state_fits():
+    """The line blames what does not fit: with the state under the memory but the smallest local batch's
+    activations over it, it names the activations, and more GPUs cannot help when they alone exceed it."""
+    from graph_trainer.plan.cluster import Cluster, Device
+    from graph_trainer.plan.report import nothing_fits
+
+    cfg, _ = load_config(DEBUG)
+    cand = search.Candidate((("dp_replicate", 1), ("dp_shard", 4), ("tp", 1)), "full", 1, 0, False)
+    state = search.state_bytes(cfg, cand)
+    device = Device("tiny", (state + 10 * 2**20) / 2**30, 1.0, 1.0, 1.0, "test")
+    cluster = Cluster(device, 4, 4)
+    over = search.Screened(cand, state + 2 * cluster.memory_bytes, None)  # activations alone above the memory
+    line = nothing_fits(cfg, cluster, 4, [cand], [over], [])
+    assert "activations at the smallest local batch" in line and "only pipeline parallelism" in line
+    some = search.Screened(cand, cluster.memory_bytes + 2**20, None)  # state + activations just above it
+    line = nothing_fits(cfg, cluster, 4, [cand], [some], [])
+    assert "of activations" in line and "--cluster.gpus 8" in line and "pipeline" not in line
