@@ -5,8 +5,10 @@ blocks, each traced once and shared by every activation-checkpointing mode (the 
 the mode; only the passes do). Each node of a short step graph gets a key: the class of its block (`first`,
 `mid_first` = block 1, `mid_last` = block k-2, `last`, or `outside` for the embedding, loss and global
 ops) and its rank among the nodes of that class. The keys of the 3- and 4-block graphs must match one to
-one, and every block of the 4-block graph must hold the same sequence of ops and shapes, before and after
-the passes: that is the proof that the blocks are identical. Otherwise the plan falls back to a full trace.
+one, node for node (op, shapes, phase, module, policy), and the middle blocks of each graph must hold the same
+sequence of ops and shapes, before and after the passes: that is the proof that the middle blocks are identical
+and the first and last the same at any depth (they may differ from the middle ones: FSDP's prefetch leaves the
+last block's gathered parameters alive into its backward). Otherwise the plan falls back to a full trace.
 
 Why two depths suffice, exactly: at a node of a `first`, `last` or `outside` class, what is alive from the
 other blocks is one identical contribution per middle block (their parameters and optimizer state, the
@@ -467,9 +469,12 @@ def _peak(shorts: dict[int, _Short], depth: int) -> tuple[tuple[str, int], int]:
     if s3.keys.keys() != s4.keys.keys():
         raise NotUniform("the 3- and 4-block graphs have different nodes outside the middle blocks")
     n3, n4 = list(s3.gm.graph.nodes), list(s4.gm.graph.nodes)
+    # A block's node is the same op, shapes, phase, module and policy at both depths; outside the blocks only the
+    # op must agree (some shapes there count the blocks: the clip's stack of per-parameter norms).
     for k, i in s4.keys.items():
-        if n3[s3.keys[k]].target != n4[i].target:
-            raise NotUniform(f"node {k} runs {n3[s3.keys[k]].target} at 3 blocks, {n4[i].target} at 4")
+        a, b = n3[s3.keys[k]], n4[i]
+        if (a.target != b.target) if k[0] == "outside" else (_signature(a) != _signature(b)):
+            raise NotUniform(f"node {k} differs between 3 blocks ({a.target}) and 4 ({b.target})")
     t3, t4 = s3.est.timeline, s4.est.timeline
     # The peak: the largest extended live bytes; ties go to the earliest node, as in the estimate (key order
     # in the 4-block graph is node order in the deep one).
@@ -583,16 +588,20 @@ def _signature(node: torch.fx.Node) -> tuple:
 
 
 def _check_blocks(gm: torch.fx.GraphModule, k: int, layers: str | None, when: str) -> None:
-    """NotUniform unless every block of the `k`-block graph holds the same op sequence (`_signature`)."""
+    """NotUniform unless every middle block of the `k`-block graph holds the same op sequence (`_signature`).
+
+    The first and the last block may differ from the middle ones (FSDP's prefetch: the last block's backward
+    keeps the parameters its forward gathered, the others gather again); `_peak` then proves them the same at
+    both short depths, key by key, which is all the extension needs."""
     blocks: dict[int, list[tuple]] = {}
     for _, node, layer in node_blocks(gm, layers):
         if layer is not None:
             blocks.setdefault(layer, []).append(_signature(node))
     if sorted(blocks) != list(range(k)):
         raise NotUniform(f"the {k}-block graph {when} tags blocks {sorted(blocks)}")
-    for layer in range(1, k):
-        if blocks[layer] != blocks[0]:
-            raise NotUniform(f"block {layer} of the {k}-block graph {when} differs from block 0")
+    for layer in range(2, k - 1):
+        if blocks[layer] != blocks[1]:
+            raise NotUniform(f"block {layer} of the {k}-block graph {when} differs from block 1")
 
 
 __all__ = ["SHORT", "NotUniform", "copy_traced", "plan_modes"]
