@@ -11,7 +11,8 @@ mesh (torch's fake process group, `graph_trainer.distributed.mesh.planning_mesh`
   the measured CPU peak to the byte, tests/passes/test_memory.py);
 - eager: `compile.mode eager` with the same policy through torch.utils.checkpoint,
   run on fake tensors under the live-tensor tracker (equal to a real eager step's
-  peak to the byte, tests/plan/test_planner.py).
+  peak to the byte: tests/plan/test_planner.py for one process, tests/plan/test_eager_baseline_ranks.py
+  for 2 gloo ranks with FSDP and expert parallelism).
 Activation memory is what each step holds at its own peak besides parameters,
 buffers, the batch and the gradients made by then (so: activations, their
 gradients, the loss's temporaries). Ratios graph/eager, of the whole peak and of the
