@@ -3,22 +3,27 @@
     python benchmarks/activation_memory.py [--configs 1b 8b] [--modes selective full]
 
 For each config and AC mode, both steps (forward, loss, backward, clipping; the
-AdamW update is the same in both and left out) are run on fake tensors on this
-machine's CPU device, in fp32:
+AdamW update is the same in both and left out of both) are run on fake tensors on
+this machine's CPU device, in fp32 unless the config says otherwise. A config with
+parallelisms (`ds_16b_ep8`) is rank 0's step of its job, both sides on the planning
+mesh (torch's fake process group, `graph_trainer.distributed.mesh.planning_mesh`):
 - graph: the traced step after the pass pipeline, its static estimate (equal to
   the measured CPU peak to the byte, tests/passes/test_memory.py);
 - eager: `compile.mode eager` with the same policy through torch.utils.checkpoint,
   run on fake tensors under the live-tensor tracker (equal to a real eager step's
-  peak to the byte, tests/plan/test_planner.py).
+  peak to the byte: tests/plan/test_planner.py for one process, tests/plan/test_eager_baseline_ranks.py
+  for 2 gloo ranks with FSDP and expert parallelism).
 Activation memory is what each step holds at its own peak besides parameters,
 buffers, the batch and the gradients made by then (so: activations, their
-gradients, the loss's temporaries). Ratio graph/eager: the goal is <= 0.85.
+gradients, the loss's temporaries). Ratios graph/eager, of the whole peak and of the
+activations: the goal is <= 0.85.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,6 +42,20 @@ CONFIGS = {
     # DeepSeek-V3 (docs/moe.md): the debug model as shipped, and 16B as one process would run it.
     "ds_debug": ["--config", "deepseek_v3_debug"],
     "ds_16b": ["--config", "deepseek_v3_16b"],
+    # 16B per rank as 8 GPUs would run it (torchtitan's 16B setting): FSDP over 8 ranks with expert parallelism 8,
+    # fp32 shards with FSDP2-style mixed precision (bf16 gather and compute, gradients reduced in fp32).
+    "ds_16b_ep8": [
+        "--config",
+        "deepseek_v3_16b",
+        "--parallelism.dp_shard",
+        "8",
+        "--parallelism.ep",
+        "8",
+        "--training.dtype",
+        "float32",
+        "--training.mixed_precision_param",
+        "bfloat16",
+    ],
 }
 
 # The estimate's categories of what a step holds whatever it saves (graph_trainer.passes.memory_estimate).
@@ -50,22 +69,24 @@ def main() -> None:
     args = parser.parse_args()
     cpu = torch.device("cpu")
     print(
-        f"{'config':7} {'ac mode':10} {'graph peak':>11} {'eager peak':>11} {'graph act':>10} {'eager act':>10} "
-        f"{'act ratio':>9}   (GiB; fp32 on CPU, fake tensors, no AdamW update)"
+        f"{'config':10} {'ac mode':10} {'graph peak':>11} {'eager peak':>11} {'peak ratio':>10} {'graph act':>10} "
+        f"{'eager act':>10} {'act ratio':>9} {'time s':>7}   (GiB; CPU device, fake tensors, no AdamW update)"
     )
     for name in args.configs:
         for mode in args.modes:
             cfg, _ = load_config(
                 [*CONFIGS[name], "--activation_checkpoint.mode", mode, "--compile.trace_optimizer", "false"]
             )
+            start = time.perf_counter()
             estimate = plan_config(cfg, cpu).step_graph.memory_estimate
             held = sum(n for cat, n in estimate.peak_bytes_by_category.items() if cat in NOT_ACTIVATIONS)
             graph_act = estimate.peak_bytes - held
             eager = eager_step_peak(cfg, cpu)
             print(
-                f"{name:7} {mode:10} {to_gib(estimate.peak_bytes):11.2f} {to_gib(eager.peak_bytes):11.2f} "
-                f"{to_gib(graph_act):10.2f} {to_gib(eager.activation_bytes):10.2f} "
-                f"{graph_act / eager.activation_bytes:9.3f}",
+                f"{name:10} {mode:10} {to_gib(estimate.peak_bytes):11.2f} {to_gib(eager.peak_bytes):11.2f} "
+                f"{estimate.peak_bytes / eager.peak_bytes:10.3f} {to_gib(graph_act):10.2f} "
+                f"{to_gib(eager.activation_bytes):10.2f} {graph_act / eager.activation_bytes:9.3f} "
+                f"{time.perf_counter() - start:7.1f}",
                 flush=True,
             )
 

@@ -6,6 +6,9 @@ The same policies as the graph passes (`graph_trainer.passes.memory_policy`):
   attention outputs, MoE routing outputs (`graph_utils.ROUTING_OPS`) and tensor parallelism's reduce-scatters,
   recomputing every second matmul of each layer (the counter restarts per layer) and everything else;
 - selective N: plain `checkpoint` of layers N-1, 2N-1, ... (every N-th, from 1).
+In every mode an all-to-all (expert parallelism's token exchange) is saved, never run again, as the graph's
+passes force it (passes/activation_checkpoint.py): so full mode runs through a policy too (one that, without
+all-to-alls, recomputes everything: plain `checkpoint`).
 Per-op overrides without a module glob (`"aten.mm"`) apply inside checkpointed
 layers. Budget mode exists only on the graph.
 
@@ -24,7 +27,14 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from graph_trainer.distributed.fsdp import layer_forward
 from graph_trainer.errors import ConfigError
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
-from graph_trainer.passes.graph_utils import is_attention, is_matmul, is_reduce_scatter, is_routing
+from graph_trainer.passes.graph_utils import (
+    ALL_TO_ALL_OPS,
+    is_attention,
+    is_matmul,
+    is_reduce_scatter,
+    is_routing,
+    packet,
+)
 from graph_trainer.passes.op_patterns import OpPattern, parse_overrides
 from graph_trainer.tracer.layers import transformer_layers
 
@@ -41,7 +51,7 @@ def _policy_factory(selective_op: bool, save: list[OpPattern], recompute: list[O
             if is_matmul(func):
                 counts[ctx.is_recompute] += 1
                 matmul_save = counts[ctx.is_recompute] % 2 == 1
-            if any(p.matches_op(func) for p in save):
+            if packet(func) in ALL_TO_ALL_OPS or any(p.matches_op(func) for p in save):
                 return CheckpointPolicy.MUST_SAVE
             if any(p.matches_op(func) for p in recompute):
                 return CheckpointPolicy.PREFER_RECOMPUTE
@@ -92,7 +102,9 @@ def apply_eager_checkpointing(model: nn.Module, ac: ActivationCheckpointConfig) 
         chosen = [fqn for fqn, i in layers.items() if (i + 1) % n_th == 0]
     else:
         chosen = list(layers)
-    context_fn = _policy_factory(selective_op, save, recompute) if selective_op or save or recompute else None
+    # Every mode runs through a policy, for the all-to-alls it must save; without them (no expert parallelism) a
+    # policy that recomputes everything is plain `checkpoint`, the same ops and the same memory.
+    context_fn = _policy_factory(selective_op, save, recompute)
     for fqn in chosen:
         layer = model.get_submodule(fqn)
         # The class's forward, bound (wrapping twice would nest checkpoints), or FSDP's gathering

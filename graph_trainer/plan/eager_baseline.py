@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graph_trainer.builder import build_job
-from graph_trainer.distributed.mesh import Mesh, ParallelDims
+from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.memory import LiveTensorTracker
@@ -38,15 +40,33 @@ def _materialize_fake(model: nn.Module, device: torch.device) -> None:
                 slots[name] = fakes[id(t)]
 
 
+class _WaitReturnsItsInput(TorchDispatchMode):
+    """`_c10d_functional.wait_tensor` as the real kernel runs it: its output is its input. Its fake kernel returns
+    a new tensor instead, which the tracker would count a second time while a collective's result is alive."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
 def eager_step_peak(cfg: JobConfig, device: torch.device) -> EagerStepPeak:
     """Run cfg's eager step (`compile.mode eager`, with its torch.utils.checkpoint policy) on fake tensors.
 
     The live-tensor tracker counts the fake tensors as the memory they stand for, so this is the eager step's
     exact CPU peak (checked against a real run in tests/plan/test_planner.py) at the cost of a trace, with nothing
     allocated. The AdamW update is left out (torch's update cannot run on fake tensors); its state and scratch
-    are the same in both modes. It is one process's step: `parallelism` is not modelled.
+    are the same in both modes. With `parallelism`, it is rank 0's step on the planning mesh (`planning_mesh`, torch's
+    fake process group), as `plan_config` plans it.
     """
-    job = build_job(cfg, Mesh(ParallelDims(), 0, device), materialize=False)
+    # With parallelisms, rank 0's step on the planning mesh (torch's fake process group), as the dry run plans it:
+    # the FSDP gathers and the expert all-to-alls are functional collectives, which run on fake tensors.
+    with planning_mesh(ParallelDims.from_config(cfg.parallelism), device) as mesh:
+        return _fake_step_peak(cfg, build_job(cfg, mesh, materialize=False), device)
+
+
+def _fake_step_peak(cfg: JobConfig, job: Any, device: torch.device) -> EagerStepPeak:
+    """Run `job`'s eager step on fake tensors under the live-tensor tracker."""
     # One step's batch: with gradient accumulation, every micro-batch of it (the step cuts it).
     b, s = cfg.training.local_batch_size * accumulation_steps(cfg), cfg.training.seq_len
     with FakeTensorMode():
@@ -57,7 +77,7 @@ def eager_step_peak(cfg: JobConfig, device: torch.device) -> EagerStepPeak:
         tracker = LiveTensorTracker(count_fake=True)
         tracker.track_existing([list(model.parameters()), list(model.buffers()), batch])
         try:
-            with tracker:
+            with tracker, _WaitReturnsItsInput():
                 step(batch)
             held = tracker.bytes_at_peak(
                 [list(model.parameters()), list(model.buffers()), batch, [p.grad for p in model.parameters()]]
