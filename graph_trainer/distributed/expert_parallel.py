@@ -258,7 +258,7 @@ class ExpertParallel(Parallelism):
         if not found:  # a family with experts, built too shallow to reach its MoE layers (the planner's short models)
             return None
         n, holders = next(found[0][1].parameters()).shape[0], mesh.size(HOLDERS)
-        _check_divides(n, ep, holders)
+        check_expert_degrees(n, ep, holders)
         pg = mesh.group(EP)
         shard = mesh.size(EXPERT_SHARD)  # the ranks whose blocks make up one ep rank's experts
         group = EPGroup(dist.get_rank(pg), ep, pg.group_name, mesh.data_size // shard, n // holders)
@@ -296,8 +296,12 @@ class ExpertParallel(Parallelism):
         return out
 
 
-def _check_divides(n: int, ep: int, holders: int) -> None:
-    """Refuse an ep that does not divide the `n` routed experts, or a dp_shard (the blocks' holders) that does not."""
+def check_expert_degrees(n: int, ep: int, holders: int) -> None:
+    """Refuse an ep that does not divide the `n` routed experts, or a dp_shard (the blocks' holders) that does not.
+
+    Raises:
+        UserError: naming the degree and the fix (also the planner's gate, before any model is built).
+    """
     if n % ep:
         raise UserError(f"parallelism.ep = {ep} does not divide the {n} routed experts; pick an ep that divides {n}")
     if n % holders:
@@ -341,4 +345,13 @@ def _split_experts(prefix: str, experts: nn.Module, holders: ShardGroup, block: 
     return full
 
 
-__all__ = ["DROPPED", "EXPERT_PARALLEL", "AllToAll", "ExpertParallel", "capacity", "dropped_tokens", "plan_slots"]
+__all__ = [
+    "DROPPED",
+    "EXPERT_PARALLEL",
+    "AllToAll",
+    "ExpertParallel",
+    "capacity",
+    "check_expert_degrees",
+    "dropped_tokens",
+    "plan_slots",
+]

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from graph_trainer.distributed.expert_parallel import check_expert_degrees
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args, validate
@@ -145,20 +146,19 @@ def trainer_refuses(cfg: JobConfig, cand: Candidate) -> str | None:
     """Why the trainer refuses `cand` (None: it accepts it): the one gate every candidate passes, so the search
     proposes a combination (tp with accumulation, ep below dp_shard, HSDP) as soon as the trainer takes it.
 
-    It runs the trainer's own checks: the config validation (`job_config.load.validate`) and the mesh's
-    (`ParallelDims.from_config`). Expert parallelism's own check runs when the model is built
-    (`expert_parallel._check_divides`), too late for a gate: its dp_shard rule is mirrored here.
+    It runs the trainer's own checks: the config validation (`job_config.load.validate`), the mesh's
+    (`ParallelDims.from_config`) and expert parallelism's degrees (`check_expert_degrees`, which the trainer runs
+    when it builds the model).
     """
     trial = cand.apply(cfg)
     try:
         validate(trial)
         ParallelDims.from_config(trial.parallelism)
+        experts = getattr(resolve_model_args(trial), "n_routed_experts", 0) or 0
+        if cand.ep > 1 and experts:
+            check_expert_degrees(experts, cand.ep, trial.parallelism.dp_shard)
     except UserError as e:
         return str(e).split(";")[0].split(":")[0]
-    experts = getattr(resolve_model_args(trial), "n_routed_experts", 0) or 0
-    shard = trial.parallelism.dp_shard
-    if 1 < cand.ep < shard and experts % shard:  # mirrors expert_parallel._check_divides, which runs at build time
-        return f"parallelism.dp_shard = {shard} does not divide the {experts} routed experts (ep below dp_shard)"
     return None
 
 
