@@ -25,8 +25,19 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.fx import traceback as fx_traceback
 
 from graph_trainer.errors import UserError
+
+# The node-metadata key (in `node.meta["custom"]`) a traced chunked loss writes on each chunk's ops: the chunk's
+# index. The chunks are identical, so a plan may trace a few and extend to any number (graph_trainer.plan).
+LOSS_CHUNK = "loss_chunk"
+
+
+def _chunk(index: int) -> contextlib.AbstractContextManager:
+    """Tag the ops traced inside with their loss chunk (`LOSS_CHUNK`); outside a trace it only sets a dict entry."""
+    return fx_traceback.annotate({LOSS_CHUNK: index})
+
 
 IGNORE_INDEX = -100
 # Batch key of the count the summed token losses are divided by, when the batch is one micro-batch of several
@@ -202,12 +213,13 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         num_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, hidden.shape[0], chunk_size):
-            logits = _chunk_logits(hidden[start : start + chunk_size], weight, dtype)
-            total = total + F.cross_entropy(
-                logits, labels[start : start + chunk_size], ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-            del logits  # one chunk's logits alive at a time
+        for index, start in enumerate(range(0, hidden.shape[0], chunk_size)):
+            with _chunk(index):
+                logits = _chunk_logits(hidden[start : start + chunk_size], weight, dtype)
+                total = total + F.cross_entropy(
+                    logits, labels[start : start + chunk_size], ignore_index=IGNORE_INDEX, reduction="sum"
+                )
+                del logits  # one chunk's logits alive at a time
         count = valid_tokens(labels) if num_tokens is None else num_tokens
         ctx.save_for_backward(hidden, weight, labels, count)
         ctx.chunk_size, ctx.dtype = chunk_size, dtype
@@ -220,18 +232,19 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         w = weight.to(ctx.dtype)
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            h = hidden[start : start + ctx.chunk_size]
-            y = labels[start : start + ctx.chunk_size]
-            grad_logits = torch.softmax(_chunk_logits(h, weight, ctx.dtype), dim=-1)
-            valid = y != IGNORE_INDEX
-            rows = torch.arange(y.shape[0], device=y.device)
-            grad_logits[rows, y.clamp(min=0)] -= 1.0
-            grad_logits.mul_((valid.to(grad_logits.dtype) * scale).unsqueeze(1))
-            g = grad_logits.to(ctx.dtype)
-            del grad_logits
-            grad_hidden[start : start + ctx.chunk_size] = (g @ w).to(hidden.dtype)
-            grad_weight += (g.t() @ h.to(ctx.dtype)).float()
+        for index, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
+            with _chunk(index):
+                h = hidden[start : start + ctx.chunk_size]
+                y = labels[start : start + ctx.chunk_size]
+                grad_logits = torch.softmax(_chunk_logits(h, weight, ctx.dtype), dim=-1)
+                valid = y != IGNORE_INDEX
+                rows = torch.arange(y.shape[0], device=y.device)
+                grad_logits[rows, y.clamp(min=0)] -= 1.0
+                grad_logits.mul_((valid.to(grad_logits.dtype) * scale).unsqueeze(1))
+                g = grad_logits.to(ctx.dtype)
+                del grad_logits
+                grad_hidden[start : start + ctx.chunk_size] = (g @ w).to(hidden.dtype)
+                grad_weight += (g.t() @ h.to(ctx.dtype)).float()
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
@@ -257,14 +270,15 @@ class VocabParallelChunkedCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         total = hidden.new_zeros((), dtype=torch.float32)
         stats: list[list[torch.Tensor]] = [[], [], []]  # per chunk: max, log-sum-exp, target column
-        for start in range(0, hidden.shape[0], chunk_size):
-            x = _chunk_logits(hidden[start : start + chunk_size], weight[: shard.valid], dtype)
-            y = labels[start : start + chunk_size]
-            top, log_sum, target, column = _shard_statistics(x, y, shard)
-            total = total + _token_sum(target, y)
-            for kept, t in zip(stats, (top, log_sum, column)):
-                kept.append(t)
-            del x  # one chunk's logits alive at a time
+        for index, start in enumerate(range(0, hidden.shape[0], chunk_size)):
+            with _chunk(index):
+                x = _chunk_logits(hidden[start : start + chunk_size], weight[: shard.valid], dtype)
+                y = labels[start : start + chunk_size]
+                top, log_sum, target, column = _shard_statistics(x, y, shard)
+                total = total + _token_sum(target, y)
+                for kept, t in zip(stats, (top, log_sum, column)):
+                    kept.append(t)
+                del x  # one chunk's logits alive at a time
         count = _token_count(labels, num_tokens)
         ctx.save_for_backward(hidden, weight, labels, count, *(torch.cat(kept) for kept in stats))
         ctx.chunk_size, ctx.dtype, ctx.valid = chunk_size, dtype, shard.valid
@@ -277,15 +291,16 @@ class VocabParallelChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         w = weight.to(ctx.dtype)
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            h = hidden[rows]
-            x = _chunk_logits(h, weight[: ctx.valid], ctx.dtype)
-            g = _grad_shard_logits(x, top[rows], log_sum[rows], column[rows], labels[rows], scale, weight.shape[0])
-            g = g.to(ctx.dtype)
-            del x
-            grad_hidden[rows] = (g @ w).to(hidden.dtype)
-            grad_weight += (g.t() @ h.to(ctx.dtype)).float()
+        for index, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
+            with _chunk(index):
+                rows = slice(start, start + ctx.chunk_size)
+                h = hidden[rows]
+                x = _chunk_logits(h, weight[: ctx.valid], ctx.dtype)
+                g = _grad_shard_logits(x, top[rows], log_sum[rows], column[rows], labels[rows], scale, weight.shape[0])
+                g = g.to(ctx.dtype)
+                del x
+                grad_hidden[rows] = (g @ w).to(hidden.dtype)
+                grad_weight += (g.t() @ h.to(ctx.dtype)).float()
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 

@@ -32,8 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--search.ac_modes", dest="ac_modes", nargs="+", default=["none", "selective", "full"])
     p.add_argument("--search.loss_chunk_sizes", dest="chunks", type=int, nargs="+", default=None)
     p.add_argument("--search.optimizer_in_graph", dest="in_graph", nargs="+", default=["false"])
-    # Prefetch is off by default: the depth-free plan falls back to a whole-depth trace with it (docs/planner.md).
-    p.add_argument("--search.fsdp_prefetch", dest="prefetch", nargs="+", default=["false"])
+    # Prefetch on, as FSDP2 runs: the cost model hides FSDP's all-gathers behind compute (docs/planner.md).
+    p.add_argument("--search.fsdp_prefetch", dest="prefetch", nargs="+", default=["true"])
     p.add_argument("--search.exact", dest="exact", type=int, default=4, help="candidates planned exactly")
     p.add_argument("--out", default=None, help="folder for plan.json and plan.png")
     return p

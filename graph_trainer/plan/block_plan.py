@@ -20,6 +20,14 @@ saved bytes, the FLOPs, the bytes per collective kind, and the eager update's st
 assumes no storage lives from one block into the block after next; the tests check the result against
 full traces at 8 and 16 blocks, and 8B dimensions at 8 blocks, to the byte.
 
+The local batch is extended the same way (`plan_batches`, for the planner's search and for a batch whose chunked
+loss would trace many chunks): the short steps are traced at two batches one sequence apart (3 + 4 blocks at
+each), and a node of a chunked loss also gets its chunk's class (first, first and last middle, last; the
+loss tags each chunk's ops, `loss.LOSS_CHUNK`). Every tensor's bytes are affine in the batch and so is the
+number of chunks, so every count is affine in the batch at any depth: the plan at any (depth, batch) follows
+from the four short steps, and costs what they cost however large the batch. Batch 1 is traced on its own
+(some of its graphs have other ops; see `_grids`).
+
 The `budget` mode is the exception: its pass chooses what to recompute from the whole step's peak, so its
 plan is approximated from the none and full plans: an upper bound, marked approximate (its error is measured
 in tests/plan/test_block_plan.py).
@@ -90,18 +98,50 @@ def plan_modes(
     or blocks the short graphs do not prove identical are traced whole, once for all modes.
     """
     modes = list(modes)
-    depth = resolve_model_args(cfg).n_layers
     if accumulation_steps(cfg) > 1:
         # The accumulating step is two graphs (a micro-step run k times, then the update); the extension reads one
         # whole-step graph. Each mode is planned whole: its cost grows with depth, not with k.
         return _planned_per_mode(cfg, mesh, modes, log_passes)
-    if fast and depth > SHORT[-1]:
+    batch = cfg.training.local_batch_size
+    return plan_batches(cfg, mesh, modes, [batch], log_passes=log_passes, fast=fast)[batch]
+
+
+def plan_batches(
+    cfg: JobConfig,
+    mesh: Mesh,
+    modes: Iterable[str],
+    batches: Iterable[int],
+    *,
+    log_passes: bool = False,
+    fast: bool = True,
+    extrapolate: bool = False,
+) -> dict[int, dict[str, StepPlan | UserError]]:
+    """`plan_modes` of `cfg` at each local batch of `batches` (cfg's own local batch is ignored; one step a
+    micro-batch: no accumulation), from the fewest short traces: several batches, or one batch with many loss
+    chunks, are extended from short steps at two small batches one sequence apart (`_grids`), so the cost grows
+    neither with depth nor with the local batch. `extrapolate`: batches below the grid's (local batch 1) are
+    extended from it too, marked approximate, instead of traced on their own (the search's screen)."""
+    modes, batches = list(modes), sorted(set(batches))
+    depth = resolve_model_args(cfg).n_layers
+    if not (fast and depth > SHORT[-1]):
+        return {b: _traced_whole(with_local_batch(cfg, b), mesh, modes, log_passes) for b in batches}
+    out: dict[int, dict[str, StepPlan | UserError]] = {}
+    for grid, targets in _grids(cfg, batches, extrapolate):
         try:
             with lazy_codegen():
-                return _extended(cfg, mesh, modes, depth, log_passes)
+                out.update(_extended(cfg, mesh, modes, depth, grid, targets, log_passes))
         except NotUniform as e:
             logger.info(f"planning the whole depth: {e}")
-    return _traced_whole(cfg, mesh, modes, log_passes)
+            out.update({b: _traced_whole(with_local_batch(cfg, b), mesh, modes, log_passes) for b in targets})
+    return out
+
+
+def with_local_batch(cfg: JobConfig, batch: int) -> JobConfig:
+    """`cfg` with another local batch and no accumulation (a copy)."""
+    out = copy.deepcopy(cfg)
+    out.training.local_batch_size = batch
+    out.training.global_batch_size = -1
+    return out
 
 
 def _traced_whole(cfg: JobConfig, mesh: Mesh, modes: list[str], log_passes: bool) -> dict[str, StepPlan | UserError]:
@@ -181,49 +221,73 @@ class _Short:
     gm: torch.fx.GraphModule
     est: MemoryEstimate
     update: EagerUpdate | None
-    keys: dict[tuple[str, int], int]  # node key -> index in graph order
+    keys: dict[_Key, int]  # node key -> index in graph order
     categories: list[str]
 
 
-def _extended(cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, log_passes: bool):
+def _extended(
+    cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, grid: _Grid, targets: list[int], log_passes: bool
+) -> dict[int, dict[str, StepPlan | UserError]]:
+    """Each target batch's plans for `modes`, extended from the short steps of `grid`."""
     exact = [m for m in modes if m not in APPROXIMATE_MODES]
     if any(m in APPROXIMATE_MODES for m in modes):  # the budget is read off these two
         exact += [m for m in ("none", "full") if m not in exact]
     variants = [(mode, pin) for mode in exact for pin in _attention_pins(cfg, mode)]
-    shorts: dict[int, dict[tuple[str, str], _Short | _Deferred | UserError]] = {}
-    decisions: dict[int, dict[tuple[str, str], _Short]] = {}
+    shorts: dict[_Point, dict[tuple[str, str], _Short | _Deferred | UserError]] = {}
+    decisions: dict[_Point, dict[tuple[str, str], _Short]] = {}
     start = time.perf_counter()
-    for k in SHORT:
-        short_cfg = copy.deepcopy(cfg)
-        short_cfg.model.n_layers = k
-        job = build_job(short_cfg, mesh, materialize=False)
-        shorts[k], decisions[k] = _plan_short(job, variants, log_passes and k == SHORT[-1])
-    deep = _ArgsOnly(cfg, job)
-    parts: dict[str, _Parts | UserError] = {}
+    for point in grid.points:
+        job = build_job(_short_config(cfg, *point), mesh, materialize=False)
+        shorts[point], decisions[point] = _plan_short(job, variants, log_passes and point == grid.reference)
+    finished: dict[tuple[_Point, tuple[str, str]], _Short] = {}
+
+    def finish(point: _Point, variant: tuple[str, str]) -> _Short:  # a deferred short is finished once
+        if (point, variant) not in finished:
+            finished[(point, variant)] = _finished(shorts[point][variant])
+        return finished[(point, variant)]
+
+    parts: dict[int, dict[str, _Parts | UserError]] = {b: {} for b in targets}
     for mode in exact:
         pins = _attention_pins(cfg, mode)
         failed = next(
             (s[(mode, pin)] for s in shorts.values() for pin in pins if isinstance(s[(mode, pin)], UserError)), None
         )
-        if failed is not None:
-            parts[mode] = failed
-            continue
-        # As the pass decides at depth L: the lower peak of the graph it compares (rematerialized right after the
-        # memory policy, before the passes that follow), saving attention on a tie (listed first).
-        decisive = (
-            [_peak({k: decisions[k][(mode, pin)] for k in SHORT}, depth)[1] for pin in pins] if len(pins) > 1 else [0]
-        )
-        pin = pins[decisive.index(min(decisive))]
-        try:
-            parts[mode] = _extend({k: _finished(shorts[k][(mode, pin)]) for k in SHORT}, depth)
-        except UserError as e:
-            parts[mode] = e
-    elapsed = time.perf_counter() - start  # the whole plan, all modes together (they share the traces)
-    out: dict[str, StepPlan | UserError] = {}
-    for mode in modes:
-        mode_job = deep.for_mode(mode)
-        part = parts.get(mode) or _approximate_budget(mode_job.cfg, parts["none"], parts["full"])
-        out[mode] = part if isinstance(part, UserError) else part.plan(mode_job, elapsed)
+        for batch in targets:
+            if failed is not None:
+                parts[batch][mode] = failed
+                continue
+            # As the pass decides at depth L: the lower peak of the graph it compares (rematerialized right after
+            # the memory policy, before the passes that follow), saving attention on a tie (listed first).
+            decisive = (
+                [grid.peak({p: decisions[p][(mode, pin)] for p in grid.points}, depth, batch)[1] for pin in pins]
+                if len(pins) > 1
+                else [0]
+            )
+            pin = pins[decisive.index(min(decisive))]
+            try:
+                parts[batch][mode] = _extend(grid, {p: finish(p, (mode, pin)) for p in grid.points}, depth, batch)
+            except UserError as e:
+                parts[batch][mode] = e
+    elapsed = time.perf_counter() - start  # the whole plan, all modes and batches together (they share the traces)
+    out: dict[int, dict[str, StepPlan | UserError]] = {}
+    for batch in targets:
+        deep = _ArgsOnly(with_local_batch(cfg, batch), job)
+        out[batch] = {}
+        for mode in modes:
+            mode_job = deep.for_mode(mode)
+            part = parts[batch].get(mode) or _approximate_budget(
+                mode_job.cfg, parts[batch]["none"], parts[batch]["full"]
+            )
+            if isinstance(part, _Parts) and batch < grid.batches[0]:  # extrapolated (see `_grids`)
+                part = dataclasses.replace(part, approximate=True)
+            out[batch][mode] = part if isinstance(part, UserError) else part.plan(mode_job, elapsed, grid.blocks_traced)
+    return out
+
+
+def _short_config(cfg: JobConfig, blocks: int, batch: int) -> JobConfig:
+    """`cfg` cut to `blocks` blocks at local batch `batch`: one point of the grid."""
+    out = with_local_batch(cfg, batch)
+    out.model.n_layers = blocks
     return out
 
 
@@ -399,7 +463,7 @@ class _Parts:
     comm: dict[str, int]
     approximate: bool = False
 
-    def plan(self, job: _ArgsOnly, elapsed: float) -> StepPlan:
+    def plan(self, job: _ArgsOnly, elapsed: float, blocks_traced: int) -> StepPlan:
         return finish_plan(
             job,
             self.est,
@@ -409,78 +473,155 @@ class _Parts:
             flops=self.flops,
             comm=self.comm,
             trace_time_s=elapsed,
-            blocks_traced=sum(SHORT),
+            blocks_traced=blocks_traced,
             approximate=self.approximate,
         )
 
 
-def _affine(at3: int, at4: int, depth: int) -> int:
-    """The value at `depth` of what is `at3` at 3 blocks and `at4` at 4, one identical block apart."""
-    return at3 + (depth - SHORT[0]) * (at4 - at3)
+_Point = tuple[int, int]  # a short step traced: (blocks, local batch)
 
 
-def _affine_dict(at3: dict[str, int], at4: dict[str, int], depth: int) -> dict[str, int]:
-    out = {k: _affine(at3.get(k, 0), at4.get(k, 0), depth) for k in dict.fromkeys([*at4, *at3])}  # a stable order
-    return {k: v for k, v in out.items() if v}
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+    """The short steps traced: 3 and 4 blocks at each of `batches`, one local batch or two one sequence apart.
+
+    A value at a node key is affine in the depth (one identical block apart) at each traced batch, and affine in
+    the local batch at any depth: every activation's bytes are, and so is the number of loss chunks (a key names
+    the first, the first and last middle, and the last chunk, as it names blocks). So from the grid's points every
+    (depth, batch) value follows exactly: extend in depth at each traced batch, then in the batch."""
+
+    batches: tuple[int, ...]
+
+    @property
+    def points(self) -> list[_Point]:
+        return [(k, b) for b in self.batches for k in SHORT]
+
+    @property
+    def reference(self) -> _Point:
+        """The point whose node order, names and modules stand for the deep step's."""
+        return SHORT[-1], self.batches[-1]
+
+    @property
+    def blocks_traced(self) -> int:
+        return sum(k for k, _ in self.points)
+
+    def at(self, values: dict[_Point, int], depth: int, batch: int) -> int:
+        """The value at (`depth`, `batch`) of what is `values[point]` at each point."""
+
+        def in_depth(b: int) -> int:
+            at3, at4 = values[(SHORT[0], b)], values[(SHORT[1], b)]
+            return at3 + (depth - SHORT[0]) * (at4 - at3)
+
+        low = in_depth(self.batches[0])
+        if len(self.batches) == 1:
+            return low
+        return low + (batch - self.batches[0]) * (in_depth(self.batches[1]) - low)
+
+    def at_dict(self, values: dict[_Point, dict[str, int]], depth: int, batch: int) -> dict[str, int]:
+        names = dict.fromkeys(k for p in reversed(self.points) for k in values[p])  # a stable order
+        out = {k: self.at({p: values[p].get(k, 0) for p in self.points}, depth, batch) for k in names}
+        return {k: v for k, v in out.items() if v}
+
+    def peak(self, shorts: dict[_Point, _Short], depth: int, batch: int) -> tuple[_Key, int]:
+        """The deep step's graph peak (the compile stage's extra included) and the key of the node it is at.
+
+        NotUniform unless the short graphs have the same keys running the same ops."""
+        _check_same_nodes(self, shorts)
+        ref = shorts[self.reference]
+        # The peak: the largest extended live bytes; ties go to the earliest node, as in the estimate (key order in
+        # the reference graph is node order in the deep one).
+        key = max(
+            ref.keys,
+            key=lambda k: (
+                self.at({p: s.est.timeline[s.keys[k]] for p, s in shorts.items()}, depth, batch),
+                -ref.keys[k],
+            ),
+        )
+        live = self.at({p: s.est.timeline[s.keys[key]] for p, s in shorts.items()}, depth, batch)
+        compiled = self.at({p: extra_compiled_bytes(s.job.cfg, s.gm) for p, s in shorts.items()}, depth, batch)
+        return key, live + compiled
 
 
-def _extend(shorts: dict[int, _Short], depth: int) -> _Parts:
-    """The deep step's numbers from the two short ones (see the module docstring for why this is exact)."""
-    s3, s4 = shorts[SHORT[0]], shorts[SHORT[1]]
-    key, peak_bytes = _peak(shorts, depth)
-    i3, i4 = s3.keys[key], s4.keys[key]
-    peak_by_category = _affine_dict(
-        live_by_category(s3.gm, i3, input_categories=s3.categories),
-        live_by_category(s4.gm, i4, input_categories=s4.categories),
-        depth,
-    )
+def _grids(cfg: JobConfig, batches: list[int], extrapolate: bool) -> list[tuple[_Grid, list[int]]]:
+    """How to plan `batches`: (grid, the batches extended from it). One batch with few loss chunks is traced at
+    that batch (3 + 4 blocks); several batches, or one whose chunked loss would trace many chunks, are extended
+    from two small batches one apart (3 + 4 blocks at each).
+
+    The grid's batches are 2 or more: at local batch 1 some graphs have other ops (under tensor parallelism a
+    [1, s, d] activation is contiguous where a [2, s, d] one needs a copy), so batch 1 is traced on its own, or,
+    with `extrapolate`, extended from the grid and marked approximate. A batch is extended only where its loss
+    chunks are whole and at least 3 (so that a key's chunk classes exist)."""
+    chunk, seq = cfg.training.loss_chunk_size, cfg.training.seq_len
+
+    def chunks(b: int) -> int:  # loss chunks at local batch b (0: a whole loss)
+        return b * seq // chunk if chunk else 0
+
+    def extendable(b: int) -> bool:
+        return not chunk or (b * seq % chunk == 0 and chunks(b) >= 3)
+
+    low = next((b for b in range(2, max(batches) + 3) if extendable(b) and extendable(b + 1)), None)
+    if low is None:
+        return [(_Grid((b,)), [b]) for b in batches]
+    extended = [b for b in batches if extendable(b) and (b >= low or extrapolate)]
+    if len(extended) == 1 and (not chunk or chunks(extended[0]) < 2 * (chunks(low) + chunks(low + 1))):
+        extended = []  # one batch with few loss chunks: its own two traces cost less
+    grids = [(_Grid((low, low + 1)), extended)] if extended else []
+    return grids + [(_Grid((b,)), [b]) for b in batches if b not in extended]
+
+
+def _check_same_nodes(grid: _Grid, shorts: dict[_Point, _Short]) -> None:
+    """NotUniform unless every short graph has the reference's keys, a key's node the same op everywhere, with
+    the same shapes, phase, module and policy in a block at the same batch (at another batch, all but the shapes).
+    Outside the blocks only the op must agree (some shapes there count the blocks: the clip's stack of norms)."""
+    nodes = {p: list(s.gm.graph.nodes) for p, s in shorts.items()}
+    for point, short in shorts.items():
+        against = (SHORT[-1], point[1]) if point[0] != SHORT[-1] else grid.reference
+        if point == against:
+            continue
+        other = shorts[against]
+        if short.keys.keys() != other.keys.keys():
+            raise NotUniform(f"the short graphs {point} and {against} (blocks, batch) have different node keys")
+        shapes = point[1] == against[1]
+        for k, i in other.keys.items():
+            a, b = nodes[point][short.keys[k]], nodes[against][i]
+            if (a.target != b.target) if k[0] == "outside" else (_signature(a, shapes) != _signature(b, shapes)):
+                raise NotUniform(f"node {k} differs between {point} ({a.target}) and {against} ({b.target})")
+
+
+def _extend(grid: _Grid, shorts: dict[_Point, _Short], depth: int, batch: int) -> _Parts:
+    """The deep step's numbers from the short ones (see the module docstring for why this is exact)."""
+    key, peak_bytes = grid.peak(shorts, depth, batch)
+    ref = shorts[grid.reference]
+
+    def at(read) -> int:
+        return grid.at({p: read(s) for p, s in shorts.items()}, depth, batch)
+
+    def at_dict(read) -> dict[str, int]:
+        return grid.at_dict({p: read(s) for p, s in shorts.items()}, depth, batch)
+
     est = MemoryEstimate(
         peak_bytes=peak_bytes,
         peak_node="",
         peak_op="",
         peak_module_fqn="",
-        peak_bytes_by_category=peak_by_category,
-        final_bytes_by_category=_affine_dict(s3.est.final_bytes_by_category, s4.est.final_bytes_by_category, depth),
-        input_bytes=_affine(s3.est.input_bytes, s4.est.input_bytes, depth),
-        saved_bytes=_affine(s3.est.saved_bytes, s4.est.saved_bytes, depth),
+        peak_bytes_by_category=at_dict(lambda s: live_by_category(s.gm, s.keys[key], input_categories=s.categories)),
+        final_bytes_by_category=at_dict(lambda s: s.est.final_bytes_by_category),
+        input_bytes=at(lambda s: s.est.input_bytes),
+        saved_bytes=at(lambda s: s.est.saved_bytes),
         timeline=(),
     )
     update = None
-    if s3.update is not None:
+    if ref.update is not None:
         update = EagerUpdate(
-            s3.update.implementation,
-            _affine(s3.update.state_bytes, s4.update.state_bytes, depth),
-            _affine(s3.update.scratch_bytes, s4.update.scratch_bytes, depth),
+            ref.update.implementation, at(lambda s: s.update.state_bytes), at(lambda s: s.update.scratch_bytes)
         )
     return _Parts(
         est,
         update,
-        _deep_location(s4.gm, i4, key[0], depth, s4.job.spec.parallel_plan.layers),
-        flops=_affine(_flops(s3.gm), _flops(s4.gm), depth),
-        comm=_affine_dict(communication_bytes(s3.gm), communication_bytes(s4.gm), depth),
+        _deep_location(ref.gm, ref.keys[key], key[0], depth, ref.job.spec.parallel_plan.layers),
+        flops=at(lambda s: _flops(s.gm)),
+        comm=at_dict(lambda s: communication_bytes(s.gm)),
     )
-
-
-def _peak(shorts: dict[int, _Short], depth: int) -> tuple[tuple[str, int], int]:
-    """The deep step's graph peak (the compile stage's extra included) and the key of the node it is at.
-
-    NotUniform unless the two short graphs have the same keys running the same ops."""
-    s3, s4 = shorts[SHORT[0]], shorts[SHORT[1]]
-    if s3.keys.keys() != s4.keys.keys():
-        raise NotUniform("the 3- and 4-block graphs have different nodes outside the middle blocks")
-    n3, n4 = list(s3.gm.graph.nodes), list(s4.gm.graph.nodes)
-    # A block's node is the same op, shapes, phase, module and policy at both depths; outside the blocks only the
-    # op must agree (some shapes there count the blocks: the clip's stack of per-parameter norms).
-    for k, i in s4.keys.items():
-        a, b = n3[s3.keys[k]], n4[i]
-        if (a.target != b.target) if k[0] == "outside" else (_signature(a) != _signature(b)):
-            raise NotUniform(f"node {k} differs between 3 blocks ({a.target}) and 4 ({b.target})")
-    t3, t4 = s3.est.timeline, s4.est.timeline
-    # The peak: the largest extended live bytes; ties go to the earliest node, as in the estimate (key order
-    # in the 4-block graph is node order in the deep one).
-    key = max(s4.keys, key=lambda k: (_affine(t3[s3.keys[k]], t4[s4.keys[k]], depth), -s4.keys[k]))
-    compiled = _affine(extra_compiled_bytes(s3.job.cfg, s3.gm), extra_compiled_bytes(s4.job.cfg, s4.gm), depth)
-    return key, _affine(t3[s3.keys[key]], t4[s4.keys[key]], depth) + compiled
 
 
 def _approximate_budget(cfg: JobConfig, none: _Parts | UserError, full: _Parts | UserError) -> _Parts | UserError:
@@ -545,37 +686,45 @@ def _deep_location(
 # Node keys and the proof that the blocks are identical.
 
 
-def _classes(layer: int | None, k: int) -> list[str]:
-    """The block classes a node of block `layer` of a `k`-block graph stands for (block 1 of 3 is both middles)."""
-    if layer is None:
-        return ["outside"]
-    if layer == 0:
+_Key = tuple[str, str, int]  # (block class, loss-chunk class or "", rank among the nodes of its block and chunk)
+
+
+def _positions(index: int, count: int) -> list[str]:
+    """The classes the `index`-th of `count` identical units (blocks, loss chunks) stands for: `first`, `mid_first`
+    (unit 1), `mid_last` (unit count-2), `last`; unit 1 of 3 is both middles, and units 2 to count-3 none."""
+    if index == 0:
         return ["first"]
-    if layer == k - 1:
+    if index == count - 1:
         return ["last"]
-    return [c for c, j in (("mid_first", 1), ("mid_last", k - 2)) if j == layer]
+    return [c for c, j in (("mid_first", 1), ("mid_last", count - 2)) if j == index]
 
 
-def _keys(gm: torch.fx.GraphModule, k: int, layers: str | None) -> dict[tuple[str, int], int]:
-    """Each running node's key (block class, rank among that class's nodes) -> its index in graph order."""
-    seen: Counter = Counter()
-    keys: dict[tuple[str, int], int] = {}
-    per_layer: Counter = Counter()
-    for i, _, layer in node_blocks(gm, layers):
-        rank = per_layer[layer]
-        per_layer[layer] += 1
+def _classes(layer: int | None, k: int) -> list[str]:
+    """The block classes a node of block `layer` of a `k`-block graph stands for (`outside` the blocks)."""
+    return ["outside"] if layer is None else _positions(layer, k)
+
+
+def _keys(gm: torch.fx.GraphModule, k: int, layers: str | None) -> dict[_Key, int]:
+    """Each running node's key -> its index in graph order. A node of a chunked loss (`node_meta.loss_chunk`) is
+    keyed by its chunk's class as well; the nodes of middle chunks other than the first and last have none."""
+    blocks = node_blocks(gm, layers)
+    chunks = 1 + max((c for _, n, _ in blocks if (c := node_meta.loss_chunk(n)) is not None), default=-1)
+    ranks: Counter = Counter()
+    keys: dict[_Key, int] = {}
+    for i, node, layer in blocks:
+        chunk = node_meta.loss_chunk(node)
+        rank = ranks[(layer, chunk)]
+        ranks[(layer, chunk)] += 1
         for cls in _classes(layer, k):
-            if cls == "outside":
-                rank = seen[cls]
-                seen[cls] += 1
-            keys[(cls, rank)] = i
+            for chunk_cls in [""] if chunk is None else _positions(chunk, chunks):
+                keys[(cls, chunk_cls, rank)] = i
     return keys
 
 
-def _signature(node: torch.fx.Node) -> tuple:
-    """What must agree between two blocks' nodes: the op, its outputs' shapes and dtypes, its place in the step,
-    its module (block index left out) and what the memory policy made of it."""
-    vals = tuple((tuple(t.shape), t.dtype) for t in tensors(node.meta.get("val")))
+def _signature(node: torch.fx.Node, shapes: bool = True) -> tuple:
+    """What must agree between two blocks' nodes: the op, its outputs' shapes (with `shapes`) and dtypes, its place
+    in the step, its module (block index left out) and what the memory policy made of it."""
+    vals = tuple((tuple(t.shape) if shapes else None, t.dtype) for t in tensors(node.meta.get("val")))
     module = re.sub(r"\.\d+(?=\.|$)", ".#", node_meta.module_fqn(node))
     return (
         str(node.target),
@@ -588,20 +737,29 @@ def _signature(node: torch.fx.Node) -> tuple:
 
 
 def _check_blocks(gm: torch.fx.GraphModule, k: int, layers: str | None, when: str) -> None:
-    """NotUniform unless every middle block of the `k`-block graph holds the same op sequence (`_signature`).
+    """NotUniform unless every middle block of the `k`-block graph holds the same op sequence (`_signature`), and
+    every middle chunk of its chunked loss the same as chunk 1.
 
     The first and the last block may differ from the middle ones (FSDP's prefetch: the last block's backward
-    keeps the parameters its forward gathered, the others gather again); `_peak` then proves them the same at
-    both short depths, key by key, which is all the extension needs."""
+    keeps the parameters its forward gathered, the others gather again); `_check_same_nodes` then proves them the
+    same at every short depth, key by key, which is all the extension needs."""
     blocks: dict[int, list[tuple]] = {}
+    chunks: dict[int, list[tuple]] = {}
     for _, node, layer in node_blocks(gm, layers):
         if layer is not None:
             blocks.setdefault(layer, []).append(_signature(node))
+        if node_meta.loss_chunk(node) is not None:
+            chunks.setdefault(node_meta.loss_chunk(node), []).append(_signature(node))
     if sorted(blocks) != list(range(k)):
         raise NotUniform(f"the {k}-block graph {when} tags blocks {sorted(blocks)}")
     for layer in range(2, k - 1):
         if blocks[layer] != blocks[1]:
             raise NotUniform(f"block {layer} of the {k}-block graph {when} differs from block 1")
+    if chunks and sorted(chunks) != list(range(len(chunks))):
+        raise NotUniform(f"the {k}-block graph {when} tags loss chunks {sorted(chunks)}")
+    for chunk in range(2, len(chunks) - 1):
+        if chunks[chunk] != chunks[1]:
+            raise NotUniform(f"loss chunk {chunk} of the {k}-block graph {when} differs from chunk 1")
 
 
-__all__ = ["SHORT", "NotUniform", "copy_traced", "plan_modes"]
+__all__ = ["SHORT", "NotUniform", "copy_traced", "plan_batches", "plan_modes", "with_local_batch"]

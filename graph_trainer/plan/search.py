@@ -1,12 +1,12 @@
-"""The layout search: candidates, pruning, the analytic screen, and the exact plans of the best screened ones.
+"""The layout search: candidates, pruning, the screen, and the exact plans of the best screened ones.
 
 Candidates are every factorization of the GPU count over the mesh degrees the config schema offers
-(`parallelism.dp_replicate`, `dp_shard`, and `tp` once the schema has it), crossed with the AC mode, the
-local batch that gives the global batch, `loss_chunk_size` and the optimizer in or out of the graph. A layout
-the trainer refuses (`ParallelDims.from_config`, e.g. HSDP today) is skipped and listed. Pruning drops what
-cannot fit even without activations; the screen predicts the rest from one exact depth-free plan per AC mode
-at local batch 1 on one rank (activations scale with the local batch, state divides by the shard degree);
-the top `exact` candidates are then planned exactly (`block_plan.plan_modes`), and only those are ranked.
+(`parallelism.dp_replicate`, `dp_shard`, `tp`), with every `ep` for a model with routed experts, crossed with
+the AC mode, the local batch x accumulation steps that give the global batch, `loss_chunk_size`, the optimizer
+in or out of the graph and FSDP prefetch. What the trainer refuses is skipped and counted (`trainer_refuses`).
+Pruning drops what cannot fit even without activations; the screen reads the rest off one depth-free plan per
+reference shape (every AC mode and local batch at once, `block_plan.plan_batches`); the top `exact` candidates
+are then planned exactly, and only those are ranked.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from graph_trainer.job_config.load import resolve_model_args, validate
 from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.schema import JobConfig, ParallelismConfig
 from graph_trainer.plan.accumulate import accumulated
-from graph_trainer.plan.block_plan import plan_modes
+from graph_trainer.plan.block_plan import APPROXIMATE_MODES, plan_batches
 from graph_trainer.plan.cluster import Cluster
 from graph_trainer.plan.cost_model import StepTime, step_time
 from graph_trainer.plan.step_plan import StepPlan
@@ -252,109 +252,106 @@ class Screened:
 
 
 class Plans:
-    """Depth-free plans of micro-steps, cached by what their trace depends on, every AC mode of one trace at once.
+    """Depth-free plans of micro-steps, cached by shape: every AC mode of one trace at once, and every local batch
+    of a shape from one grid of short traces (`block_plan.plan_batches`).
 
-    A key is (degrees, ep, local batch, loss chunk, optimizer placement, prefetch): the screen's references and
-    the exact plans share it, so an exact plan at a reference's shape costs nothing more.
+    A shape is (degrees, ep, loss chunk, optimizer placement, prefetch): the screen's references and the exact
+    plans share it, so an exact plan of a reference's shape costs nothing more.
     """
 
-    def __init__(self, cfg: JobConfig, device: torch.device, *, exact_prefetch: bool = True):
+    def __init__(self, cfg: JobConfig, device: torch.device):
         self.cfg, self.device = cfg, device
-        # False: plan a prefetching candidate's memory without prefetch (the depth-free plan falls back to a
-        # whole-depth trace with it) and mark the plan approximate; its step time still counts the overlap.
-        self.exact_prefetch = exact_prefetch
-        self._plans: dict[tuple, dict[str, StepPlan | UserError]] = {}
-        self.calls = 0  # depth-free plans made (each traces 3 + 4 blocks once, for every mode asked together)
+        self._plans: dict[tuple, dict[int, dict[str, StepPlan | UserError]]] = {}
+        self._extrapolated: set[tuple] = set()  # (shape, local batch): extended below its grid, for the screen only
+        self.calls = 0  # depth-free plans made (each a grid of short traces, for every mode and batch asked together)
 
-    def planned_as(self, cand: Candidate) -> Candidate:
-        """The micro-step candidate whose plan stands for `cand`'s."""
-        fsdp = dict(cand.degrees).get("dp_shard", 1) > 1
-        return cand.micro() if not cand.prefetch else dataclasses.replace(
-            cand.micro(), prefetch=fsdp and self.exact_prefetch
-        )  # fmt: skip
+    @staticmethod
+    def _shape(micro: Candidate) -> tuple:
+        return (micro.degrees, micro.ep, micro.loss_chunk_size, micro.trace_optimizer, micro.prefetch)
 
-    def get(self, cand: Candidate, modes: Iterable[str]) -> dict[str, StepPlan | UserError]:
-        """`cand`'s micro-step plans for `modes` (cand's own AC mode is ignored)."""
-        micro = self.planned_as(cand)
-        key = (micro.degrees, micro.ep, micro.local_batch, micro.loss_chunk_size, micro.trace_optimizer,
-               micro.prefetch)  # fmt: skip
-        have = self._plans.setdefault(key, {})
-        missing = sorted(set(modes) - set(have))
-        if missing:
-            cand_cfg = micro.apply(self.cfg)
-            with planning_mesh(ParallelDims.from_config(cand_cfg.parallelism), self.device) as mesh:
-                have.update(plan_modes(cand_cfg, mesh, missing))
+    def plan(self, cands: Iterable[Candidate], modes: Iterable[str], *, screen: bool = False) -> None:
+        """Plan the micro-steps of `cands` for `modes` that are not planned yet: each shape once, at all its local
+        batches together. `screen`: local batch 1 may be extrapolated (`block_plan.plan_batches`)."""
+        modes = sorted(set(modes))
+        wanted: dict[tuple, tuple[Candidate, set[int]]] = {}
+        for cand in cands:
+            micro = cand.micro()
+            key = (self._shape(micro), micro.local_batch)
+            have = self._plans.get(key[0], {}).get(micro.local_batch, {})
+            if not set(modes) <= set(have) or (key in self._extrapolated and not screen):
+                wanted.setdefault(key[0], (micro, set()))[1].add(micro.local_batch)
+        for shape, (micro, batches) in wanted.items():
+            cfg = micro.apply(self.cfg)
+            with planning_mesh(ParallelDims.from_config(cfg.parallelism), self.device) as mesh:
+                planned = plan_batches(cfg, mesh, modes, batches, extrapolate=screen)
+            for batch, by_mode in planned.items():
+                self._plans.setdefault(shape, {}).setdefault(batch, {}).update(by_mode)
+                if any(
+                    isinstance(p, StepPlan) and p.approximate for m, p in by_mode.items() if m not in APPROXIMATE_MODES
+                ):
+                    self._extrapolated.add((shape, batch))
+                else:
+                    self._extrapolated.discard((shape, batch))
             self.calls += 1
-        return have
 
-
-def _between(lo: tuple[int, int], hi: tuple[int, int], lb: int) -> int:
-    """The value at local batch `lb` on the chord through (lb_lo, value) `lo` and (lb_hi, value) `hi`."""
-    if hi[0] == lo[0]:
-        return lo[1]
-    return lo[1] + (lb - lo[0]) * (hi[1] - lo[1]) // (hi[0] - lo[0])
+    def get(self, cand: Candidate, modes: Iterable[str], *, screen: bool = False) -> dict[str, StepPlan | UserError]:
+        """`cand`'s micro-step plans for `modes` (cand's own AC mode is ignored); exact unless `screen`."""
+        self.plan([cand], modes, screen=screen)
+        micro = cand.micro()
+        return self._plans[self._shape(micro)][micro.local_batch]
 
 
 SHARDED = ("parameter", "optimizer_state", "gradient")  # the categories FSDP divides by dp_shard
 
 
 def screen(cfg: JobConfig, cluster: Cluster, cands: list[Candidate], efficiency: float, plans: Plans) -> list[Screened]:
-    """Predict each candidate's peak and step time from reference plans at its own tp (and ep, FSDP or not, loss
-    chunk, optimizer placement), on the smallest dp_shard searched with them, at the smallest and the largest
-    local batch searched with them. Between the two, a candidate's peak, FLOPs and traffic are read off the
-    chord: every tensor's bytes are affine in the local batch, so the peak (their largest sum) is convex in it
-    and the chord bounds it from above. The sharded state scales with 1 / dp_shard, and accumulation adds what
-    `accumulate.accumulated` adds. Prefetch is left out of the references (docs/planner.md)."""
+    """Predict each candidate's peak and step time from a reference plan at its own tp, ep, FSDP or not, loss
+    chunk, optimizer placement, prefetch and local batch, on the smallest dp_shard searched with them. The
+    references of one shape are planned at all their local batches at once (`Plans.plan`), exactly; a candidate
+    at the reference's dp_shard is its own reference, and on another dp_shard the sharded state at the peak scales
+    with 1 / dp_shard. Accumulation then adds what `accumulate.accumulated` adds."""
     modes = sorted({c.ac_mode for c in cands})
-    refs: dict[tuple, tuple[Candidate, int, int]] = {}
+    refs: dict[tuple, Candidate] = {}
     for c in sorted(cands, key=lambda c: dict(c.degrees).get("dp_shard", 1)):
-        ref, lo, hi = refs.get(_ref_key(c), (_ref(c), c.local_batch, c.local_batch))
-        refs[_ref_key(c)] = (ref, min(lo, c.local_batch), max(hi, c.local_batch))
+        refs.setdefault(_ref_key(c), _ref(c))
+
+    def ref_of(c: Candidate) -> Candidate:
+        return dataclasses.replace(refs[_ref_key(c)], local_batch=c.local_batch)
+
+    plans.plan([ref_of(c) for c in cands], modes, screen=True)
     out = []
     for cand in cands:
-        ref, lo, hi = refs[_ref_key(cand)]
-        ends = [plans.get(dataclasses.replace(ref, local_batch=lb), modes)[cand.ac_mode] for lb in (lo, hi)]
-        if any(isinstance(p, UserError) for p in ends):
+        ref = ref_of(cand)
+        plan = plans.get(ref, modes, screen=True)[cand.ac_mode]
+        if isinstance(plan, UserError):
             continue
-        out.append(_screened(cluster, cand, ref, (lo, ends[0]), (hi, ends[1]), efficiency))
+        out.append(_screened(cluster, cand, ref, plan, efficiency))
     return out
 
 
 def _ref_key(c: Candidate) -> tuple:
     d = dict(c.degrees)
-    return (d.get("tp", 1), d.get("dp_shard", 1) > 1, c.ep, c.loss_chunk_size, c.trace_optimizer)
+    return (d.get("tp", 1), d.get("dp_shard", 1) > 1, c.ep, c.loss_chunk_size, c.trace_optimizer, c.prefetch)
 
 
 def _ref(c: Candidate) -> Candidate:
     d = dict(c.degrees)
     degrees = (("dp_replicate", 1), ("dp_shard", d.get("dp_shard", 1)), ("tp", d.get("tp", 1)))
-    return Candidate(degrees, c.ac_mode, 1, c.loss_chunk_size, c.trace_optimizer, ep=c.ep)
+    return Candidate(
+        degrees, c.ac_mode, c.local_batch, c.loss_chunk_size, c.trace_optimizer, ep=c.ep, prefetch=c.prefetch
+    )
 
 
-def _screened(cluster, cand: Candidate, ref: Candidate, lo: tuple, hi: tuple, efficiency) -> Screened:
+def _screened(cluster, cand: Candidate, ref: Candidate, p: StepPlan, efficiency) -> Screened:
     d, r = dict(cand.degrees), dict(ref.degrees)
     scale = r.get("dp_shard", 1) / d.get("dp_shard", 1)
-    lb, (lb_lo, p_lo), (lb_hi, p_hi) = cand.local_batch, lo, hi
-
-    def at(value) -> int:
-        return _between((lb_lo, value(p_lo)), (lb_hi, value(p_hi)), lb)
-
-    sharded = sum(p_lo.peak_by_category.get(k, 0) for k in SHARDED)
-    cats = {
-        "parameter": int(p_lo.peak_by_category.get("parameter", 0) * scale),
-        "batch": lb * p_lo.peak_by_category.get("batch", 0) // lb_lo,
-    }
-    micro = dataclasses.replace(
-        p_lo,
-        peak_bytes=at(lambda p: p.peak_bytes) + int(sharded * scale) - sharded,
-        peak_by_category=cats,
-        flops=at(lambda p: p.flops),
-        comm_bytes={k: at(lambda p, k=k: p.comm_bytes.get(k, 0)) for k in {*p_lo.comm_bytes, *p_hi.comm_bytes}},
-    )
+    sharded = sum(p.peak_by_category.get(k, 0) for k in SHARDED)
+    cats = {**p.peak_by_category, **{k: int(p.peak_by_category[k] * scale) for k in SHARDED if k in p.peak_by_category}}
+    micro = dataclasses.replace(p, peak_bytes=p.peak_bytes + int(sharded * scale) - sharded, peak_by_category=cats)
     plan = accumulated(micro, cand.accumulation, cand.grad_sync, d.get("dp_shard", 1))
     comm = dict(plan.comm_bytes)
     if d.get("dp_replicate", 1) > 1:  # the references replicate nothing: the gradients' all-reduce, once a step
-        comm["dp_replicate all_reduce"] = p_lo.num_params * 4 // (d.get("dp_shard", 1) * d.get("tp", 1))
+        comm["dp_replicate all_reduce"] = p.num_params * 4 // (d.get("dp_shard", 1) * d.get("tp", 1))
     t = step_time(cluster, plan.flops, comm, {**d, "ep": cand.ep}, efficiency, prefetch=cand.prefetch)
     return Screened(cand, plan.peak_bytes, t)
 
@@ -362,16 +359,13 @@ def _screened(cluster, cand: Candidate, ref: Candidate, lo: tuple, hi: tuple, ef
 def plan_exactly(cfg: JobConfig, cluster: Cluster, rows: list[Screened], efficiency: float, plans: Plans) -> None:
     """Fill in each row's exact plan: its micro-step's depth-free plan (cached, every AC mode of a shape at once)
     accumulated over its micro-steps (`accumulate.accumulated`)."""
+    plans.plan([r.cand for r in rows], {r.cand.ac_mode for r in rows})
     for row in rows:
         c = row.cand
-        same = {r.cand.ac_mode for r in rows if plans.planned_as(r.cand) == plans.planned_as(c)}
-        plan = plans.get(c, sorted(same | {c.ac_mode}))
-        plan = plan[c.ac_mode]
+        plan = plans.get(c, {c.ac_mode})[c.ac_mode]
         if isinstance(plan, UserError):
             continue
         d = dict(c.degrees)
-        if plans.planned_as(c).prefetch != (c.prefetch and d.get("dp_shard", 1) > 1):
-            plan = dataclasses.replace(plan, approximate=True)  # planned without the prefetch it runs with
         row.exact = accumulated(plan, c.accumulation, c.grad_sync, d.get("dp_shard", 1))
         row.exact_time = step_time(
             cluster, row.exact.flops, row.exact.comm_bytes, {**d, "ep": c.ep}, efficiency, c.prefetch

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch.fx
 
+from graph_trainer.loss import LOSS_CHUNK
+
 CUSTOM = "custom"  # torch.fx.traceback.annotate() writes here
 PHASE = "phase"
 MODULE_FQN = "module_fqn"
@@ -71,6 +73,11 @@ def phase(node: torch.fx.Node) -> str | None:
 def module_fqn(node: torch.fx.Node) -> str:
     """Fully qualified name of the innermost module that produced the node ('' for the root)."""
     return node.meta.get(CUSTOM, {}).get(MODULE_FQN, "")
+
+
+def loss_chunk(node: torch.fx.Node) -> int | None:
+    """Index of the chunk of a chunked loss the node computes (`graph_trainer.loss.LOSS_CHUNK`), or None."""
+    return node.meta.get(CUSTOM, {}).get(LOSS_CHUNK)
 
 
 def layer_id(node: torch.fx.Node) -> int | None:
