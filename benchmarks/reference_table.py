@@ -4,14 +4,25 @@
 
 Rows (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md and docs/performance.md; seq 8192, bf16, no
 Float8; H100 96 GB at 500 W): each is planned pinned to its layout (`--cluster.device h100-96gb`). The
-"torch.compile" rows correspond to our traced step compiled by Inductor (`--compile.backend inductor`): the
-same per-rank memory plan plus the compile stage's gather buffer; the cost model has no compile-speed term,
-so both published rows of a layout meet the same prediction. The compute efficiency is the device table's
-one constant (graph_trainer.plan.cluster, from the Llama 3 paper's MFU, not from these rows). torchtitan's
-memory is the reserved peak of its caching allocator; ours is the active peak, which is at most that.
-`--best` also runs the search at the row's GPU count and global batch and prints predicted(best) /
-predicted(pinned) (below 1: the pinned layout is faster than anything the search found that fits).
-The 405B row (FSDP 16 x TP 8 on 128 H100s at 95 GB) publishes throughput and MFU, no memory.
+"torch.compile" rows correspond to our traced step compiled by Inductor (`--compile.backend inductor`); the
+cost model has no compile-speed term, so both published rows of a layout meet the same prediction. The compute
+efficiency is the device table's one constant (graph_trainer.plan.cluster, from the Llama 3 paper's MFU, not
+from these rows). `--best` also runs the search at the row's GPU count and global batch and prints
+predicted(best) / predicted(pinned) (below 1: the pinned layout is faster than anything the search found that
+fits). The 405B row (FSDP 16 x TP 8 on 128 H100s at 95 GB) publishes throughput and MFU, no memory.
+
+Memory, like with like. torchtitan's published figure is its caching allocator's peak RESERVED bytes (its
+metrics log `reserved_bytes.all.peak` as "memory"); ours are peaks of live (active) tensors, for two steps:
+- graph GiB: our traced step's plan (the depth-free plan), the step the "torch.compile" rows are compared with
+  (traced + Inductor; planned with `compile.backend none`, so without the Inductor stage's gather buffer);
+- eager GiB: our EAGER step at the same layout and bf16 plan (FSDP gathers bf16 parameters, torch.utils.checkpoint
+  with the same save list; `plan.eager_baseline.eager_whole_step_peak`, run on fake tensors on the planning mesh,
+  at full depth), the kind of step torchtitan's plain FSDP2 rows run; compared with those rows.
+Both add the same AdamW update after the step: its state alive throughout, its scratch on what the step leaves.
+"vs" names the figure each row's ratio is taken of. Reserved is active plus what the allocator caches and
+fragments, which is not modelled (no calibration constant), so eager / published should sit a little below 1.
+Both are planned without FSDP prefetch (the step time still counts its overlap); torchtitan's FSDP2 gathers a
+layer ahead.
 """
 
 from __future__ import annotations
@@ -22,30 +33,38 @@ import time
 import torch
 
 from graph_trainer.job_config.cli import load_config
+from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import to_gib
 from graph_trainer.plan import search
 from graph_trainer.plan.cluster import DEVICES, Cluster
+from graph_trainer.plan.eager_baseline import eager_whole_step_peak
 
 SEQ = 8192
 ROWS = {
-    # name: (config, gpus, degrees, ac mode, local batch, [(label, tokens/s/GPU, memory GiB)])
-    "8b-8": ("llama3_8b", 8, {"dp_shard": 8}, "selective", 2, [("eager", 5762, 82.4), ("torch.compile", 6667, 77.0)]),
-    "405b-128": ("llama3_405b", 128, {"dp_shard": 16, "tp": 8}, "full", 2, [("eager, 29.0% MFU", 109, None)]),
+    # name: (config, gpus, degrees, ac mode, local batch,
+    #        [(label, tokens/s/GPU, memory GiB, our step its memory is compared with)])
+    "8b-8": (
+        "llama3_8b", 8, {"dp_shard": 8}, "selective", 2,
+        [("eager", 5762, 82.4, "eager"), ("torch.compile", 6667, 77.0, "graph")],
+    ),
+    "405b-128": ("llama3_405b", 128, {"dp_shard": 16, "tp": 8}, "full", 2, [("eager, 29.0% MFU", 109, None, None)]),
     "8b-128": (
-        "llama3_8b",
-        128,
-        {"dp_shard": 128},
-        "selective",
-        2,
-        [("eager", 5605, 67.0), ("torch.compile", 6514, 62.0)],
-    ),  # fmt: skip
-}
+        "llama3_8b", 128, {"dp_shard": 128}, "selective", 2,
+        [("eager", 5605, 67.0, "eager"), ("torch.compile", 6514, 62.0, "graph")],
+    ),
+}  # fmt: skip
 
 
 def _plan(cfg, cluster: Cluster, cand: search.Candidate, plans: search.Plans) -> search.Screened:
     row = search.Screened(cand, 0, None)
     search.plan_exactly(cfg, cluster, [row], cluster.device.efficiency, plans)
     return row
+
+
+def eager_peak(cfg: JobConfig, cand: search.Candidate, plans: search.Plans) -> int:
+    """Our eager step's per-rank peak, AdamW update included (`eager_whole_step_peak`), at the layout and bf16 plan
+    the graph side plans `cand` at (`Plans.planned_as`, `Candidate.apply`), on fake tensors on the planning mesh."""
+    return eager_whole_step_peak(plans.planned_as(cand).apply(cfg), plans.device).peak_bytes
 
 
 def _best(cfg, cluster: Cluster, global_seqs: int, chunk: int, plans: search.Plans, exact: int) -> search.Screened:
@@ -68,8 +87,9 @@ def main() -> None:
     opts = parser.parse_args()
     device = DEVICES["h100-96gb"]
     print(f"device h100-96gb: efficiency {device.efficiency} ({device.efficiency_source})")
-    print(f"{'row':<8} {'mode':<14} {'tok/s/GPU pred':>14} {'published':>9} {'ratio':>6} {'GiB pred':>8} "
-          f"{'published':>9} {'ratio':>6} {'MFU':>6} {'best/pinned':>11} {'plan s':>7}")  # fmt: skip
+    print(f"{'row':<8} {'mode':<14} {'tok/s/GPU pred':>14} {'published':>9} {'ratio':>6} {'graph GiB':>9} "
+          f"{'eager GiB':>9} {'published':>9} {'vs':>5} {'ratio':>6} {'MFU':>6} {'best/pinned':>11} "
+          f"{'plan s':>7} {'eager s':>7}")  # fmt: skip
     for name in opts.rows:
         config, gpus, degrees, mode, batch, published = ROWS[name]
         # torchtitan's loss takes the whole [tokens, vocab] logits: no chunking, as there.
@@ -86,6 +106,11 @@ def main() -> None:
         start = time.perf_counter()
         row = _plan(cfg, cluster, cand, plans)
         elapsed = time.perf_counter() - start
+        eager, eager_s = float("nan"), float("nan")
+        if any(gib for _, _, gib, _ in published):  # the eager step only where there is a memory to compare with
+            start = time.perf_counter()
+            eager = to_gib(eager_peak(cfg, cand, plans))
+            eager_s = time.perf_counter() - start
         tokens = batch * SEQ / (degrees.get("tp", 1) * row.exact_time.total_s)  # per GPU: tp ranks share a batch
         mfu = row.exact.flops / row.exact_time.total_s / (device.peak_tflops * 1e12)
         ratio_best, best_label = float("nan"), "-"
@@ -94,12 +119,12 @@ def main() -> None:
             if best is not None:
                 ratio_best = row.exact_time.total_s / best.exact_time.total_s
                 best_label = f"{best.cand.layout()} {best.cand.ac_mode} {best.cand.batch()}"
-        peak = to_gib(row.exact.peak_bytes)
-        for label, tps, gib in published:
-            memory = f"{gib:9.1f} {peak / gib:6.2f}" if gib else f"{'-':>9} {'-':>6}"
+        peaks = {"graph": to_gib(row.exact.peak_bytes), "eager": eager}
+        for label, tps, gib, versus in published:
+            memory = f"{gib:9.1f} {versus:>5} {peaks[versus] / gib:6.2f}" if gib else f"{'-':>9} {'-':>5} {'-':>6}"
             print(
-                f"{name:<8} {label:<14} {tokens:14.0f} {tps:9,} {tokens / tps:6.2f} {peak:8.1f} "
-                f"{memory} {mfu:6.1%} {ratio_best:11.2f} {elapsed:7.0f}"
+                f"{name:<8} {label:<14} {tokens:14.0f} {tps:9,} {tokens / tps:6.2f} {peaks['graph']:9.1f} "
+                f"{eager:9.1f} {memory} {mfu:6.1%} {ratio_best:11.2f} {elapsed:7.0f} {eager_s:7.0f}"
             )
         if opts.best:
             print(f"{name:<8} best layout: {best_label}")

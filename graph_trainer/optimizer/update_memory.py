@@ -116,11 +116,20 @@ def whole_step_peak(estimate: Any, update: EagerUpdate | None) -> tuple[int, dic
     """
     if update is None:
         return estimate.peak_bytes, dict(estimate.peak_bytes_by_category), False
-    after_graph = sum(estimate.final_bytes_by_category.values()) + update.scratch_bytes
-    in_update = after_graph > estimate.peak_bytes
+    peak, in_update = peak_with_update(estimate.peak_bytes, sum(estimate.final_bytes_by_category.values()), update)
     if in_update:
         by_category = {**estimate.final_bytes_by_category, "optimizer_scratch": update.scratch_bytes}
     else:
         by_category = dict(estimate.peak_bytes_by_category)
     by_category["optimizer_state"] = by_category.get("optimizer_state", 0) + update.state_bytes
-    return max(estimate.peak_bytes, after_graph) + update.state_bytes, by_category, in_update
+    return peak, by_category, in_update
+
+
+def peak_with_update(step_peak: int, step_end: int, update: EagerUpdate) -> tuple[int, bool]:
+    """(peak bytes, whether the peak is in the update) of a step (graph or eager) whose peak without the optimizer
+    state is `step_peak` and which leaves `step_end` bytes alive (params, batch, grads), followed by `update`.
+
+    The optimizer state is alive throughout; the update runs on what the step leaves alive plus its scratch.
+    """
+    after_step = step_end + update.scratch_bytes
+    return max(step_peak, after_step) + update.state_bytes, after_step > step_peak

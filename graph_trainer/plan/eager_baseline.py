@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -10,11 +13,13 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graph_trainer.builder import build_job
+from graph_trainer.builder import Job, build_job
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.memory import LiveTensorTracker
+from graph_trainer.optimizer.update_memory import EagerUpdate, peak_with_update
+from graph_trainer.plan.step_plan import eager_update_of
 
 
 @dataclasses.dataclass
@@ -56,13 +61,44 @@ def eager_step_peak(cfg: JobConfig, device: torch.device) -> EagerStepPeak:
     The live-tensor tracker counts the fake tensors as the memory they stand for, so this is the eager step's
     exact CPU peak (checked against a real run in tests/plan/test_planner.py) at the cost of a trace, with nothing
     allocated. The AdamW update is left out (torch's update cannot run on fake tensors); its state and scratch
-    are the same in both modes. With `parallelism`, it is rank 0's step on the planning mesh (`planning_mesh`, torch's
-    fake process group), as `plan_config` plans it.
+    are the same in both modes (`eager_whole_step_peak` adds them). With `parallelism`, it is rank 0's step on
+    the planning mesh (`planning_mesh`, torch's fake process group), as `plan_config` plans it.
     """
-    # With parallelisms, rank 0's step on the planning mesh (torch's fake process group), as the dry run plans it:
-    # the FSDP gathers and the expert all-to-alls are functional collectives, which run on fake tensors.
+    with _planned_job(cfg, device) as job:
+        return _fake_step_peak(cfg, job, device)
+
+
+@dataclasses.dataclass
+class EagerWholeStep:
+    """The eager step followed by its eager AdamW update: what an eager trainer's step holds at most."""
+
+    step: EagerStepPeak  # forward, loss, backward, clipping (`eager_step_peak`)
+    update: EagerUpdate  # the AdamW implementation the eager step runs, its state and scratch
+    peak_bytes: int  # the step's peak with the optimizer state alive throughout, or the update's if higher
+    peak_in_update: bool
+
+
+def eager_whole_step_peak(cfg: JobConfig, device: torch.device) -> EagerWholeStep:
+    """`eager_step_peak` of cfg's eager step plus its AdamW update, added as a graph plan adds an eager update
+    (`optimizer.update_memory.whole_step_peak`): the state alive throughout, the update's scratch on what the step
+    leaves alive. The update is the one `compile.mode eager` runs (`step_plan.eager_update_of`), so with
+    `compile.trace_optimizer = false` it is the graph plan's own, and the two peaks count the same optimizer.
+    """
+    eager_cfg = copy.deepcopy(cfg)
+    eager_cfg.compile.mode = "eager"  # the update runs eagerly after the step, whatever the graph would do
+    with _planned_job(eager_cfg, device) as job:
+        update = eager_update_of(job)  # before the fake run, which swaps the model's parameters for fakes
+        step = _fake_step_peak(eager_cfg, job, device)
+    peak, in_update = peak_with_update(step.peak_bytes, step.end_bytes, update)
+    return EagerWholeStep(step=step, update=update, peak_bytes=peak, peak_in_update=in_update)
+
+
+@contextlib.contextmanager
+def _planned_job(cfg: JobConfig, device: torch.device) -> Iterator[Job]:
+    """cfg's job on the meta device for rank 0 of the planning mesh (torch's fake process group), as the dry run
+    plans it: the FSDP gathers and the expert all-to-alls are functional collectives, which run on fake tensors."""
     with planning_mesh(ParallelDims.from_config(cfg.parallelism), device) as mesh:
-        return _fake_step_peak(cfg, build_job(cfg, mesh, materialize=False), device)
+        yield build_job(cfg, mesh, materialize=False)
 
 
 def _fake_step_peak(cfg: JobConfig, job: Any, device: torch.device) -> EagerStepPeak:
@@ -91,4 +127,4 @@ def _fake_step_peak(cfg: JobConfig, job: Any, device: torch.device) -> EagerStep
             tracker.forget()
 
 
-__all__ = ["EagerStepPeak", "eager_step_peak"]
+__all__ = ["EagerStepPeak", "EagerWholeStep", "eager_step_peak", "eager_whole_step_peak"]
