@@ -63,8 +63,8 @@ def _plan(cfg, cluster: Cluster, cand: search.Candidate, plans: search.Plans) ->
 
 def eager_peak(cfg: JobConfig, cand: search.Candidate, plans: search.Plans) -> int:
     """Our eager step's per-rank peak, AdamW update included (`eager_whole_step_peak`), at the layout and bf16 plan
-    the graph side plans `cand` at (`Plans.planned_as`, `Candidate.apply`), on fake tensors on the planning mesh."""
-    return eager_whole_step_peak(plans.planned_as(cand).apply(cfg), plans.device).peak_bytes
+    the graph side plans `cand` at (`Candidate.apply`), on fake tensors on the planning mesh."""
+    return eager_whole_step_peak(cand.micro().apply(cfg), plans.device).peak_bytes
 
 
 def _best(cfg, cluster: Cluster, global_seqs: int, chunk: int, plans: search.Plans, exact: int) -> search.Screened:
@@ -96,13 +96,13 @@ def main() -> None:
         args = ["--config", config, "--training.seq_len", str(SEQ), "--training.dtype", "bfloat16"]
         cfg, _ = load_config([*args, "--training.loss_chunk_size", "0"])
         cluster = Cluster(device, gpus, 8)
-        # Prefetch on, as torchtitan's FSDP2 runs: the cost model hides the all-gathers; the memory is planned
-        # without it (the depth-free plan falls back to a whole-depth trace with it), so marked approximate.
+        # Prefetch on, as torchtitan's FSDP2 runs: the cost model hides the all-gathers, and the memory is planned
+        # with it (the depth-free plan extends prefetch exactly).
         cand = search.Candidate(
             tuple({"dp_replicate": 1, **degrees}.items()), mode, batch, cfg.training.loss_chunk_size, False,
             prefetch=True,
         )  # fmt: skip
-        plans = search.Plans(cfg, torch.device("cpu"), exact_prefetch=False)
+        plans = search.Plans(cfg, torch.device("cpu"))
         start = time.perf_counter()
         row = _plan(cfg, cluster, cand, plans)
         elapsed = time.perf_counter() - start
