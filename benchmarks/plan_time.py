@@ -1,7 +1,12 @@
-"""Plan time against depth: the depth-free plan (3 + 4 blocks traced) vs the full trace, all four AC modes.
+"""Plan time against depth: the depth-free plan (3 + 4 blocks traced) vs the full trace, all four AC modes;
+with `--batches`, against the local batch instead (at the first depth).
 
     python -m benchmarks.plan_time [--config llama3_8b] [--depths 8 16 32 80 126] [--full-up-to 32]
-        [--dp-shard 1] [--tp 1] [--extra --training.seq_len 8192 ...]
+        [--dp-shard 1] [--tp 1] [--batches 1 2 8 32 64] [--extra --training.seq_len 8192 ...]
+
+With `--batches`, each batch is planned alone (as the dry run plans its own batch: traced at that batch, or
+extended from two small batches when its chunked loss has many chunks), then all of them in one call (as the
+planner's search plans a shape: `block_plan.plan_batches`).
 
 Each (depth, method) runs in a fresh process so the max RSS is its own; plan s is wall time, CPU s the
 process's CPU time (on a shared machine the wall time includes waiting for a core). The full trace is skipped above
@@ -24,19 +29,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _one(args: list[str], fast: bool) -> dict:
-    """Plan all four modes of `args` in this process; time, max RSS, and the none peak."""
+def _one(args: list[str], method: str) -> dict:
+    """Plan all four modes of `args` in this process (`method`: fast, full, or batches=1,2,...: all those local
+    batches in one call); time, max RSS, and the none peak (of the largest batch)."""
     import torch
 
     from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
     from graph_trainer.job_config.cli import load_config
-    from graph_trainer.plan.block_plan import plan_modes
+    from graph_trainer.plan.block_plan import plan_batches, plan_modes
     from graph_trainer.plan.step_plan import AC_MODES
 
     cfg, _ = load_config(args)
     start, cpu = time.perf_counter(), time.process_time()
     with planning_mesh(ParallelDims.from_config(cfg.parallelism), torch.device("cpu")) as mesh:
-        plans = plan_modes(cfg, mesh, AC_MODES, fast=fast)
+        if method.startswith("batches="):
+            batches = [int(b) for b in method.split("=")[1].split(",")]
+            plans = plan_batches(cfg, mesh, AC_MODES, batches)[max(batches)]
+        else:
+            plans = plan_modes(cfg, mesh, AC_MODES, fast=method == "fast")
     elapsed = time.perf_counter() - start
     none = plans["none"]
     return {
@@ -55,34 +65,42 @@ def main() -> None:
     parser.add_argument("--full-up-to", type=int, default=32)
     parser.add_argument("--dp-shard", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--batches", type=int, nargs="+", default=None)
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child:
-        fast, *args = opts.child
-        print(json.dumps(_one(args, fast == "fast")))
+        method, *args = opts.child
+        print(json.dumps(_one(args, method)))
         return
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"{'depth':>5} {'method':>10} {'plan s':>8} {'CPU s':>6} {'RSS GiB':>8} {'blocks':>6} {'none peak GiB':>14}")
-    for depth in opts.depths:
-        args = ["--config", opts.config, "--model.n_layers", str(depth), *opts.extra]
+    print(f"{'depth':>5} {'batch':>5} {'method':>10} {'plan s':>8} {'CPU s':>6} {'RSS GiB':>8} {'blocks':>6} "
+          f"{'none peak GiB':>14}")  # fmt: skip
+    runs = []  # (depth, batch label, method, extra args)
+    if opts.batches:
+        depth = opts.depths[0]
+        runs += [(depth, str(b), "fast", ["--training.local_batch_size", str(b)]) for b in opts.batches]
+        runs.append((depth, "all", "batches=" + ",".join(map(str, opts.batches)), []))
+    else:
+        for depth in opts.depths:
+            runs += [(depth, "", m, []) for m in ("fast", "full") if m == "fast" or depth <= opts.full_up_to]
+    for depth, batch, method, more in runs:
+        args = ["--config", opts.config, "--model.n_layers", str(depth), *opts.extra, *more]
         for dim, size in (("dp_shard", opts.dp_shard), ("tp", opts.tp)):
             if size > 1:
                 args += [f"--parallelism.{dim}", str(size)]
-        for method in ("fast", "full"):
-            if method == "full" and depth > opts.full_up_to:
-                continue
-            cmd = [sys.executable, "-m", "benchmarks.plan_time", "--child", method, *args]
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
-            if proc.returncode != 0:
-                print(f"{depth:>5} {method:>10} failed: {proc.stderr.strip().splitlines()[-1:]}")
-                continue
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
-            peak = r["none_peak"] / 1024**3 if r["none_peak"] else float("nan")
-            print(
-                f"{depth:>5} {method:>10} {r['seconds']:8.1f} {r['cpu_seconds']:6.1f} {r['rss_gib']:8.2f} "
-                f"{r['blocks_traced']:>6} {peak:14.3f}"
-            )
+        cmd = [sys.executable, "-m", "benchmarks.plan_time", "--child", method, *args]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+        label = method if len(method) <= 10 else "batches"
+        if proc.returncode != 0:
+            print(f"{depth:>5} {batch:>5} {label:>10} failed: {proc.stderr.strip().splitlines()[-1:]}")
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        peak = r["none_peak"] / 1024**3 if r["none_peak"] else float("nan")
+        print(
+            f"{depth:>5} {batch:>5} {label:>10} {r['seconds']:8.1f} {r['cpu_seconds']:6.1f} {r['rss_gib']:8.2f} "
+            f"{r['blocks_traced']:>6} {peak:14.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
 
     from graph_trainer.errors import UserError
     from graph_trainer.job_config.cli import load_config
+    from graph_trainer.observability.units import to_gib
     from graph_trainer.plan import search
     from graph_trainer.plan.cluster import build_cluster
     from graph_trainer.plan.report import nothing_fits, print_table, write_json, write_picture
@@ -87,12 +88,14 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     plans = search.Plans(cfg, torch.device("cpu"))
     rows = search.screen(cfg, cluster, kept, cluster.device.efficiency, plans) if kept else []
     fitting = sorted((r for r in rows if r.peak <= cluster.memory_bytes), key=lambda r: r.time.total_s)
-    exact = fitting[: opts.exact]
-    search.plan_exactly(cfg, cluster, exact, cluster.device.efficiency, plans)
-    final = sorted(
-        (r for r in exact if r.exact is not None and r.exact.peak_bytes <= cluster.memory_bytes),
-        key=lambda r: r.exact_time.total_s,
-    )
+    exact = search.plan_best(cfg, cluster, fitting, opts.exact, cluster.device.efficiency, plans)
+    final = sorted((r for r in exact if search.is_exact_fit(r, cluster)), key=lambda r: r.exact_time.total_s)
+    # Upper bounds that fit and would beat the best exact plan: listed, never ranked (every ranked row is exact).
+    bounds = [
+        r for r in exact
+        if r.exact is not None and r.exact.approximate and r.exact.peak_bytes <= cluster.memory_bytes
+        and (not final or r.exact_time.total_s < final[0].exact_time.total_s)
+    ]  # fmt: skip
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     print(
         f"plan: {cfg.model.name}/{cfg.model.flavor} on {cluster.gpus} x {cluster.device.name} "
@@ -111,6 +114,12 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
         print(nothing_fits(cfg, cluster, global_seqs, cands, rows, exact))
         return EXIT_USER_ERROR
     print_table(final, cluster, seq)
+    for r in bounds:
+        c = r.cand
+        print(
+            f"not ranked, an upper bound only: {c.layout()} {c.ac_mode} {c.batch()}, peak <= "
+            f"{to_gib(r.exact.peak_bytes):.2f} GiB, {r.exact_time.total_s:.2f} s a step (docs/planner.md, accumulation)"
+        )
     best = final[0]
     command = _command(rest, best.cand, cluster)
     print("best plan's command:\n  " + command)

@@ -372,6 +372,26 @@ def plan_exactly(cfg: JobConfig, cluster: Cluster, rows: list[Screened], efficie
         )
 
 
+def plan_best(
+    cfg: JobConfig, cluster: Cluster, fitting: list[Screened], count: int, efficiency: float, plans: Plans
+) -> list[Screened]:
+    """Plan the screen's fitting candidates exactly, fastest first, until `count` of them have an exact plan that
+    fits (at most 4 x `count` planned): the rows planned, in screen order. A plan that is only an upper bound
+    (`fsdp_grad_sync = "step"`, or accumulation without FSDP: `accumulate.accumulated`) does not count."""
+    planned: list[Screened] = []
+    for row in fitting[: 4 * count]:
+        plan_exactly(cfg, cluster, [row], efficiency, plans)
+        planned.append(row)
+        if sum(is_exact_fit(r, cluster) for r in planned) >= count:
+            break
+    return planned
+
+
+def is_exact_fit(row: Screened, cluster: Cluster) -> bool:
+    """Whether the row's exact plan exists, is exact (not an upper bound) and fits the memory."""
+    return row.exact is not None and not row.exact.approximate and row.exact.peak_bytes <= cluster.memory_bytes
+
+
 def screen_errors(rows: list[Screened]) -> list[tuple[Screened, float, float]]:
     """(row, peak error, step-time error) of the screen against the exact plan, for each row planned both ways."""
     return [
@@ -392,6 +412,8 @@ __all__ = [
     "layouts",
     "model_allows",
     "offered_degrees",
+    "is_exact_fit",
+    "plan_best",
     "plan_exactly",
     "screen",
     "screen_errors",
