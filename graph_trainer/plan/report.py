@@ -93,29 +93,30 @@ def write_json(path: Path, final, exact, skipped, cluster: Cluster, seq: int, co
 
 
 def write_picture(path: Path, screened, final, cluster: Cluster, seq: int) -> None:
-    """Predicted tokens/s per GPU against per-rank peak: screened candidates, exact plans, the memory limit and
-    the frontier of fitting exact plans."""
+    """Predicted tokens/s per GPU against per-rank peak (log scale: peaks span two orders of magnitude): screened
+    candidates, exact plans, the memory limit and the frontier of the fitting candidates (the fastest at each
+    peak or below)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def tokens(r) -> float:
+        return r.cand.global_batch * seq / r.cand.dp / dict(r.cand.degrees).get("tp", 1) / r.time.total_s
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.scatter(
-        [to_gib(r.peak) for r in screened],
-        [r.cand.global_batch * seq / r.cand.dp / dict(r.cand.degrees).get("tp", 1) / r.time.total_s for r in screened],
-        s=12, c="0.6", label="screened (analytic)",
-    )  # fmt: skip
+    ax.scatter([to_gib(r.peak) for r in screened], [tokens(r) for r in screened], s=12, c="0.6", label="screened")
     pts = sorted((_row(r, cluster, seq)["peak_gib"], _row(r, cluster, seq)["tokens_per_s_per_gpu"]) for r in final)
-    ax.scatter([p for p, _ in pts], [t for _, t in pts], s=30, c="C0", label="planned exactly")
+    ax.scatter([p for p, _ in pts], [t for _, t in pts], s=30, c="C0", label="planned exactly (ranked)")
     frontier, best = [], 0.0
-    for p, t in pts:
+    for p, t in sorted((to_gib(r.peak), tokens(r)) for r in screened if r.peak <= cluster.memory_bytes):
         if t > best:
             frontier.append((p, t))
             best = t
-    ax.step([p for p, _ in frontier], [t for _, t in frontier], where="post", c="C1", label="frontier")
+    ax.step([p for p, _ in frontier], [t for _, t in frontier], where="post", c="C1", label="frontier of fitting")
     ax.axvline(to_gib(cluster.memory_bytes), c="C3", ls="--", label=f"memory {cluster.device.memory_gib:.0f} GiB")
-    ax.set_xlabel("per-rank peak (GiB)")
+    ax.set_xscale("log")
+    ax.set_xlabel("per-rank peak (GiB, log scale)")
     ax.set_ylabel("predicted tokens/s per GPU")
     ax.legend(fontsize=8)
     fig.tight_layout()
