@@ -36,6 +36,7 @@ from graph_trainer.job_config.cli import load_config
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import to_gib
 from graph_trainer.plan import search
+from graph_trainer.plan.caching_allocator import AllocatorPeaks, replay
 from graph_trainer.plan.cluster import DEVICES, Cluster
 from graph_trainer.plan.eager_baseline import eager_whole_step_peak
 
@@ -61,10 +62,15 @@ def _plan(cfg, cluster: Cluster, cand: search.Candidate, plans: search.Plans) ->
     return row
 
 
+def eager_whole(cfg: JobConfig, cand: search.Candidate, plans: search.Plans, record_events: bool = False):
+    """Our eager step with its AdamW update (`eager_whole_step_peak`) at the layout and bf16 plan the graph side
+    plans `cand` at (`Candidate.apply`), on fake tensors on the planning mesh."""
+    return eager_whole_step_peak(cand.micro().apply(cfg), plans.device, record_events)
+
+
 def eager_peak(cfg: JobConfig, cand: search.Candidate, plans: search.Plans) -> int:
-    """Our eager step's per-rank peak, AdamW update included (`eager_whole_step_peak`), at the layout and bf16 plan
-    the graph side plans `cand` at (`Candidate.apply`), on fake tensors on the planning mesh."""
-    return eager_whole_step_peak(cand.micro().apply(cfg), plans.device).peak_bytes
+    """Our eager step's per-rank peak of live bytes, AdamW update included (`eager_whole`)."""
+    return eager_whole(cfg, cand, plans).peak_bytes
 
 
 def _best(cfg, cluster: Cluster, global_seqs: int, chunk: int, plans: search.Plans, exact: int) -> search.Screened:
@@ -88,7 +94,8 @@ def main() -> None:
     device = DEVICES["h100-96gb"]
     print(f"device h100-96gb: efficiency {device.efficiency} ({device.efficiency_source})")
     print(f"{'row':<8} {'mode':<14} {'tok/s/GPU pred':>14} {'published':>9} {'ratio':>6} {'graph GiB':>9} "
-          f"{'eager GiB':>9} {'published':>9} {'vs':>5} {'ratio':>6} {'MFU':>6} {'best/pinned':>11} "
+          f"{'eager GiB':>9} {'published':>9} {'vs':>5} {'ratio':>6} {'rsv GiB sim':>11} {'ratio':>6} "
+          f"{'MFU':>6} {'best/pinned':>11} "
           f"{'plan s':>7} {'eager s':>7}")  # fmt: skip
     for name in opts.rows:
         config, gpus, degrees, mode, batch, published = ROWS[name]
@@ -106,10 +113,12 @@ def main() -> None:
         start = time.perf_counter()
         row = _plan(cfg, cluster, cand, plans)
         elapsed = time.perf_counter() - start
-        eager, eager_s = float("nan"), float("nan")
+        eager, reserved, eager_s = float("nan"), None, float("nan")
         if any(gib for _, _, gib, _ in published):  # the eager step only where there is a memory to compare with
             start = time.perf_counter()
-            eager = to_gib(eager_peak(cfg, cand, plans))
+            whole = eager_whole(cfg, cand, plans, record_events=True)
+            eager = to_gib(whole.peak_bytes)
+            reserved = replay(whole.events, cluster.memory_bytes)
             eager_s = time.perf_counter() - start
         tokens = batch * SEQ / (degrees.get("tp", 1) * row.exact_time.total_s)  # per GPU: tp ranks share a batch
         mfu = row.exact.flops / row.exact_time.total_s / (device.peak_tflops * 1e12)
@@ -124,10 +133,26 @@ def main() -> None:
             memory = f"{gib:9.1f} {versus:>5} {peaks[versus] / gib:6.2f}" if gib else f"{'-':>9} {'-':>5} {'-':>6}"
             print(
                 f"{name:<8} {label:<14} {tokens:14.0f} {tps:9,} {tokens / tps:6.2f} {peaks['graph']:9.1f} "
-                f"{eager:9.1f} {memory} {mfu:6.1%} {ratio_best:11.2f} {elapsed:7.0f} {eager_s:7.0f}"
+                f"{eager:9.1f} {memory} {_reserved(reserved, gib if versus == 'eager' else None)} {mfu:6.1%} "
+                f"{ratio_best:11.2f} {elapsed:7.0f} {eager_s:7.0f}"
+            )
+        if reserved is not None:
+            print(
+                f"{name:<8} eager step through the caching allocator (2 steps, cap {cluster.device.memory_gib} GiB): "
+                f"reserved {to_gib(reserved.reserved_bytes):.2f}, allocated {to_gib(reserved.allocated_bytes):.2f}, "
+                f"requested {to_gib(reserved.requested_bytes):.2f} GiB; {reserved.segments} segments, "
+                f"{reserved.retries} retries{', OUT OF MEMORY' if reserved.oom else ''}"
             )
         if opts.best:
             print(f"{name:<8} best layout: {best_label}")
+
+
+def _reserved(peaks: AllocatorPeaks | None, published_gib: float | None) -> str:
+    """The simulated reserved GiB, and its ratio to the published figure where that is the eager step's."""
+    if peaks is None:
+        return f"{'-':>11} {'-':>6}"
+    gib = to_gib(peaks.reserved_bytes)
+    return f"{gib:11.1f} {gib / published_gib:6.2f}" if published_gib else f"{gib:11.1f} {'-':>6}"
 
 
 if __name__ == "__main__":
