@@ -9,8 +9,11 @@ from graph_trainer.job_config.cli import load_config
 from graph_trainer.observability.memory import ALLOC, FREE, AllocationRecorder, LiveTensorTracker
 from graph_trainer.observability.units import MIB
 from graph_trainer.optimizer.update_memory import adamw_update_events, eager_step_scratch_bytes
+from graph_trainer.passes.memory_estimate import allocation_events, estimate_peak_memory
+from graph_trainer.plan.allocation_stream import graph_step_stream
 from graph_trainer.plan.caching_allocator import replay
 from graph_trainer.plan.eager_baseline import eager_whole_step_peak, repeated_steps
+from tests.passes.test_memory import _fwd_bwd_graph
 
 
 def _alloc(key, nbytes):
@@ -147,3 +150,42 @@ def test_the_eager_step_stream_replays_to_the_eager_whole_step_peak():
     assert peaks.requested_bytes == whole.peak_bytes
     assert peaks.reserved_bytes >= peaks.allocated_bytes >= peaks.requested_bytes and not peaks.oom
     assert eager_whole_step_peak(cfg, torch.device("cpu")).events is None  # recorded only when asked
+
+
+def test_the_graph_stream_is_the_one_a_run_of_the_graph_makes():
+    """`allocation_events` of a traced forward-backward graph: the same allocations, in the same order, as the
+    recorder sees running it, and the same allocator peaks; its live peak is the estimate's."""
+    gm, params, x, y = _fwd_bwd_graph()
+    events, inputs = allocation_events(gm)
+    recorder = AllocationRecorder()
+    recorder.track_existing([*params.values(), x, y])
+    with torch.no_grad(), recorder:
+        out = gm(params, x, y)
+    assert inputs == len(params) + 2
+    assert _renamed(events) == _renamed(recorder.events)  # every allocation and free, in the same order
+    assert replay(events) == replay(recorder.events)
+    assert replay(events).requested_bytes == estimate_peak_memory(gm).peak_bytes
+    del out
+
+
+def _renamed(events):
+    """`events` with each key replaced by the rank of its allocation (keys differ between two streams)."""
+    names, out = {}, []
+    for i, (kind, key, nbytes) in enumerate(events):
+        if kind == ALLOC:
+            names[key] = i  # a key (a storage address) may come back after its free
+        out.append((kind, names[key], nbytes))
+    return out
+
+
+def test_the_traced_step_stream_replays_to_its_plan_peak():
+    """The debug model's traced step (FSDP 2 on the planning mesh, the update eager after the graph): the stream of
+    its full trace replays to the plan's live peak, update included, in both steps."""
+    args = ["--config", "llama3_debug", "--model.n_layers", "2", "--training.seq_len", "64"]
+    cfg, _ = load_config([*args, "--parallelism.dp_shard", "2", "--compile.trace_optimizer", "false"])
+    plan, events = graph_step_stream(cfg, torch.device("cpu"))
+    assert plan.optimizer != "in graph"
+    peaks = replay(events)
+    assert peaks.requested_bytes == plan.peak_bytes
+    assert peaks.reserved_bytes >= peaks.allocated_bytes >= peaks.requested_bytes and not peaks.oom
+    assert any(isinstance(key, tuple) and key[0] == "adamw_state" for _, key, _ in events)
