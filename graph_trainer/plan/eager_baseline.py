@@ -94,7 +94,9 @@ def eager_whole_step_peak(cfg: JobConfig, device: torch.device, record_events: b
     eager_cfg.compile.mode = "eager"  # the update runs eagerly after the step, whatever the graph would do
     with _planned_job(eager_cfg, device) as job:
         update = eager_update_of(job)  # before the fake run, which swaps the model's parameters for fakes
-        state, scratch = adamw_update_events(job.optimizer, update.implementation, job.device)
+        state, scratch = (
+            adamw_update_events(job.optimizer, update.implementation, job.device) if record_events else ([], [])
+        )
         step = _fake_step_peak(eager_cfg, job, device, state if record_events else None)
     peak, in_update = peak_with_update(step.peak_bytes, step.end_bytes, update)
     events = repeated_steps(step.events, step.step_events_from, scratch) if record_events else None
