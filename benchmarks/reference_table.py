@@ -12,17 +12,22 @@ predicted(best) / predicted(pinned) (below 1: the pinned layout is faster than a
 fits). The 405B row (FSDP 16 x TP 8 on 128 H100s at 95 GB) publishes throughput and MFU, no memory.
 
 Memory, like with like. torchtitan's published figure is its caching allocator's peak RESERVED bytes (its
-metrics log `reserved_bytes.all.peak` as "memory"); ours are peaks of live (active) tensors, for two steps:
-- graph GiB: our traced step's plan (the depth-free plan), the step the "torch.compile" rows are compared with
-  (traced + Inductor; planned with `compile.backend none`, so without the Inductor stage's gather buffer);
-- eager GiB: our EAGER step at the same layout and bf16 plan (FSDP gathers bf16 parameters, torch.utils.checkpoint
-  with the same save list; `plan.eager_baseline.eager_whole_step_peak`, run on fake tensors on the planning mesh,
-  at full depth), the kind of step torchtitan's plain FSDP2 rows run; compared with those rows.
+metrics log `reserved_bytes.all.peak` as "memory"). Ours, per layout:
+- graph GiB: the peak of live (active) bytes of our traced step's plan (the depth-free plan), the step the
+  "torch.compile" rows are compared with (traced + Inductor; planned with `compile.backend none`, so without the
+  Inductor stage's gather buffer or its fusions);
+- eager GiB: the same for our EAGER step at the same layout and bf16 plan (FSDP gathers bf16 parameters,
+  torch.utils.checkpoint with the same save list; `plan.eager_baseline.eager_whole_step_peak`, run on fake
+  tensors on the planning mesh, at full depth), the kind of step torchtitan's plain FSDP2 rows run;
+- rsv GiB sim: the RESERVED peak of the step in "vs": its allocations and frees, in order, replayed through a
+  simulator of the CUDA caching allocator's rules (`plan.caching_allocator`, no constant; two steps, the card's
+  memory as the cap): for eager, the fake run's recorded stream; for graph, the stream of a full-depth trace
+  (`plan.allocation_stream`; its live peak is asserted equal to the depth-free plan's).
 Both add the same AdamW update after the step: its state alive throughout, its scratch on what the step leaves.
-"vs" names the figure each row's ratio is taken of. Reserved is active plus what the allocator caches and
-fragments, which is not modelled (no calibration constant), so eager / published should sit a little below 1.
-Both are planned without FSDP prefetch (the step time still counts its overlap); torchtitan's FSDP2 gathers a
-layer ahead.
+"vs" names the step each row's ratios are taken of. The simulator models one stream and the allocator's default
+settings; FSDP2's separate all-gather stream (its own pool), NCCL's buffers, cuBLAS workspaces and Inductor's
+fusions are not modelled, so rsv / published should still sit at or a little below 1. The rows are planned with
+FSDP prefetch on (`--parallelism.fsdp_prefetch true`), as torchtitan's FSDP2 gathers a layer ahead.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from graph_trainer.job_config.cli import load_config
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import to_gib
 from graph_trainer.plan import search
+from graph_trainer.plan.allocation_stream import graph_step_stream
+from graph_trainer.plan.caching_allocator import AllocatorPeaks, replay
 from graph_trainer.plan.cluster import DEVICES, Cluster
 from graph_trainer.plan.eager_baseline import eager_whole_step_peak
 
@@ -61,10 +68,15 @@ def _plan(cfg, cluster: Cluster, cand: search.Candidate, plans: search.Plans) ->
     return row
 
 
+def eager_whole(cfg: JobConfig, cand: search.Candidate, plans: search.Plans, record_events: bool = False):
+    """Our eager step with its AdamW update (`eager_whole_step_peak`) at the layout and bf16 plan the graph side
+    plans `cand` at (`Candidate.apply`), on fake tensors on the planning mesh."""
+    return eager_whole_step_peak(cand.micro().apply(cfg), plans.device, record_events)
+
+
 def eager_peak(cfg: JobConfig, cand: search.Candidate, plans: search.Plans) -> int:
-    """Our eager step's per-rank peak, AdamW update included (`eager_whole_step_peak`), at the layout and bf16 plan
-    the graph side plans `cand` at (`Candidate.apply`), on fake tensors on the planning mesh."""
-    return eager_whole_step_peak(cand.micro().apply(cfg), plans.device).peak_bytes
+    """Our eager step's per-rank peak of live bytes, AdamW update included (`eager_whole`)."""
+    return eager_whole(cfg, cand, plans).peak_bytes
 
 
 def _best(cfg, cluster: Cluster, global_seqs: int, chunk: int, plans: search.Plans, exact: int) -> search.Screened:
@@ -88,7 +100,8 @@ def main() -> None:
     device = DEVICES["h100-96gb"]
     print(f"device h100-96gb: efficiency {device.efficiency} ({device.efficiency_source})")
     print(f"{'row':<8} {'mode':<14} {'tok/s/GPU pred':>14} {'published':>9} {'ratio':>6} {'graph GiB':>9} "
-          f"{'eager GiB':>9} {'published':>9} {'vs':>5} {'ratio':>6} {'MFU':>6} {'best/pinned':>11} "
+          f"{'eager GiB':>9} {'published':>9} {'vs':>5} {'ratio':>6} {'rsv GiB sim':>11} {'ratio':>6} "
+          f"{'MFU':>6} {'best/pinned':>11} "
           f"{'plan s':>7} {'eager s':>7}")  # fmt: skip
     for name in opts.rows:
         config, gpus, degrees, mode, batch, published = ROWS[name]
@@ -106,11 +119,19 @@ def main() -> None:
         start = time.perf_counter()
         row = _plan(cfg, cluster, cand, plans)
         elapsed = time.perf_counter() - start
-        eager, eager_s = float("nan"), float("nan")
+        eager, reserved, eager_s = float("nan"), {}, float("nan")
         if any(gib for _, _, gib, _ in published):  # the eager step only where there is a memory to compare with
             start = time.perf_counter()
-            eager = to_gib(eager_peak(cfg, cand, plans))
+            whole = eager_whole(cfg, cand, plans, record_events=True)
+            eager = to_gib(whole.peak_bytes)
+            reserved["eager"] = replay(whole.events, cluster.memory_bytes)
             eager_s = time.perf_counter() - start
+            start = time.perf_counter()
+            full, events = graph_step_stream(cand.apply(cfg), plans.device)  # the whole graph: a full-depth trace
+            reserved["graph"] = replay(events, cluster.memory_bytes)
+            seconds = {"eager": eager_s, "graph": time.perf_counter() - start}
+            # The full trace's live peak is the depth-free plan's (issue 25, item 1): the streams are of that step.
+            assert full.peak_bytes == row.exact.peak_bytes, (full.peak_bytes, row.exact.peak_bytes)
         tokens = batch * SEQ / (degrees.get("tp", 1) * row.exact_time.total_s)  # per GPU: tp ranks share a batch
         mfu = row.exact.flops / row.exact_time.total_s / (device.peak_tflops * 1e12)
         ratio_best, best_label = float("nan"), "-"
@@ -124,10 +145,26 @@ def main() -> None:
             memory = f"{gib:9.1f} {versus:>5} {peaks[versus] / gib:6.2f}" if gib else f"{'-':>9} {'-':>5} {'-':>6}"
             print(
                 f"{name:<8} {label:<14} {tokens:14.0f} {tps:9,} {tokens / tps:6.2f} {peaks['graph']:9.1f} "
-                f"{eager:9.1f} {memory} {mfu:6.1%} {ratio_best:11.2f} {elapsed:7.0f} {eager_s:7.0f}"
+                f"{eager:9.1f} {memory} {_reserved(reserved.get(versus), gib)} {mfu:6.1%} "
+                f"{ratio_best:11.2f} {elapsed:7.0f} {eager_s:7.0f}"
+            )
+        for step, peaks in reserved.items():
+            print(
+                f"{name:<8} {step} step through the caching allocator (2 steps, cap {cluster.device.memory_gib} GiB): "
+                f"reserved {to_gib(peaks.reserved_bytes):.2f}, allocated {to_gib(peaks.allocated_bytes):.2f}, "
+                f"requested {to_gib(peaks.requested_bytes):.2f} GiB; {peaks.segments} segments, "
+                f"{peaks.retries} retries{', OUT OF MEMORY' if peaks.oom else ''}; {seconds[step]:.0f} s"
             )
         if opts.best:
             print(f"{name:<8} best layout: {best_label}")
+
+
+def _reserved(peaks: AllocatorPeaks | None, published_gib: float | None) -> str:
+    """The simulated reserved GiB of the step a row is compared with, and its ratio to the published figure."""
+    if peaks is None:
+        return f"{'-':>11} {'-':>6}"
+    gib = to_gib(peaks.reserved_bytes)
+    return f"{gib:11.1f} {gib / published_gib:6.2f}" if published_gib else f"{gib:11.1f} {'-':>6}"
 
 
 if __name__ == "__main__":

@@ -245,6 +245,40 @@ class OpRecorder(LiveTensorTracker):
         return out
 
 
+ALLOC, FREE = "alloc", "free"
+MemoryEvent = tuple[str, Any, int]  # (ALLOC, key, nbytes) or (FREE, key, 0), in the order they happen
+
+
+class AllocationRecorder(LiveTensorTracker):
+    """A `LiveTensorTracker` that also records the order of its storages' births and deaths (`events`).
+
+    Each storage it counts adds (ALLOC, key, nbytes) when first seen (`track_existing` included) and
+    (FREE, key, 0) when freed; a storage resized in place adds a FREE then an ALLOC of its new size under the
+    same key, as a device allocator reallocates it. Keys are storage addresses, so one may come back after its
+    FREE. What it reports otherwise is the tracker's, unchanged. The sequence is what a caching allocator
+    would be asked for (`graph_trainer.plan.caching_allocator.replay`).
+    """
+
+    def __init__(self, count_fake: bool = False) -> None:
+        super().__init__(count_fake)
+        self.events: list[MemoryEvent] = []
+
+    def _add(self, s: torch.UntypedStorage) -> None:
+        key = s._cdata
+        before = self._live.get(key)
+        super()._add(s)
+        nbytes = self._live[key][0]
+        if before is None:
+            self.events.append((ALLOC, key, nbytes))
+        elif before[0] != nbytes:
+            self.events += [(FREE, key, 0), (ALLOC, key, nbytes)]
+
+    def _free(self, key: int) -> None:
+        if key in self._live:
+            self.events.append((FREE, key, 0))
+        super()._free(key)
+
+
 # ---------------------------------------------------------------------------
 # CUDA allocator statistics (no CUDA call unless the device is CUDA and CUDA exists)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from graph_trainer.observability.memory import allocated_bytes
+from graph_trainer.observability.memory import ALLOC, FREE, MemoryEvent, allocated_bytes
 from graph_trainer.optimizer.adamw import adamw_implementation
 
 
@@ -61,16 +61,62 @@ def eager_step_scratch_bytes(optimizer: torch.optim.AdamW, device: torch.device 
             continue
         device_type = (device or params[0].device).type
         if implementation == "single_tensor":
-            sizes = [allocated_bytes(p.numel() * p.element_size(), device_type) for p in params]
+            sizes = [allocated_bytes(_nbytes(p), device_type) for p in params]
             peak = max(peak, max((prev + 2 * cur for prev, cur in zip([0, *sizes], sizes)), default=0))
             continue
-        buckets: dict[tuple, int] = {}  # insertion order = the order torch groups them in
-        for p in params:
-            key = (p.device, p.dtype)
-            buckets[key] = buckets.get(key, 0) + allocated_bytes(p.numel() * p.element_size(), device_type)
-        sizes = list(buckets.values())
+        sizes = [sum(allocated_bytes(_nbytes(p), device_type) for p in bucket) for bucket in _foreach_buckets(params)]
         peak = max(peak, max((prev + cur for prev, cur in zip([0, *sizes], sizes)), default=0))
     return peak
+
+
+def _nbytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def _foreach_buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The parameters of one group in the (device, dtype) buckets torch's foreach update walks, in its order."""
+    buckets: dict[tuple, list[torch.Tensor]] = {}  # insertion order = the order torch groups them in
+    for p in params:
+        buckets.setdefault((p.device, p.dtype), []).append(p)
+    return list(buckets.values())
+
+
+def adamw_update_events(
+    optimizer: torch.optim.AdamW, implementation: str, device: torch.device
+) -> tuple[list[MemoryEvent], list[MemoryEvent]]:
+    """(the state's allocations, the update's scratch allocations and frees), in the order `optimizer.step()`
+    makes them, as `eager_step_scratch_bytes` describes the temporaries: single_tensor keeps parameter i-1's
+    denom until parameter i's is built (sqrt, then the division, then the sqrt freed); foreach keeps a bucket's
+    sqrt list until the next bucket's is built; fused allocates nothing. The state is what
+    `adamw_state_bytes` counts (its storages, as requested; the allocator rounds them).
+    """
+    state = [
+        (ALLOC, ("adamw_state", i), t.untyped_storage().nbytes())
+        for i, t in enumerate(
+            t
+            for entry in optimizer.state.values()
+            for t in entry.values()
+            if isinstance(t, torch.Tensor) and (device.type == "cpu" or t.device.type != "cpu")
+        )
+    ]
+    scratch: list[MemoryEvent] = []
+    for g, group in enumerate(optimizer.param_groups):
+        params = list(group["params"])
+        if implementation == "single_tensor":
+            for i, p in enumerate(params):
+                sqrt, denom = ("adamw_sqrt", g, i), ("adamw_denom", g, i)
+                scratch += [(ALLOC, sqrt, _nbytes(p)), (ALLOC, denom, _nbytes(p)), (FREE, sqrt, 0)]
+                scratch += [(FREE, ("adamw_denom", g, i - 1), 0)] if i else []
+            scratch += [(FREE, ("adamw_denom", g, len(params) - 1), 0)] if params else []
+        elif implementation == "foreach":
+            buckets = _foreach_buckets(params)
+            for b, bucket in enumerate(buckets):
+                scratch += [(ALLOC, ("adamw_sqrt", g, b, i), _nbytes(p)) for i, p in enumerate(bucket)]
+                scratch += [(FREE, ("adamw_sqrt", g, b - 1, i), 0) for i in range(len(buckets[b - 1]))] if b else []
+            scratch += (
+                [(FREE, ("adamw_sqrt", g, len(buckets) - 1, i), 0) for i in range(len(buckets[-1]))] if buckets else []
+            )
+    return state, scratch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,13 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_iter
 
-from graph_trainer.observability.memory import allocated_bytes, process_cublas_workspace_bytes
+from graph_trainer.observability.memory import (
+    ALLOC,
+    FREE,
+    MemoryEvent,
+    allocated_bytes,
+    process_cublas_workspace_bytes,
+)
 from graph_trainer.observability.units import to_gib
 from graph_trainer.passes.graph_utils import is_collective, is_matmul, is_wait, storage_key, tensors
 from graph_trainer.tracer import node_meta
@@ -103,6 +109,7 @@ class _Storage:
     example: torch.Tensor  # the producer's (fake) tensor on this storage
     last_op_use: int = -1  # last node (other than output) whose value holds it or that reads it
     category: str = ACTIVATION
+    holders: list[torch.fx.Node] = field(default_factory=list)  # the nodes whose values hold it
 
 
 def _returned_input(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -198,6 +205,7 @@ def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
             st = storages[aid]
             mine[key] = aid
             st.dies = max(st.dies, node_dies[n])
+            st.holders.append(n)
             st.last_op_use = max(st.last_op_use, last_use)
             if n in outputs and st.born >= 0:
                 # A gradient is often a view (t, view) of a storage an earlier node made, and a
@@ -270,6 +278,42 @@ def estimate_peak_memory(gm: torch.fx.GraphModule, *, input_categories: list[str
         saved_bytes=sum(st.nbytes for st in saved),
         timeline=tuple(timeline),
     )
+
+
+def allocation_events(gm: torch.fx.GraphModule) -> tuple[list[MemoryEvent], int]:
+    """(the allocations and frees running `gm` makes, in order; how many of them are its inputs').
+
+    The same storages and lifetimes as `estimate_peak_memory`: first every input's storage (placeholders and
+    attributes, alive throughout), then node by node the storages it makes and, after it, those whose last
+    holder FX's code drops there, in the order it drops them (`_drop_order`). Keys are allocation ids; sizes as
+    the estimate counts them. The cuBLAS workspace is not in it. A caching allocator replays it
+    (`graph_trainer.plan.caching_allocator.replay`).
+    """
+    nodes, storages = _analyze(gm, None)
+    born: dict[int, list[int]] = defaultdict(list)
+    dies: dict[int, list[int]] = defaultdict(list)
+    for aid, st in enumerate(storages):
+        born[st.born].append(aid)
+        if st.dies != math.inf:
+            dies[int(st.dies)].append(aid)
+    events: list[MemoryEvent] = [(ALLOC, aid, storages[aid].nbytes) for aid in born.pop(-1, [])]
+    inputs = len(events)
+    index = {n: i for i, n in enumerate(nodes)}
+    for i, node in enumerate(nodes):
+        events += [(ALLOC, aid, storages[aid].nbytes) for aid in born.get(i, [])]
+        order = _drop_order(node, index)
+        last = {aid: max(order.get(h, -1) for h in storages[aid].holders) for aid in dies.get(i, [])}
+        events += [(FREE, aid, 0) for aid in sorted(last, key=last.__getitem__)]
+    return events, inputs
+
+
+def _drop_order(node: torch.fx.Node, index: dict[torch.fx.Node, int]) -> dict[torch.fx.Node, int]:
+    """The values FX's generated code sets to None after `node` (`a = b = None`, left to right): the inputs whose
+    last user it is, in the order its arguments name them, then its own value if nothing uses it."""
+    dropped = [n for n in node.all_input_nodes if max(n.users, key=index.__getitem__) is node]
+    if not node.users:
+        dropped.append(node)
+    return {n: k for k, n in enumerate(dropped)}
 
 
 def live_by_category(

@@ -17,8 +17,8 @@ from graph_trainer.builder import Job, build_job
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.schema import JobConfig
-from graph_trainer.observability.memory import LiveTensorTracker
-from graph_trainer.optimizer.update_memory import EagerUpdate, peak_with_update
+from graph_trainer.observability.memory import ALLOC, FREE, AllocationRecorder, LiveTensorTracker, MemoryEvent
+from graph_trainer.optimizer.update_memory import EagerUpdate, adamw_update_events, peak_with_update
 from graph_trainer.plan.step_plan import eager_update_of
 
 
@@ -29,6 +29,8 @@ class EagerStepPeak:
     peak_bytes: int  # the step's peak: parameters, batch, gradients made so far and activations
     end_bytes: int  # alive when the step returns: parameters, batch and gradients
     activation_bytes: int  # at the peak: everything but parameters, buffers, batch and gradients
+    events: list[MemoryEvent] | None = None  # when recorded: every allocation and free, in order
+    step_events_from: int = 0  # events[:this] are the tensors alive before the step (and the optimizer state)
 
 
 def _materialize_fake(model: nn.Module, device: torch.device) -> None:
@@ -76,21 +78,63 @@ class EagerWholeStep:
     update: EagerUpdate  # the AdamW implementation the eager step runs, its state and scratch
     peak_bytes: int  # the step's peak with the optimizer state alive throughout, or the update's if higher
     peak_in_update: bool
+    # With `record_events`: two steps' allocations and frees in order, for `caching_allocator.replay`.
+    events: list[MemoryEvent] | None = None
 
 
-def eager_whole_step_peak(cfg: JobConfig, device: torch.device) -> EagerWholeStep:
+def eager_whole_step_peak(cfg: JobConfig, device: torch.device, record_events: bool = False) -> EagerWholeStep:
     """`eager_step_peak` of cfg's eager step plus its AdamW update, added as a graph plan adds an eager update
     (`optimizer.update_memory.whole_step_peak`): the state alive throughout, the update's scratch on what the step
     leaves alive. The update is the one `compile.mode eager` runs (`step_plan.eager_update_of`), so with
     `compile.trace_optimizer = false` it is the graph plan's own, and the two peaks count the same optimizer.
+
+    With `record_events`, `events` is two such steps as an allocator sees them, in order (`repeated_steps`).
     """
     eager_cfg = copy.deepcopy(cfg)
     eager_cfg.compile.mode = "eager"  # the update runs eagerly after the step, whatever the graph would do
     with _planned_job(eager_cfg, device) as job:
         update = eager_update_of(job)  # before the fake run, which swaps the model's parameters for fakes
-        step = _fake_step_peak(eager_cfg, job, device)
+        state, scratch = (
+            adamw_update_events(job.optimizer, update.implementation, job.device) if record_events else ([], [])
+        )
+        step = _fake_step_peak(eager_cfg, job, device, state if record_events else None)
     peak, in_update = peak_with_update(step.peak_bytes, step.end_bytes, update)
-    return EagerWholeStep(step=step, update=update, peak_bytes=peak, peak_in_update=in_update)
+    events = repeated_steps(step.events, step.step_events_from, scratch) if record_events else None
+    return EagerWholeStep(step=step, update=update, peak_bytes=peak, peak_in_update=in_update, events=events)
+
+
+def repeated_steps(
+    recorded: list[MemoryEvent], step_from: int, scratch: list[MemoryEvent], steps: int = 2
+) -> list[MemoryEvent]:
+    """`steps` training steps as the allocator sees them, from one recorded step.
+
+    `recorded`: the tensors alive before the step (parameters, buffers, batch, the optimizer state), then from
+    index `step_from` the step's own events. Each step is followed by the update's `scratch`; then what the step
+    left alive (the gradients) is freed, as `zero_grad(set_to_none=True)` does, and the same step runs again on
+    the same parameters, state and batch, with the cache the previous step left (the first step of a real run
+    differs: torch allocates the optimizer state in its first update).
+    """
+    step = recorded[step_from:]
+    born = {key for kind, key, _ in step if kind == ALLOC}
+    left = [key for key in _alive_after(step) if key in born]
+    events = list(recorded[:step_from])
+    for n in range(steps):
+        rename = (lambda key: key) if n == 0 else (lambda key, n=n: (f"step {n + 1}", key) if key in born else key)
+        events += [(kind, rename(key), nbytes) for kind, key, nbytes in step]
+        events += scratch
+        events += [(FREE, rename(key), 0) for key in left] if n < steps - 1 else []
+    return events
+
+
+def _alive_after(events: list[MemoryEvent]) -> list:
+    """Keys allocated by `events` and not freed by their end, in allocation order."""
+    alive: dict = {}
+    for kind, key, _ in events:
+        if kind == ALLOC:
+            alive[key] = None
+        else:
+            alive.pop(key, None)
+    return list(alive)
 
 
 @contextlib.contextmanager
@@ -101,8 +145,11 @@ def _planned_job(cfg: JobConfig, device: torch.device) -> Iterator[Job]:
         yield build_job(cfg, mesh, materialize=False)
 
 
-def _fake_step_peak(cfg: JobConfig, job: Any, device: torch.device) -> EagerStepPeak:
-    """Run `job`'s eager step on fake tensors under the live-tensor tracker."""
+def _fake_step_peak(
+    cfg: JobConfig, job: Any, device: torch.device, state_events: list[MemoryEvent] | None = None
+) -> EagerStepPeak:
+    """Run `job`'s eager step on fake tensors under the live-tensor tracker. With `state_events` (the optimizer
+    state's allocations), also record its events: the tracked tensors', then `state_events`, then the step's."""
     # One step's batch: with gradient accumulation, every micro-batch of it (the step cuts it).
     b, s = cfg.training.local_batch_size * accumulation_steps(cfg), cfg.training.seq_len
     with FakeTensorMode():
@@ -110,8 +157,11 @@ def _fake_step_peak(cfg: JobConfig, job: Any, device: torch.device) -> EagerStep
         step = job.eager_step(optimizer_update=False)
         batch = {name: torch.zeros(b, s, dtype=torch.long, device=device) for name in ("input", "labels")}
         model = job.model
-        tracker = LiveTensorTracker(count_fake=True)
+        tracker = LiveTensorTracker(count_fake=True) if state_events is None else AllocationRecorder(count_fake=True)
         tracker.track_existing([list(model.parameters()), list(model.buffers()), batch])
+        if state_events is not None:
+            tracker.events += state_events
+        step_from = len(tracker.events) if state_events is not None else 0
         try:
             with tracker, _WaitReturnsItsInput():
                 step(batch)
@@ -122,9 +172,11 @@ def _fake_step_peak(cfg: JobConfig, job: Any, device: torch.device) -> EagerStep
                 peak_bytes=tracker.peak_bytes,
                 end_bytes=tracker.current_bytes,
                 activation_bytes=tracker.peak_bytes - held,
+                events=None if state_events is None else tracker.events,
+                step_events_from=step_from,
             )
         finally:
             tracker.forget()
 
 
-__all__ = ["EagerStepPeak", "EagerWholeStep", "eager_step_peak", "eager_whole_step_peak"]
+__all__ = ["EagerStepPeak", "EagerWholeStep", "eager_step_peak", "eager_whole_step_peak", "repeated_steps"]
