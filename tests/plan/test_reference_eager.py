@@ -20,12 +20,12 @@ ARGS = ["--config", "llama3_debug", "--model.n_layers", "2", "--training.seq_len
 def test_eager_figure_is_the_eager_step_plus_the_graph_plans_update():
     cfg, _ = load_config([*ARGS, "--training.loss_chunk_size", "0"])
     cpu = torch.device("cpu")
-    # The benchmark's pinned rows: FSDP, selective AC, update out of the graph, prefetch planned without.
+    # The benchmark's pinned rows: FSDP, selective AC, update out of the graph, prefetch.
     cand = search.Candidate((("dp_replicate", 1), ("dp_shard", 2)), "selective", 2, 0, False, prefetch=True)
-    plans = search.Plans(cfg, cpu, exact_prefetch=False)
+    plans = search.Plans(cfg, cpu)
     figure = eager_peak(cfg, cand, plans)
 
-    layout = plans.planned_as(cand).apply(cfg)
+    layout = cand.micro().apply(cfg)
     assert layout.training.mixed_precision_param == "bfloat16"  # the bf16 plan the graph side plans
     step = eager_step_peak(layout, cpu)
     with planning_mesh(ParallelDims.from_config(layout.parallelism), cpu) as mesh:
