@@ -85,9 +85,9 @@ def _best(cfg, cluster: Cluster, global_seqs: int, chunk: int, plans: search.Pla
     space = search.candidates(cfg, layouts, global_seqs, ("none", "selective", "full"), (chunk,), (False,), (True,))
     kept = [c for c in space.cands if search.state_bytes(cfg, c) < cluster.memory_bytes]
     screened = search.screen(cfg, cluster, kept, cluster.device.efficiency, plans)
-    fitting = sorted((r for r in screened if r.peak <= cluster.memory_bytes), key=lambda r: r.time.total_s)[:exact]
-    search.plan_exactly(cfg, cluster, fitting, cluster.device.efficiency, plans)
-    fits = [r for r in fitting if r.exact and r.exact.peak_bytes <= cluster.memory_bytes]
+    fitting = sorted((r for r in screened if r.peak <= cluster.memory_bytes), key=lambda r: r.time.total_s)
+    planned = search.plan_best(cfg, cluster, fitting, exact, cluster.device.efficiency, plans)
+    fits = [r for r in planned if search.is_exact_fit(r, cluster)]  # ranked as the planner ranks: exact plans only
     return min(fits, key=lambda r: r.exact_time.total_s, default=None)
 
 
