@@ -700,20 +700,25 @@ def _annotate_graph(gm: torch.fx.GraphModule, layout: InputLayout, annotator: _M
 
 
 def _tag_optimizer_ops(graph: torch.fx.Graph, layout: InputLayout, annotator: _ModuleAnnotator) -> None:
-    """Give each optimizer-phase op the module FQN and layer of the one parameter it works for.
+    """Give each optimizer-phase op the module FQN and layer of the one parameter (or module's buffers) it works for.
 
     An op works for trainable parameter i when everything it reads of the step
     comes from parameter i: the parameter, its gradient, its share of the
-    optimizer state and host scalars, or ops already working for i. Ops that mix
-    parameters (the global gradient norm, the clip factor) stay untagged. With
-    the tags, every layer's update is a run of its own, as its forward and backward are.
+    optimizer state and host scalars, or ops already working for i. An op of the
+    model's step update (`ModelSpec.step_update`, e.g. a router's balancing bias)
+    works for a module when all it reads are that module's buffers, or ops working
+    for them. Ops that mix parameters (the global gradient norm, the clip factor)
+    stay untagged. With the tags, every layer's update is a run of its own, as its
+    forward and backward are, and a depth-free plan sees it in its block.
     """
     placeholders = list(graph.find_nodes(op="placeholder"))
     n_params, n_buffers, n_batch, n_state, n_scalars, n_accums = layout.sizes
     trained = [layout.param_names.index(name) for name in layout.grad_names]
-    owner: dict[torch.fx.Node, int | None] = {}
+    owner: dict[torch.fx.Node, int | str | None] = {}  # a trained parameter's index, or a module's FQN (buffers)
     for i, index in enumerate(trained):
         owner[placeholders[index]] = i
+    for b, name in enumerate(layout.buffer_names):
+        owner[placeholders[n_params + b]] = name.rpartition(".")[0]
     start = n_params + n_buffers + n_batch
     for count, first in ((n_state, start), (n_scalars, start + n_state)):
         if trained and count % len(trained) == 0:
@@ -728,6 +733,10 @@ def _tag_optimizer_ops(graph: torch.fx.Graph, layout: InputLayout, annotator: _M
         while isinstance(grad, torch.fx.Node):
             owner[grad] = i
             grad = node_meta.written_input(grad)
+    for node in graph.nodes:  # a buffer written in place before the update (a forward's counts) is still its own
+        written = node_meta.written_input(node)
+        if node_meta.phase(node) != node_meta.OPTIMIZER and isinstance(owner.get(written), str):
+            owner[node] = owner[written]
     mixed: set[torch.fx.Node] = set()  # ops that mix parameters, or read such an op and own nothing
     for node in graph.nodes:
         if node.op != "call_function" or node_meta.phase(node) != node_meta.OPTIMIZER:
@@ -745,7 +754,7 @@ def _tag_optimizer_ops(graph: torch.fx.Graph, layout: InputLayout, annotator: _M
             mixed.add(node)
         else:
             owner[node] = i
-        fqn = layout.grad_names[i].rpartition(".")[0]
+        fqn = i if isinstance(i, str) else layout.grad_names[i].rpartition(".")[0]
         tags = {**node.meta.get(node_meta.CUSTOM, {}), node_meta.MODULE_FQN: fqn}
         layer = annotator._layer_of(fqn)
         if layer is not None:

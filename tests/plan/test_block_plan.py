@@ -149,3 +149,18 @@ def test_depth_free_plan_equals_the_full_trace_tp2_dp_shard2_one_rank_of_4():
     """Tensor parallelism (sequence parallel between the blocks) with FSDP, one rank of 4 on the fake process
     group: the TP collectives and the vocabulary-parallel loss extend exactly too."""
     _check([*DEBUG, "--parallelism.tp", "2", "--parallelism.dp_shard", "2"], 8)
+
+
+MOE = ["--config", "deepseek_v3_debug", "--training.seq_len", "64", "--training.local_batch_size", "2"]
+
+
+@pytest.mark.integration
+def test_depth_free_plan_equals_the_full_trace_moe_with_a_dense_first_block():
+    """DeepSeek-V3: block 0 is dense, the others route to experts, and each router's balancing bias moves in the
+    step's update (tagged with its layer): the first block differs from the middle ones, as prefetch's last does."""
+    _check(MOE, 6)
+
+
+@pytest.mark.integration
+def test_depth_free_plan_equals_the_full_trace_moe_expert_parallel_one_rank_of_4():
+    _check([*MOE, "--parallelism.dp_shard", "4", "--parallelism.ep", "4"], 6)
