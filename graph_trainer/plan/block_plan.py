@@ -51,6 +51,7 @@ from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.load import resolve_model_args
+from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger, quiet
 from graph_trainer.observability.units import GIB
@@ -81,6 +82,23 @@ from graph_trainer.tracer.executor import Transformed
 logger = get_logger(__name__)
 
 SHORT = (3, 4)  # the depths traced: 3 has one middle block, 4 has a first and a last middle block
+
+
+def leading_blocks(cfg: JobConfig) -> int:
+    """How many blocks before the `first` one are keyed one by one (`ModelSpec.leading_blocks` less one: the last
+    of the blocks that differ from the rest can be the `first` class): 0 for a model of identical blocks."""
+    spec = get_model_spec(cfg.model.name)
+    if spec.leading_blocks is None:
+        return 0
+    return max(0, spec.leading_blocks(resolve_model_args(cfg)) - 1)
+
+
+def short_depths(cfg: JobConfig) -> tuple[int, int]:
+    """The depths a model is traced at: 3 and 4 blocks after its leading blocks (`leading_blocks`)."""
+    lead = leading_blocks(cfg)
+    return lead + SHORT[0], lead + SHORT[1]
+
+
 APPROXIMATE_MODES = ("budget",)  # decided from the whole step's peak: not extended exactly
 
 
@@ -123,7 +141,7 @@ def plan_batches(
     extended from it too, marked approximate, instead of traced on their own (the search's screen)."""
     modes, batches = list(modes), sorted(set(batches))
     depth = resolve_model_args(cfg).n_layers
-    if not (fast and depth > SHORT[-1]):
+    if not (fast and depth > short_depths(cfg)[-1]):
         return {b: _traced_whole(with_local_batch(cfg, b), mesh, modes, log_passes) for b in batches}
     out: dict[int, dict[str, StepPlan | UserError]] = {}
     for grid, targets in _grids(cfg, batches, extrapolate):
@@ -311,7 +329,7 @@ def _plan_short(
         except UserError as e:
             pipelines[variant] = e
     traced, _ = _trace(job)
-    _check_blocks(traced.gm, k, layers, "as traced")
+    _check_blocks(traced.gm, k, layers, leading_blocks(job.cfg), "as traced")
     try:
         traced = job.parallel.check_traced(traced)
     except UserError as e:  # what the parallelism cannot run, whatever the mode
@@ -384,9 +402,10 @@ def _finish(job: Job, traced: TracedStep, passes: list[GraphPass], pipeline: Pip
     rest = Pipeline(passes, pipeline.config, log_saved_activations=pipeline.log_saved_activations)
     result = rest(traced)
     gm = result.traced.gm
-    _check_blocks(gm, k, layers, f"after the passes of AC mode {job.cfg.activation_checkpoint.mode}")
+    lead = leading_blocks(job.cfg)
+    _check_blocks(gm, k, layers, lead, f"after the passes of AC mode {job.cfg.activation_checkpoint.mode}")
     categories = traced.layout.categories
-    return _Short(job, gm, result.memory_estimate, eager_update_of(job), _keys(gm, k, layers), categories)
+    return _Short(job, gm, result.memory_estimate, eager_update_of(job), _keys(gm, k, layers, lead), categories)
 
 
 @dataclasses.dataclass
@@ -427,7 +446,7 @@ def _decision_short(job: Job, gm: torch.fx.GraphModule, categories: list[str]) -
         gm = graph_module(gm, graph)
     est = estimate_peak_memory(gm, input_categories=categories)
     k, layers = job.model.args.n_layers, job.spec.parallel_plan.layers
-    return _Short(job, gm, est, None, _keys(gm, k, layers), categories)
+    return _Short(job, gm, est, None, _keys(gm, k, layers, leading_blocks(job.cfg)), categories)
 
 
 def _attention_pins(cfg: JobConfig, mode: str) -> list[str]:
@@ -491,15 +510,16 @@ class _Grid:
     (depth, batch) value follows exactly: extend in depth at each traced batch, then in the batch."""
 
     batches: tuple[int, ...]
+    depths: tuple[int, int] = SHORT  # the two short depths (`short_depths`), one identical block apart
 
     @property
     def points(self) -> list[_Point]:
-        return [(k, b) for b in self.batches for k in SHORT]
+        return [(k, b) for b in self.batches for k in self.depths]
 
     @property
     def reference(self) -> _Point:
         """The point whose node order, names and modules stand for the deep step's."""
-        return SHORT[-1], self.batches[-1]
+        return self.depths[-1], self.batches[-1]
 
     @property
     def blocks_traced(self) -> int:
@@ -509,8 +529,8 @@ class _Grid:
         """The value at (`depth`, `batch`) of what is `values[point]` at each point."""
 
         def in_depth(b: int) -> int:
-            at3, at4 = values[(SHORT[0], b)], values[(SHORT[1], b)]
-            return at3 + (depth - SHORT[0]) * (at4 - at3)
+            short, longer = values[(self.depths[0], b)], values[(self.depths[1], b)]
+            return short + (depth - self.depths[0]) * (longer - short)
 
         low = in_depth(self.batches[0])
         if len(self.batches) == 1:
@@ -552,6 +572,7 @@ def _grids(cfg: JobConfig, batches: list[int], extrapolate: bool) -> list[tuple[
     with `extrapolate`, extended from the grid and marked approximate. A batch is extended only where its loss
     chunks are whole and at least 3 (so that a key's chunk classes exist)."""
     chunk, seq = cfg.training.loss_chunk_size, cfg.training.seq_len
+    depths = short_depths(cfg)
 
     def chunks(b: int) -> int:  # loss chunks at local batch b (0: a whole loss)
         return b * seq // chunk if chunk else 0
@@ -561,12 +582,12 @@ def _grids(cfg: JobConfig, batches: list[int], extrapolate: bool) -> list[tuple[
 
     low = next((b for b in range(2, max(batches) + 3) if extendable(b) and extendable(b + 1)), None)
     if low is None:
-        return [(_Grid((b,)), [b]) for b in batches]
+        return [(_Grid((b,), depths), [b]) for b in batches]
     extended = [b for b in batches if extendable(b) and (b >= low or extrapolate)]
     if len(extended) == 1 and (not chunk or chunks(extended[0]) < 2 * (chunks(low) + chunks(low + 1))):
         extended = []  # one batch with few loss chunks: its own two traces cost less
-    grids = [(_Grid((low, low + 1)), extended)] if extended else []
-    return grids + [(_Grid((b,)), [b]) for b in batches if b not in extended]
+    grids = [(_Grid((low, low + 1), depths), extended)] if extended else []
+    return grids + [(_Grid((b,), depths), [b]) for b in batches if b not in extended]
 
 
 def _check_same_nodes(grid: _Grid, shorts: dict[_Point, _Short]) -> None:
@@ -575,7 +596,7 @@ def _check_same_nodes(grid: _Grid, shorts: dict[_Point, _Short]) -> None:
     Outside the blocks only the op must agree (some shapes there count the blocks: the clip's stack of norms)."""
     nodes = {p: list(s.gm.graph.nodes) for p, s in shorts.items()}
     for point, short in shorts.items():
-        against = (SHORT[-1], point[1]) if point[0] != SHORT[-1] else grid.reference
+        against = (grid.depths[-1], point[1]) if point[0] != grid.depths[-1] else grid.reference
         if point == against:
             continue
         other = shorts[against]
@@ -618,7 +639,9 @@ def _extend(grid: _Grid, shorts: dict[_Point, _Short], depth: int, batch: int) -
     return _Parts(
         est,
         update,
-        _deep_location(ref.gm, ref.keys[key], key[0], depth, ref.job.spec.parallel_plan.layers),
+        _deep_location(
+            ref.gm, ref.keys[key], key[0], depth, ref.job.spec.parallel_plan.layers, grid.depths[0] - SHORT[0]
+        ),
         flops=at(lambda s: _flops(s.gm)),
         comm=at_dict(lambda s: communication_bytes(s.gm)),
     )
@@ -671,13 +694,15 @@ def _flops(gm: torch.fx.GraphModule) -> int:
 
 
 def _deep_location(
-    gm: torch.fx.GraphModule, index: int, cls: str, depth: int, layers: str | None
+    gm: torch.fx.GraphModule, index: int, cls: str, depth: int, layers: str | None, lead: int
 ) -> tuple[int | None, str, str]:
-    """The (layer, module, op) in the deep model of the `index`-th node of the 4-block graph, of class `cls`."""
+    """The (layer, module, op) in the deep model of the `index`-th node of the reference graph, of class `cls`."""
     layer, module, op = peak_location(gm, index, layers)
     if layer is None:
         return layer, module, op
-    deep = {"first": 0, "mid_first": 1, "mid_last": depth - 2, "last": depth - 1}[cls]
+    deep = layer if cls.startswith("lead") else {
+        "first": lead, "mid_first": lead + 1, "mid_last": depth - 2, "last": depth - 1
+    }[cls]  # fmt: skip
     if layers:
         module = re.sub(rf"(^|\.){re.escape(layers)}\.{layer}(?=\.|$)", rf"\g<1>{layers}.{deep}", module)
     return deep, module, op
@@ -699,12 +724,15 @@ def _positions(index: int, count: int) -> list[str]:
     return [c for c, j in (("mid_first", 1), ("mid_last", count - 2)) if j == index]
 
 
-def _classes(layer: int | None, k: int) -> list[str]:
-    """The block classes a node of block `layer` of a `k`-block graph stands for (`outside` the blocks)."""
-    return ["outside"] if layer is None else _positions(layer, k)
+def _classes(layer: int | None, k: int, lead: int) -> list[str]:
+    """The block classes a node of block `layer` of a `k`-block graph stands for (`outside` the blocks); the
+    `lead` leading blocks are each their own (`lead0`, `lead1`, ...)."""
+    if layer is None:
+        return ["outside"]
+    return [f"lead{layer}"] if layer < lead else _positions(layer - lead, k - lead)
 
 
-def _keys(gm: torch.fx.GraphModule, k: int, layers: str | None) -> dict[_Key, int]:
+def _keys(gm: torch.fx.GraphModule, k: int, layers: str | None, lead: int) -> dict[_Key, int]:
     """Each running node's key -> its index in graph order. A node of a chunked loss (`node_meta.loss_chunk`) is
     keyed by its chunk's class as well; the nodes of middle chunks other than the first and last have none."""
     blocks = node_blocks(gm, layers)
@@ -715,7 +743,7 @@ def _keys(gm: torch.fx.GraphModule, k: int, layers: str | None) -> dict[_Key, in
         chunk = node_meta.loss_chunk(node)
         rank = ranks[(layer, chunk)]
         ranks[(layer, chunk)] += 1
-        for cls in _classes(layer, k):
+        for cls in _classes(layer, k, lead):
             for chunk_cls in [""] if chunk is None else _positions(chunk, chunks):
                 keys[(cls, chunk_cls, rank)] = i
     return keys
@@ -736,7 +764,7 @@ def _signature(node: torch.fx.Node, shapes: bool = True) -> tuple:
     )
 
 
-def _check_blocks(gm: torch.fx.GraphModule, k: int, layers: str | None, when: str) -> None:
+def _check_blocks(gm: torch.fx.GraphModule, k: int, layers: str | None, lead: int, when: str) -> None:
     """NotUniform unless every middle block of the `k`-block graph holds the same op sequence (`_signature`), and
     every middle chunk of its chunked loss the same as chunk 1.
 
@@ -752,9 +780,9 @@ def _check_blocks(gm: torch.fx.GraphModule, k: int, layers: str | None, when: st
             chunks.setdefault(node_meta.loss_chunk(node), []).append(_signature(node))
     if sorted(blocks) != list(range(k)):
         raise NotUniform(f"the {k}-block graph {when} tags blocks {sorted(blocks)}")
-    for layer in range(2, k - 1):
-        if blocks[layer] != blocks[1]:
-            raise NotUniform(f"block {layer} of the {k}-block graph {when} differs from block 1")
+    for layer in range(lead + 2, k - 1):
+        if blocks[layer] != blocks[lead + 1]:
+            raise NotUniform(f"block {layer} of the {k}-block graph {when} differs from block {lead + 1}")
     if chunks and sorted(chunks) != list(range(len(chunks))):
         raise NotUniform(f"the {k}-block graph {when} tags loss chunks {sorted(chunks)}")
     for chunk in range(2, len(chunks) - 1):
@@ -762,4 +790,13 @@ def _check_blocks(gm: torch.fx.GraphModule, k: int, layers: str | None, when: st
             raise NotUniform(f"loss chunk {chunk} of the {k}-block graph {when} differs from chunk 1")
 
 
-__all__ = ["SHORT", "NotUniform", "copy_traced", "plan_batches", "plan_modes", "with_local_batch"]
+__all__ = [
+    "SHORT",
+    "NotUniform",
+    "copy_traced",
+    "leading_blocks",
+    "plan_batches",
+    "plan_modes",
+    "short_depths",
+    "with_local_batch",
+]

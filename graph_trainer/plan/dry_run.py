@@ -14,7 +14,7 @@ from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import to_gib
-from graph_trainer.plan.block_plan import SHORT, plan_modes
+from graph_trainer.plan.block_plan import plan_modes, short_depths
 from graph_trainer.plan.preflight import available_bytes
 from graph_trainer.plan.step_plan import AC_MODES, StepPlan
 from graph_trainer.runtime.device import compute_dtype, resolve_device
@@ -37,7 +37,7 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
     with planning_mesh(dims, device) as mesh:
         depth = resolve_model_args(cfg).n_layers
         short = copy.deepcopy(cfg)  # only for the header: what the parallelisms are (no deep model is built)
-        short.model.n_layers = min(depth, SHORT[0])
+        short.model.n_layers = min(depth, short_depths(cfg)[0])
         job = build_job(short, mesh, materialize=False)
         update = "in the graph" if optimizer_in_graph(cfg) else "eager, " + adamw_implementation_for(cfg, device)
         t = cfg.training
@@ -69,7 +69,7 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
         if traced == depth:
             print_fn(f"blocks traced: all {depth}, once for all modes")
         else:
-            short = " + ".join(map(str, SHORT))
+            short = " + ".join(map(str, short_depths(cfg)))
             print_fn(
                 f"blocks traced: {short} for a model of {depth}, once for all modes; extended exactly (docs/planner.md)"
             )

@@ -10,7 +10,7 @@ from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import KIB, to_gib
-from graph_trainer.plan.block_plan import SHORT, plan_modes
+from graph_trainer.plan.block_plan import plan_modes, short_depths
 from graph_trainer.plan.step_plan import StepPlan, plan_step
 
 
@@ -32,7 +32,7 @@ def preflight(cfg: JobConfig, mesh: Mesh) -> StepPlan:
     The message gives predicted vs available, the biggest contributors at the peak, and what would fit: a
     smaller batch (activations scale with it) or another activation-checkpointing mode.
     """
-    if resolve_model_args(cfg).n_layers > SHORT[-1]:  # deep: the depth-free plan (its graph is not kept)
+    if resolve_model_args(cfg).n_layers > short_depths(cfg)[-1]:  # deep: the depth-free plan (its graph is not kept)
         plan = plan_modes(cfg, mesh, [cfg.activation_checkpoint.mode], log_passes=True)[cfg.activation_checkpoint.mode]
         if isinstance(plan, UserError):
             raise plan

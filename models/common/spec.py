@@ -90,5 +90,8 @@ class ModelSpec:
     # per-step state in place (a mixture of experts' balancing bias). The trainer traces it into the graph that
     # holds the step's update. None: nothing.
     step_update: Callable[[nn.Module], None] | None = None
+    # args -> how many first blocks differ from the rest (DeepSeek-V3's dense layers before its experts); a plan
+    # extended in depth keys them one by one. None: every block is alike.
+    leading_blocks: Callable[[Any], int] | None = None
     # args -> the family's Hugging Face state dict adapter (names, layouts, config.json); None: no HF weights.
     hf_adapter: Callable[[Any], Any] | None = None

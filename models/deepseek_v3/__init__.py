@@ -24,6 +24,7 @@ SPEC = ModelSpec(
     active_params=active_params,
     step_metrics=expert_load,
     step_update=rebalance,
+    leading_blocks=lambda args: args.n_dense_layers,  # dense FFNs before the mixtures of experts
 )
 
 __all__ = [

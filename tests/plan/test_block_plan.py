@@ -50,10 +50,10 @@ def _both(args: list[str], layers: int) -> tuple[dict, dict]:
     return out[0], out[1]
 
 
-def _check(args: list[str], layers: int) -> None:
+def _check(args: list[str], layers: int, traced: int = sum(SHORT)) -> None:
     fast, full = _both(args, layers)
     for mode in EXACT:
-        assert fast[mode].blocks_traced == sum(SHORT), mode  # extended, not a fallback to the full trace
+        assert fast[mode].blocks_traced == traced, mode  # extended, not a fallback to the full trace
         assert full[mode].blocks_traced == layers
         assert not fast[mode].approximate
         assert _numbers(fast[mode]) == _numbers(full[mode]), mode
@@ -155,12 +155,21 @@ MOE = ["--config", "deepseek_v3_debug", "--training.seq_len", "64", "--training.
 
 
 @pytest.mark.integration
-def test_depth_free_plan_equals_the_full_trace_moe_with_a_dense_first_block():
-    """DeepSeek-V3: block 0 is dense, the others route to experts, and each router's balancing bias moves in the
-    step's update (tagged with its layer): the first block differs from the middle ones, as prefetch's last does."""
-    _check(MOE, 6)
+def test_depth_free_plan_equals_the_full_trace_moe_expert_parallel_one_rank_of_4():
+    """DeepSeek-V3: block 0 is dense, the others route to experts (all-to-alls at ep 4), and each router's balancing
+    bias moves in the step's update (tagged with its layer): the first block differs from the middle ones, as
+    prefetch's last does, and is proved the same at 3 and 4 blocks."""
+    _check([*MOE, "--parallelism.dp_shard", "4", "--parallelism.ep", "4"], 6)
 
 
 @pytest.mark.integration
-def test_depth_free_plan_equals_the_full_trace_moe_expert_parallel_one_rank_of_4():
-    _check([*MOE, "--parallelism.dp_shard", "4", "--parallelism.ep", "4"], 6)
+def test_depth_free_plan_equals_the_full_trace_moe_with_two_dense_blocks(monkeypatch):
+    """DeepSeek-V3 671B has 3 dense blocks: the leading ones are keyed one by one (`ModelSpec.leading_blocks`), the
+    last dense one is the `first` class, so 4 + 5 blocks are traced here (2 dense)."""
+    import dataclasses
+
+    from models.deepseek_v3 import SPEC
+
+    flavor = SPEC.flavors["debugmodel"]
+    monkeypatch.setitem(SPEC.flavors, "debugmodel", dataclasses.replace(flavor, n_dense_layers=2))
+    _check(MOE, 8, traced=4 + 5)
