@@ -228,12 +228,12 @@ def copy_traced(traced: TracedStep) -> TracedStep:
     return dataclasses.replace(traced, gm=graph_module(traced.gm, graph))
 
 
-# The extension from two short depths.
+# The extension from short steps: two depths, at one local batch or two.
 
 
 @dataclasses.dataclass
 class _Short:
-    """One short depth planned for one mode: its job, final graph, estimate and eager update."""
+    """One short step (a point of the grid) planned for one mode: its job, final graph, estimate and eager update."""
 
     job: Job
     gm: torch.fx.GraphModule
