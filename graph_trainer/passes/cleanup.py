@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.passes.graph_utils import storage_key
+from graph_trainer.passes.graph_utils import eliminate_dead_code, storage_key
 
 aten = torch.ops.aten
 
@@ -21,7 +21,7 @@ def dead_code_elimination(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     random ops, whose RNG draws must happen exactly as in eager. Preserves
     numerics bitwise. In place; returns `gm`.
     """
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.recompile()
     return gm
 
@@ -81,6 +81,6 @@ def remove_noops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if not node.users:
             gm.graph.erase_node(node)
     # t(t(x)) leaves the inner t unused.
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.recompile()
     return gm

@@ -195,8 +195,9 @@ class Pipeline:
 
 def written_inputs(gm: torch.fx.GraphModule) -> set[str]:
     """Names of the graph inputs some op writes into (the traced update's parameters and state, ...)."""
-    placeholders = {n for n in gm.graph.nodes if n.op == "placeholder"}
-    return {a.name for n in gm.graph.nodes for a in mutated_args(n) if a in placeholders}
+    placeholders = set(gm.graph.find_nodes(op="placeholder"))
+    # An op writing an input uses it: the inputs' users are the only ops to ask (not every node, after every pass).
+    return {a.name for p in placeholders for n in p.users for a in mutated_args(n) if a in placeholders}
 
 
 def _dump(gm: torch.fx.GraphModule, path: Path) -> None:

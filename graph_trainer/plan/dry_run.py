@@ -18,6 +18,7 @@ from graph_trainer.plan.block_plan import plan_modes, short_depths
 from graph_trainer.plan.preflight import available_bytes
 from graph_trainer.plan.step_plan import AC_MODES, StepPlan
 from graph_trainer.runtime.device import compute_dtype, resolve_device
+from graph_trainer.runtime.gc_pause import gc_paused
 
 
 def _accumulation(cfg: JobConfig) -> str:
@@ -25,6 +26,7 @@ def _accumulation(cfg: JobConfig) -> str:
     return f" x {steps} accumulated micro-batches (global batch {cfg.training.global_batch_size})" if steps > 1 else ""
 
 
+@gc_paused()  # the plan's objects live until it is done: see runtime/gc_pause.py
 def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Callable[[str], None] = print) -> None:
     """Print, for each AC mode, the predicted peak, saved activations, parameters and FLOPs per step, and with
     parallelisms the bytes each kind of collective moves per step per rank (`StepPlan.comm_bytes`).

@@ -12,6 +12,7 @@ from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import KIB, to_gib
 from graph_trainer.plan.block_plan import plan_modes, short_depths
 from graph_trainer.plan.step_plan import StepPlan, plan_step
+from graph_trainer.runtime.gc_pause import gc_paused
 
 
 def available_bytes(device: torch.device) -> int:
@@ -26,6 +27,7 @@ def available_bytes(device: torch.device) -> int:
     raise UserError("cannot read available memory from /proc/meminfo")
 
 
+@gc_paused()  # the plan's objects live until it is done: see runtime/gc_pause.py
 def preflight(cfg: JobConfig, mesh: Mesh) -> StepPlan:
     """This rank's plan of `cfg`'s step; UserError (exit 2) when its predicted peak exceeds the free memory.
 

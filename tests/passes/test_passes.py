@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from torch.fx.node import map_arg
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from graph_trainer.eager.step import EagerStep
@@ -17,9 +18,10 @@ from graph_trainer.optimizer.adamw import GraphAdamW, build_optimizer
 from graph_trainer.passes import available_passes, build_pipeline, memory_policy_transform
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
-from graph_trainer.passes.graph_utils import is_attention, is_mutating, node_flops, packet
+from graph_trainer.passes.graph_utils import graph_module, is_attention, is_mutating, node_flops, packet
+from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.passes.op_patterns import parse_op_pattern
-from graph_trainer.passes.remat import rematerialize
+from graph_trainer.passes.remat import remat_graph, rematerialize
 from graph_trainer.tracer import GraphStep, node_meta
 from graph_trainer.tracer.capture import trace_step
 from models.llama3.model import ModelArgs, Transformer
@@ -152,6 +154,33 @@ def test_remat_is_bitwise_and_final():
     assert copies and not any(node_meta.is_random(n) for n in copies)
     assert all(torch.equal(a, b) for a, b in zip(expected, _run(gm, inputs)))
     assert rematerialize(gm) is gm  # nothing left to decide
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_remat_in_place_makes_the_graph_remat_graph_copies(mode):
+    """The pass rewrites its graph in place (no copy of it); the result is `remat_graph`'s copy, node for node:
+    names (golden dry runs print them), ops, arguments, metadata, and the memory estimate."""
+    model, batch = _model_and_batch()
+    traced = trace_step(model, batch)
+    ac = _cfg("--activation_checkpoint.mode", mode).activation_checkpoint
+    gm = tag_activation_checkpoint(remove_noops(dead_code_elimination(traced.gm)), ac)
+    copied = remat_graph(gm.graph)
+    assert copied is not None
+
+    def described(graph):
+        return [
+            (n.name, n.op, n.target, str(map_arg((n.args, n.kwargs), lambda a: a.name)), n.meta.get("custom"))
+            for n in graph.nodes
+        ]
+
+    expected = described(copied)
+    assert rematerialize(gm) is gm
+    assert described(gm.graph) == expected
+    assert any(name.endswith("_recomputed") for name, *_ in expected)
+    categories = traced.layout.categories
+    assert estimate_peak_memory(gm, input_categories=categories) == estimate_peak_memory(
+        graph_module(gm, copied), input_categories=categories
+    )
 
 
 @pytest.mark.parametrize("mode", ["selective", "full", "budget"])
