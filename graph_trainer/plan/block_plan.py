@@ -75,6 +75,7 @@ from graph_trainer.plan.step_plan import (
     plan_step,
     with_ac_mode,
 )
+from graph_trainer.runtime.gc_pause import gc_paused
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep
 from graph_trainer.tracer.executor import Transformed
@@ -124,6 +125,7 @@ def plan_modes(
     return plan_batches(cfg, mesh, modes, [batch], log_passes=log_passes, fast=fast)[batch]
 
 
+@gc_paused()  # the plan's objects live until it is done: see runtime/gc_pause.py
 def plan_batches(
     cfg: JobConfig,
     mesh: Mesh,
