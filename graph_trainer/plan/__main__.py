@@ -110,16 +110,22 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     for row, peak_err, time_err in search.screen_errors(exact):
         c = row.cand
         print(f"screen vs exact: {c.layout()} {c.ac_mode} {c.batch()}: peak {peak_err:+.1%}, step time {time_err:+.1%}")
-    if not final:
-        print(nothing_fits(cfg, cluster, global_seqs, cands, rows, exact))
-        return EXIT_USER_ERROR
-    print_table(final, cluster, seq)
     for r in bounds:
         c = r.cand
         print(
             f"not ranked, an upper bound only: {c.layout()} {c.ac_mode} {c.batch()}, peak <= "
-            f"{to_gib(r.exact.peak_bytes):.2f} GiB, {r.exact_time.total_s:.2f} s a step (docs/planner.md, accumulation)"
+            f"{to_gib(r.exact.peak_bytes):.2f} GiB, {r.exact_time.total_s:.2f} s a step "
+            "(docs/planner.md: approximate plans)"
         )
+    if not final:
+        print(
+            "nothing ranked: only the upper bounds above fit (AC budget, fsdp_grad_sync step or accumulation without "
+            "FSDP is planned approximately); plan more candidates with --search.exact or other --search.ac_modes"
+            if bounds
+            else nothing_fits(cfg, cluster, global_seqs, cands, rows, exact)
+        )
+        return EXIT_USER_ERROR
+    print_table(final, cluster, seq)
     best = final[0]
     command = _command(rest, best.cand, cluster)
     print("best plan's command:\n  " + command)

@@ -179,3 +179,16 @@ def test_nothing_fits_names_the_activations_when_the_state_fits():
     some = search.Screened(cand, cluster.memory_bytes + 2**20, None)  # state + activations just above it
     line = nothing_fits(cfg, cluster, 4, [cand], [some], [])
     assert "of activations" in line and "--cluster.gpus 8" in line and "pipeline" not in line
+
+
+@pytest.mark.integration
+def test_upper_bounds_are_listed_never_ranked(capsys):
+    """Every ranked row is an exact plan: `budget` AC is extended approximately (an upper bound), so a search of
+    budget alone lists its fitting candidates apart and ranks none (exit 2)."""
+    deep = ["--config", "llama3_debug", "--model.n_layers", "8", "--training.seq_len", "128"]
+    code = main([*deep, "--cluster.device", "cpu", "--cluster.gpus", "2", "--cluster.gpus_per_node", "2",
+                 "--batch.global_seqs", "4", "--search.ac_modes", "budget", "--search.exact", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "not ranked, an upper bound only" in out and "nothing ranked" in out
+    assert "best plan's command" not in out
