@@ -87,6 +87,8 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     kept = [c for c in cands if search.state_bytes(cfg, c) < cluster.memory_bytes]
     plans = search.Plans(cfg, torch.device("cpu"))
     rows = search.screen(cfg, cluster, kept, cluster.device.efficiency, plans) if kept else []
+    if kept and not rows:  # not a memory verdict: no candidate could be planned at all
+        raise UserError(f"no candidate could be planned ({len(plans.errors)} refused), e.g. {plans.errors[0]}")
     fitting = sorted((r for r in rows if r.peak <= cluster.memory_bytes), key=lambda r: r.time.total_s)
     exact = search.plan_best(cfg, cluster, fitting, opts.exact, cluster.device.efficiency, plans)
     final = sorted((r for r in exact if search.is_exact_fit(r, cluster)), key=lambda r: r.exact_time.total_s)

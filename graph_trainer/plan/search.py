@@ -263,6 +263,7 @@ class Plans:
         self.cfg, self.device = cfg, device
         self._plans: dict[tuple, dict[int, dict[str, StepPlan | UserError]]] = {}
         self._extrapolated: set[tuple] = set()  # (shape, local batch): extended below its grid, for the screen only
+        self.errors: list[str] = []  # 'candidate: why' for each candidate whose plan the trainer's checks refused
         self.calls = 0  # depth-free plans made (each a grid of short traces, for every mode and batch asked together)
 
     @staticmethod
@@ -324,6 +325,7 @@ def screen(cfg: JobConfig, cluster: Cluster, cands: list[Candidate], efficiency:
         ref = ref_of(cand)
         plan = plans.get(ref, modes, screen=True)[cand.ac_mode]
         if isinstance(plan, UserError):
+            plans.errors.append(f"{cand.layout()}, AC {cand.ac_mode}, local batch {cand.local_batch}: {plan}")
             continue
         out.append(_screened(cluster, cand, ref, plan, efficiency))
     return out

@@ -181,14 +181,26 @@ def test_nothing_fits_names_the_activations_when_the_state_fits():
     assert "of activations" in line and "--cluster.gpus 8" in line and "pipeline" not in line
 
 
+# Deep enough for the depth-free plan (whose `budget` is an upper bound), one CPU "GPU", a global batch of 2.
+BUDGET_ONLY = ["--config", "llama3_debug", "--model.n_layers", "5", "--training.seq_len", "64", "--cluster.device",
+               "cpu", "--cluster.gpus", "1", "--cluster.gpus_per_node", "1", "--batch.global_seqs", "2",
+               "--search.ac_modes", "budget", "--search.exact", "1"]  # fmt: skip
+
+
 @pytest.mark.integration
 def test_upper_bounds_are_listed_never_ranked(capsys):
     """Every ranked row is an exact plan: `budget` AC is extended approximately (an upper bound), so a search of
     budget alone lists its fitting candidates apart and ranks none (exit 2)."""
-    deep = ["--config", "llama3_debug", "--model.n_layers", "8", "--training.seq_len", "128"]
-    code = main([*deep, "--cluster.device", "cpu", "--cluster.gpus", "2", "--cluster.gpus_per_node", "2",
-                 "--batch.global_seqs", "4", "--search.ac_modes", "budget", "--search.exact", "1"])  # fmt: skip
+    code = main([*BUDGET_ONLY, "--activation_checkpoint.memory_budget", "2"])  # 2 GiB over the inputs: feasible
     out = capsys.readouterr().out
     assert code == 2
-    assert "not ranked, an upper bound only" in out and "nothing ranked" in out
+    assert out.count("not ranked, an upper bound only") == 2 and "nothing ranked" in out
     assert "best plan's command" not in out
+
+
+@pytest.mark.integration
+def test_a_search_whose_candidates_are_all_refused_says_why_in_one_line(capsys):
+    """Not a memory verdict: when no candidate can be planned (an infeasible budget), the search says which and why."""
+    assert main([*BUDGET_ONLY, "--activation_checkpoint.memory_budget", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no candidate could be planned" in err and "memory_budget 0.5 is infeasible" in err
