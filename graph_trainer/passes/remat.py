@@ -33,7 +33,7 @@ from torch.fx.graph import _Namespace
 from torch.fx.node import map_arg
 from torch.utils.checkpoint import CheckpointPolicy
 
-from graph_trainer.passes.graph_utils import random_is_impure, refresh_duplicated_values
+from graph_trainer.passes.graph_utils import eliminate_dead_code, refresh_duplicated_values
 from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.tracer import node_meta
 
@@ -119,19 +119,9 @@ def remat_graph(graph: torch.fx.Graph) -> torch.fx.Graph | None:
         env[n] = new.node_copy(n, in_backward)
     for n in nodes[end:]:
         env[n] = new.node_copy(n, from_forward)
-    _drop_dead(new)
+    eliminate_dead_code(new)  # the originals nothing uses once their copies serve the backward
     refresh_duplicated_values(new)
     return new
-
-
-def _drop_dead(graph: torch.fx.Graph) -> None:
-    """What `Graph.eliminate_dead_code` removes from a graph without an owning module (`remat_graph`'s copy),
-    without its lint (the pipeline lints after each pass) and asking purity only of unused nodes: the originals
-    nothing uses any more once their copies serve the backward."""
-    impure_random = random_is_impure()
-    for node in reversed(graph.nodes):
-        if not node.users and not node.is_impure(impure_random):
-            graph.erase_node(node)
 
 
 def rematerialize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -181,7 +171,7 @@ def rematerialize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if n.name != new_name:
             n.name = new_name
     graph._graph_namespace = names
-    _drop_dead(graph)
+    eliminate_dead_code(graph)
     refresh_duplicated_values(graph)
     gm.recompile()
     return gm
