@@ -56,9 +56,13 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     return "\n".join(lines)
 
 
-def save(name: str, tables: dict[str, str], data: object, argv: Sequence[str] | None = None) -> Path:
-    """Write benchmarks/results/<name>.json: provenance, the raw `data` and the rendered `tables`."""
+def save(
+    name: str, tables: dict[str, str], data: object, argv: Sequence[str] | None = None, folder: Path | None = None
+) -> Path:
+    """Write benchmarks/results/<name>.json (or `folder`/<name>.json: a test's run, kept out of the repository):
+    provenance, the raw `data` and the rendered `tables`."""
     argv = sys.argv if argv is None else argv
+    folder = RESULTS if folder is None else folder
     record = {
         "command": "python -m " + _module_of(argv[0]) + "".join(" " + a for a in argv[1:]),
         "commit": _commit(),
@@ -68,10 +72,10 @@ def save(name: str, tables: dict[str, str], data: object, argv: Sequence[str] | 
         "tables": tables,
         "data": data,
     }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"results: {path.relative_to(REPO)}")
+    print(f"results: {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
     return path
 
 
