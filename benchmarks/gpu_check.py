@@ -128,7 +128,8 @@ def _trainer_args(sizes: Sizes, *extra: str) -> list[str]:
 
 
 def _allocator_peaks(device: torch.device) -> dict[str, int | None]:
-    """The CUDA allocator's peaks since the last step started (None off CUDA, where the tracker's figure stands)."""
+    """The CUDA allocator's peak allocated bytes since the last step started (`max_memory_allocated`; the trainer's
+    record has active and reserved); None off CUDA, where the tracker's figure stands for all three."""
     from graph_trainer.observability.memory import cuda_memory_stats
 
     stats = cuda_memory_stats(device)
