@@ -503,23 +503,12 @@ def trace_step(
         gm, trace_time = _make_graph(step, _fake_inputs(inputs, layout, device), failure_dir)
     _annotate_graph(gm, layout, step.annotator)
     guard = TraceGuard.capture(reads, _device_type(inputs, device), layout.grad_names)
-    _warn_self_changing(guard, layout.grad_names)
     return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch), trace_time_s=trace_time, guard=guard)
 
 
 def _device_type(inputs: list[torch.Tensor], device: torch.device | None) -> str:
     """The device type the graph is traced for: `device`'s, else the first input's (a parameter's)."""
     return device.type if device is not None else inputs[0].device.type
-
-
-def _warn_self_changing(guard: TraceGuard, trainable: tuple[str, ...]) -> None:
-    """Say once when the traced code changes what it read (a counter it increments): every step will retrace."""
-    changed = guard.stale(trainable)
-    if changed is not None:
-        logger.warning(
-            f"the traced step changes state it reads ({changed}): the graph holds the value it read, so each "
-            "step retraces to follow it; keep such state in a buffer (a tensor) to trace it once"
-        )
 
 
 # The phases of `trace_step`, in order.

@@ -165,6 +165,7 @@ class GraphStep:
         self.update: Transformed | None = None  # the "update" part of an accumulated step, traced on first use
         self._batch_bytes = 0  # the trainer's whole batch (every micro-batch), alive throughout the step
         self.stats = TraceStats()
+        self._warned_self_changing = False
         self.traced: TracedStep | None = None
         self.memory_estimate: MemoryEstimate | None = None  # of the current graph, when the transform made one
         self._params = [p for _, p in model.named_parameters()]
@@ -245,7 +246,18 @@ class GraphStep:
             step_update=self.step_update,
         )
         self._count_trace(traced)
+        self._warn_if_self_changing(traced)
         return traced
+
+    def _warn_if_self_changing(self, traced: TracedStep) -> None:
+        """Say once when the traced code changed what it read (a counter it increments): each step will retrace."""
+        changed = traced.guard.stale(traced.layout.grad_names) if traced.guard is not None else None
+        if changed is not None and not self._warned_self_changing:
+            self._warned_self_changing = True
+            logger.warning(
+                f"the traced step changes state it reads ({changed}): the graph holds the value it read, so each "
+                "step retraces to follow it; keep such state in a buffer (a tensor) to trace it once"
+            )
 
     def _transform(self, traced: TracedStep) -> Transformed:
         result = self.transform(traced) if self.transform is not None else traced
