@@ -180,6 +180,18 @@ def batch_signature(batch: Any) -> tuple:
     )
 
 
+def describe_change(old: tuple, new: tuple) -> str:
+    """A short human reason for a signature change, e.g. "['input'] shape (4, 256) -> (4, 128)"."""
+    if [leaf[0] for leaf in old] != [leaf[0] for leaf in new]:
+        return f"batch structure changed: {[leaf[0] for leaf in old]} -> {[leaf[0] for leaf in new]}"
+    diffs = []
+    for (path, *a), (_, *b) in zip(old, new):
+        for what, x, y in zip(("shape", "dtype", "device"), a, b):
+            if x != y:
+                diffs.append(f"{path} {what} {x} -> {y}")
+    return "; ".join(diffs) or "signature changed"
+
+
 @dataclasses.dataclass
 class TracedStep:
     """A traced training step: the graph plus what is needed to feed it from the live model."""
@@ -502,11 +514,11 @@ def trace_step(
     with recording_reads(model) as reads:
         gm, trace_time = _make_graph(step, _fake_inputs(inputs, layout, device), failure_dir)
     _annotate_graph(gm, layout, step.annotator)
-    guard = TraceGuard.capture(reads, _device_type(inputs, device), layout.grad_names)
+    guard = TraceGuard.capture(reads, device_type(inputs, device), layout.grad_names)
     return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch), trace_time_s=trace_time, guard=guard)
 
 
-def _device_type(inputs: list[torch.Tensor], device: torch.device | None) -> str:
+def device_type(inputs: list[torch.Tensor], device: torch.device | None) -> str:
     """The device type the graph is traced for: `device`'s, else the first input's (a parameter's)."""
     return device.type if device is not None else inputs[0].device.type
 

@@ -37,6 +37,7 @@ from graph_trainer.tracer.capture import (
     TracedStep,
     batch_signature,
     batch_tensors,
+    describe_change,
     trace_step,
     trainable_parameter_names,
 )
@@ -69,18 +70,6 @@ class TraceStats:
     last_time_s: float = 0.0
     reasons: list[str] = dataclasses.field(default_factory=list)
     compile_time_s: float | None = None  # total, when a compile stage ran
-
-
-def describe_change(old: tuple, new: tuple) -> str:
-    """A short human reason for a signature change, e.g. "['input'] shape (4, 256) -> (4, 128)"."""
-    if [leaf[0] for leaf in old] != [leaf[0] for leaf in new]:
-        return f"batch structure changed: {[leaf[0] for leaf in old]} -> {[leaf[0] for leaf in new]}"
-    diffs = []
-    for (path, *a), (_, *b) in zip(old, new):
-        for what, x, y in zip(("shape", "dtype", "device"), a, b):
-            if x != y:
-                diffs.append(f"{path} {what} {x} -> {y}")
-    return "; ".join(diffs) or "signature changed"
 
 
 def stale_reason(traced: TracedStep, signature: tuple, trainable: tuple[str, ...], batch: bool = True) -> str | None:

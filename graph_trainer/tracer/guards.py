@@ -93,25 +93,27 @@ class ModuleReads:
     The first read of each counts: a later write by the traced code itself does not hide what the graph baked.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, ignore: frozenset[str] = frozenset()):
         self.fqns = {id(m): fqn for fqn, m in model.named_modules()}
         self.values: dict[tuple[int, str], tuple[nn.Module, str, Any]] = {}
+        self.ignored = _BOOKKEEPING | ignore
 
     def record(self, module: nn.Module, name: str, value: Any) -> None:
         key = (id(module), name)
-        if key not in self.values and id(module) in self.fqns and name not in _BOOKKEEPING and _is_value(value):
+        if key not in self.values and id(module) in self.fqns and name not in self.ignored and _is_value(value):
             self.values[key] = (module, name, copy.deepcopy(value))  # a list read now may be mutated later
 
 
 @contextlib.contextmanager
-def recording_reads(model: nn.Module) -> Iterator[ModuleReads]:
-    """Record the value attributes read from `model`'s modules while the block runs (see `ModuleReads`).
+def recording_reads(model: nn.Module, ignore: frozenset[str] = frozenset()) -> Iterator[ModuleReads]:
+    """Record the value attributes read from `model`'s modules while the block runs (see `ModuleReads`), but
+    those named in `ignore` (attributes the caller pins itself while the graph runs).
 
     A `__getattribute__` is set on each module class of the model for the duration and then removed (or the
     class's own put back); it passes every lookup through unchanged. Lookups nn.Module answers itself
     (parameters, buffers, submodules, through `__getattr__`) are not seen: those are graph inputs.
     """
-    reads = ModuleReads(model)
+    reads = ModuleReads(model, ignore)
     classes = list(dict.fromkeys(type(m) for m in model.modules()))
     # Resolve every class's lookup before installing any: a subclass must not call its base's hook.
     originals = [(cls, cls.__dict__.get("__getattribute__"), cls.__getattribute__) for cls in classes]

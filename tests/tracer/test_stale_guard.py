@@ -13,6 +13,7 @@ import torch.nn as nn
 from graph_trainer.eager.step import EagerStep
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
+from graph_trainer.tracer.eval_step import GraphEvalStep
 from graph_trainer.tracer.executor import GraphStep
 from graph_trainer.trainer import Trainer
 from tests.tiny import TINY
@@ -185,3 +186,18 @@ def test_the_trainer_counts_and_logs_a_retrace_for_a_changed_attribute(tmp_path,
     assert record["trace_count"] == 2
     assert trainer.step_fn.report().retrace_reasons == ["module attribute norm.eps 1e-05 -> 0.001"]
     assert any("retracing the step: module attribute norm.eps" in m for m in caplog.messages)
+
+
+def test_the_evaluation_step_follows_a_changed_attribute_but_not_the_training_flag():
+    """The evaluation graph is in eval mode whatever the live flags, so train()/eval() must not retrace it."""
+    torch.manual_seed(0)
+    model = Stack().train()
+    evaluate = GraphEvalStep(model, loss_fn=_loss)
+    evaluate(_batch())
+    model.eval()
+    evaluate(_batch())
+    assert evaluate.trace_count == 1
+    model.blocks[1].temperature = 0.5
+    with torch.no_grad():
+        expected = _loss(model, _batch())
+    assert torch.equal(evaluate(_batch()), expected) and evaluate.trace_count == 2
