@@ -72,6 +72,10 @@ class TraceStats:
     compile_time_s: float | None = None  # total, when a compile stage ran
 
 
+# How the log names each part of the step (see capture.PARTS).
+_PART_NAMES = {"step": "step", "micro": "micro-batch graph", "update": "update graph"}
+
+
 def stale_reason(traced: TracedStep, signature: tuple, trainable: tuple[str, ...], batch: bool = True) -> str | None:
     """Why `traced` does not compute this step as eager would (a new batch signature, when `batch`, or a value
     its guard recorded), or None when it does."""
@@ -211,12 +215,13 @@ class GraphStep:
         first trace."""
         if reason is None:
             return
+        what = _PART_NAMES[part]
         if self.on_shape_change == "error":
             raise UserError(
-                f"the traced {part} no longer fits ({reason}) and compile.on_shape_change = 'error'; keep the "
+                f"the traced {what} no longer fits ({reason}) and compile.on_shape_change = 'error'; keep the "
                 "batch shapes and the model's traced state fixed, or set compile.on_shape_change = 'retrace'"
             )
-        logger.info(f"retracing the {part}: {reason}")
+        logger.info(f"retracing the {what}: {reason}")
         self.stats.reasons.append(reason)
 
     def _trace(self, batch: Any, part: str) -> TracedStep:
