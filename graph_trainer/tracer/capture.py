@@ -39,6 +39,7 @@ from graph_trainer.loss import lm_loss
 from graph_trainer.observability.log import get_logger
 from graph_trainer.optimizer.clip import clip_grads_
 from graph_trainer.tracer import fake_rules, node_meta
+from graph_trainer.tracer.guards import TraceGuard, recording_reads
 from graph_trainer.tracer.layers import transformer_layers
 
 _ = fake_rules  # imported for its registrations: fp32 torch._grouped_mm traces
@@ -179,6 +180,18 @@ def batch_signature(batch: Any) -> tuple:
     )
 
 
+def describe_change(old: tuple, new: tuple) -> str:
+    """A short human reason for a signature change, e.g. "['input'] shape (4, 256) -> (4, 128)"."""
+    if [leaf[0] for leaf in old] != [leaf[0] for leaf in new]:
+        return f"batch structure changed: {[leaf[0] for leaf in old]} -> {[leaf[0] for leaf in new]}"
+    diffs = []
+    for (path, *a), (_, *b) in zip(old, new):
+        for what, x, y in zip(("shape", "dtype", "device"), a, b):
+            if x != y:
+                diffs.append(f"{path} {what} {x} -> {y}")
+    return "; ".join(diffs) or "signature changed"
+
+
 @dataclasses.dataclass
 class TracedStep:
     """A traced training step: the graph plus what is needed to feed it from the live model."""
@@ -189,6 +202,8 @@ class TracedStep:
     trace_time_s: float
     # Set by a compile stage (graph_trainer.compiler.inductor): runs instead of `gm`, same inputs and outputs.
     compiled: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+    # What the trace baked in besides the batch (module attributes it read, global state, trainable set).
+    guard: TraceGuard | None = None
 
     def __call__(self, flat_inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Run a whole-step graph: (loss, grad_norm, grads)."""
@@ -496,9 +511,16 @@ def trace_step(
     layout, constants, inputs = _lay_out_inputs(model, batch, optimizer if part != "micro" else None, part)
     step = _StepFunction(model, layout, constants, loss_fn, max_norm, optimizer, grad_reduce, norm_reduce, layers)
     step.part, step.step_update = part, step_update
-    gm, trace_time = _make_graph(step, _fake_inputs(inputs, layout, device), failure_dir)
+    with recording_reads(model) as reads:
+        gm, trace_time = _make_graph(step, _fake_inputs(inputs, layout, device), failure_dir)
     _annotate_graph(gm, layout, step.annotator)
-    return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch), trace_time_s=trace_time)
+    guard = TraceGuard.capture(reads, device_type(inputs, device), layout.grad_names)
+    return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch), trace_time_s=trace_time, guard=guard)
+
+
+def device_type(inputs: list[torch.Tensor], device: torch.device | None) -> str:
+    """The device type the graph is traced for: `device`'s, else the first input's (a parameter's)."""
+    return device.type if device is not None else inputs[0].device.type
 
 
 # The phases of `trace_step`, in order.

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from graph_trainer.loss import lm_loss
+from graph_trainer.observability.log import get_logger
 from graph_trainer.step import StepReport
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import (
@@ -37,7 +38,12 @@ from graph_trainer.tracer.capture import (
     as_pytree,
     batch_signature,
     batch_tensors,
+    describe_change,
+    device_type,
 )
+from graph_trainer.tracer.guards import TraceGuard, recording_reads
+
+logger = get_logger(__name__)
 
 # (graph, one memory category per input) -> the graph's estimated peak bytes.
 Estimate = Callable[[torch.fx.GraphModule, list[str]], int]
@@ -97,10 +103,12 @@ def trace_eval(
     layout, leaves, inputs = _lay_out_inputs(model, batch, None)
     function = _EvalFunction(model, layout, leaves, loss_fn, layers)
     fakes = [t.detach() for t in _fake_inputs(inputs, layout, device)]  # no input asks for a gradient
-    with torch.no_grad(), eval_mode(model):
+    # The graph is in eval mode whatever the live flags: `training` is not what it depends on.
+    with torch.no_grad(), eval_mode(model), recording_reads(model, ignore=frozenset({"training"})) as reads:
         gm, trace_time = _make_graph(function, fakes, failure_dir)
     gm.recompile()
-    return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch), trace_time_s=trace_time)
+    guard = TraceGuard.capture(reads, device_type(inputs, device), trainable=None)  # no gradient to return
+    return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch), trace_time_s=trace_time, guard=guard)
 
 
 class GraphEvalStep:
@@ -127,8 +135,15 @@ class GraphEvalStep:
         self.estimated_peak_bytes: int | None = None
 
     def ensure_traced(self, batch: Any) -> TracedStep:
-        """The graph for `batch`'s signature, tracing it if needed."""
-        if self.traced is None or self.traced.signature != batch_signature(batch):
+        """The graph for `batch`'s signature and the model's current state, tracing it if needed."""
+        reason = None
+        if self.traced is not None:
+            signature = batch_signature(batch)
+            changed = self.traced.signature != signature
+            reason = describe_change(self.traced.signature, signature) if changed else self.traced.guard.stale(None)
+            if reason is not None:
+                logger.info(f"retracing the evaluation step: {reason}")
+        if self.traced is None or reason is not None:
             self.traced = trace_eval(
                 self.model,
                 batch,

@@ -37,6 +37,7 @@ from graph_trainer.tracer.capture import (
     TracedStep,
     batch_signature,
     batch_tensors,
+    describe_change,
     trace_step,
     trainable_parameter_names,
 )
@@ -71,16 +72,20 @@ class TraceStats:
     compile_time_s: float | None = None  # total, when a compile stage ran
 
 
-def describe_change(old: tuple, new: tuple) -> str:
-    """A short human reason for a signature change, e.g. "['input'] shape (4, 256) -> (4, 128)"."""
-    if [leaf[0] for leaf in old] != [leaf[0] for leaf in new]:
-        return f"batch structure changed: {[leaf[0] for leaf in old]} -> {[leaf[0] for leaf in new]}"
-    diffs = []
-    for (path, *a), (_, *b) in zip(old, new):
-        for what, x, y in zip(("shape", "dtype", "device"), a, b):
-            if x != y:
-                diffs.append(f"{path} {what} {x} -> {y}")
-    return "; ".join(diffs) or "signature changed"
+# How the log names each part of the step (see capture.PARTS).
+_PART_NAMES = {"step": "step", "micro": "micro-batch graph", "update": "update graph"}
+
+
+def stale_reason(traced: TracedStep, signature: tuple, trainable: tuple[str, ...], batch: bool = True) -> str | None:
+    """Why `traced` does not compute this step as eager would (a new batch signature, when `batch`, or a value
+    its guard recorded), or None when it does."""
+    if batch and traced.signature != signature:
+        return describe_change(traced.signature, signature)
+    if traced.guard is not None:
+        return traced.guard.stale(trainable)
+    if traced.layout.grad_names != trainable:  # a trace made without a guard still returns one grad per name
+        return "the set of parameters with requires_grad=True changed"
+    return None
 
 
 class GraphStep:
@@ -153,6 +158,7 @@ class GraphStep:
         self.update: Transformed | None = None  # the "update" part of an accumulated step, traced on first use
         self._batch_bytes = 0  # the trainer's whole batch (every micro-batch), alive throughout the step
         self.stats = TraceStats()
+        self._warned_self_changing = False
         self.traced: TracedStep | None = None
         self.memory_estimate: MemoryEstimate | None = None  # of the current graph, when the transform made one
         self._params = [p for _, p in model.named_parameters()]
@@ -175,45 +181,48 @@ class GraphStep:
         return "step" if self.accumulation_steps == 1 else "micro"
 
     def ensure_traced(self, batch: Any) -> TracedStep:
-        """The graph for `batch`'s signature, tracing (and transforming) it if needed.
+        """The graph for `batch`'s signature and the model's current state, tracing (and transforming) it if
+        needed: when the batch signature or anything the trace baked in changed (`TracedStep.guard`).
 
         With accumulation, `batch` is a micro-batch (`step.micro_batches`); the update part is traced too."""
         signature = batch_signature(batch)
         trainable = trainable_parameter_names(self.model)
-        if self.accumulation_steps > 1 and (self.update is None or self.update.traced.layout.grad_names != trainable):
-            self.update = self._transform(self._trace(batch, "update"))
-        if (
-            self.traced is not None
-            and self.traced.signature == signature
-            and self.traced.layout.grad_names == trainable
-        ):
+        if self.accumulation_steps > 1:
+            reason = stale_reason(self.update.traced, signature, trainable, batch=False) if self.update else None
+            if self.update is None or reason is not None:
+                self._before_retrace(reason, "update")
+                self.update = self._transform(self._trace(batch, "update"))
+        reason = stale_reason(self.traced, signature, trainable) if self.traced is not None else None
+        if self.traced is not None and reason is None:
             return self.traced
         if self._reusable is not None:
             (result, source), self._reusable = self._reusable, None
-            if result.traced.signature == signature and result.traced.layout.grad_names == trainable:
+            guard = result.traced.guard.rebound(self.model) if result.traced.guard is not None else None
+            result.traced = dataclasses.replace(result.traced, guard=guard)
+            misfit = stale_reason(result.traced, signature, trainable)
+            if misfit is None:
                 logger.info(f"the step reuses the trace made by {source} (same batch signature): no new trace")
                 self._count_trace(result.traced)
                 self._install(result)
                 return self.traced
-            logger.info(
-                f"tracing the step: the trace made by {source} does not fit the batch "
-                f"({describe_change(result.traced.signature, signature)})"
-            )
-        if self.traced is not None:
-            reason = (
-                describe_change(self.traced.signature, signature)
-                if self.traced.signature != signature
-                else "the set of parameters with requires_grad=True changed"
-            )
-            if self.on_shape_change == "error":
-                raise UserError(
-                    f"the batch signature changed ({reason}) and compile.on_shape_change = "
-                    "'error'; keep shapes fixed or set compile.on_shape_change = 'retrace'"
-                )
-            logger.info(f"retracing the step: {reason}")
-            self.stats.reasons.append(reason)
+            logger.info(f"tracing the step: the trace made by {source} does not fit ({misfit})")
+        self._before_retrace(reason, self.part)
         self._install(self._transform(self._trace(batch, self.part)))
         return self.traced
+
+    def _before_retrace(self, reason: str | None, part: str) -> None:
+        """Log and count the reason for a retrace, or stop with it under `on_shape_change="error"`; None: a
+        first trace."""
+        if reason is None:
+            return
+        what = _PART_NAMES[part]
+        if self.on_shape_change == "error":
+            raise UserError(
+                f"the traced {what} no longer fits ({reason}) and compile.on_shape_change = 'error'; keep the "
+                "batch shapes and the model's traced state fixed, or set compile.on_shape_change = 'retrace'"
+            )
+        logger.info(f"retracing the {what}: {reason}")
+        self.stats.reasons.append(reason)
 
     def _trace(self, batch: Any, part: str) -> TracedStep:
         traced = trace_step(
@@ -231,7 +240,18 @@ class GraphStep:
             step_update=self.step_update,
         )
         self._count_trace(traced)
+        self._warn_if_self_changing(traced)
         return traced
+
+    def _warn_if_self_changing(self, traced: TracedStep) -> None:
+        """Say once when the traced code changed what it read (a counter it increments): each step will retrace."""
+        changed = traced.guard.stale(traced.layout.grad_names) if traced.guard is not None else None
+        if changed is not None and not self._warned_self_changing:
+            self._warned_self_changing = True
+            logger.warning(
+                f"the traced step changes state it reads ({changed}): the graph holds the value it read, so each "
+                "step retraces to follow it; keep such state in a buffer (a tensor) to trace it once"
+            )
 
     def _transform(self, traced: TracedStep) -> Transformed:
         result = self.transform(traced) if self.transform is not None else traced
