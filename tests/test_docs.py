@@ -131,10 +131,10 @@ def _check_trainer(argv: list[str], nproc: int = 1) -> None:
 
 def _check_plan(argv: list[str]) -> None:
     """The planner's own options parse, and the rest resolve through the trainer's command line."""
-    from graph_trainer.plan.__main__ import _parser
+    from graph_trainer.plan.__main__ import _parser, trainer_argv
 
-    _, rest = _parser().parse_known_args(argv)
-    load_config(rest)
+    opts, rest = _parser().parse_known_args(argv)
+    load_config(trainer_argv(opts, rest))
 
 
 def _check_pytest(argv: list[str]) -> None:
