@@ -150,6 +150,11 @@ def _check_pytest(argv: list[str]) -> None:
 def _check_pip(argv: list[str]) -> None:
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert argv[0] in ("install", "wheel"), argv
+    if argv[0] == "wheel":  # graph_trainer's wheel alone (no GBs of dependency wheels), written outside the repository
+        assert "--no-deps" in argv and "-w" in argv, argv
+        wheel_dir = Path(argv[argv.index("-w") + 1]).resolve()
+        assert REPO not in (wheel_dir, *wheel_dir.parents), argv
+        argv = argv[: argv.index("-w")] + argv[argv.index("-w") + 2 :]
     for target in argv[1:]:
         if target.startswith("-"):
             continue
