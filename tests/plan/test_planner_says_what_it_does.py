@@ -173,3 +173,18 @@ def test_help_has_a_description_defaults_config_and_the_device_names(capsys):
     assert all(name in out for name in DEVICES) and "cpu (this machine)" in out
     assert "(default: 8)" in out and "(default: none selective full)" in out and "(default: outputs/plan)" in out
     assert "--plan.require_depth_free" in out
+
+
+def test_the_search_says_the_first_fallback_and_counts_the_rest():
+    """One line however many shapes fall back (each is listed in plan.json), and the counts add up."""
+    from graph_trainer.plan import search
+
+    cfg, _ = load_config(SIX)
+    said: list[str] = []
+    plans = search.Plans(cfg, torch.device("cpu"), say=said.append)
+    plans._count("dp_shard 2, ...", [f"{FALLBACK}, ...): first"])
+    plans._count("tp 2, ...", [f"{FALLBACK}, ...): second"])
+    plans._count("one process, ...", [])
+    assert said == [f"{FALLBACK}, ...): first"]
+    assert (plans.depth_free, len(plans.full), plans.calls) == (1, 2, 3)
+    assert [f["shape"] for f in plans.full] == ["dp_shard 2, ...", "tp 2, ..."]
