@@ -649,10 +649,12 @@ def _check_same_nodes(grid: _Grid, shorts: dict[_Point, _Short]) -> None:
         shapes = point[1] == against[1]
         for k, i in other.keys.items():
             a, b = nodes[point][short.keys[k]], nodes[against][i]
-            if k[0] == "outside" and a.target != b.target:
-                raise NotUniform(f"{_key_words(k)} differs between {graphs}, field op: {a.target} vs {b.target}")
+            if k[0] == "outside":
+                if a.target != b.target:
+                    raise NotUniform(f"{_key_words(k)} differs between {graphs}, field op: {a.target} vs {b.target}")
+                continue
             x, y = _signature(a, shapes), _signature(b, shapes)
-            if k[0] != "outside" and x != y:
+            if x != y:
                 raise NotUniform(f"{_key_words(k)} differs between {graphs}, {_field_difference(x, y)}")
 
 

@@ -188,3 +188,17 @@ def test_the_search_says_the_first_fallback_and_counts_the_rest():
     assert said == [f"{FALLBACK}, ...): first"]
     assert (plans.depth_free, len(plans.full), plans.calls) == (1, 2, 3)
     assert [f["shape"] for f in plans.full] == ["dp_shard 2, ...", "tp 2, ..."]
+
+
+def test_the_difference_names_the_first_node_that_differs_and_its_field():
+    from graph_trainer.plan.block_plan import _first_difference, _Signature
+
+    node = _Signature("aten.mm.default", (((4, 4), torch.float32),), "forward", "layers.#.attention.wq", False, False)
+    wider = node._replace(outputs=(((4, 8), torch.float32),))
+    assert _first_difference([node, wider], [node, node]) == (
+        "at its node 1 (aten.mm.default), field output shapes and dtypes: "
+        "(((4, 8), torch.float32),) vs (((4, 4), torch.float32),)"
+    )
+    assert _first_difference([node], [node, wider]) == (
+        "at its node 1 (aten.mm.default), field op: one has 1 nodes, the other 2"
+    )
