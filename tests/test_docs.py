@@ -131,10 +131,10 @@ def _check_trainer(argv: list[str], nproc: int = 1) -> None:
 
 def _check_plan(argv: list[str]) -> None:
     """The planner's own options parse, and the rest resolve through the trainer's command line."""
-    from graph_trainer.plan.__main__ import _parser
+    from graph_trainer.plan.__main__ import _parser, trainer_argv
 
-    _, rest = _parser().parse_known_args(argv)
-    load_config(rest)
+    opts, rest = _parser().parse_known_args(argv)
+    load_config(trainer_argv(opts, rest))
 
 
 def _check_pytest(argv: list[str]) -> None:
@@ -150,6 +150,11 @@ def _check_pytest(argv: list[str]) -> None:
 def _check_pip(argv: list[str]) -> None:
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert argv[0] in ("install", "wheel"), argv
+    if argv[0] == "wheel":  # graph_trainer's wheel alone (no GBs of dependency wheels), written outside the repository
+        assert "--no-deps" in argv and "-w" in argv, argv
+        wheel_dir = Path(argv[argv.index("-w") + 1]).resolve()
+        assert REPO not in (wheel_dir, *wheel_dir.parents), argv
+        argv = argv[: argv.index("-w")] + argv[argv.index("-w") + 2 :]
     for target in argv[1:]:
         if target.startswith("-"):
             continue

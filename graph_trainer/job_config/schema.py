@@ -297,6 +297,16 @@ class ProfilingConfig:
 
 
 @dataclass
+class PlanConfig:
+    require_depth_free: bool = _opt(
+        False,
+        "the dry run, the preflight and python -m graph_trainer.plan refuse (exit 2) to plan a deep model by "
+        "tracing its whole depth (where the short traces do not prove its blocks identical, or the step "
+        "accumulates) instead of saying so and going on; a whole trace takes minutes a mode at 70B",
+    )
+
+
+@dataclass
 class JobConfig:
     """The whole job: one attribute per TOML section."""
 
@@ -313,6 +323,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def sections() -> dict[str, type]:

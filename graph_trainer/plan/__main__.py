@@ -4,8 +4,7 @@
         --cluster.device h100-80gb [--batch.global_seqs 16] [--search.exact 4] [--out outputs/plan] \\
         [any trainer option, e.g. --training.seq_len 8192]
 
-Exit codes: 0 a plan fits (table, JSON, picture and the command line of the best plan); 2 nothing fits (one
-line naming the smallest GPU count that would) or a bad option (one line).
+`--help` lists every option with its default (`DESCRIPTION`, `EPILOG`: exit codes).
 """
 
 from __future__ import annotations
@@ -19,24 +18,95 @@ from pathlib import Path
 EXIT_USER_ERROR = 2
 
 
+DESCRIPTION = """\
+Find the fastest layout of a model that fits a cluster: every dp_replicate x dp_shard x tp (x ep) of the GPU
+count, local batch x accumulation, AC mode, loss chunk and optimizer placement the trainer accepts is screened
+with depth-free plans of its step on fake tensors, the best are planned exactly and ranked (docs/planner.md).
+
+Any trainer option (--section.key VALUE, see python -m graph_trainer --help) sets the job, e.g.
+--training.seq_len 8192; --plan.require_depth_free makes a whole-depth fallback an error."""
+
+EPILOG = """\
+Exit codes: 0 a plan fits (table, plan.json, plan.png and the command line of the best plan); 2 nothing fits
+(one line naming what would), nothing could be planned, or a bad option (one line)."""
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m graph_trainer.plan", add_help=True)
-    p.add_argument("--cluster.gpus", dest="gpus", type=int, default=8)
-    p.add_argument("--cluster.gpus_per_node", dest="gpus_per_node", type=int, default=8)
-    p.add_argument("--cluster.device", dest="device", default="h100-80gb")
+    from graph_trainer.job_config.load import shipped_configs
+    from graph_trainer.plan.cluster import DEVICES
+
+    p = argparse.ArgumentParser(
+        prog="python -m graph_trainer.plan",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=_Formatter,
+        allow_abbrev=False,  # an abbreviation would swallow a trainer option the user meant
+    )
+    configs = ", ".join(shipped_configs())
+    p.add_argument(
+        "--config",
+        metavar="NAME_OR_PATH",
+        help=f"the trainer's TOML config: a shipped name ({configs}) or a path (default: the trainer's defaults)",
+    )
+    p.add_argument("--out", default="outputs/plan", metavar="DIR", help="folder of plan.json and plan.png")
+    cluster = p.add_argument_group("cluster")
+    cluster.add_argument("--cluster.gpus", dest="gpus", type=int, default=8, metavar="N", help="GPUs in all")
+    cluster.add_argument(
+        "--cluster.gpus_per_node", dest="gpus_per_node", type=int, default=8, metavar="N", help="GPUs a node"
+    )
+    devices = ", ".join(DEVICES)
+    cluster.add_argument(
+        "--cluster.device",
+        dest="device",
+        default="h100-80gb",
+        metavar="NAME",
+        help=f"one of {devices} (figures and sources: docs/planner.md), or cpu (this machine)",
+    )
     # Every figure of the device table can be overridden; efficiency: the fraction of peak compute runs at.
-    for name in ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "efficiency"):
-        p.add_argument(f"--cluster.{name}", dest=name, type=float, default=None)
-    p.add_argument("--batch.global_seqs", dest="global_seqs", type=int, default=None)
-    p.add_argument("--batch.global_tokens", dest="global_tokens", type=int, default=None)
-    p.add_argument("--search.ac_modes", dest="ac_modes", nargs="+", default=["none", "selective", "full"])
-    p.add_argument("--search.loss_chunk_sizes", dest="chunks", type=int, nargs="+", default=None)
-    p.add_argument("--search.optimizer_in_graph", dest="in_graph", nargs="+", default=["false"])
+    for name, what in (
+        ("memory_gib", "memory per GPU, GiB"),
+        ("peak_tflops", "dense bf16 peak, TFLOP/s"),
+        ("intra_gbps", "intra-node bandwidth per GPU and direction, GB/s"),
+        ("inter_gbps", "inter-node bandwidth per GPU and direction, GB/s"),
+        ("efficiency", "the fraction of peak compute the step runs at"),
+    ):
+        help = f"{what} (default: the device's)"
+        cluster.add_argument(f"--cluster.{name}", dest=name, type=float, metavar="X", help=help)
+    batch = p.add_argument_group("batch (default: the config's local batch x GPUs sequences)")
+    batch.add_argument("--batch.global_seqs", dest="global_seqs", type=int, metavar="N", help="sequences a step")
+    batch.add_argument(
+        "--batch.global_tokens", dest="global_tokens", type=int, metavar="N", help="tokens a step (x seq_len)"
+    )
+    space = p.add_argument_group("search space (each option takes one value or several)")
+    space.add_argument("--search.ac_modes", dest="ac_modes", nargs="+", default=["none", "selective", "full"],
+                       metavar="MODE", help="activation_checkpoint.mode values")  # fmt: skip
+    space.add_argument("--search.loss_chunk_sizes", dest="chunks", type=int, nargs="+", metavar="N",
+                       help="training.loss_chunk_size values (default: the config's)")  # fmt: skip
+    space.add_argument("--search.optimizer_in_graph", dest="in_graph", nargs="+", default=["false"], metavar="BOOL",
+                       help="compile.trace_optimizer values")  # fmt: skip
     # Prefetch on, as FSDP2 runs: the cost model hides FSDP's all-gathers behind compute (docs/planner.md).
-    p.add_argument("--search.fsdp_prefetch", dest="prefetch", nargs="+", default=["true"])
-    p.add_argument("--search.exact", dest="exact", type=int, default=4, help="candidates planned exactly")
-    p.add_argument("--out", default=None, help="folder for plan.json and plan.png")
+    space.add_argument("--search.fsdp_prefetch", dest="prefetch", nargs="+", default=["true"], metavar="BOOL",
+                       help="parallelism.fsdp_prefetch values")  # fmt: skip
+    space.add_argument("--search.exact", dest="exact", type=int, default=4, metavar="N",
+                       help="exact plans that fit to rank")  # fmt: skip
     return p
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and every option's default shown, as the trainer's --help shows them (a list as
+    its words; an option without a default says in its help what stands in for one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, argparse.SUPPRESS) or not action.option_strings or "default:" in text:
+            return text
+        shown = " ".join(action.default) if isinstance(action.default, list) else action.default
+        return f"{text} (default: {shown})".lstrip()
+
+
+def trainer_argv(opts: argparse.Namespace, rest: list[str]) -> list[str]:
+    """The trainer's own command line inside the planner's: --config and every option the planner does not own."""
+    return (["--config", opts.config] if opts.config else []) + rest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     opts, rest = _parser().parse_known_args(argv)
     try:
-        return _plan(opts, rest)
+        return _plan(opts, trainer_argv(opts, rest))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -59,6 +129,7 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     from graph_trainer.observability.units import to_gib
     from graph_trainer.plan import search
     from graph_trainer.plan.cluster import build_cluster
+    from graph_trainer.plan.progress import Progress
     from graph_trainer.plan.report import nothing_fits, print_table, write_json, write_picture
 
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -85,10 +156,27 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
             "sequences: pick a global batch that is a multiple of the data-parallel degree"
         )
     kept = [c for c in cands if search.state_bytes(cfg, c) < cluster.memory_bytes]
-    plans = search.Plans(cfg, torch.device("cpu"))
+    print(
+        f"plan: {cfg.model.name}/{cfg.model.flavor} on {cluster.gpus} x {cluster.device.name} "
+        f"({cluster.gpus_per_node} per node), global batch {global_seqs} x {seq} tokens; {len(cands)} candidates, "
+        f"{len(cands) - len(kept)} pruned (state alone over memory); screening the rest",
+        flush=True,
+    )
+    out = Path(opts.out)
+    details = out / "plan.json"
+    if skipped:
+        print(f"skipped {len(skipped)} layouts the model or the trainer refuses, e.g. {skipped[0]} ({details})")
+    refused = sum(space.refused.values())
+    if refused:
+        first = next(iter(space.refused))
+        print(f"skipped {refused} candidates the trainer refuses, e.g. {space.refused[first]} of {first} ({details})")
+    plans = search.Plans(cfg, torch.device("cpu"), say=_say, progress=Progress(_say))
     rows = search.screen(cfg, cluster, kept, cluster.device.efficiency, plans) if kept else []
     if kept and not rows:  # not a memory verdict: no candidate could be planned at all
-        raise UserError(f"no candidate could be planned ({len(plans.errors)} refused), e.g. {plans.errors[0]}")
+        first = plans.failed[0]
+        raise UserError(
+            f"no candidate could be planned ({len(plans.failed)} refused), e.g. {first['candidate']}: {first['error']}"
+        )
     fitting = sorted((r for r in rows if r.peak <= cluster.memory_bytes), key=lambda r: r.time.total_s)
     exact = search.plan_best(cfg, cluster, fitting, opts.exact, cluster.device.efficiency, plans)
     final = sorted((r for r in exact if search.is_exact_fit(r, cluster)), key=lambda r: r.exact_time.total_s)
@@ -100,18 +188,17 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     ]  # fmt: skip
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     print(
-        f"plan: {cfg.model.name}/{cfg.model.flavor} on {cluster.gpus} x {cluster.device.name} "
-        f"({cluster.gpus_per_node} per node), global batch {global_seqs} x {seq} tokens; "
-        f"{len(cands)} candidates, {len(cands) - len(kept)} pruned (state alone over memory), {len(rows)} screened, "
-        f"{len(exact)} planned exactly; {plans.calls} depth-free plans, {elapsed:.0f} s ({cpu:.0f} s of CPU)"
+        f"plan: {len(rows)} screened, {len(exact)} planned exactly; {plans.depth_free} depth-free plans, "
+        f"{len(plans.full)} whole-depth, {elapsed:.0f} s ({cpu:.0f} s of CPU)"
     )
-    for line in skipped:
-        print(f"skipped layout {line}")
-    for what, n in space.refused.items():
-        print(f"skipped {n} candidates of {what}")
+    if plans.failed:
+        first = plans.failed[0]
+        print(
+            f"{len(plans.failed)} candidates could not be planned, e.g. {first['candidate']} ({first['stage']}): "
+            f"{first['error']} ({details})"
+        )
     for row, peak_err, time_err in search.screen_errors(exact):
-        c = row.cand
-        print(f"screen vs exact: {c.layout()} {c.ac_mode} {c.batch()}: peak {peak_err:+.1%}, step time {time_err:+.1%}")
+        print(f"screen vs exact: {row.cand.label()}: peak {peak_err:+.1%}, step time {time_err:+.1%}")
     for r in bounds:
         c = r.cand
         print(
@@ -119,6 +206,11 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
             f"{to_gib(r.exact.peak_bytes):.2f} GiB, {r.exact_time.total_s:.2f} s a step "
             "(docs/planner.md: approximate plans)"
         )
+    if bounds:
+        print(BOUNDS_EXPLAINED)
+    command = _command(rest, final[0].cand, cluster) if final else None
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(details, final, exact, skipped, cluster, seq, command, refused=space.refused, plans=plans)
     if not final:
         print(
             "nothing ranked: only the upper bounds above fit (AC budget, fsdp_grad_sync step or accumulation without "
@@ -126,18 +218,25 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
             if bounds
             else nothing_fits(cfg, cluster, global_seqs, cands, rows, exact)
         )
+        print(f"wrote {details}")
         return EXIT_USER_ERROR
     print_table(final, cluster, seq)
-    best = final[0]
-    command = _command(rest, best.cand, cluster)
     print("best plan's command:\n  " + command)
-    if opts.out:
-        out = Path(opts.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "plan.json", final, exact, skipped, cluster, seq, command)
-        write_picture(out / "plan.png", rows, final, cluster, seq)
-        print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
+    write_picture(out / "plan.png", rows, final, cluster, seq)
+    print(f"wrote {details} and {out / 'plan.png'}")
     return 0
+
+
+# Why the ranked best is preferred to a faster upper bound, in one line.
+BOUNDS_EXPLAINED = (
+    "why the ranked best comes first: an upper bound's peak is not known to the byte (the real one is at most "
+    "that, so it fits) and under AC budget its FLOPs are interpolated; the ranking holds only exact plans, so "
+    "take a bound only after checking it: the trainer's --dry-run with its options plans it whole, exactly"
+)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)  # at once: a progress line is worth nothing once the search is over
 
 
 def _command(rest: list[str], cand, cluster) -> str:

@@ -41,7 +41,8 @@ import dataclasses
 import re
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 import torch.fx
@@ -108,21 +109,48 @@ class NotUniform(Exception):
 
 
 def plan_modes(
-    cfg: JobConfig, mesh: Mesh, modes: Iterable[str] = AC_MODES, *, log_passes: bool = False, fast: bool = True
+    cfg: JobConfig,
+    mesh: Mesh,
+    modes: Iterable[str] = AC_MODES,
+    *,
+    log_passes: bool = False,
+    fast: bool = True,
+    on_fallback: Callable[[str], None] | None = None,
 ) -> dict[str, StepPlan | UserError]:
     """One rank's plan of `cfg`'s step for each AC mode in `modes` (a mode that cannot be planned maps to its
     UserError), at a cost that does not grow with the number of blocks (see the module docstring).
 
     Deep models (more than 4 blocks) are extended from traces of 3 and 4 blocks; shallower ones, `fast` False,
-    or blocks the short graphs do not prove identical are traced whole, once for all modes.
+    or blocks the short graphs do not prove identical are traced whole, once for all modes. A deep model traced
+    whole is a fallback: said in one line through `on_fallback` (default: a warning), or a ConfigError with
+    `plan.require_depth_free` (see `fall_back`).
     """
     modes = list(modes)
     if accumulation_steps(cfg) > 1:
         # The accumulating step is two graphs (a micro-step run k times, then the update); the extension reads one
         # whole-step graph. Each mode is planned whole: its cost grows with depth, not with k.
+        if fast and resolve_model_args(cfg).n_layers > short_depths(cfg)[-1]:
+            why = "the accumulating step is two graphs (a micro-step run k times, then the update)"
+            fall_back(cfg, f"{why}, traced whole once a mode", on_fallback)
         return _planned_per_mode(cfg, mesh, modes, log_passes)
     batch = cfg.training.local_batch_size
-    return plan_batches(cfg, mesh, modes, [batch], log_passes=log_passes, fast=fast)[batch]
+    return plan_batches(cfg, mesh, modes, [batch], log_passes=log_passes, fast=fast, on_fallback=on_fallback)[batch]
+
+
+def fall_back(cfg: JobConfig, why: str, say: Callable[[str], None] | None = None) -> None:
+    """Say in one line that a deep model is planned by tracing its whole depth, and why (`say`, default a warning);
+    with `plan.require_depth_free`, refuse instead (ConfigError: one line, exit 2). At 70B a whole trace costs
+    minutes a mode, where the depth-free plan costs seconds."""
+    depth = resolve_model_args(cfg).n_layers
+    if cfg.plan.require_depth_free:
+        raise ConfigError(
+            f"plan.require_depth_free: the {depth} blocks of {cfg.model.name}/{cfg.model.flavor} cannot be planned "
+            f"depth-free ({why}); drop --plan.require_depth_free to trace the whole depth (slower)"
+        )
+    (say or logger.warning)(
+        f"planning the whole depth ({depth} blocks, slower than the depth-free plan): {why} "
+        "(--plan.require_depth_free makes this an error)"
+    )
 
 
 @gc_paused()  # the plan's objects live until it is done: see runtime/gc_pause.py
@@ -135,24 +163,33 @@ def plan_batches(
     log_passes: bool = False,
     fast: bool = True,
     extrapolate: bool = False,
+    on_fallback: Callable[[str], None] | None = None,
 ) -> dict[int, dict[str, StepPlan | UserError]]:
     """`plan_modes` of `cfg` at each local batch of `batches` (cfg's own local batch is ignored; one step a
     micro-batch: no accumulation), from the fewest short traces: several batches, or one batch with many loss
     chunks, are extended from short steps at two small batches one sequence apart (`_grids`), so the cost grows
     neither with depth nor with the local batch. `extrapolate`: batches below the grid's (local batch 1) are
-    extended from it too, marked approximate, instead of traced on their own (the search's screen)."""
+    extended from it too, marked approximate, instead of traced on their own (the search's screen).
+
+    Where the short graphs do not prove the blocks identical, the batches are traced whole: `fall_back` says so
+    once, naming the first block, node and field that differ (or refuses, with `plan.require_depth_free`)."""
     modes, batches = list(modes), sorted(set(batches))
     depth = resolve_model_args(cfg).n_layers
     if not (fast and depth > short_depths(cfg)[-1]):
         return {b: _traced_whole(with_local_batch(cfg, b), mesh, modes, log_passes) for b in batches}
     out: dict[int, dict[str, StepPlan | UserError]] = {}
+    whole: list[int] = []  # the batches to trace whole, once a grid's blocks proved different
     for grid, targets in _grids(cfg, batches, extrapolate):
+        if whole:  # the blocks differ at one batch: the other grids are not tried (they cost two traces each)
+            whole += targets
+            continue
         try:
             with lazy_codegen():
                 out.update(_extended(cfg, mesh, modes, depth, grid, targets, log_passes))
         except NotUniform as e:
-            logger.info(f"planning the whole depth: {e}")
-            out.update({b: _traced_whole(with_local_batch(cfg, b), mesh, modes, log_passes) for b in targets})
+            fall_back(cfg, f"the short traces do not prove the blocks identical: {e}", on_fallback)
+            whole += targets
+    out.update({b: _traced_whole(with_local_batch(cfg, b), mesh, modes, log_passes) for b in whole})
     return out
 
 
@@ -602,13 +639,34 @@ def _check_same_nodes(grid: _Grid, shorts: dict[_Point, _Short]) -> None:
         if point == against:
             continue
         other = shorts[against]
+        graphs = f"the {_point_words(point)} and the {_point_words(against)} graph"
         if short.keys.keys() != other.keys.keys():
-            raise NotUniform(f"the short graphs {point} and {against} (blocks, batch) have different node keys")
+            key = next(k for k in [*other.keys, *short.keys] if k not in short.keys or k not in other.keys)
+            has, lacks = (against, point) if key in other.keys else (point, against)
+            raise NotUniform(
+                f"{_key_words(key)} is in the {_point_words(has)} graph, not in the {_point_words(lacks)} one"
+            )
         shapes = point[1] == against[1]
         for k, i in other.keys.items():
             a, b = nodes[point][short.keys[k]], nodes[against][i]
-            if (a.target != b.target) if k[0] == "outside" else (_signature(a, shapes) != _signature(b, shapes)):
-                raise NotUniform(f"node {k} differs between {point} ({a.target}) and {against} ({b.target})")
+            if k[0] == "outside":
+                if a.target != b.target:
+                    raise NotUniform(f"{_key_words(k)} differs between {graphs}, field op: {a.target} vs {b.target}")
+                continue
+            x, y = _signature(a, shapes), _signature(b, shapes)
+            if x != y:
+                raise NotUniform(f"{_key_words(k)} differs between {graphs}, {_field_difference(x, y)}")
+
+
+def _point_words(point: _Point) -> str:
+    return f"{point[0]}-block, local batch {point[1]}"
+
+
+def _key_words(key: _Key) -> str:
+    """A node key in words: 'node 12 of the mid_last block (loss chunk first)'."""
+    cls, chunk, rank = key
+    where = "outside the blocks" if cls == "outside" else f"of the {cls} block"
+    return f"node {rank} {where}" + (f" (loss chunk {chunk})" if chunk else "")
 
 
 def _extend(grid: _Grid, shorts: dict[_Point, _Short], depth: int, batch: int) -> _Parts:
@@ -751,12 +809,33 @@ def _keys(gm: torch.fx.GraphModule, k: int, layers: str | None, lead: int) -> di
     return keys
 
 
-def _signature(node: torch.fx.Node, shapes: bool = True) -> tuple:
+class _Signature(NamedTuple):
+    """What must agree between two blocks' nodes (`_signature`); the fields' words are `_FIELD_WORDS`."""
+
+    op: str
+    outputs: tuple
+    phase: object
+    module: str
+    policy: object
+    rematerialized: bool
+
+
+_FIELD_WORDS = {
+    "op": "op",
+    "outputs": "output shapes and dtypes",
+    "phase": "phase",
+    "module": "module",
+    "policy": "memory policy",
+    "rematerialized": "rematerialized",
+}
+
+
+def _signature(node: torch.fx.Node, shapes: bool = True) -> _Signature:
     """What must agree between two blocks' nodes: the op, its outputs' shapes (with `shapes`) and dtypes, its place
     in the step, its module (block index left out) and what the memory policy made of it."""
     vals = tuple((tuple(t.shape) if shapes else None, t.dtype) for t in tensors(node.meta.get("val")))
     module = re.sub(r"\.\d+(?=\.|$)", ".#", node_meta.module_fqn(node))
-    return (
+    return _Signature(
         str(node.target),
         vals,
         node_meta.phase(node),
@@ -766,15 +845,37 @@ def _signature(node: torch.fx.Node, shapes: bool = True) -> tuple:
     )
 
 
+def _clipped(value: object, limit: int = 60) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _field_difference(a: _Signature, b: _Signature) -> str:
+    """'field F: a vs b' for the first field in which two nodes' signatures differ."""
+    name = next(f for f in _Signature._fields if getattr(a, f) != getattr(b, f))
+    return f"field {_FIELD_WORDS[name]}: {_clipped(getattr(a, name))} vs {_clipped(getattr(b, name))}"
+
+
+def _first_difference(a: list[_Signature], b: list[_Signature]) -> str:
+    """Where two node sequences first differ: the node's index and op, and the field (one line)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"at its node {i} ({x.op}), {_field_difference(x, y)}"
+    n = min(len(a), len(b))
+    extra = (a if len(a) > n else b)[n].op
+    return f"at its node {n} ({extra}), field op: one has {len(a)} nodes, the other {len(b)}"
+
+
 def _check_blocks(gm: torch.fx.GraphModule, k: int, layers: str | None, lead: int, when: str) -> None:
     """NotUniform unless every middle block of the `k`-block graph holds the same op sequence (`_signature`), and
-    every middle chunk of its chunked loss the same as chunk 1.
+    every middle chunk of its chunked loss the same as chunk 1; its message names the first block (or chunk),
+    node and field that differ.
 
     The first and the last block may differ from the middle ones (FSDP's prefetch: the last block's backward
     keeps the parameters its forward gathered, the others gather again); `_check_same_nodes` then proves them the
     same at every short depth, key by key, which is all the extension needs."""
-    blocks: dict[int, list[tuple]] = {}
-    chunks: dict[int, list[tuple]] = {}
+    blocks: dict[int, list[_Signature]] = {}
+    chunks: dict[int, list[_Signature]] = {}
     for _, node, layer in node_blocks(gm, layers):
         if layer is not None:
             blocks.setdefault(layer, []).append(_signature(node))
@@ -784,18 +885,21 @@ def _check_blocks(gm: torch.fx.GraphModule, k: int, layers: str | None, lead: in
         raise NotUniform(f"the {k}-block graph {when} tags blocks {sorted(blocks)}")
     for layer in range(lead + 2, k - 1):
         if blocks[layer] != blocks[lead + 1]:
-            raise NotUniform(f"block {layer} of the {k}-block graph {when} differs from block {lead + 1}")
+            where = _first_difference(blocks[layer], blocks[lead + 1])
+            raise NotUniform(f"block {layer} of the {k}-block graph {when} differs from block {lead + 1} {where}")
     if chunks and sorted(chunks) != list(range(len(chunks))):
         raise NotUniform(f"the {k}-block graph {when} tags loss chunks {sorted(chunks)}")
     for chunk in range(2, len(chunks) - 1):
         if chunks[chunk] != chunks[1]:
-            raise NotUniform(f"loss chunk {chunk} of the {k}-block graph {when} differs from chunk 1")
+            where = _first_difference(chunks[chunk], chunks[1])
+            raise NotUniform(f"loss chunk {chunk} of the {k}-block graph {when} differs from chunk 1 {where}")
 
 
 __all__ = [
     "SHORT",
     "NotUniform",
     "copy_traced",
+    "fall_back",
     "leading_blocks",
     "plan_batches",
     "plan_modes",

@@ -54,7 +54,7 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
         print_fn(
             f"{'ac mode':10} {'peak GiB':>9} {'saved GiB':>10} {'params':>15} {'TFLOP/step':>11} {'plan s':>7}  peak at"
         )
-        plans = plan_modes(cfg, mesh, AC_MODES)
+        plans = plan_modes(cfg, mesh, AC_MODES, on_fallback=print_fn)  # a whole-depth fallback: one line, here
         for mode, plan in plans.items():
             if isinstance(plan, UserError):
                 print_fn(f"{mode:10} not plannable: {plan}")

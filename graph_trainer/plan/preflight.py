@@ -9,10 +9,13 @@ from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.units import KIB, to_gib
 from graph_trainer.plan.block_plan import plan_modes, short_depths
 from graph_trainer.plan.step_plan import StepPlan, plan_step
 from graph_trainer.runtime.gc_pause import gc_paused
+
+logger = get_logger(__name__)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -35,7 +38,10 @@ def preflight(cfg: JobConfig, mesh: Mesh) -> StepPlan:
     smaller batch (activations scale with it) or another activation-checkpointing mode.
     """
     if resolve_model_args(cfg).n_layers > short_depths(cfg)[-1]:  # deep: the depth-free plan (its graph is not kept)
-        plan = plan_modes(cfg, mesh, [cfg.activation_checkpoint.mode], log_passes=True)[cfg.activation_checkpoint.mode]
+        mode = cfg.activation_checkpoint.mode
+        # A whole-depth fallback is said once, on rank 0 (every rank plans its own step; the others would repeat it).
+        say = logger.warning if mesh.rank == 0 else logger.debug
+        plan = plan_modes(cfg, mesh, [mode], log_passes=True, on_fallback=say)[mode]
         if isinstance(plan, UserError):
             raise plan
     else:  # shallow: the whole trace, which the first step reuses
@@ -60,7 +66,8 @@ def _does_not_fit(cfg: JobConfig, mesh: Mesh, plan: StepPlan, available: int) ->
             if batch >= 1:
                 hints.append(f"--training.local_batch_size {batch}")
         others = [m for m in ("full", "budget") if m != cfg.activation_checkpoint.mode]
-        for mode, other in plan_modes(cfg, mesh, others).items():
+        # What-if plans for the hint: a fallback was said by the plan above already.
+        for mode, other in plan_modes(cfg, mesh, others, on_fallback=logger.debug).items():
             if isinstance(other, UserError):  # e.g. the default budget is infeasible for this shape
                 continue
             if other.peak_bytes <= available:

@@ -70,7 +70,20 @@ def print_table(rows: list[search.Screened], cluster: Cluster, seq: int) -> None
         )
 
 
-def write_json(path: Path, final, exact, skipped, cluster: Cluster, seq: int, command: str) -> None:
+def write_json(
+    path: Path,
+    final: list[search.Screened],
+    exact: list[search.Screened],
+    skipped: list[str],
+    cluster: Cluster,
+    seq: int,
+    command: str | None,
+    *,
+    refused: dict[str, int],
+    plans: search.Plans,
+) -> None:
+    """plan.json: the ranked rows, the screen's error, and what the console only counts: the layouts skipped, the
+    candidates the trainer refuses, those whose plan failed, and the plans made depth-free or whole-depth."""
     data = {
         "cluster": {"device": cluster.device.__dict__, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node},
         "ranked": [_row(r, cluster, seq) for r in final],
@@ -87,6 +100,9 @@ def write_json(path: Path, final, exact, skipped, cluster: Cluster, seq: int, co
             for r, peak_err, time_err in search.screen_errors(exact)
         ],
         "skipped_layouts": skipped,
+        "refused_candidates": refused,  # 'layout: why' -> how many candidates the trainer refuses for it
+        "unplannable": plans.failed,
+        "plans": {"depth_free": plans.depth_free, "whole_depth": len(plans.full), "whole_depth_why": plans.full},
         "command": command,
     }
     path.write_text(json.dumps(data, indent=2) + "\n")

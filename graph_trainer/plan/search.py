@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -24,11 +24,15 @@ from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args, validate
 from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.schema import JobConfig, ParallelismConfig
+from graph_trainer.observability.log import get_logger
 from graph_trainer.plan.accumulate import accumulated
-from graph_trainer.plan.block_plan import APPROXIMATE_MODES, plan_batches
+from graph_trainer.plan.block_plan import APPROXIMATE_MODES, plan_batches, short_depths
 from graph_trainer.plan.cluster import Cluster
 from graph_trainer.plan.cost_model import StepTime, step_time
+from graph_trainer.plan.progress import silent
 from graph_trainer.plan.step_plan import StepPlan
+
+logger = get_logger(__name__)
 
 MESH_DEGREES = ("dp_replicate", "dp_shard", "tp")  # outermost first; those the schema lacks are left out
 BYTES_PER_PARAM_STATE = 16  # fp32 parameter + fp32 gradient + AdamW's two fp32 moments
@@ -83,6 +87,10 @@ class Candidate:
     def batch(self) -> str:
         """'local batch x accumulation', with the deferred gradient sync marked."""
         return f"{self.local_batch} x {self.accumulation}" + ("s" if self.grad_sync == "step" else "")
+
+    def label(self) -> str:
+        """The candidate in a few words, for lists and progress: 'dp_shard 8, AC full, local batch 2 x 4'."""
+        return f"{self.layout()}, AC {self.ac_mode}, local batch {self.batch()}"
 
     def apply(self, cfg: JobConfig) -> JobConfig:
         """`cfg` with this candidate's settings (a copy)."""
@@ -257,14 +265,32 @@ class Plans:
 
     A shape is (degrees, ep, loss chunk, optimizer placement, prefetch): the screen's references and the exact
     plans share it, so an exact plan of a reference's shape costs nothing more.
+
+    Nothing is dropped unsaid: each candidate whose plan fails is listed in `failed`, and each shape planned by
+    tracing the whole depth in `full` (the first such fallback is said at once through `say`, default a warning).
+    `progress` hears of each shape the screen plans (`plan.progress.Progress`).
     """
 
-    def __init__(self, cfg: JobConfig, device: torch.device):
-        self.cfg, self.device = cfg, device
+    def __init__(
+        self,
+        cfg: JobConfig,
+        device: torch.device,
+        *,
+        say: Callable[[str], None] | None = None,
+        progress: Callable[[str, int, int, str], None] = silent,
+    ):
+        self.cfg, self.device, self.say, self.progress = cfg, device, say, progress
         self._plans: dict[tuple, dict[int, dict[str, StepPlan | UserError]]] = {}
         self._extrapolated: set[tuple] = set()  # (shape, local batch): extended below its grid, for the screen only
-        self.errors: list[str] = []  # 'candidate: why' for each candidate whose plan the trainer's checks refused
-        self.calls = 0  # depth-free plans made (each a grid of short traces, for every mode and batch asked together)
+        # {"candidate", "stage" (screen or exact), "error"} for each candidate whose plan failed (a UserError)
+        self.failed: list[dict[str, str]] = []
+        self.depth_free = 0  # depth-free plans made (each a grid of short traces, for every mode and batch at once)
+        self.full: list[dict[str, str]] = []  # {"shape", "why"} for each plan that traced the whole depth
+
+    @property
+    def calls(self) -> int:
+        """Plans made: depth-free and whole-depth together."""
+        return self.depth_free + len(self.full)
 
     @staticmethod
     def _shape(micro: Candidate) -> tuple:
@@ -281,10 +307,15 @@ class Plans:
             have = self._plans.get(key[0], {}).get(micro.local_batch, {})
             if not set(modes) <= set(have) or (key in self._extrapolated and not screen):
                 wanted.setdefault(key[0], (micro, set()))[1].add(micro.local_batch)
-        for shape, (micro, batches) in wanted.items():
+        for i, (shape, (micro, batches)) in enumerate(wanted.items(), 1):
+            words = f"{_shape_words(micro)}, local batch {', '.join(map(str, sorted(batches)))}"
+            if screen:
+                self.progress("screen: shape", i, len(wanted), words)
             cfg = micro.apply(self.cfg)
+            fallbacks: list[str] = []
             with planning_mesh(ParallelDims.from_config(cfg.parallelism), self.device) as mesh:
-                planned = plan_batches(cfg, mesh, modes, batches, extrapolate=screen)
+                planned = plan_batches(cfg, mesh, modes, batches, extrapolate=screen, on_fallback=fallbacks.append)
+            self._count(words, fallbacks)
             for batch, by_mode in planned.items():
                 self._plans.setdefault(shape, {}).setdefault(batch, {}).update(by_mode)
                 if any(
@@ -293,7 +324,23 @@ class Plans:
                     self._extrapolated.add((shape, batch))
                 else:
                     self._extrapolated.discard((shape, batch))
-            self.calls += 1
+
+    def _count(self, words: str, fallbacks: list[str]) -> None:
+        """Count one plan as depth-free or whole-depth; the first whole-depth fallback is said (`block_plan.fall_back`
+        wrote its line), the rest are counted."""
+        depth = resolve_model_args(self.cfg).n_layers
+        if fallbacks:
+            if not any(f["why"] != _SHALLOW for f in self.full):
+                (self.say or logger.warning)(fallbacks[0])
+            self.full.append({"shape": words, "why": fallbacks[0]})
+        elif depth <= short_depths(self.cfg)[-1]:
+            self.full.append({"shape": words, "why": _SHALLOW})
+        else:
+            self.depth_free += 1
+
+    def fail(self, cand: Candidate, stage: str, error: UserError) -> None:
+        """Record that `cand`'s plan failed at `stage` (screen or exact)."""
+        self.failed.append({"candidate": cand.label(), "stage": stage, "error": str(error)})
 
     def get(self, cand: Candidate, modes: Iterable[str], *, screen: bool = False) -> dict[str, StepPlan | UserError]:
         """`cand`'s micro-step plans for `modes` (cand's own AC mode is ignored); exact unless `screen`."""
@@ -325,10 +372,21 @@ def screen(cfg: JobConfig, cluster: Cluster, cands: list[Candidate], efficiency:
         ref = ref_of(cand)
         plan = plans.get(ref, modes, screen=True)[cand.ac_mode]
         if isinstance(plan, UserError):
-            plans.errors.append(f"{cand.layout()}, AC {cand.ac_mode}, local batch {cand.local_batch}: {plan}")
+            plans.fail(cand, "screen", plan)
             continue
         out.append(_screened(cluster, cand, ref, plan, efficiency))
     return out
+
+
+_SHALLOW = "no deeper than the short traces: traced whole"
+
+
+def _shape_words(micro: Candidate) -> str:
+    """A plan's shape in words (`Plans._shape`)."""
+    where = "in graph" if micro.trace_optimizer else "eager"
+    return f"{micro.layout()}, loss chunk {micro.loss_chunk_size}, optimizer {where}" + (
+        ", prefetch" if micro.prefetch and dict(micro.degrees).get("dp_shard", 1) > 1 else ""
+    )
 
 
 def _ref_key(c: Candidate) -> tuple:
@@ -366,6 +424,7 @@ def plan_exactly(cfg: JobConfig, cluster: Cluster, rows: list[Screened], efficie
         c = row.cand
         plan = plans.get(c, {c.ac_mode})[c.ac_mode]
         if isinstance(plan, UserError):
+            plans.fail(c, "exact", plan)
             continue
         d = dict(c.degrees)
         row.exact = accumulated(plan, c.accumulation, c.grad_sync, d.get("dp_shard", 1))
@@ -381,7 +440,9 @@ def plan_best(
     fits (at most 4 x `count` planned): the rows planned, in screen order. A plan that is only an upper bound
     (`fsdp_grad_sync = "step"`, or accumulation without FSDP: `accumulate.accumulated`) does not count."""
     planned: list[Screened] = []
-    for row in fitting[: 4 * count]:
+    tried = fitting[: 4 * count]
+    for i, row in enumerate(tried, 1):
+        plans.progress("exact plan", i, len(tried), row.cand.label())
         plan_exactly(cfg, cluster, [row], efficiency, plans)
         planned.append(row)
         if sum(is_exact_fit(r, cluster) for r in planned) >= count:

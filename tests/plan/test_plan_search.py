@@ -52,8 +52,9 @@ def test_the_candidate_generator_takes_the_degrees_the_schema_offers(monkeypatch
     assert {"dp_replicate": 1, "dp_shard": 1, "tp": 4} in layouts
 
 
-def test_nothing_fits_exits_2_with_the_gpu_count_that_would(capsys):
-    code = main([*DEBUG, "--cluster.device", "h100-80gb", "--cluster.gpus", "4", "--cluster.memory_gib", "0.0001"])
+def test_nothing_fits_exits_2_with_the_gpu_count_that_would(capsys, tmp_path):
+    code = main([*DEBUG, "--cluster.device", "h100-80gb", "--cluster.gpus", "4", "--cluster.memory_gib", "0.0001",
+                 "--out", str(tmp_path)])  # fmt: skip
     assert code == 2
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("nothing fits"))
@@ -188,19 +189,24 @@ BUDGET_ONLY = ["--config", "llama3_debug", "--model.n_layers", "5", "--training.
 
 
 @pytest.mark.integration
-def test_upper_bounds_are_listed_never_ranked(capsys):
+def test_upper_bounds_are_listed_never_ranked(capsys, tmp_path):
     """Every ranked row is an exact plan: `budget` AC is extended approximately (an upper bound), so a search of
-    budget alone lists its fitting candidates apart and ranks none (exit 2)."""
-    code = main([*BUDGET_ONLY, "--activation_checkpoint.memory_budget", "2"])  # 2 GiB over the inputs: feasible
+    budget alone lists its fitting candidates apart, says in one line why they are not ranked, and ranks none
+    (exit 2)."""
+    from graph_trainer.plan.__main__ import BOUNDS_EXPLAINED
+
+    # 2 GiB over the inputs: feasible
+    code = main([*BUDGET_ONLY, "--activation_checkpoint.memory_budget", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 2
     assert out.count("not ranked, an upper bound only") == 2 and "nothing ranked" in out
+    assert out.count(BOUNDS_EXPLAINED) == 1
     assert "best plan's command" not in out
 
 
 @pytest.mark.integration
-def test_a_search_whose_candidates_are_all_refused_says_why_in_one_line(capsys):
+def test_a_search_whose_candidates_are_all_refused_says_why_in_one_line(capsys, tmp_path):
     """Not a memory verdict: when no candidate can be planned (an infeasible budget), the search says which and why."""
-    assert main([*BUDGET_ONLY, "--activation_checkpoint.memory_budget", "0.5"]) == 2
+    assert main([*BUDGET_ONLY, "--activation_checkpoint.memory_budget", "0.5", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no candidate could be planned" in err and "memory_budget 0.5 is infeasible" in err
