@@ -5,9 +5,10 @@
 Rows (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md and docs/performance.md; seq 8192, bf16, no
 Float8; H100 96 GB at 500 W): each is planned pinned to its layout (`--cluster.device h100-96gb`). The
 "torch.compile" rows correspond to our traced step compiled by Inductor (`--compile.backend inductor`); the
-cost model has no compile-speed term, so both published rows of a layout meet the same prediction. The compute
-efficiency is the device table's one constant (graph_trainer.plan.cluster, from the Llama 3 paper's MFU, not
-from these rows). `--best` also runs the search at the row's GPU count and global batch and prints
+cost model has no compile term (each such line says so), so both published rows of a layout meet the same
+prediction. The cost model's parts (graph_trainer.plan.cost_model, the device table) each come from a public
+source that is none of these rows (docs/planner.md). Every published row gets one line of predicted / published
+(table `throughput`). `--best` also runs the search at the row's GPU count and global batch and prints
 predicted(best) / predicted(pinned) (below 1: the pinned layout is faster than anything the search found that
 fits). The 405B row (FSDP 16 x TP 8 on 128 H100s at 95 GB) publishes throughput and MFU, no memory.
 
@@ -28,22 +29,27 @@ Both add the same AdamW update after the step: its state alive throughout, its s
 settings; FSDP2's separate all-gather stream (its own pool), NCCL's buffers, cuBLAS workspaces and Inductor's
 fusions are not modelled, so rsv / published should still sit at or a little below 1. The rows are planned with
 FSDP prefetch on (`--parallelism.fsdp_prefetch true`), as torchtitan's FSDP2 gathers a layer ahead.
+
+The tables go to benchmarks/results/reference_table.json (`benchmarks.results.save`), which README.md and
+docs/planner.md quote; `--memory false` skips the eager step and the allocator replays (throughput only).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
 
+from benchmarks.results import markdown_table, save
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import to_gib
 from graph_trainer.plan import search
 from graph_trainer.plan.allocation_stream import graph_step_stream
 from graph_trainer.plan.caching_allocator import AllocatorPeaks, replay
-from graph_trainer.plan.cluster import DEVICES, Cluster
+from graph_trainer.plan.cluster import DEVICES, Cluster, Device
 from graph_trainer.plan.eager_baseline import eager_whole_step_peak
 
 SEQ = 8192
@@ -91,36 +97,86 @@ def _best(cfg, cluster: Cluster, global_seqs: int, chunk: int, plans: search.Pla
     return min(fits, key=lambda r: r.exact_time.total_s, default=None)
 
 
+@dataclasses.dataclass
+class Pinned:
+    """One published row's layout planned pinned: its plan, predicted step and tokens/s per GPU."""
+
+    name: str
+    cfg: JobConfig
+    cluster: Cluster
+    cand: search.Candidate
+    plans: search.Plans
+    row: search.Screened
+    plan_s: float
+
+    @property
+    def tokens_per_gpu(self) -> float:
+        degrees = dict(self.cand.degrees)  # tp ranks share a batch
+        return self.cand.local_batch * SEQ / (degrees.get("tp", 1) * self.row.exact_time.total_s)
+
+    @property
+    def mfu(self) -> float:
+        return self.row.exact.flops / self.row.exact_time.total_s / (self.cluster.device.peak_tflops * 1e12)
+
+
+def plan_pinned(name: str, device: Device) -> Pinned:
+    """Plan row `name` of ROWS pinned to its published layout, FSDP prefetch on as torchtitan's FSDP2 runs (the
+    cost model overlaps FSDP's collectives, and the memory is planned with it: the depth-free plan extends
+    prefetch exactly)."""
+    config, gpus, degrees, mode, batch, _ = ROWS[name]
+    # torchtitan's loss takes the whole [tokens, vocab] logits: no chunking, as there.
+    args = ["--config", config, "--training.seq_len", str(SEQ), "--training.dtype", "bfloat16"]
+    cfg, _ = load_config([*args, "--training.loss_chunk_size", "0"])
+    cluster = Cluster(device, gpus, 8)
+    cand = search.Candidate(
+        tuple({"dp_replicate": 1, **degrees}.items()), mode, batch, cfg.training.loss_chunk_size, False,
+        prefetch=True,
+    )  # fmt: skip
+    plans = search.Plans(cfg, torch.device("cpu"))
+    start = time.perf_counter()
+    row = _plan(cfg, cluster, cand, plans)
+    return Pinned(name, cfg, cluster, cand, plans, row, time.perf_counter() - start)
+
+
+THROUGHPUT_HEADER = ("row", "published", "tok/s/GPU published", "predicted", "predicted / published", "within +-15%",
+                     "compile term")  # fmt: skip
+GOAL = 0.15  # issue 32's accuracy goal: predicted / published within 1 +- GOAL on every row
+
+
+def throughput_lines(pinned: Pinned) -> list[tuple[str, ...]]:
+    """One line per published row of `pinned`'s layout: predicted / published tokens/s per GPU. A torch.compile
+    row is marked "no compile term": the cost model has none, so it meets the eager prediction."""
+    *_, published = ROWS[pinned.name]
+    tokens = pinned.tokens_per_gpu
+    return [
+        (pinned.name, label, f"{tps:,}", f"{tokens:,.0f}", f"{tokens / tps:.3f}",
+         "yes" if abs(tokens / tps - 1) <= GOAL else "no", "no compile term" if "compile" in label else "-")
+        for label, tps, _, _ in published
+    ]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", default=list(ROWS))
     parser.add_argument("--best", action="store_true")
+    parser.add_argument("--memory", default="true", choices=("true", "false"), help="the memory columns")
     parser.add_argument("--exact", type=int, default=4, help="--best: candidates planned exactly")
     opts = parser.parse_args()
     device = DEVICES["h100-96gb"]
-    print(f"device h100-96gb: efficiency {device.efficiency} ({device.efficiency_source})")
+    print(f"device h100-96gb: matmul {device.matmul_tflops:.0f} TFLOP/s = {device.peak_tflops} x efficiency "
+          f"{device.efficiency} ({device.efficiency_source}) x clock {device.clock:.3f} ({device.clock_source}); "
+          f"counted FLOPs {device.contraction_share:.0%} of compute ({device.contraction_share_source})")  # fmt: skip
     print(f"{'row':<8} {'mode':<14} {'tok/s/GPU pred':>14} {'published':>9} {'ratio':>6} {'graph GiB':>9} "
           f"{'eager GiB':>9} {'published':>9} {'vs':>5} {'ratio':>6} {'rsv GiB sim':>11} {'ratio':>6} "
           f"{'MFU':>6} {'best/pinned':>11} "
           f"{'plan s':>7} {'eager s':>7}")  # fmt: skip
+    throughput, memory, best_rows, data = [], [], [], []
     for name in opts.rows:
-        config, gpus, degrees, mode, batch, published = ROWS[name]
-        # torchtitan's loss takes the whole [tokens, vocab] logits: no chunking, as there.
-        args = ["--config", config, "--training.seq_len", str(SEQ), "--training.dtype", "bfloat16"]
-        cfg, _ = load_config([*args, "--training.loss_chunk_size", "0"])
-        cluster = Cluster(device, gpus, 8)
-        # Prefetch on, as torchtitan's FSDP2 runs: the cost model hides the all-gathers, and the memory is planned
-        # with it (the depth-free plan extends prefetch exactly).
-        cand = search.Candidate(
-            tuple({"dp_replicate": 1, **degrees}.items()), mode, batch, cfg.training.loss_chunk_size, False,
-            prefetch=True,
-        )  # fmt: skip
-        plans = search.Plans(cfg, torch.device("cpu"))
-        start = time.perf_counter()
-        row = _plan(cfg, cluster, cand, plans)
-        elapsed = time.perf_counter() - start
+        _, _, degrees, _, _, published = ROWS[name]
+        pinned = plan_pinned(name, device)
+        cfg, cluster, cand, plans, row = pinned.cfg, pinned.cluster, pinned.cand, pinned.plans, pinned.row
         eager, reserved, eager_s = float("nan"), {}, float("nan")
-        if any(gib for _, _, gib, _ in published):  # the eager step only where there is a memory to compare with
+        if opts.memory == "true" and any(gib for _, _, gib, _ in published):  # the eager step where there is memory
             start = time.perf_counter()
             whole = eager_whole(cfg, cand, plans, record_events=True)
             eager = to_gib(whole.peak_bytes)
@@ -132,22 +188,43 @@ def main() -> None:
             seconds = {"eager": eager_s, "graph": time.perf_counter() - start}
             # The full trace's live peak is the depth-free plan's (issue 25, item 1): the streams are of that step.
             assert full.peak_bytes == row.exact.peak_bytes, (full.peak_bytes, row.exact.peak_bytes)
-        tokens = batch * SEQ / (degrees.get("tp", 1) * row.exact_time.total_s)  # per GPU: tp ranks share a batch
-        mfu = row.exact.flops / row.exact_time.total_s / (device.peak_tflops * 1e12)
-        ratio_best, best_label = float("nan"), "-"
+        tokens, mfu = pinned.tokens_per_gpu, pinned.mfu
+        ratio_best, best_label, best = float("nan"), "-", None
         if opts.best:
-            best = _best(cfg, cluster, batch * gpus // degrees.get("tp", 1), cand.loss_chunk_size, plans, opts.exact)
+            best = _best(cfg, cluster, cand.local_batch * cluster.gpus // degrees.get("tp", 1),
+                         cand.loss_chunk_size, plans, opts.exact)  # fmt: skip
             if best is not None:
                 ratio_best = row.exact_time.total_s / best.exact_time.total_s
                 best_label = f"{best.cand.layout()} {best.cand.ac_mode} {best.cand.batch()}"
+                best_tokens = best.cand.local_batch * SEQ / (dict(best.cand.degrees).get("tp", 1)
+                                                             * best.exact_time.total_s)  # fmt: skip
+                best_rows.append((name, best_label, f"{best_tokens:,.0f}", f"{ratio_best:.2f}"))
         peaks = {"graph": to_gib(row.exact.peak_bytes), "eager": eager}
+        throughput += throughput_lines(pinned)
         for label, tps, gib, versus in published:
-            memory = f"{gib:9.1f} {versus:>5} {peaks[versus] / gib:6.2f}" if gib else f"{'-':>9} {'-':>5} {'-':>6}"
+            memory_cell = f"{gib:9.1f} {versus:>5} {peaks[versus] / gib:6.2f}" if gib else f"{'-':>9} {'-':>5} {'-':>6}"
             print(
                 f"{name:<8} {label:<14} {tokens:14.0f} {tps:9,} {tokens / tps:6.2f} {peaks['graph']:9.1f} "
-                f"{eager:9.1f} {memory} {_reserved(reserved.get(versus), gib)} {mfu:6.1%} "
-                f"{ratio_best:11.2f} {elapsed:7.0f} {eager_s:7.0f}"
+                f"{eager:9.1f} {memory_cell} {_reserved(reserved.get(versus), gib)} {mfu:6.1%} "
+                f"{ratio_best:11.2f} {pinned.plan_s:7.0f} {eager_s:7.0f}"
             )
+            sim = reserved.get(versus)
+            if opts.memory == "true":
+                memory.append((
+                    name, label, f"{gib:.1f}" if gib else "not published", f"{peaks['graph']:.1f}",
+                    f"{eager:.1f}" if eager == eager else "-", versus or "-",
+                    f"{to_gib(sim.reserved_bytes):.1f}" if sim else "-",
+                    f"{to_gib(sim.reserved_bytes) / gib:.2f}" if sim and gib else "-",
+                ))  # fmt: skip
+            data.append({
+                "row": name, "published": label, "published_tokens_per_gpu": tps, "predicted_tokens_per_gpu": tokens,
+                "ratio": tokens / tps, "mfu": mfu, "step_s": row.exact_time.total_s,
+                "compute_s": row.exact_time.compute_s, "counted_s": row.exact_time.counted_s,
+                "exposed_comm_s": row.exact_time.exposed_comm_s, "comm_s": row.exact_time.comm_s,
+                "published_gib": gib, "graph_gib": peaks["graph"], "eager_gib": eager if eager == eager else None,
+                "reserved_sim_gib": to_gib(sim.reserved_bytes) if sim else None,
+                "best": best_label if opts.best else None, "best_over_pinned": ratio_best if best else None,
+            })  # fmt: skip
         for step, peaks in reserved.items():
             print(
                 f"{name:<8} {step} step through the caching allocator (2 steps, cap {cluster.device.memory_gib} GiB): "
@@ -157,6 +234,17 @@ def main() -> None:
             )
         if opts.best:
             print(f"{name:<8} best layout: {best_label}")
+    tables = {"throughput": markdown_table(THROUGHPUT_HEADER, throughput)}
+    if memory:
+        tables["memory"] = markdown_table(MEMORY_HEADER, memory)
+    if best_rows:
+        tables["best"] = markdown_table(BEST_HEADER, best_rows)
+    save("reference_table", tables, data)
+
+
+MEMORY_HEADER = ("row", "published", "GiB published (reserved)", "graph GiB (live)", "eager GiB (live)",
+                 "compared with", "reserved GiB (simulated)", "simulated / published")  # fmt: skip
+BEST_HEADER = ("row", "the search's best exact plan", "tok/s/GPU predicted", "best / pinned")
 
 
 def _reserved(peaks: AllocatorPeaks | None, published_gib: float | None) -> str:

@@ -1,0 +1,64 @@
+"""The cost model counts each loss once (docs/planner.md, "The cost model"): the counted FLOPs at the kernel-level
+matmul rate and the card's sustained clock, the data movement around them as its share of compute, collectives at
+nccl-tests' bus bandwidth, and only the overlap FSDP2 has (its all-gathers and reduce-scatters; TP stays exposed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from graph_trainer.plan.cluster import DEVICES, Cluster, power_capped_clock
+from graph_trainer.plan.cost_model import group_link_gbps, step_time
+
+H100 = DEVICES["h100-80gb"]
+FLOPS = 10**15
+GIB = 2**30
+
+
+def _time(device=H100, comm=None, degrees=None, prefetch=True, gpus=8):
+    cluster = Cluster(device, gpus, 8)
+    return step_time(cluster, FLOPS, comm or {}, degrees or {"dp_shard": gpus}, device.efficiency, prefetch)
+
+
+def test_the_500_watt_card_runs_at_its_power_capped_clock():
+    """The h100-96gb is the 700 W part's silicon at 500 W: the same FLOPs take 1 / (500/700)^(1/3) as long."""
+    capped = DEVICES["h100-96gb"]
+    assert capped.clock == power_capped_clock(500, 700) < 1 == H100.clock
+    ratio = _time(capped).compute_s / _time(H100).compute_s
+    assert ratio == pytest.approx((700 / 500) ** (1 / 3), rel=1e-12)  # both are the same formula: rounding only
+
+
+def test_compute_is_the_counted_flops_at_the_matmul_rate_plus_their_data_movement():
+    t = _time()
+    assert t.counted_s == pytest.approx(FLOPS / (H100.matmul_tflops * 1e12), rel=1e-12)
+    assert t.compute_s == pytest.approx(t.counted_s / H100.contraction_share, rel=1e-12)
+    # No end-to-end MFU inside: the kernel-level efficiency alone sets the counted part.
+    slower = dataclasses.replace(H100, efficiency=H100.efficiency / 2)
+    assert _time(slower).counted_s == pytest.approx(2 * t.counted_s, rel=1e-12)
+
+
+def test_fsdp_collectives_overlap_compute_and_tensor_parallel_ones_do_not():
+    """FSDP2 overlaps its all-gathers (prefetched) and its reduce-scatters (own stream) with compute; plain TP's
+    collectives sit on the critical path."""
+    fsdp = {"fsdp all_gather": GIB, "fsdp reduce_scatter": GIB}
+    t = _time(comm=fsdp)
+    assert sum(t.comm_s.values()) > 0 and t.exposed_comm_s == 0.0
+    assert _time(comm=fsdp, prefetch=False).exposed_comm_s == pytest.approx(sum(t.comm_s.values()))
+    tp = _time(comm={"tp all_gather": GIB, "tp reduce_scatter": GIB}, degrees={"tp": 8})
+    assert tp.exposed_comm_s == pytest.approx(sum(tp.comm_s.values())) and tp.exposed_comm_s > 0
+
+
+def test_overlap_hides_at_most_the_compute_time():
+    t = _time(comm={"fsdp reduce_scatter": 10**6 * GIB})
+    assert t.exposed_comm_s == pytest.approx(t.comm_s["fsdp reduce_scatter"] - t.compute_s)
+
+
+def test_a_group_across_nodes_runs_at_its_ranks_nics_together():
+    """nccl-tests' bus bandwidth: NVLink within a node; across nodes, the NICs of the group's ranks in one node
+    (one each), at most NVLink's rate."""
+    cluster = Cluster(H100, 128, 8)
+    assert group_link_gbps(cluster, 8, 1) == H100.intra_gbps  # one node
+    assert group_link_gbps(cluster, 128, 1) == min(8 * H100.inter_gbps, H100.intra_gbps)  # 8 NICs a node: 400
+    assert group_link_gbps(cluster, 16, 8) == H100.inter_gbps  # one rank a node (FSDP over tp 8): one NIC
+    assert group_link_gbps(cluster, 32, 2) == 4 * H100.inter_gbps  # four ranks a node
