@@ -7,14 +7,15 @@ machine, the torch version), the raw figures (`data`) and each table already ren
 Every table on the pages in `PAGES` has one of three markers on the line before it:
 
 - `<!-- results: NAME#TABLE -->`: the table is TABLE of benchmarks/results/NAME.json, character for character;
-- `<!-- results pending: NAME#TABLE; WHERE THE FIGURES SHOWN CAME FROM -->`: a benchmark writes TABLE of NAME
-  but has not run where its figures mean something yet (times need an idle machine); the figures shown are
-  dated by the marker, and the marker must become `results:` once NAME.json exists;
+- `<!-- results pending: NAME#TABLE; `python -m benchmarks.MODULE ...`; WHERE THE FIGURES SHOWN CAME FROM -->`:
+  that command writes TABLE of NAME but has not run where its figures mean something yet (times need an idle
+  machine); the figures shown are dated by the marker, which becomes `results:` once NAME.json exists;
 - `<!-- not measured: WHY -->`: the table holds no measured figures (options, layouts, claims held by tests).
 
 `tests/test_results_tables.py` holds every page to that. So a figure changes in the docs only by re-running its
 benchmark, and the file says when, where and how. `python -m benchmarks.results` rewrites every marked table
-(pending ones included) from the results files present, after a benchmark has run.
+(pending ones included) from the results files present, after a benchmark has run; `--pending` lists the commands
+the pending tables wait for.
 """
 
 from __future__ import annotations
@@ -30,14 +31,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = RESULTS.parent.parent
 # `<!-- results: NAME#TABLE -->`: the table after this line is TABLE of benchmarks/results/NAME.json.
 MARKER = re.compile(r"^<!-- results: ([\w.-]+)#([\w.-]+) -->$")
-# `<!-- results pending: NAME#TABLE; why -->`: a benchmark writes it, but it has not run where it should yet.
-PENDING = re.compile(r"^<!-- results pending: ([\w.-]+)#([\w.-]+); (\S.*) -->$")
+# `<!-- results pending: NAME#TABLE; `COMMAND`; where from -->`: COMMAND writes it, but has not run where it should.
+PENDING = re.compile(r"^<!-- results pending: ([\w.-]+)#([\w.-]+); `(python -m benchmarks\.(\w+)[^`]*)`; (\S.*) -->$")
 # `<!-- not measured: why -->`: a table of options, files or claims, no figure a benchmark measures.
 NOT_MEASURED = re.compile(r"^<!-- not measured: (\S.*) -->$")
 # The pages whose tables are held to the markers. docs/configuration.md is generated from the schema (its tables
@@ -93,6 +92,8 @@ def _commit() -> str:
 
 def machine() -> str:
     """The machine in words: the accelerator if one is used, else the CPU and its core count."""
+    import torch  # here, not at the top: tests/test_results_tables.py reads files and should not pay for torch
+
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
     return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
@@ -107,6 +108,8 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
 
 def save(name: str, tables: dict[str, str], data: object, argv: Sequence[str] | None = None) -> Path:
     """Write benchmarks/results/<name>.json: provenance, the raw `data` and the rendered `tables`."""
+    import torch
+
     argv = sys.argv if argv is None else argv
     record = {
         "command": "python -m " + _module_of(argv[0]) + "".join(" " + a for a in argv[1:]),
@@ -163,6 +166,21 @@ def _module_of(script: str) -> str:
         return path.stem
 
 
+def pending_commands(pages: Sequence[Path] = PAGES) -> dict[str, list[str]]:
+    """{command: the places of the pending tables it writes}, in the order the pages show them."""
+    commands: dict[str, list[str]] = {}
+    for page in pages:
+        for table in doc_tables(page):
+            m = PENDING.match(table.marker)
+            if m:
+                commands.setdefault(m.group(3), []).append(table.where)
+    return commands
+
+
 if __name__ == "__main__":
-    for place in update_docs():
-        print(f"updated {place}")
+    if sys.argv[1:] == ["--pending"]:
+        for command, places in pending_commands().items():
+            print(f"{command}  # {', '.join(places)}")
+    else:
+        for place in update_docs():
+            print(f"updated {place}")
