@@ -14,9 +14,10 @@ all modes, extended exactly); `--full-trace` traces the whole depth once per mod
 soon as it is planned (a 70B mode takes minutes here). The figures come from `StepPlan` (`comm_bytes` included),
 the object the planner reads.
 
-`--doc` plans the jobs README.md, docs/tensor_parallel.md and docs/moe.md quote (`DOC_JOBS`, every AC mode but
-budget) and saves their tables to benchmarks/results/tp_dry_run.json: bytes and FLOPs only, no time, so the
-figures are the same on any machine (about 2 minutes on an idle 2-core CPU).
+`--doc` plans the jobs README.md, docs/tensor_parallel.md, docs/moe.md and docs/passes_and_memory.md quote
+(`DOC_JOBS` in every AC mode but budget, `LOSS_JOBS` in selective) and saves their tables to
+benchmarks/results/tp_dry_run.json: bytes and FLOPs only, no time, so the figures are the same on any machine
+(about 2 minutes on an idle 2-core CPU).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class Job:
     tp: int = 1
     ep: int = 1
     dtype: str = "bfloat16"
+    extra: tuple[str, ...] = ()  # more options, e.g. the loss's chunks or the AdamW implementation
 
     def overrides(self) -> list[str]:
-        args = ["--config", self.config, "--training.dtype", self.dtype]
+        args = ["--config", self.config, "--training.dtype", self.dtype, *self.extra]
         for dim in ("dp_shard", "tp", "ep"):
             args += [f"--parallelism.{dim}", str(getattr(self, dim))]
         return args
@@ -78,6 +80,16 @@ DOC_JOBS = (
     Job("deepseek_v3_671b.toml", dp_shard=256, ep=256, dtype="float32"),
     Job("deepseek_v3_16b.toml", dtype="float32"),
     Job("deepseek_v3_16b.toml", dp_shard=8, dtype="float32"),
+)
+# The chunked loss against the whole one on 8B, selective AC (docs/passes_and_memory.md): the loss and the eager
+# AdamW update each can set the peak. fp32 compute, as the 8B dry run plans it.
+LOSS_JOBS = tuple(
+    Job("llama3_8b.toml", dtype="float32", extra=(*loss, "--optimizer.implementation", update))
+    for loss, update in (
+        (("--training.loss_chunk_size", "0"), "single_tensor"),
+        ((), "single_tensor"),
+        ((), "fused"),
+    )
 )
 
 
@@ -179,7 +191,19 @@ def doc_tables(plans: dict[Job, dict[str, StepPlan]]) -> dict[str, str]:
             for job in moe
         ],
     )
-    for job in (job for job in plans if job.ep == 1 and job.tp == 1):
+    loss_rows = []
+    for job in (job for job in plans if job in LOSS_JOBS):
+        cfg, _ = load_config(job.overrides())
+        chunks = cfg.training.loss_chunk_size
+        p = plans[job]["selective"]
+        activations = to_gib(p.peak_by_category.get("activation", 0))
+        loss_rows.append(
+            ["unchunked" if not chunks else f"chunks of {chunks}", p.optimizer, f"{to_gib(p.peak_bytes):.2f} GiB"]
+            + [p.peak_where, f"{activations:.2f} GiB"]
+        )
+    header = ["loss", "AdamW update", "planned peak", "peak at", "activations at the peak"]
+    tables["llama3_8b_loss"] = results.markdown_table(header, loss_rows)
+    for job in (job for job in plans if job.ep == 1 and job.tp == 1 and job not in LOSS_JOBS):
         rows = [
             [m, f"{to_gib(p.peak_bytes):.2f}", f"{to_gib(p.saved_bytes):.2f}", f"{p.flops / 1e12:.2f}", p.peak_where]
             for m, p in plans[job].items()
@@ -213,8 +237,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.doc:
         plans = {job: plan_job(job) for job in DOC_JOBS}
+        plans |= {job: plan_job(job, ("selective",)) for job in LOSS_JOBS}
         data = {
-            job.name(): {
+            job.name() + "".join(job.extra): {
                 m: {
                     "peak_bytes": p.peak_bytes,
                     "saved_bytes": p.saved_bytes,
