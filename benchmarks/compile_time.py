@@ -100,9 +100,9 @@ def main() -> None:
             )
             print("| " + " | ".join(map(str, rows[-1])) + " |", flush=True)
     table = results.markdown_table(header, rows)
-    print(table)
-    if args.save:
-        results.save("compile_time", {"compile_time": table}, {"optimizer": args.optimizer, "runs": data})
+    results.show(
+        "compile_time", {"compile_time": table}, {"optimizer": args.optimizer, "runs": data}, save_it=args.save
+    )
 
 
 if __name__ == "__main__":

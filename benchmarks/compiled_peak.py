@@ -50,9 +50,7 @@ def main() -> None:
             rows.append([label, f"{plain:,}", f"{compiled:,}", f"{compiled / plain:.3f}"])
             print(" | ".join(rows[-1]), flush=True)
     table = results.markdown_table(["AC mode", "uncompiled peak", "compiled peak", "ratio"], rows)
-    print(table)
-    if args.save:
-        results.save("compiled_peak", {"compiled_peak": table}, data)
+    results.show("compiled_peak", {"compiled_peak": table}, data, save_it=args.save)
 
 
 if __name__ == "__main__":

@@ -78,9 +78,7 @@ def main() -> None:
         rows.append([label, f"{r['cpu_s']:.1f} / {r['wall_s']:.1f}", f"{r['max_rss_gib']:.2f} GiB"])
         print(" | ".join(rows[-1]), flush=True)
     table = results.markdown_table(["model, rank", "CPU s / wall s", "max RSS"], rows)
-    print(table)
-    if args.save:
-        results.save("dry_run_time", {"dry_run_time": table}, {"load_average": load, "jobs": data})
+    results.show("dry_run_time", {"dry_run_time": table}, {"load_average": load, "jobs": data}, save_it=args.save)
 
 
 if __name__ == "__main__":

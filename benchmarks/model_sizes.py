@@ -33,9 +33,7 @@ def main() -> None:
         data[flavor] = {"parameters": total, "activated": active, "embedding": embedding}
         rows.append([f"`{flavor}`", f"{total:,} ({_count(total)})", _count(active), _count(active - embedding)])
     table = results.markdown_table(["flavor", "parameters", "activated", "activated without the embedding"], rows)
-    print(table)
-    if args.save:
-        results.save("model_sizes", {"deepseek_v3": table}, data)
+    results.show("model_sizes", {"deepseek_v3": table}, data, save_it=args.save)
 
 
 if __name__ == "__main__":

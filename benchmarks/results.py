@@ -127,6 +127,14 @@ def save(name: str, tables: dict[str, str], data: object, argv: Sequence[str] | 
     return path
 
 
+def show(name: str, tables: dict[str, str], data: object, *, save_it: bool) -> None:
+    """Print each table; with `save_it` (a benchmark's `--save`), also `save` them as NAME."""
+    for table in tables.values():
+        print(table)
+    if save_it:
+        save(name, tables, data)
+
+
 def load(name: str) -> dict:
     """The record `save(name, ...)` wrote."""
     return json.loads((RESULTS / f"{name}.json").read_text())
