@@ -6,6 +6,8 @@ why -->` and `<!-- not measured: why -->`, on the line before a table. The test 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from benchmarks import results
@@ -53,9 +55,10 @@ def test_pending_table_names_the_benchmark_that_writes_it(table):
     source = results.REPO / "benchmarks" / f"{module}.py"
     assert source.is_file(), f"{table.where}: `{command}` names no benchmark under benchmarks/"
     text = source.read_text()
-    # The benchmark saves NAME: a literal beside its save() call, or the name its command passes to --save.
-    assert "results.save(" in text, f"{table.where}: {source.name} writes no results file"
-    assert f'"{name}"' in text or f"--save {name}" in command, f"{table.where}: `{command}` does not write {name}"
+    assert "results.save(" in text or "results.show(" in text, f"{table.where}: {source.name} writes no results file"
+    # It writes NAME: the literal first argument of its save() or show(), or the name the command passes to --save.
+    writes_it = re.search(rf'results\.(save|show)\(\s*"{re.escape(name)}"', text)
+    assert writes_it or f"--save {name}" in command, f"{table.where}: `{command}` does not write {name}.json"
 
 
 def test_markers_find_their_tables(tmp_path):
