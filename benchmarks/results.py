@@ -20,6 +20,7 @@ the pending tables wait for.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -185,10 +186,17 @@ def pending_commands(pages: Sequence[Path] = PAGES) -> dict[str, list[str]]:
     return commands
 
 
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--pending"]:
+def main() -> None:
+    """Rewrite the docs' marked tables from the results files, or list the commands pending tables wait for."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--pending", action="store_true", help="list the commands the pending tables wait for")
+    if parser.parse_args().pending:
         for command, places in pending_commands().items():
             print(f"{command}  # {', '.join(places)}")
     else:
         for place in update_docs():
             print(f"updated {place}")
+
+
+if __name__ == "__main__":
+    main()
