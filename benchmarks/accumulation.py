@@ -1,6 +1,6 @@
 """Gradient accumulation: memory and trace time against the number of micro-batches.
 
-    python benchmarks/accumulation.py [--micro 1 2 4 8] [--local-batch 4] [--seq-len 256]
+    python benchmarks/accumulation.py [--micro 1 2 4 8] [--local-batch 4] [--seq-len 256] [--save]
 
 For each number of micro-batches k it builds a traced trainer of the debug model with micro-batches of
 `--local-batch` sequences (`training.global_batch_size` = local x k) and prints: the planner's time (trace and
@@ -10,6 +10,8 @@ and the peak of ONE step on the whole batch (local x k sequences, no accumulatio
 
 The last columns are the other shape considered: every micro-batch in ONE graph (forward and loss of each, one
 backward of their sum, traced on fake tensors with the same passes): its trace time, op count and estimated peak.
+`--save` writes the table to benchmarks/results/accumulation.json for docs/gradient_accumulation.md (its plan and
+trace seconds are times: on an idle machine; `--micro 1 2 4 8` takes about 5 minutes on an idle 2-core CPU).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import results  # noqa: E402
 from benchmarks.common import make_trainer, measured_peak  # noqa: E402
 from graph_trainer.builder import adamw_implementation_for, build_job  # noqa: E402
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh  # noqa: E402
@@ -70,7 +73,9 @@ def main() -> None:
     parser.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--local-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--save", action="store_true", help="write benchmarks/results/accumulation.json")
     args = parser.parse_args()
+    rows = []
     print(
         f"{'k':>3} {'plan s':>7} {'traces':>6} {'trace s':>8} {'est MiB':>8} {'meas MiB':>9} {'est/meas':>8} "
         f"{'eager MiB':>10} {'big batch MiB':>14} {'1-graph trace s':>16} {'1-graph ops':>12} {'1-graph est MiB':>16}"
@@ -94,6 +99,22 @@ def main() -> None:
             f"{est / MIB:8.2f} {peak / MIB:9.2f} {est / peak:8.3f} "
             f"{eager_peak / MIB:10.2f} {big_peak / MIB:14.2f} {one_s:16.2f} {one_ops:12d} {one_peak / MIB:16.2f}"
         )
+        rows.append(
+            [
+                k,
+                f"{plan_s:.1f}",
+                record["trace_count"],
+                f"{est / MIB:.2f}",
+                f"{peak / MIB:.2f}",
+                f"{eager_peak / MIB:.2f}",
+            ]
+            + [f"{big_peak / MIB:.2f}", f"{one_s:.1f}", one_ops, f"{one_peak / MIB:.2f}"]
+        )
+    if args.save:
+        header = ["micro-batches k", "plan s", "traces", "estimated peak MiB", "measured peak MiB"]
+        header += ["eager accumulation MiB", f"one batch of {args.local_batch}k x {args.seq_len}, MiB"]
+        header += ["all k in one graph: trace s", "ops", "est. peak MiB"]
+        results.save("accumulation", {"accumulation": results.markdown_table(header, rows)}, {"rows": rows})
 
 
 if __name__ == "__main__":

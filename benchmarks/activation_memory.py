@@ -1,6 +1,6 @@
 """Activation memory of graph SAC vs eager torch.utils.checkpoint, planned for the big configs without a GPU.
 
-    python benchmarks/activation_memory.py [--configs 1b 8b] [--modes selective full]
+    python benchmarks/activation_memory.py [--configs 1b 8b] [--modes selective full] [--save NAME]
 
 For each config and AC mode, both steps (forward, loss, backward, clipping; the
 AdamW update is the same in both and left out of both) are run on fake tensors on
@@ -16,7 +16,8 @@ mesh (torch's fake process group, `graph_trainer.distributed.mesh.planning_mesh`
 Activation memory is what each step holds at its own peak besides parameters,
 buffers, the batch and the gradients made by then (so: activations, their
 gradients, the loss's temporaries). Ratios graph/eager, of the whole peak and of the
-activations: the goal is <= 0.85.
+activations: the goal is <= 0.85. `--save NAME` writes the table (bytes only, no time: the same on any machine)
+to benchmarks/results/NAME.json for the docs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks import results  # noqa: E402
 from graph_trainer.job_config.cli import load_config  # noqa: E402
 from graph_trainer.observability.units import to_gib  # noqa: E402
 from graph_trainer.plan.eager_baseline import eager_step_peak  # noqa: E402
@@ -58,6 +60,15 @@ CONFIGS = {
     ],
 }
 
+# How a table row names each config.
+LABELS = {
+    "1b": "1B, 4 x 2048",
+    "8b": "8B, 1 x 8192",
+    "ds_debug": "DeepSeek-V3 debug, 8 x 128",
+    "ds_16b": "16B, one process, 1 x 4096",
+    "ds_16b_ep8": "16B, rank 0 of dp_shard 8, ep 8",
+}
+
 # The estimate's categories of what a step holds whatever it saves (graph_trainer.passes.memory_estimate).
 NOT_ACTIVATIONS = {"parameter", "buffer", "batch", "gradient", "optimizer_state"}
 
@@ -66,7 +77,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["1b", "8b"], choices=list(CONFIGS))
     parser.add_argument("--modes", nargs="+", default=["selective", "full"], choices=["none", "selective", "full"])
+    parser.add_argument("--save", metavar="NAME", help="write the table to benchmarks/results/NAME.json")
     args = parser.parse_args()
+    rows, data = [], []
     cpu = torch.device("cpu")
     print(
         f"{'config':10} {'ac mode':10} {'graph peak':>11} {'eager peak':>11} {'peak ratio':>10} {'graph act':>10} "
@@ -89,6 +102,21 @@ def main() -> None:
                 f"{time.perf_counter() - start:7.1f}",
                 flush=True,
             )
+            ratio = estimate.peak_bytes / eager.peak_bytes
+            rows.append(
+                [LABELS[name], mode, _size(estimate.peak_bytes), _size(eager.peak_bytes), f"{ratio:.3f}"]
+                + [_size(graph_act), _size(eager.activation_bytes), f"{graph_act / eager.activation_bytes:.3f}"]
+            )
+            data.append({"config": name, "mode": mode, "graph_peak": estimate.peak_bytes, "graph_act": graph_act})
+            data[-1].update(eager_peak=eager.peak_bytes, eager_act=eager.activation_bytes)
+    if args.save:
+        header = ["config", "AC mode", "graph peak", "eager peak", "graph / eager peak", "graph act", "eager act"]
+        results.save(args.save, {"activations": results.markdown_table([*header, "act ratio"], rows)}, data)
+
+
+def _size(nbytes: int) -> str:
+    """GiB, or MiB below one GiB (the debug model's figures)."""
+    return f"{to_gib(nbytes):.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 if __name__ == "__main__":

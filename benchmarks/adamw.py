@@ -1,12 +1,14 @@
 """The AdamW update alone: torch's single-tensor and foreach loops vs the traced update, op by op and
 compiled by Inductor.
 
-    python benchmarks/adamw.py [--configs debug deep] [--steps 20]
+    python benchmarks/adamw.py [--configs debug deep] [--steps 20] [--save]
 
 Same parameters (the benchmark model's), same gradients, same hyper-parameters. The traced update
 is `GraphAdamW.update_` (what `compile.trace_optimizer` puts into the step graph), traced alone
 with make_fx; "inductor" compiles it with the same entry point as `compile.backend = inductor`.
-Prints the median time of one update per variant, interleaved so machine noise hits all alike.
+Prints the median time of one update per variant, interleaved so machine noise hits all alike. `--save` writes
+the table to benchmarks/results/adamw.json for docs/compile.md (times: on an idle machine; `--configs debug` takes
+under a minute on an idle 2-core CPU, most of it Inductor's compile).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
+from benchmarks import results  # noqa: E402
 from benchmarks.common import CONFIGS, make_trainer  # noqa: E402
 from graph_trainer.compiler.inductor import compile_step_graph  # noqa: E402
 from graph_trainer.optimizer.adamw import GraphAdamW  # noqa: E402
@@ -44,6 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--save", action="store_true", help="write benchmarks/results/adamw.json")
     args = parser.parse_args()
     rows = []
     for name in args.configs:
@@ -98,6 +102,12 @@ def main() -> None:
     print("| config | parameters | update | ms | vs single-tensor |\n|---|---|---|---|---|")
     for name, n, k, t, r in rows:
         print(f"| {name} | {n:,} | {k} | {t * 1000:.2f} | {r:.2f}x |")
+    if args.save:
+        table = results.markdown_table(
+            ["config", "parameters", "update", "ms", "vs single-tensor"],
+            [[name, f"{n:,}", k, f"{t * 1000:.2f}", f"{r:.2f}x"] for name, n, k, t, r in rows],
+        )
+        results.save("adamw", {"adamw": table}, {"steps": args.steps, "rows": rows})
 
 
 if __name__ == "__main__":

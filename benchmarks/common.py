@@ -16,6 +16,8 @@ CONFIGS = {
     "debug": [],
     "deep": ["--model.n_layers", "16", "--training.local_batch_size", "8"],
 }
+# How a table row names each config.
+CONFIG_LABELS = {"debug": "debug (6 layers, 16 x 512)", "deep": "deep (16 layers, 8 x 512)"}
 
 
 def make_trainer(config: str, *overrides: str) -> Trainer:

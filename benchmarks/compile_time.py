@@ -1,13 +1,15 @@
 """Inductor compile time of the traced step against depth, cold (empty cache) and warm (restarted run).
 
-    python benchmarks/compile_time.py [--layers 2 8 32] [--optimizer true] [--regional true false]
+    python benchmarks/compile_time.py [--layers 2 8 32] [--optimizer true] [--regional true false] [--save]
 
 Each measurement is a fresh process (a restarted run) that builds the debug-dims model with the
 given depth (batch 2 x 128), traces the step and compiles it with `compile.backend = inductor`;
 `compile/inductor_time_s` of the first step is reported. "cold" uses an empty Inductor cache
 directory (`TORCHINDUCTOR_CACHE_DIR`), "warm" the same directory again: the FX graph cache then
 serves the compiled step. Each depth is measured with `compile.regional = true` (each distinct
-layer region compiled once) and `false` (the whole step as one graph).
+layer region compiled once) and `false` (the whole step as one graph). `--save` writes the table to
+benchmarks/results/compile_time.json for docs/compile.md (times: on an idle machine; `--layers 2 8` takes about
+3 minutes on an idle 2-core CPU, 32 layers about 5 more).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import results  # noqa: E402
 
 SHAPE = ["--training.local_batch_size", "2", "--training.seq_len", "128"]
 
@@ -75,26 +79,30 @@ def main() -> None:
     parser.add_argument("--layers", nargs="+", type=int, default=[2, 8, 32])
     parser.add_argument("--optimizer", default="true", choices=("true", "false"))
     parser.add_argument("--regional", nargs="+", default=["true", "false"], choices=("true", "false"))
+    parser.add_argument("--save", action="store_true", help="write benchmarks/results/compile_time.json")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker, args.optimizer, args.regional[0])
         return
-    print(
-        "| regional | layers | graph nodes | trace s | inductor cold s | inductor warm s | cold s / layer |\n"
-        "|---|---|---|---|---|---|---|"
-    )
+    header = ["compile", "layers", "graph nodes", "trace s", "inductor cold s", "inductor warm s", "cold s / layer"]
+    rows, data = [], []
     for regional in args.regional:
         for layers in args.layers:
             with tempfile.TemporaryDirectory(prefix="gt_inductor_cache_") as cache:
                 cold = measure(layers, args.optimizer, regional, cache)
                 warm = measure(layers, args.optimizer, regional, cache)
-            print(
-                f"| {regional} | {layers} | {cold['nodes']:,} | {cold['trace_time_s']:.1f} | "
-                f"{cold['inductor_time_s']:.1f} | {warm['inductor_time_s']:.1f} | "
-                f"{cold['inductor_time_s'] / layers:.1f} |",
-                flush=True,
+            data.append({"regional": regional, "layers": layers, "cold": cold, "warm": warm})
+            rows.append(
+                ["regional" if regional == "true" else "whole step (`regional = false`)", layers, f"{cold['nodes']:,}"]
+                + [f"{cold['trace_time_s']:.1f}", f"{cold['inductor_time_s']:.1f}", f"{warm['inductor_time_s']:.1f}"]
+                + [f"{cold['inductor_time_s'] / layers:.1f}"]
             )
+            print("| " + " | ".join(map(str, rows[-1])) + " |", flush=True)
+    table = results.markdown_table(header, rows)
+    results.show(
+        "compile_time", {"compile_time": table}, {"optimizer": args.optimizer, "runs": data}, save_it=args.save
+    )
 
 
 if __name__ == "__main__":

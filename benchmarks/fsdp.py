@@ -1,10 +1,12 @@
 """FSDP (fp32 and bf16 parameters) vs replication vs one process here: per-rank peak (measured, estimated), step time.
 
-    python benchmarks/fsdp.py [--ranks 2 4] [--steps 6] [--out outputs/bench_fsdp]
+    python benchmarks/fsdp.py [--ranks 2 4] [--steps 6] [--out outputs/bench_fsdp] [--save]
 
 Each configuration is a real CLI run (torchrun for several ranks, gloo on CPU) on the debug model at a
 small batch; the figures are rank 0's from its summary.json (the tests check every rank's estimate).
-Step time is the median over the steps after the first (which traces).
+Step time is the median over the steps after the first (which traces). `--save` writes the table to
+benchmarks/results/fsdp.json for docs/distributed.md (times: on an idle machine; `--ranks 2 4 --steps 5` takes
+about 2 minutes on an idle 2-core CPU).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import results
 from graph_trainer.distributed.launch import trainer_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +63,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_fsdp")
+    parser.add_argument("--save", action="store_true", help="write benchmarks/results/fsdp.json")
     a = parser.parse_args()
     rows = [("one process", run(a.out, 1, None, a.steps))]
     for n in a.ranks:
@@ -70,6 +74,7 @@ def main() -> None:
         ]
     base = statistics.median(s["step_time_s"] for s in rows[0][1]["steps"][1:])
     print(f"{'run':26} {'measured MiB':>13} {'estimate MiB':>13} {'equal':>6} {'step s':>7} {'vs 1 proc':>9}")
+    table = []
     for name, summary in rows:
         steps = summary["steps"]
         measured = max(s["peak_active_bytes"] for s in steps)
@@ -80,6 +85,11 @@ def main() -> None:
             f"{name:26} {measured / 2**20:13.2f} {estimated / 2**20:13.2f} {str(equal):>6} {step:7.3f} "
             f"{step / base:9.2f}"
         )
+        table.append([name, f"{measured / 2**20:.2f}", f"{estimated / 2**20:.2f}", f"{step:.3f}", f"{step / base:.2f}"])
+    if a.save:
+        header = ["run", "measured peak MiB", "estimated MiB", "step s", "vs one process"]
+        data = {"steps": a.steps, "rows": {name: summary["steps"] for name, summary in rows}}
+        results.save("fsdp", {"fsdp": results.markdown_table(header, table)}, data)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python benchmarks/hf_load.py                          # Llama-3.2 1B dimensions, 4 layers, bf16 files
     python benchmarks/hf_load.py --layers 16              # all 16 layers: 4.6 GiB in float32
     python benchmarks/hf_load.py --file-dtype float32 --naive
+    python -m benchmarks.hf_load --doc                    # docs/hf_weights.md's rows -> benchmarks/results/
 
 Writes a random model of the 1B flavor's shape (RoPE scaling, tied embeddings; `--dim`, `--layers`,
 `--vocab` change it) as a Hugging Face folder in a temporary place, then loads it in a fresh process
@@ -26,6 +27,7 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere: `python benchmar
 
 import torch  # noqa: E402
 
+from benchmarks import results  # noqa: E402
 from graph_trainer.checkpoint.hf import Pretrained, save_hf  # noqa: E402
 from graph_trainer.distributed.parallelism import ParallelModel  # noqa: E402
 from graph_trainer.job_config.model_args import build_model_args  # noqa: E402
@@ -105,6 +107,64 @@ def _measure(folder: Path, a: argparse.Namespace, naive: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# docs/hf_weights.md's rows (`--doc`): (label, layers, file dtype, also the naive load).
+DOC_ROWS = (
+    ("1B dims, 16 layers (`--layers 16`)", 16, "bfloat16", False),
+    ("1B dims, 4 layers (`--naive`)", 4, "bfloat16", True),
+    ("1B dims, 4 layers, float32 files", 4, "float32", True),
+)
+
+
+def measure_loads(a: argparse.Namespace, folder: Path, layers: int, file_dtype: str, naive: bool) -> dict:
+    """Write (or reuse) the random model in `folder` and load it `a.repeat` times each way, alternating:
+    {"model_bytes": float32 size, loader name: [its measurements]}."""
+    setting = argparse.Namespace(**{**vars(a), "layers": layers})
+    model_bytes = sum(p.numel() * 4 for p in _meta_params(setting))
+    if not folder.exists():
+        start = time.perf_counter()
+        write_random_hf(folder, dim=a.dim, n_layers=layers, vocab_size=a.vocab, dtype=getattr(torch, file_dtype))
+        print(f"wrote {folder} in {time.perf_counter() - start:.1f} s")
+    file_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    print(
+        f"model: dim {a.dim}, {layers} layers, vocab {a.vocab}: {model_bytes / 2**30:.2f} GiB in float32; "
+        f"files {file_bytes / 2**30:.2f} GiB"
+    )
+    found: dict = {"model_bytes": model_bytes}
+    for _ in range(a.repeat):
+        for what in ("this loader", "load_file + load_state_dict") if naive else ("this loader",):
+            r = _measure(folder, setting, what != "this loader")
+            found.setdefault(what, []).append(r)
+            growth = r["peak_growth_bytes"]
+            print(
+                f"{what}: {r['seconds']:.2f} s, peak RSS growth {growth / 2**30:.2f} GiB "
+                f"= {growth / model_bytes:.2f} x the model"
+            )
+    return found
+
+
+def _span(xs: list[float], fmt: str) -> str:
+    """`4.9 - 5.3` over repeated measurements, or one figure when they round alike."""
+    lo, hi = format(min(xs), fmt), format(max(xs), fmt)
+    return lo if lo == hi else f"{lo} - {hi}"
+
+
+def save_doc_rows(a: argparse.Namespace, tmp: Path) -> None:
+    """Measure `DOC_ROWS` and save them as docs/hf_weights.md's table."""
+    rows, data = [], {}
+    for label, layers, file_dtype, naive in DOC_ROWS:
+        found = data[label] = measure_loads(a, tmp / f"{layers}_{file_dtype}", layers, file_dtype, naive)
+        size = found["model_bytes"]
+        for i, what in enumerate(w for w in found if w != "model_bytes"):
+            growth = max(r["peak_growth_bytes"] for r in found[what])
+            rows.append(
+                [label if i == 0 else "", f"{size / 2**30:.2f} GiB" if i == 0 else "", what]
+                + [_span([r["seconds"] for r in found[what]], ".1f")]
+                + [f"{growth / 2**30:.2f} GiB ({growth / size:.2f} x)"]
+            )
+    header = ["model", "float32 size", "loader", "seconds", "peak RSS growth"]
+    results.save("hf_load", {"hf_load": results.markdown_table(header, rows)}, data)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=2048)
@@ -114,30 +174,13 @@ def main() -> None:
     parser.add_argument("--naive", action="store_true", help="also measure load_file + load_state_dict")
     parser.add_argument("--repeat", type=int, default=2, help="measurements of each, alternating (noise shows)")
     parser.add_argument("--folder", type=Path, help="write the model here, or reuse it (default: a temp folder)")
+    parser.add_argument("--doc", action="store_true", help="measure docs/hf_weights.md's rows and save them")
     a = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gt_hf_bench_") as tmp:
-        folder = a.folder or Path(tmp) / "hf"
-        model_bytes = sum(p.numel() * 4 for p in _meta_params(a))
-        if not folder.exists():
-            start = time.perf_counter()
-            write_random_hf(
-                folder, dim=a.dim, n_layers=a.layers, vocab_size=a.vocab, dtype=getattr(torch, a.file_dtype)
-            )
-            print(f"wrote {folder} in {time.perf_counter() - start:.1f} s")
-        file_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-        print(
-            f"model: dim {a.dim}, {a.layers} layers, vocab {a.vocab}: {model_bytes / 2**30:.2f} GiB in float32; "
-            f"files {file_bytes / 2**30:.2f} GiB"
-        )
-        for _ in range(a.repeat):
-            for naive in (False, True) if a.naive else (False,):
-                r = _measure(folder, a, naive)
-                what = "load_file + load_state_dict" if naive else "initial_load_path loader"
-                growth = r["peak_growth_bytes"]
-                print(
-                    f"{what}: {r['seconds']:.2f} s, peak RSS growth {growth / 2**30:.2f} GiB "
-                    f"= {growth / model_bytes:.2f} x the model"
-                )
+        if a.doc:
+            save_doc_rows(a, Path(tmp))
+        else:
+            measure_loads(a, a.folder or Path(tmp) / "hf", a.layers, a.file_dtype, a.naive)
 
 
 def _meta_params(a: argparse.Namespace) -> list[torch.nn.Parameter]:

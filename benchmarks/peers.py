@@ -4,6 +4,7 @@
     python benchmarks/peers.py --overrides --model.n_layers 16 --training.local_batch_size 8
     python benchmarks/peers.py --config llama3_1b                # CUDA
     python benchmarks/peers.py --config llama3_8b --overrides --model.n_layers 6 --training.local_batch_size 1
+    python -m benchmarks.peers --modes eager trace --save peers  # also benchmarks/results/peers.json#steps
 
 Modes (each with activation checkpointing none and selective):
   eager                        plain PyTorch (torch.optim.AdamW outside)
@@ -136,10 +137,10 @@ def _fmt_gib(n) -> str:
     return "-" if n is None else f"{n / GIB:.3f}"
 
 
-def markdown(rows: list[dict], title: str) -> str:
-    lines = [
-        f"{title}",
-        "",
+def markdown(rows: list[dict], title: str | None = None) -> str:
+    """The rows as a markdown table, under `title` when one is given."""
+    lines = [] if title is None else [title, ""]
+    lines += [
         "| ac | mode | step s | vs eager | tokens/s | MFU % | peak active GiB | peak reserved GiB | compile s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -166,6 +167,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="outputs/peers")
+    parser.add_argument("--save", metavar="NAME", help="also write the table to benchmarks/results/NAME.json")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per mode before it is reported as failed")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "AC"), help=argparse.SUPPRESS)
     parser.add_argument(
@@ -228,6 +230,10 @@ def _write(args: argparse.Namespace, rows: list[dict]) -> None:
     (out / "peers.md").write_text(table + "\n")
     print("\n" + table)
     print(f"\nwritten: {out / 'peers.json'}, {out / 'peers.md'}")
+    if args.save:
+        from benchmarks import results
+
+        results.save(args.save, {"steps": markdown(rows)}, {"steps": args.steps, "warmup": args.warmup, "rows": rows})
 
 
 def main() -> None:

@@ -3,6 +3,10 @@ with `--batches`, against the local batch instead (at the first depth).
 
     python -m benchmarks.plan_time [--config llama3_8b] [--depths 8 16 32 80 126] [--full-up-to 32]
         [--dp-shard 1] [--tp 1] [--batches 1 2 8 32 64] [--extra --training.seq_len 8192 ...]
+    python -m benchmarks.plan_time --doc
+
+`--doc` plans docs/planner.md's rows (8B, and 70B as one rank of 64, depth-free at every depth) and saves their CPU
+seconds to benchmarks/results/plan_time.json: times, so run it on an idle machine (about 90 s on an idle 2-core CPU).
 
 With `--batches`, each batch is planned alone (as the dry run plans its own batch: traced at that batch, or
 extended from two small batches when its chunked loss has many chunks), then all of them in one call (as the
@@ -25,6 +29,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import results
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,6 +64,54 @@ def _one(args: list[str], method: str) -> dict:
     }
 
 
+# The rows docs/planner.md quotes (`--doc`): (row label, config, dp_shard, tp, extra options).
+DOC_ROWS = (
+    ("8B", "llama3_8b", 1, 1, []),
+    ("70B one rank of 64 (`--dp-shard 8 --tp 8 --extra --training.dtype bfloat16`)", "llama3_70b", 8, 8,
+     ["--training.dtype", "bfloat16"]),
+)  # fmt: skip
+
+
+def _run(depth: int, method: str, config: str, dp_shard: int, tp: int, extra: list[str]) -> dict | str:
+    """One (depth, method) planned in a fresh process: its figures, or the last line of its error."""
+    args = ["--config", config, "--model.n_layers", str(depth), *extra]
+    for dim, size in (("dp_shard", dp_shard), ("tp", tp)):
+        if size > 1:
+            args += [f"--parallelism.{dim}", str(size)]
+    cmd = [sys.executable, "-m", "benchmarks.plan_time", "--child", method, *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        return f"failed: {proc.stderr.strip().splitlines()[-1:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _print(depth: int, batch: str, method: str, r: dict | str) -> None:
+    label = method if len(method) <= 10 else "batches"
+    if isinstance(r, str):
+        print(f"{depth:>5} {batch:>5} {label:>10} {r}")
+        return
+    peak = r["none_peak"] / 1024**3 if r["none_peak"] else float("nan")
+    print(
+        f"{depth:>5} {batch:>5} {label:>10} {r['seconds']:8.1f} {r['cpu_seconds']:6.1f} {r['rss_gib']:8.2f} "
+        f"{r['blocks_traced']:>6} {peak:14.3f}",
+        flush=True,
+    )
+
+
+def save_doc_rows(depths: list[int]) -> None:
+    """Plan `DOC_ROWS` at each depth (depth-free plan only) and save the CPU s as docs/planner.md's table."""
+    rows, data = [], {"load_average": os.getloadavg()[0]}
+    for label, config, dp_shard, tp, extra in DOC_ROWS:
+        runs = {depth: _run(depth, "fast", config, dp_shard, tp, extra) for depth in depths}
+        for depth, r in runs.items():
+            _print(depth, "", "fast", r)
+            if isinstance(r, str):
+                raise RuntimeError(f"{label} at {depth} layers {r}")
+        rows.append([label, *(f"{r['cpu_seconds']:.1f}" for r in runs.values())])
+        data[label] = runs
+    results.save("plan_time", {"depth": results.markdown_table(["layers", *map(str, depths)], rows)}, data)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="llama3_8b")
@@ -66,6 +120,7 @@ def main() -> None:
     parser.add_argument("--dp-shard", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--batches", type=int, nargs="+", default=None)
+    parser.add_argument("--doc", action="store_true", help="plan docs/planner.md's rows and save them")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -76,6 +131,9 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{'depth':>5} {'batch':>5} {'method':>10} {'plan s':>8} {'CPU s':>6} {'RSS GiB':>8} {'blocks':>6} "
           f"{'none peak GiB':>14}")  # fmt: skip
+    if opts.doc:
+        save_doc_rows(opts.depths)
+        return
     runs = []  # (depth, batch label, method, extra args)
     if opts.batches:
         depth = opts.depths[0]
@@ -85,22 +143,7 @@ def main() -> None:
         for depth in opts.depths:
             runs += [(depth, "", m, []) for m in ("fast", "full") if m == "fast" or depth <= opts.full_up_to]
     for depth, batch, method, more in runs:
-        args = ["--config", opts.config, "--model.n_layers", str(depth), *opts.extra, *more]
-        for dim, size in (("dp_shard", opts.dp_shard), ("tp", opts.tp)):
-            if size > 1:
-                args += [f"--parallelism.{dim}", str(size)]
-        cmd = [sys.executable, "-m", "benchmarks.plan_time", "--child", method, *args]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
-        label = method if len(method) <= 10 else "batches"
-        if proc.returncode != 0:
-            print(f"{depth:>5} {batch:>5} {label:>10} failed: {proc.stderr.strip().splitlines()[-1:]}")
-            continue
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
-        peak = r["none_peak"] / 1024**3 if r["none_peak"] else float("nan")
-        print(
-            f"{depth:>5} {batch:>5} {label:>10} {r['seconds']:8.1f} {r['cpu_seconds']:6.1f} {r['rss_gib']:8.2f} "
-            f"{r['blocks_traced']:>6} {peak:14.3f}"
-        )
+        _print(depth, batch, method, _run(depth, method, opts.config, opts.dp_shard, opts.tp, [*opts.extra, *more]))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ import time
 
 import torch
 
-from benchmarks.results import markdown_table, save
+from benchmarks import results
+from benchmarks.results import markdown_table
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import to_gib
@@ -239,7 +240,7 @@ def main() -> None:
         tables["memory"] = markdown_table(MEMORY_HEADER, memory)
     if best_rows:
         tables["best"] = markdown_table(BEST_HEADER, best_rows)
-    save("reference_table", tables, data)
+    results.save("reference_table", tables, data)
 
 
 MEMORY_HEADER = ("row", "published", "GiB published (reserved)", "graph GiB (live)", "eager GiB (live)",

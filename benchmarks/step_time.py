@@ -1,6 +1,9 @@
 """Traced vs eager: step time, trace time and peak live memory, measured side by side in one run.
 
-    python benchmarks/step_time.py [--configs debug deep] [--steps 10] [--warmup 2]
+    python benchmarks/step_time.py [--configs debug deep] [--steps 10] [--warmup 2] [--save]
+
+`--save` writes the table to benchmarks/results/step_time.json for docs/measurements.md (times: on an idle
+machine; `--steps 5 --warmup 1` takes about 2 minutes on an idle 2-core CPU).
 
 Prints per config: median step time of each mode (steps interleaved eager/traced),
 the ratio traced/eager (target <= 1.00), the trace time (target <= 2 s on the debug
@@ -16,7 +19,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import CONFIGS, interleaved_step_times, make_trainer, measured_peak, median  # noqa: E402
+from benchmarks import results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    CONFIG_LABELS,
+    CONFIGS,
+    interleaved_step_times,
+    make_trainer,
+    measured_peak,
+    median,
+)
 from graph_trainer.observability.units import GIB  # noqa: E402
 
 
@@ -25,6 +36,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--save", action="store_true", help="write benchmarks/results/step_time.json")
     args = parser.parse_args()
     rows = []
     for name in args.configs:
@@ -60,6 +72,18 @@ def main() -> None:
             f"{name:8} {e:8.3f} {t:9.3f} {r:6.3f} {tt:8.2f} {n:6d} {pe / GIB:9.3f}Gi {pt / GIB:10.3f}Gi {pr:6.3f} "
             f"{tr:8.3f}x"
         )
+    if args.save:
+        header = ["config", "eager s/step", "traced s/step", "traced/eager", "trace time", "traces"]
+        header += ["peak traced/eager", "CPU tracking cost"]
+        table = results.markdown_table(
+            header,
+            [
+                [CONFIG_LABELS[name], f"{e:.3f}", f"{t:.3f}", f"{r:.3f}", f"{tt:.2f} s", n, f"{pr:.3f}", f"{tr:.3f}x"]
+                for name, e, t, r, tt, n, pe, pt, pr, tr in rows
+            ],
+        )
+        data = {"steps": args.steps, "warmup": args.warmup, "rows": rows}
+        results.save("step_time", {"step_time": table}, data)
 
 
 if __name__ == "__main__":

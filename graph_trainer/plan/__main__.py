@@ -210,7 +210,8 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
         print(BOUNDS_EXPLAINED)
     command = _command(rest, final[0].cand, cluster) if final else None
     out.mkdir(parents=True, exist_ok=True)
-    write_json(details, final, exact, skipped, cluster, seq, command, refused=space.refused, plans=plans)
+    counts = {"candidates": len(cands), "pruned": len(cands) - len(kept), "screened": len(rows), "exact": len(exact)}
+    write_json(details, final, exact, skipped, cluster, seq, command, refused=space.refused, plans=plans, counts=counts)
     if not final:
         print(
             "nothing ranked: only the upper bounds above fit (AC budget, fsdp_grad_sync step or accumulation without "

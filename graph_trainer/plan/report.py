@@ -81,10 +81,13 @@ def write_json(
     *,
     refused: dict[str, int],
     plans: search.Plans,
+    counts: dict[str, int],
 ) -> None:
     """plan.json: the ranked rows, the screen's error, and what the console only counts: the layouts skipped, the
-    candidates the trainer refuses, those whose plan failed, and the plans made depth-free or whole-depth."""
+    candidates the trainer refuses, those whose plan failed, the plans made depth-free or whole-depth, and how
+    many candidates each stage kept (`counts`: candidates, pruned, screened, exact)."""
     data = {
+        "counts": counts,
         "cluster": {"device": cluster.device.__dict__, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node},
         "ranked": [_row(r, cluster, seq) for r in final],
         "screen_vs_exact": [
