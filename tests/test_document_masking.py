@@ -153,11 +153,20 @@ def test_traced_step_equals_eager_bitwise_with_one_trace_while_boundaries_move(t
     assert not torch.equal(ids[0], ids[1]) and not torch.equal(ids[1], ids[2])
 
 
-def test_memory_estimate_equals_measured_peak_with_the_document_mask(tmp_path):
+def test_one_mask_serves_every_layer_and_the_estimate_equals_the_measured_peak(tmp_path):
     data = ["--data.source", "jsonl", "--data.path", str(short_documents(tmp_path / "docs.jsonl"))]
     cfg, _ = load_config(["--config", "llama3_debug", *TINY, *MASKING, *data, "--job.dump_folder", str(tmp_path / "r")])
-    estimated, measured, _ = measure_traced_step(Trainer(cfg))
+    trainer = Trainer(cfg)
+    estimated, measured, _ = measure_traced_step(trainer)
     assert estimated == measured
+    # Every layer's attention, forward and backward, reads the one [B, 1, S, S] mask in the attention's dtype: no
+    # per-layer conversion (a boolean mask would be turned into an additive one inside each call).
+    graph = trainer.step_fn.traced.gm.graph
+    attention = [n for n in graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
+    masks = {n.kwargs["attn_mask"] for n in attention}
+    assert len(attention) == 2 * 2 and len(masks) == 1  # TINY: 2 layers, a forward and a backward op each
+    (mask,) = masks
+    assert mask.meta["val"].shape == (2, 1, 32, 32) and mask.meta["val"].dtype == torch.float32
 
 
 def test_dry_run_prints_attention_memory_per_layer_against_seq_len(capsys, monkeypatch):
