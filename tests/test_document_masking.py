@@ -138,7 +138,7 @@ def test_traced_step_equals_eager_bitwise_with_one_trace_while_boundaries_move(t
 
     def run(name: str, *extra: str):
         cfg, _ = load_config(
-            ["--config", "llama3_debug", *TINY, *MASKING, *data, *selective, "--training.steps", "3",
+            ["--config", "llama3_debug", *TINY, *MASKING, *data, *selective, "--training.steps", "2",
              "--job.dump_folder", str(tmp_path / name), *extra]
         )  # fmt: skip
         return Trainer(cfg).train()
@@ -149,8 +149,8 @@ def test_traced_step_equals_eager_bitwise_with_one_trace_while_boundaries_move(t
     assert traced.trace_count == 1
     # ... while the steps' boundaries moved: the same loader's first batches.
     loader = build_dataloader("jsonl", data[-1], BYTE, batch_size=2, seq_len=32, seed=0, document_masking=True)
-    ids = [b[DOCUMENT_IDS] for b in islice(loader, 3)]
-    assert not torch.equal(ids[0], ids[1]) and not torch.equal(ids[1], ids[2])
+    ids = [b[DOCUMENT_IDS] for b in islice(loader, 2)]
+    assert not torch.equal(ids[0], ids[1])
 
 
 def test_one_mask_serves_every_layer_and_the_estimate_equals_the_measured_peak(tmp_path):
