@@ -131,6 +131,7 @@ def build_data(cfg: JobConfig, mesh: Mesh) -> JobData:
         world_size=mesh.data_size,
         text_column=d.text_column,
         streaming=d.streaming,
+        document_masking=d.document_masking,
     )
     validation, held_out = None, None
     if cfg.validation.enable:

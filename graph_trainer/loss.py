@@ -45,6 +45,10 @@ IGNORE_INDEX = -100
 # tokens, so the accumulated gradient is the big batch's, not a mean of micro-batch means. Absent: the mean
 # over this batch's own valid tokens.
 NUM_TOKENS = "num_tokens"
+# Batch key of the packed rows' document ids [B, S] (data.document_masking; graph_trainer.data.loader writes it under
+# the same name), handed to the model as its `document_ids` argument: each document then attends only within itself.
+# Absent: the model sees one causal sequence per row.
+DOCUMENT_IDS = "document_ids"
 
 
 class VocabShard(Protocol):
@@ -181,7 +185,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Forward a causal LM on `batch["input"]` and score it against `batch["labels"]` (see `NUM_TOKENS`)."""
-    return cross_entropy_loss(model(batch["input"]), batch["labels"], batch.get(NUM_TOKENS))
+    return cross_entropy_loss(model(*model_inputs(batch)), batch["labels"], batch.get(NUM_TOKENS))
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The model's positional arguments from a batch: the tokens, and the document ids when the batch has them."""
+    return (batch["input"],) if DOCUMENT_IDS not in batch else (batch["input"], batch[DOCUMENT_IDS])
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -317,7 +326,7 @@ def chunked_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, chunk_s
             f"a chunked loss needs model.hidden_states(tokens) and a bias-free nn.Linear model.output; "
             f"{type(model).__name__} lacks them: set training.loss_chunk_size = 0"
         )
-    hidden = model.hidden_states(batch["input"])
+    hidden = model.hidden_states(*model_inputs(batch))
     shard = _VOCAB_SHARD.get()
     if shard is not None:  # the hidden states are sequence-sharded; the projection needs every token
         hidden = shard.gather_sequence(hidden)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from graph_trainer.data.packing import packed_batch
 from graph_trainer.data.tokenizer import Tokenizer
 from graph_trainer.errors import UserError
 from graph_trainer.observability.log import get_logger
@@ -191,7 +192,8 @@ def rank_slice(ds: Any, rank: int, world_size: int, where: str) -> Any:
 
 
 class SequentialPackedLoader:
-    """Endless iterator of `{"input": LongTensor[B, S], "labels": LongTensor[B, S]}`, packed in the rows' order.
+    """Endless iterator of `{"input": LongTensor[B, S], "labels": LongTensor[B, S]}`, packed in the rows' order, plus
+    their `document_ids` (graph_trainer.data.packing) with `document_ids`.
 
     `rows(start, epoch)` yields the texts of this rank's slice from row `start` on, in pass `epoch`'s order. The
     position and resume rules are the module docstring's. `epoch` is the pass the most recent batch ended in.
@@ -208,8 +210,9 @@ class SequentialPackedLoader:
         data_size: int = 1,
         gather: Gather | None = None,
         where: str = "data.path",
+        document_ids: bool = False,
     ) -> None:
-        self.rows, self.tokenizer = rows, tokenizer
+        self.rows, self.tokenizer, self.document_ids = rows, tokenizer, document_ids
         self.batch_size, self.seq_len = batch_size, seq_len
         self.data_rank, self.data_size, self.gather, self.where = data_rank, data_size, gather, where
         self.epoch, self.doc, self.token = 0, 0, 0
@@ -249,7 +252,7 @@ class SequentialPackedLoader:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         need = self.batch_size * (self.seq_len + 1)
-        pieces, have = [], 0
+        pieces, have = [], 0  # each piece is (part of) one row: one document
         while have < need:
             ids = self._current_row()
             take = min(need - have, ids.numel() - self.token)
@@ -258,8 +261,11 @@ class SequentialPackedLoader:
             self.token += take
             if self.token == ids.numel():
                 self.doc, self.token, self._ids = self.doc + 1, 0, None
-        tokens = torch.cat(pieces).long().view(self.batch_size, self.seq_len + 1)
-        return {"input": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+        windows = torch.cat(pieces).view(self.batch_size, self.seq_len + 1)
+        if not self.document_ids:
+            return packed_batch(windows)
+        lengths = torch.tensor([p.numel() for p in pieces])
+        return packed_batch(windows, torch.arange(len(pieces)).repeat_interleave(lengths).view_as(windows))
 
     def position(self) -> dict[str, int]:
         """This rank's position: the pass, the row and the token in it where the next window starts."""
@@ -349,12 +355,14 @@ def build_hf_loader(
     holdout: tuple[int, bool] | None = None,
     shuffle: Shuffle | None = None,
     option: str = "data.path",
+    document_ids: bool = False,
 ) -> SequentialPackedLoader:
     """This data-parallel rank's loader over the dataset at `path`.
 
     `holdout` = (every, held_out) keeps only the held-out rows (True) or only the others (False) of the
     validation split rule (`holdout_split`), applied before the ranks' slices are cut. `shuffle` draws each pass's
-    order of the rank's slice (None: the dataset's order).
+    order of the rank's slice (None: the dataset's order). `document_ids` adds each row's document ids to the
+    batches (graph_trainer.data.packing).
     """
     where = f"{option} '{path}'"
     ds = column_checked(open_dataset(path, streaming=streaming, option=option), text_column, where)
@@ -370,5 +378,6 @@ def build_hf_loader(
         data_size=data_size,
         gather=gather,
         where=where,
+        document_ids=document_ids,
     )
     return loader

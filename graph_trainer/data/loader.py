@@ -23,6 +23,7 @@ import torch
 
 from graph_trainer.data.hf_datasets import SOURCE as HF_SOURCE
 from graph_trainer.data.hf_datasets import Gather, SequentialPackedLoader, Shuffle, build_hf_loader
+from graph_trainer.data.packing import packed_batch, stream_document_ids
 from graph_trainer.data.tokenizer import Tokenizer
 from graph_trainer.errors import ConfigError, UserError, closest_match
 from graph_trainer.observability.log import get_logger
@@ -152,18 +153,25 @@ def holdout_documents(documents: Iterator[str], every: int, held_out: bool) -> I
 def tokenize_documents(documents: Iterator[str], tokenizer: Tokenizer) -> torch.Tensor:
     """One int32 stream: each document's ids followed by EOS (if the tokenizer has one).
     Documents that tokenize to nothing are dropped, so no EOS follows another EOS."""
+    return tokenize_documents_with_starts(documents, tokenizer)[0]
+
+
+def tokenize_documents_with_starts(documents: Iterator[str], tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tokenize_documents`' stream, and the offsets in it where each document (its EOS included) starts, int64."""
     eos = None if tokenizer.eos_id is None else torch.tensor([tokenizer.eos_id], dtype=torch.int32)
-    pieces = []
+    pieces, starts, length = [], [], 0
     for doc in documents:
         ids = tokenizer.encode_to_tensor(doc)
         if ids.numel() == 0:
             continue
+        starts.append(length)
         pieces.append(ids)
         if eos is not None:
             pieces.append(eos)
+        length += ids.numel() + (eos is not None)
     if not pieces:
-        return torch.empty(0, dtype=torch.int32)
-    return torch.cat(pieces)
+        return torch.empty(0, dtype=torch.int32), torch.zeros(1, dtype=torch.long)
+    return torch.cat(pieces), torch.tensor(starts, dtype=torch.long)
 
 
 def synthetic_stream(vocab_size: int, num_tokens: int, seed: int) -> torch.Tensor:
@@ -183,7 +191,8 @@ def pack_windows(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 class PackedBatchLoader:
-    """Endless iterator of `{"input": LongTensor[B, S], "labels": LongTensor[B, S]}` on CPU.
+    """Endless iterator of `{"input": LongTensor[B, S], "labels": LongTensor[B, S]}` on CPU, plus their
+    `document_ids` (graph_trainer.data.packing) when built with the stream offsets where documents start.
 
     Epoch e visits the windows in `torch.randperm` drawn from a generator seeded with
     `seed + e`, cut into batches of `batch_size`; rank r takes global batches r,
@@ -196,7 +205,14 @@ class PackedBatchLoader:
     """
 
     def __init__(
-        self, windows: torch.Tensor, *, batch_size: int, seed: int, rank: int = 0, world_size: int = 1
+        self,
+        windows: torch.Tensor,
+        *,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        document_starts: torch.Tensor | None = None,
     ) -> None:
         if windows.dim() != 2 or windows.shape[1] < 2:
             raise ValueError(f"windows must be [num_windows, seq_len + 1], seq_len >= 1; got {tuple(windows.shape)}")
@@ -207,6 +223,7 @@ class PackedBatchLoader:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
+        self.document_starts = document_starts  # sorted stream offsets of the documents (None: no document ids)
         # Same count on every rank, so collectives stay in step at epoch ends.
         self.batches_per_epoch = windows.shape[0] // batch_size // world_size
         if self.batches_per_epoch == 0:
@@ -245,8 +262,11 @@ class PackedBatchLoader:
         start = global_batch * self.batch_size
         idx = self._permutation(self.epoch)[start : start + self.batch_size]
         self.batch_index += 1
-        tokens = self.windows[idx].long()
-        return {"input": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+        if self.document_starts is None:
+            return packed_batch(self.windows[idx])
+        width = self.windows.shape[1]  # window w holds the stream's tokens w * width .. (w + 1) * width - 1
+        offsets = idx[:, None] * width + torch.arange(width)
+        return packed_batch(self.windows[idx], stream_document_ids(self.document_starts, offsets))
 
     def state_dict(self) -> dict[str, int]:
         """Position in the data: the current epoch and how many of its batches this rank has taken."""
@@ -284,6 +304,7 @@ def build_dataloader(
     holdout: tuple[int, bool] | None = None,
     shuffle: Shuffle | None = None,
     option: str = "data.path",
+    document_masking: bool = False,
 ) -> PackedBatchLoader | SequentialPackedLoader:
     """Read `source` (see `SOURCES`), tokenize and pack it, and return this rank's loader.
 
@@ -293,6 +314,8 @@ def build_dataloader(
     `holdout` = (every, held_out) keeps only the held-out documents (True) or only the others (False) of the
     validation split rule (`holdout_documents`); `shuffle` draws each pass's row order of "hf_datasets" (the other
     sources always visit their windows in an order drawn from `seed`); `option` names `path` in messages.
+    `document_masking` adds each row's document ids to the batches (graph_trainer.data.packing); synthetic tokens
+    are one document.
     """
     if batch_size < 1:
         raise ConfigError(f"training.local_batch_size must be >= 1, got {batch_size}")
@@ -312,7 +335,9 @@ def build_dataloader(
             holdout=holdout,
             shuffle=shuffle,
             option=option,
+            document_ids=document_masking,
         )
+    starts = torch.zeros(1, dtype=torch.long)
     if source == "synthetic":
         num_windows = batch_size * world_size * SYNTHETIC_BATCHES_PER_RANK
         stream = synthetic_stream(tokenizer.vocab_size, num_windows * (seq_len + 1), seed)
@@ -320,7 +345,7 @@ def build_dataloader(
         documents = DOCUMENT_SOURCES[source](path)
         if holdout is not None:
             documents = holdout_documents(documents, *holdout)
-        stream = tokenize_documents(documents, tokenizer)
+        stream, starts = tokenize_documents_with_starts(documents, tokenizer)
         if stream.numel() == 0:
             raise UserError(f"{option} '{path}' has no text to train on (0 tokens); point {option} at non-empty files")
     else:
@@ -341,4 +366,11 @@ def build_dataloader(
             f"or training.local_batch_size{held_out_fix}, or more data"
         )
     windows = pack_windows(stream, seq_len)
-    return PackedBatchLoader(windows, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size)
+    return PackedBatchLoader(
+        windows,
+        batch_size=batch_size,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        document_starts=starts if document_masking else None,
+    )

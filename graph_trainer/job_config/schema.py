@@ -144,6 +144,13 @@ class DataConfig:
         "shuffle their windows)",
     )
     shuffle_buffer: int = _opt(10_000, "hf_datasets with data.streaming: rows a stream is shuffled within", ge=1)
+    # torchtitan has no job option for this: its models choose `attn_mask_type = "block_causal"` in their own
+    # arguments (documents cut at the EOS id), so there is no alias to declare here.
+    document_masking: bool = _opt(
+        False,
+        "packed documents do not see each other: each attends only within itself and its RoPE positions restart at 0 "
+        "(each batch carries its rows' document ids, so moving boundaries never retrace the step)",
+    )
 
 
 @dataclass

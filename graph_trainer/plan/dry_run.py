@@ -7,13 +7,14 @@ from collections.abc import Callable
 
 import torch
 
-from graph_trainer.builder import adamw_implementation_for, build_job, optimizer_in_graph
+from graph_trainer.builder import Job, adamw_implementation_for, build_job, optimizer_in_graph
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import to_gib
+from graph_trainer.plan.attention_memory import attention_memory
 from graph_trainer.plan.block_plan import plan_modes, short_depths
 from graph_trainer.plan.preflight import available_bytes
 from graph_trainer.plan.step_plan import AC_MODES, StepPlan
@@ -75,7 +76,23 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
             print_fn(
                 f"blocks traced: {short} for a model of {depth}, once for all modes; extended exactly (docs/planner.md)"
             )
+        print_fn(_attention_line(job, cfg))
     print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")
+
+
+def _attention_line(job: Job, cfg: JobConfig) -> str:
+    """One line: the attention's bytes per layer at half, once and twice the sequence length (within the model's
+    max_seq_len), and the document mask's, which every layer shares (graph_trainer.plan.attention_memory)."""
+    s, longest = cfg.training.seq_len, job.model.args.max_seq_len
+    found = attention_memory(job, sorted({max(1, s // 2), s, min(2 * s, longest)}))
+    if not found:
+        return "attention memory per layer: no attention op the planner knows"
+    per_layer = ", ".join(f"seq {a.seq_len}: {a.per_layer_bytes / 2**20:.3g}" for a in found)
+    line = f"attention MiB per layer (q, k, v, output, log-sum-exp kept for backward): {per_layer}"
+    if cfg.data.document_masking:
+        masks = ", ".join(f"seq {a.seq_len}: {a.mask_bytes / 2**20:.3g}" for a in found)
+        line += f"; document mask, once for all layers: {masks}"
+    return line
 
 
 __all__ = ["dry_run"]

@@ -19,7 +19,7 @@ from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.memory import ALLOC, FREE, AllocationRecorder, LiveTensorTracker, MemoryEvent
 from graph_trainer.optimizer.update_memory import EagerUpdate, adamw_update_events, peak_with_update
-from graph_trainer.plan.step_plan import eager_update_of
+from graph_trainer.plan.step_plan import batch_names, eager_update_of
 
 
 @dataclasses.dataclass
@@ -155,7 +155,7 @@ def _fake_step_peak(
     with FakeTensorMode():
         _materialize_fake(job.model, device)
         step = job.eager_step(optimizer_update=False)
-        batch = {name: torch.zeros(b, s, dtype=torch.long, device=device) for name in ("input", "labels")}
+        batch = {name: torch.zeros(b, s, dtype=torch.long, device=device) for name in batch_names(cfg)}
         model = job.model
         tracker = LiveTensorTracker(count_fake=True) if state_events is None else AllocationRecorder(count_fake=True)
         tracker.track_existing([list(model.parameters()), list(model.buffers()), batch])

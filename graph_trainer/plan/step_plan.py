@@ -26,6 +26,7 @@ from graph_trainer.builder import Job, adamw_implementation_for, build_job, opti
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.loss import DOCUMENT_IDS
 from graph_trainer.observability.log import quiet
 from graph_trainer.optimizer.update_memory import EagerUpdate, whole_step_peak
 from graph_trainer.passes.communication import communication_bytes
@@ -94,7 +95,13 @@ def meta_batch(cfg: JobConfig) -> dict[str, torch.Tensor]:
     """One step's batch of the job's shape on the meta device (with accumulation, every micro-batch of it): what a
     plan traces."""
     b, s = cfg.training.local_batch_size * accumulation_steps(cfg), cfg.training.seq_len
-    return {name: torch.empty(b, s, dtype=torch.long, device="meta") for name in ("input", "labels")}
+    return {name: torch.empty(b, s, dtype=torch.long, device="meta") for name in batch_names(cfg)}
+
+
+def batch_names(cfg: JobConfig) -> tuple[str, ...]:
+    """The [B, S] int64 tensors of the job's batches: tokens and labels, and the rows' document ids when
+    `data.document_masking` is on (so a plan holds the attention mask the step will build)."""
+    return ("input", "labels", DOCUMENT_IDS) if cfg.data.document_masking else ("input", "labels")
 
 
 def eager_update_of(job: Job) -> EagerUpdate | None:

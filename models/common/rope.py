@@ -38,24 +38,32 @@ class RotaryEmbedding(nn.Module):
             self.cos.copy_(angles.cos())
             self.sin.copy_(angles.sin())
 
-    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, seq_len: int, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of positions 0 .. seq_len - 1, [seq_len, pairs] each; or of each token's own position,
+        [B, seq_len, pairs] each, when `positions` [B, seq_len] is given (positions restarting at each packed
+        document: models/common/documents.py)."""
         if seq_len > self.max_seq_len:
             raise ValueError(
                 f"sequence length {seq_len} exceeds the model's max_seq_len {self.max_seq_len}; "
                 "raise model max_seq_len or lower the training seq_len"
             )
+        if positions is not None:  # every position is below seq_len, so inside the tables
+            return self.cos[positions], self.sin[positions]
         return self.cos[:seq_len], self.sin[:seq_len]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (x[2i], x[2i+1]) of x [B, S, H, head_dim] by position-dependent angles.
 
+    `cos` and `sin` are [S, pairs] (the same positions in every row) or [B, S, pairs] (each row its own).
     Adjacent channels form a pair, as in Meta's complex-number formulation, so Meta's wq/wk weights load
     without permutation. Computed in float32.
     """
     x_pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = x_pairs[..., 0], x_pairs[..., 1]
-    cos = cos[None, :, None, :]  # broadcast over batch and heads
-    sin = sin[None, :, None, :]
+    if cos.dim() == 2:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # broadcast over batch and heads
+    else:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
     rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)

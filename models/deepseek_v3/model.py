@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.documents import attention_dtype, document_mask, document_positions
 from models.common.norms import RMSNorm
 from models.common.rope import RotaryEmbedding, apply_rotary
 from models.common.spec import ModelArgsError
@@ -191,7 +192,10 @@ class Attention(nn.Module):
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [B, S, dim] -> [B, S, dim]; `mask` is the additive [B, 1, S, S] mask of `document_mask` (None: causal)."""
         bsz, seq_len, _ = x.shape
         # kv first: the compressed latent is the layer's first matmul, which selective AC saves.
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -207,7 +211,8 @@ class Attention(nn.Module):
         # SDPA's fused kernels want one head dim for q, k and v: pad v, drop the padding after.
         v = F.pad(v, (0, q.shape[-1] - self.v_dim)) if self.v_dim < q.shape[-1] else v
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, head_dim]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)[..., : self.v_dim]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        out = out[..., : self.v_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
     def projections(self) -> list[nn.Linear]:
@@ -406,8 +411,10 @@ class TransformerBlock(nn.Module):
         self.moe = MoE(args) if layer_id >= args.n_dense_layers else None
         self.feed_forward = FeedForward(args.dim, args.inter_dim) if self.moe is None else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         ffn = self.moe if self.moe is not None else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -443,16 +450,22 @@ class DeepSeekV3(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.init_weights()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens LongTensor [B, S] -> logits [B, S, vocab_size]."""
-        return self.output(self.hidden_states(tokens))
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens LongTensor [B, S] -> logits [B, S, vocab_size]; `document_ids` as in Llama 3's `Transformer`."""
+        return self.output(self.hidden_states(tokens, document_ids))
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] -> the normalized last hidden states [B, S, dim] that `output` projects to logits."""
-        cos, sin = self.rope(tokens.shape[1])
+    def hidden_states(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, S] -> the normalized last hidden states [B, S, dim] that `output` projects to logits.
+
+        `document_ids` [B, S] (models/common/documents.py): each packed document attends only within itself and
+        its RoPE positions restart at 0. None: one causal sequence per row.
+        """
+        positions = None if document_ids is None else document_positions(document_ids)
+        cos, sin = self.rope(tokens.shape[1], positions)
         h = self.tok_embeddings(tokens)
+        mask = None if document_ids is None else document_mask(document_ids, attention_dtype(h))
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         return self.norm(h)
 
     @torch.no_grad()

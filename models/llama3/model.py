@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.documents import attention_dtype, document_mask, document_positions
 from models.common.norms import RMSNorm
 from models.common.rope import RotaryEmbedding, apply_rotary
 from models.common.spec import ModelArgsError
@@ -115,7 +116,7 @@ def rotary_embedding(args: ModelArgs) -> RotaryEmbedding:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE."""
+    """Causal grouped-query self-attention with RoPE; with a document mask, causal within each packed document."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -127,7 +128,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [B, S, dim] -> [B, S, dim]; `mask` is the additive [B, 1, S, S] mask of `document_mask` (None: causal)."""
         bsz, seq_len, _ = x.shape
         q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
@@ -138,7 +142,7 @@ class Attention(nn.Module):
         # Share each KV head with its group of query heads explicitly: SDPA's own
         # `enable_gqa` path would not reach the fused CPU flash kernel.
         k, v = self._expand_kv(k), self._expand_kv(v)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
     def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
@@ -190,8 +194,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self._dropout(self.attention(self.attention_norm(x), cos, sin))
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x + self._dropout(self.attention(self.attention_norm(x), cos, sin, mask))
         return h + self._dropout(self.feed_forward(self.ffn_norm(h)))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,19 +236,25 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens LongTensor [B, S] -> logits [B, S, vocab_size] in the model's dtype."""
-        return self.output(self.hidden_states(tokens))
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens LongTensor [B, S] -> logits [B, S, vocab_size] in the model's dtype.
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        `document_ids` [B, S] (see models/common/documents.py) keeps packed documents apart: each attends only
+        within itself and its RoPE positions restart at 0. None: one causal sequence per row.
+        """
+        return self.output(self.hidden_states(tokens, document_ids))
+
+    def hidden_states(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] -> the normalized last hidden states [B, S, dim] that `output` projects to logits.
 
         A chunked loss (graph_trainer.loss.chunked_lm_loss) projects them chunk by chunk.
         """
-        cos, sin = self.rope(tokens.shape[1])
+        positions = None if document_ids is None else document_positions(document_ids)
+        cos, sin = self.rope(tokens.shape[1], positions)
         h = self.tok_embeddings(tokens)
+        mask = None if document_ids is None else document_mask(document_ids, attention_dtype(h))
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         return self.norm(h)
 
     def init_buffers(self) -> None:
