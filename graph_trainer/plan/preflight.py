@@ -9,10 +9,13 @@ from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.units import KIB, to_gib
 from graph_trainer.plan.block_plan import plan_modes, short_depths
 from graph_trainer.plan.step_plan import StepPlan, plan_step
 from graph_trainer.runtime.gc_pause import gc_paused
+
+logger = get_logger(__name__)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -34,10 +37,14 @@ def preflight(cfg: JobConfig, mesh: Mesh) -> StepPlan:
     The message gives predicted vs available, the biggest contributors at the peak, and what would fit: a
     smaller batch (activations scale with it) or another activation-checkpointing mode.
     """
-    if resolve_model_args(cfg).n_layers > short_depths(cfg)[-1]:  # deep: the depth-free plan (its graph is not kept)
+    depth = resolve_model_args(cfg).n_layers
+    if depth > short_depths(cfg)[-1]:  # deep: the depth-free plan (its graph is not kept)
         plan = plan_modes(cfg, mesh, [cfg.activation_checkpoint.mode], log_passes=True)[cfg.activation_checkpoint.mode]
         if isinstance(plan, UserError):
             raise plan
+        if plan.blocks_traced != depth:  # a whole trace (blocks not proven identical) traced `depth`, and says why
+            short = " + ".join(map(str, short_depths(cfg)))
+            logger.info(f"preflight: depth-free plan, models of {short} blocks traced for a model of {depth}")
     else:  # shallow: the whole trace, which the first step reuses
         plan = plan_step(build_job(cfg, mesh, materialize=False), log_passes=True)
     available = available_bytes(mesh.device)
