@@ -233,7 +233,8 @@ class CheckpointConfig:
     initial_load_path: str = _opt(
         "",
         "start from these pretrained weights instead of random ones: a Hugging Face folder (config.json + "
-        "safetensors); a resumed checkpoint (checkpoint.resume) wins over it",
+        "safetensors), which is the model: its config.json sets [model], its tokenizer.json data.tokenizer (unless "
+        "given); a resumed checkpoint's weights (checkpoint.resume) win over its weights",
     )
     initial_load_in_hf: bool = _opt(
         True, "initial_load_path is in Hugging Face format (the only format it reads; torchtitan's option)"
