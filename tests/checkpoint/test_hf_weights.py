@@ -418,6 +418,24 @@ def model_folder(tmp_path_factory) -> tuple[Path, int]:
     return folder, write_tokenizer(folder)
 
 
+def test_the_folders_declared_eos_and_bos_are_the_tokenizers(tmp_path):
+    """tokenizer_config.json's tokens first, then generation_config.json's ids (the first of a list: the document
+    end), then the usual spellings; a declared token the vocabulary lacks is one line."""
+    from graph_trainer.data.tokenizer import build_tokenizer
+
+    eot = write_tokenizer(tmp_path)
+    tok = build_tokenizer(str(tmp_path))
+    assert (tok.eos_id, tok.bos_id) == (eot, 0)  # not "<|end_of_text|>" (1), which a guess by spelling would pick
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [eot, 1]}))
+    assert build_tokenizer(str(tmp_path)).eos_id == eot
+    (tmp_path / "generation_config.json").unlink()
+    assert build_tokenizer(str(tmp_path)).eos_id == 1  # nothing declared: found by its spelling
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    with pytest.raises(UserError, match="names the special token '<\\|eot_id\\|>', which tokenizer"):
+        build_tokenizer(str(tmp_path))
+
+
 # Our loss and transformers' on the same tokens and weights, in float32: logits within LOGITS_ATOL (see above), a
 # cross-entropy of ~7.6 over 64 tokens. Measured: 6.3e-8 relative; 1e-5 is the bound the issue asks for.
 LOSS_RTOL = 1e-5
