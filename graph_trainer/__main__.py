@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, opts = load_config(argv)
         if opts.help:
-            print(help_text(opts.config), end="")
+            print(help_text(opts.config, dict(opts.overrides).get("model.name")), end="")
             return 0
         if opts.print_config:
             print(config_to_toml(cfg), end="")

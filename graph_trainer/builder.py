@@ -415,16 +415,18 @@ def build_job(cfg: JobConfig, mesh: Mesh, *, materialize: bool = True, vocab_nee
             or the pretrained weights do not fit it.
     """
     spec = get_model_spec(cfg.model.name)
-    pretrained = initial_weights(cfg)
-    # Pretrained weights are read into the meta-built model after the parallelisms cut it: a rank reads only
-    # its own shards, and the full model never exists in host memory.
+    # Pretrained weights are opened only by a build that materializes them: planning builds short models of 3 and
+    # 4 blocks (the depth-free plan), which the folder must never be checked against. They are read into the
+    # meta-built model after the parallelisms cut it: a rank reads only its own shards, and the full model never
+    # exists in host memory.
+    pretrained = initial_weights(cfg) if materialize else None
     random_init = materialize and pretrained is None
     model = build_model(cfg, mesh.device if random_init else None, vocab_needed=vocab_needed)
     model.train()
     # From here on, a sharded parameter is this rank's part of it (same names, smaller shapes).
     parallel = parallelize_model(model, mesh, cfg, spec.parallel_plan)
     _check_balancing_counts(model, mesh)
-    if materialize and pretrained is not None:
+    if pretrained is not None:
         pretrained.load_into(model, parallel, mesh.device)
     optimizer = build_job_optimizer(cfg, model, mesh.device)
     scheduler = build_job_scheduler(cfg, optimizer)

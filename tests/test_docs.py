@@ -22,12 +22,15 @@ minutes of CI, so those are parsed here and run where the table says.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import re
 import runpy
 import shlex
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 from unittest import mock
@@ -119,8 +122,39 @@ def _parse_only(run, argv: list[str]) -> None:
             run()
 
 
+# The folder the Hugging Face round trip's first command writes (a 6-layer Llama, docs/hf_weights.md); commands after
+# it load it, and the config reads its config.json: a stand-in holds that file (and an empty weights file).
+HF_TINY = "outputs/hf_tiny"
+HF_TINY_ARGS = (
+    "vocab_size=2048, hidden_size=64, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, "
+    "num_key_value_heads=2, rope_theta=500000.0, rms_norm_eps=1e-5"
+)
+
+
+@contextlib.contextmanager
+def _documented_folders(argv: list[str]):
+    """Run in a temporary folder that holds the round trip's `outputs/hf_tiny` when `argv` loads it."""
+    if HF_TINY not in argv:
+        yield
+        return
+    assert HF_TINY_ARGS in HF_ROUND_TRIP[0] and HF_TINY in HF_ROUND_TRIP[0], "the stand-in must be the documented model"
+    config = {"model_type": "llama", **{k: json.loads(v) for k, v in (a.split("=") for a in HF_TINY_ARGS.split(", "))}}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp, HF_TINY)
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(config))
+        (folder / "model.safetensors").touch()
+        cwd = os.getcwd()
+        os.chdir(tmp)
+        try:
+            yield
+        finally:
+            os.chdir(cwd)
+
+
 def _check_trainer(argv: list[str], nproc: int = 1) -> None:
-    cfg, opts = load_config(argv)
+    with _documented_folders(argv):
+        cfg, opts = load_config(argv)
     if opts.help:
         assert "--training.steps" in help_text(opts.config)
         return
@@ -134,7 +168,8 @@ def _check_plan(argv: list[str]) -> None:
     from graph_trainer.plan.__main__ import _parser, trainer_argv
 
     opts, rest = _parser().parse_known_args(argv)
-    load_config(trainer_argv(opts, rest))
+    with _documented_folders(rest):
+        load_config(trainer_argv(opts, rest))
 
 
 def _check_pytest(argv: list[str]) -> None:

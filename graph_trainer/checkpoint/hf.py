@@ -34,15 +34,19 @@ import torch.nn as nn
 
 from graph_trainer.distributed.parallelism import ParallelModel
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.pretrained import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    read_config,
+    read_json,
+    weights_file,
+)
 from graph_trainer.observability.log import get_logger
 from graph_trainer.runtime.fsutil import TEMP_SUFFIX, fsync_dir
 
 logger = get_logger(__name__)
 
-CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-_PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size (5 GB)
 
 
@@ -87,15 +91,7 @@ class HFFolder:
             UserError: no such folder, no config.json, no safetensors (pickles only), or an unreadable file.
         """
         folder = Path(path).expanduser()
-        if not folder.is_dir():
-            raise UserError(
-                f"checkpoint.initial_load_path '{folder}' is not a folder; point it at a Hugging Face model "
-                "folder (config.json + model.safetensors)"
-            )
-        config = _read_json(folder / CONFIG_FILE, "its config")
-        if not isinstance(config, dict):
-            raise UserError(f"{folder / CONFIG_FILE} is not a JSON object; use the model's own config.json")
-        return cls(folder, config, _tensor_files(folder))
+        return cls(folder, read_config(folder), _tensor_files(folder))
 
     def check(self, adapter: Any) -> None:
         """UserError naming the first `config.json` field that disagrees with the model arguments."""
@@ -113,34 +109,15 @@ class HFFolder:
         )
 
 
-def _read_json(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise UserError(
-            f"{path.parent} has no {path.name} ({what}); point checkpoint.initial_load_path at a Hugging "
-            "Face model folder (config.json + model.safetensors)"
-        )
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path} cannot be read as JSON ({e}); use the file the model was published with") from None
-
-
 def _tensor_files(folder: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from the index (sharded) or the single file's header."""
-    if (folder / INDEX_FILE).is_file():
-        index = _read_json(folder / INDEX_FILE, "the shard index")
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise UserError(f"{folder / INDEX_FILE} has no weight_map; use the index the model was published with")
-        return {name: _shard_path(folder, file) for name, file in weight_map.items()}
-    if (folder / SINGLE_FILE).is_file():
+    if weights_file(folder) == SINGLE_FILE:
         return dict.fromkeys(_names_in(folder / SINGLE_FILE), folder / SINGLE_FILE)
-    if any((folder / p).exists() for p in _PICKLES):
-        raise UserError(
-            f"{folder} holds pytorch_model.bin (a pickle, which can run code when loaded) and no safetensors; "
-            "only safetensors are read: convert it to model.safetensors where you trust it"
-        )
-    raise UserError(f"{folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}; point at a Hugging Face model folder")
+    index = read_json(folder / INDEX_FILE, "the shard index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise UserError(f"{folder / INDEX_FILE} has no weight_map; use the index the model was published with")
+    return {name: _shard_path(folder, file) for name, file in weight_map.items()}
 
 
 def _shard_path(folder: Path, file: Any) -> Path:

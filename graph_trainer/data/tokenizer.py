@@ -11,6 +11,7 @@ Two implementations behind one small interface (`Tokenizer`):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -18,6 +19,9 @@ from typing import Protocol
 import torch
 
 from graph_trainer.errors import UserError
+from graph_trainer.observability.log import get_logger
+
+logger = get_logger(__name__)
 
 # Special-token spellings used by common tokenizer families, most specific first.
 _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
@@ -73,8 +77,9 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face `tokenizer.json`, loaded with the `tokenizers` library.
 
-    BOS/EOS are looked up among common special-token spellings ("<|end_of_text|>",
-    "</s>", "<|endoftext|>", "<eos>", ...) and are None when the vocabulary has none.
+    BOS/EOS are the ones the folder declares beside the file (tokenizer_config.json's `bos_token` / `eos_token`,
+    then generation_config.json's `bos_token_id` / `eos_token_id`), else looked up among common special-token
+    spellings ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>", ...), and None when the vocabulary has none.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -94,8 +99,26 @@ class HFTokenizer:
                 "point data.tokenizer at a tokenizer.json file"
             ) from e
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
-        self.bos_id: int | None = self._find_special(_BOS_NAMES)
-        self.eos_id: int | None = self._find_special(_EOS_NAMES)
+        declared = _declared_specials(self.path.parent)
+        self.bos_id: int | None = self._special(declared.get("bos"), _BOS_NAMES)
+        self.eos_id: int | None = self._special(declared.get("eos"), _EOS_NAMES)
+        # Said once: which token ends (and starts) a document in the packed batches, and where that came from.
+        sources = sorted({where for _, where in declared.values()})
+        how = f"from {', '.join(sources)}" if sources else "by their usual spellings"
+        logger.info(f"tokenizer {self.path}: {self.vocab_size} ids, EOS {self.eos_id} and BOS {self.bos_id} ({how})")
+
+    def _special(self, declared: tuple[int | str, str] | None, names: Sequence[str]) -> int | None:
+        """The id the folder declares (an id, or a token's text), else the first of `names` in the vocabulary."""
+        if declared is not None:
+            value, where = declared
+            token_id = value if isinstance(value, int) else self._tok.token_to_id(value)
+            if token_id is None or not 0 <= token_id < self.vocab_size:
+                raise UserError(
+                    f"{where} names the special token {value!r}, which tokenizer {self.path} does not have; use the "
+                    "files the model was published with"
+                )
+            return token_id
+        return self._find_special(names)
 
     def _find_special(self, names: Sequence[str]) -> int | None:
         for name in names:
@@ -117,6 +140,26 @@ class HFTokenizer:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _declared_specials(folder: Path) -> dict[str, tuple[int | str, str]]:
+    """ "bos" / "eos" -> (an id or a token's text, the file that says so), from a Hugging Face folder's
+    tokenizer_config.json (`bos_token`, `eos_token`: the text, or {"content": text}) and, for what it leaves out,
+    its generation_config.json (`bos_token_id`, `eos_token_id`: an id, or a list whose first is the document end)."""
+    out: dict[str, tuple[int | str, str]] = {}
+    for file, key_of in (("tokenizer_config.json", "{}_token"), ("generation_config.json", "{}_token_id")):
+        path = folder / file
+        try:
+            data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        except (OSError, ValueError) as e:
+            raise UserError(f"{path} cannot be read as JSON ({e}); use the file the model was published with") from None
+        for special in ("bos", "eos"):
+            value = data.get(key_of.format(special)) if isinstance(data, dict) else None
+            value = value.get("content") if isinstance(value, dict) else value
+            value = value[0] if isinstance(value, list) and value else value
+            if special not in out and isinstance(value, (int, str)) and not isinstance(value, bool):
+                out[special] = (value, str(path))
+    return out
 
 
 def build_tokenizer(spec: str) -> Tokenizer:

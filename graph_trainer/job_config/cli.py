@@ -15,12 +15,14 @@ from typing import Any
 from graph_trainer.errors import ConfigError, did_you_mean
 from graph_trainer.job_config.load import (
     apply_toml,
+    canonical_key,
     load_toml,
     resolve_config_path,
     set_value,
     shipped_configs,
     validate,
 )
+from graph_trainer.job_config.pretrained import apply_pretrained_config
 from graph_trainer.job_config.schema import JobConfig, section_fields, sections
 from graph_trainer.job_config.values import limits_text, parse_cli_value, type_parts
 
@@ -87,8 +89,9 @@ def build_parser(values: JobConfig | None = None, values_from: str | None = None
     parser.add_argument(
         "--dry-run", action="store_true", help="trace the step on fake tensors and report the memory plan; no training"
     )
+    family = (values or JobConfig()).model.name  # [model] lists this family's options (each family has its own)
     for sec_name, sec_cls in sections().items():
-        group = parser.add_argument_group(f"[{sec_name}]")
+        group = parser.add_argument_group(f"[{sec_name}]" if sec_name != "model" else f"[model] (family {family})")
         for name, f in section_fields(sec_cls).items():
             value = (
                 (f.default_factory() if f.default is dataclasses.MISSING else f.default)
@@ -101,6 +104,9 @@ def build_parser(values: JobConfig | None = None, values_from: str | None = None
             # Only bools may omit the value (`--checkpoint.resume` means true).
             optional_value = {"nargs": "?", "const": _NO_VALUE} if bool in type_parts(f.type) else {}
             alias = [f"--{sec_name}.{f.metadata['alias']}"] if "alias" in f.metadata else []
+            words = f.metadata.get("help_by_family", {}).get(family)
+            shown = f"override: {words}" if words else f.metadata["help"]
+            other_family = "families" in f.metadata and family not in f.metadata["families"]
             group.add_argument(
                 f"--{sec_name}.{name}",
                 *alias,
@@ -108,19 +114,23 @@ def build_parser(values: JobConfig | None = None, values_from: str | None = None
                 metavar=_metavar(f),
                 default=argparse.SUPPRESS,
                 **optional_value,
-                help=f"{f.metadata['help']} (default: {default}{extra})".replace("%", "%%"),
+                # Another family's option is still parsed (and refused in one line if it is not the family's).
+                help=argparse.SUPPRESS if other_family else f"{shown} (default: {default}{extra})".replace("%", "%%"),
             )
     return parser
 
 
-def help_text(config: str | None = None) -> str:
-    """The --help text, generated from the dataclasses; with `config` (a --config value), its values as defaults."""
-    if config is None:
-        return build_parser().format_help()
-    path = resolve_config_path(config)
-    values = JobConfig()
-    apply_toml(values, load_toml(path), str(path))
-    return build_parser(values, path.name).format_help()
+def help_text(config: str | None = None, family: str | None = None) -> str:
+    """The --help text, generated from the dataclasses; with `config` (a --config value), its values as defaults.
+    [model] lists the options of `family` (a --model.name value), else of the config's or the default family."""
+    values, values_from = JobConfig(), None
+    if config is not None:
+        path = resolve_config_path(config)
+        apply_toml(values, load_toml(path), str(path))
+        values_from = path.name
+    if family is not None:
+        values.model.name = family
+    return build_parser(values if values_from or family else None, values_from or "the command line").format_help()
 
 
 def _attach_dash_values(argv: list[str]) -> list[str]:
@@ -171,9 +181,12 @@ def parse_cli(argv: list[str]) -> CliOptions:
 def build_config(opts: CliOptions) -> JobConfig:
     """Defaults, then the --config file, then command-line overrides; validated."""
     cfg = JobConfig()
+    given: set[str] = set()  # section.key of every option the user set (file or command line)
     if opts.config is not None:
         path = resolve_config_path(opts.config)
-        apply_toml(cfg, load_toml(path), str(path))
+        data = load_toml(path)
+        apply_toml(cfg, data, str(path))
+        given |= {f"{s}.{canonical_key(s, k)}" for s, table in data.items() for k in table}
     known = sections()
     for key, raw in opts.overrides:
         sec_name, name = key.split(".", 1)
@@ -181,6 +194,8 @@ def build_config(opts: CliOptions) -> JobConfig:
         # A bool option given without a value means true.
         value: Any = True if raw is None else parse_cli_value(raw, fields[name].type)
         set_value(getattr(cfg, sec_name), sec_name, name, value, fields, "")
+        given.add(f"{sec_name}.{canonical_key(sec_name, name)}")
+    apply_pretrained_config(cfg, given)  # the folder is the model: before the checks that read the model
     validate(cfg)
     return cfg
 

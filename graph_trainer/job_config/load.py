@@ -51,6 +51,11 @@ def apply_toml(cfg: JobConfig, data: dict[str, Any], where: str) -> None:
             set_value(section, sec_name, key, value, fields, where)
 
 
+def canonical_key(sec_name: str, key: str) -> str:
+    """The field name of `key` in section `sec_name` (an alias resolved; an unknown key as it is)."""
+    return field_aliases(sections()[sec_name]).get(key, key)
+
+
 def set_value(section: Any, sec_name: str, key: str, value: Any, fields: dict, where: str) -> None:
     """Type-check and set one value; `where` (the file, or "" for the command line) prefixes errors.
 

@@ -29,6 +29,10 @@ def get_model_spec(name: str) -> ModelSpec:
     return MODELS[name]
 
 
+def _field_names(spec: ModelSpec) -> list[str]:
+    return [f.name for f in dataclasses.fields(spec.args_cls)]
+
+
 def build_model_args(name: str, flavor: str, overrides: Mapping[str, Any] | None = None) -> Any:
     """The flavor's model arguments with the non-None `overrides` applied (e.g. from the command line).
 
@@ -38,10 +42,16 @@ def build_model_args(name: str, flavor: str, overrides: Mapping[str, Any] | None
     spec = get_model_spec(name)
     if flavor not in spec.flavors:
         raise _unknown(f"{name} flavor", flavor, list(spec.flavors))
-    fields = [f.name for f in dataclasses.fields(spec.args_cls)]
+    fields = _field_names(spec)
     changes = {key: value for key, value in (overrides or {}).items() if value is not None}
     for key in changes:
         if key not in fields:
+            owners = [family for family, other in MODELS.items() if key in _field_names(other)]
+            if owners:
+                raise ConfigError(
+                    f"model.{key} is an option of {' and '.join(owners)}, not of model.name {name!r}: set "
+                    f"--model.name {owners[0]}, or drop --model.{key}"
+                )
             raise _unknown(f"{name} model field", key, fields)
     try:
         return dataclasses.replace(spec.flavors[flavor], **changes)

@@ -52,6 +52,10 @@ use the byte tokenizer so they run as shipped; point `data.tokenizer` at a Llama
 (5,247,232 with the byte vocab), 1B 1,235,814,400, 8B 8,030,261,248, 70B 70,553,706,496.
 `model.flavor` names one of the model family's flavors (Llama-3: debugmodel, 1B, 8B, 70B); the
 `[model]` options left unset keep the flavor's values.
+`[model]` holds every family's arguments, declared next to them in `models/<family>/model.py`; each row says
+whose they are, `--help` lists the configured family's (`--model.name deepseek_v3 --help`), and an option of
+another family is refused in one line. With `checkpoint.initial_load_path` a Hugging Face folder's `config.json`
+sets the family and every one of its options (docs/hf_weights.md).
 """
 
 
@@ -96,7 +100,10 @@ def section_table(sec_name: str, sec_cls: type) -> str:
     for name, f in section_fields(sec_cls).items():
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         alias = f"`{f.metadata['alias']}`" if "alias" in f.metadata else ""
-        cells = [f"`{name}`", f"`{_value_text(default)}`", _cell(f.metadata["help"]), _cell(_limits(f)), alias]
+        meaning = f.metadata["help"]
+        if "families" in f.metadata:  # a model family's argument: whose
+            meaning += f" ({', '.join(f.metadata['families'])})"
+        cells = [f"`{name}`", f"`{_value_text(default)}`", _cell(meaning), _cell(_limits(f)), alias]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 

@@ -38,32 +38,48 @@ class JobSection:
     overwrite: bool = _opt(False, "allow reusing a non-empty dump folder")
 
 
-@dataclass
-class ModelConfig:
-    name: str = _opt("llama3", "model family in the models registry")
-    flavor: str = _opt("debugmodel", "size preset of the model family")
-    # Overrides of the flavor's ModelArgs; None keeps the flavor's value.
-    n_layers: int | None = _opt(None, "override: number of transformer blocks", ge=1)
-    dim: int | None = _opt(None, "override: model width", ge=1)
-    n_heads: int | None = _opt(None, "override: attention heads", ge=1)
-    n_kv_heads: int | None = _opt(None, "override: key/value heads (grouped-query attention)", ge=1)
-    vocab_size: int | None = _opt(None, "override: vocabulary size (must cover the tokenizer's ids)", ge=1)
-    ffn_dim_multiplier: float | None = _opt(None, "override: FFN hidden size multiplier", gt=0)
-    multiple_of: int | None = _opt(None, "override: FFN hidden size is rounded up to a multiple of this", ge=1)
-    rope_theta: float | None = _opt(None, "override: RoPE base frequency", gt=0)
-    use_rope_scaling: bool | None = _opt(None, "override: apply Llama-3.1 RoPE frequency scaling")
-    max_seq_len: int | None = _opt(None, "override: longest sequence the RoPE table covers", ge=1)
-    dropout: float | None = _opt(None, "override: dropout probability", ge=0, lt=1)
-    tie_embeddings: bool | None = _opt(None, "override: share the input embedding and output projection")
-    norm_eps: float | None = _opt(None, "override: RMSNorm epsilon", gt=0)
+def _family_options() -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Every model family's args fields as `[model]` options: name -> (type | None, metadata). Their types, limits
+    and help are declared next to the args (models/<family>/model.py, `models.common.spec.arg`); None keeps the
+    flavor's value. `families` in the metadata: the families that have the field (--help lists the configured
+    one's), and `help_by_family` each one's own words."""
+    from models import MODELS
+    from models.common.spec import arg_fields
 
-    def overrides(self) -> dict[str, Any]:
-        """The model-arg overrides that are set (not None), keyed by ModelArgs field name."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in ("name", "flavor") and getattr(self, f.name) is not None
-        }
+    out: dict[str, tuple[Any, dict[str, Any]]] = {}
+    for family, spec in MODELS.items():
+        for name, (tp, meta) in arg_fields(spec.args_cls).items():
+            optional = tp | None
+            if name in out and out[name][0] != optional:
+                raise TypeError(f"model field {name} is {out[name][0]} in one family and {optional} in {family}")
+            _, known = out.setdefault(name, (optional, {**meta, "families": (), "help_by_family": {}}))
+            known["families"] += (family,)
+            known["help_by_family"][family] = meta["help"]
+    return out
+
+
+def _model_overrides(self: Any) -> dict[str, Any]:
+    """The model-arg overrides that are set (not None), keyed by ModelArgs field name."""
+    return {
+        f.name: getattr(self, f.name)
+        for f in dataclasses.fields(self)
+        if f.name not in ("name", "flavor") and getattr(self, f.name) is not None
+    }
+
+
+# [model]: the family, its size preset, and then every family's args fields, each an override of the flavor's value.
+ModelConfig = dataclasses.make_dataclass(
+    "ModelConfig",
+    [
+        ("name", str, _opt("llama3", "model family in the models registry")),
+        ("flavor", str, _opt("debugmodel", "size preset of the model family")),
+        *[
+            (name, tp, field(default=None, metadata={**meta, "help": f"override: {meta['help']}"}))
+            for name, (tp, meta) in _family_options().items()
+        ],
+    ],
+    namespace={"overrides": _model_overrides, "__module__": __name__},
+)
 
 
 @dataclass
@@ -224,7 +240,8 @@ class CheckpointConfig:
     initial_load_path: str = _opt(
         "",
         "start from these pretrained weights instead of random ones: a Hugging Face folder (config.json + "
-        "safetensors); a resumed checkpoint (checkpoint.resume) wins over it",
+        "safetensors), which is the model: its config.json sets [model], its tokenizer.json data.tokenizer (unless "
+        "given); a resumed checkpoint's weights (checkpoint.resume) win over its weights",
     )
     initial_load_in_hf: bool = _opt(
         True, "initial_load_path is in Hugging Face format (the only format it reads; torchtitan's option)"

@@ -37,13 +37,17 @@ def preflight(cfg: JobConfig, mesh: Mesh) -> StepPlan:
     The message gives predicted vs available, the biggest contributors at the peak, and what would fit: a
     smaller batch (activations scale with it) or another activation-checkpointing mode.
     """
-    if resolve_model_args(cfg).n_layers > short_depths(cfg)[-1]:  # deep: the depth-free plan (its graph is not kept)
+    depth = resolve_model_args(cfg).n_layers
+    if depth > short_depths(cfg)[-1]:  # deep: the depth-free plan (its graph is not kept)
         mode = cfg.activation_checkpoint.mode
         # A whole-depth fallback is said once, on rank 0 (every rank plans its own step; the others would repeat it).
         say = logger.warning if mesh.rank == 0 else logger.debug
         plan = plan_modes(cfg, mesh, [mode], log_passes=True, on_fallback=say)[mode]
         if isinstance(plan, UserError):
             raise plan
+        if plan.blocks_traced != depth:  # a whole trace (blocks not proven identical) traced `depth`, and says why
+            short = " + ".join(map(str, short_depths(cfg)))
+            logger.info(f"preflight: depth-free plan, models of {short} blocks traced for a model of {depth}")
     else:  # shallow: the whole trace, which the first step reuses
         plan = plan_step(build_job(cfg, mesh, materialize=False), log_passes=True)
     available = available_bytes(mesh.device)

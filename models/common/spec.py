@@ -6,6 +6,8 @@ by adding one entry to `models.MODELS` (see models/README.md).
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +20,21 @@ class ModelArgsError(ValueError):
 
     The message names the field and the fix; the trainer reports it to the user as a config error.
     """
+
+
+def arg(default: Any, help: str, **limits: Any) -> Any:
+    """A model argument's dataclass field with its meaning and limits beside its default: the trainer's `[model]`
+    options (command line, TOML, --help) are generated from them.
+
+    limits: `choices` (allowed values), `ge`, `gt`, `le`, `lt` (numeric bounds), as the trainer's own options.
+    """
+    return field(default=default, metadata={"help": help, **limits})
+
+
+def arg_fields(args_cls: type) -> dict[str, tuple[Any, Mapping[str, Any]]]:
+    """Name -> (resolved type, metadata: help and limits) of every field of a family's args dataclass."""
+    hints = typing.get_type_hints(args_cls)
+    return {f.name: (hints[f.name], f.metadata) for f in dataclasses.fields(args_cls)}
 
 
 @dataclass(frozen=True)
@@ -95,3 +112,9 @@ class ModelSpec:
     leading_blocks: Callable[[Any], int] | None = None
     # args -> the family's Hugging Face state dict adapter (names, layouts, config.json); None: no HF weights.
     hf_adapter: Callable[[Any], Any] | None = None
+    # The `model_type` and `architectures` names of a Hugging Face `config.json` that this family reads.
+    hf_names: tuple[str, ...] = ()
+    # (config.json, the args fields the user gave) -> the args fields the folder sets, so that a folder alone is the
+    # model. A given value that describes the same model another way (Llama's FFN rule) is kept; ModelArgsError
+    # for a config the args cannot represent. None: the family reads no config.json.
+    args_from_hf_config: Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]] | None = None

@@ -2,6 +2,7 @@
 
 from models.common.spec import ModelSpec, ParallelPlan
 from models.deepseek_v3.flavors import DEEPSEEK_V3_FLAVORS
+from models.deepseek_v3.hf_config import args_from_hf_config
 from models.deepseek_v3.model import (
     DeepSeekV3,
     ModelArgs,
@@ -25,6 +26,8 @@ SPEC = ModelSpec(
     step_metrics=expert_load,
     step_update=rebalance,
     leading_blocks=lambda args: args.n_dense_layers,  # dense FFNs before the mixtures of experts
+    hf_names=("deepseek_v3", "DeepseekV3ForCausalLM"),
+    args_from_hf_config=args_from_hf_config,
 )
 
 __all__ = [
@@ -34,6 +37,7 @@ __all__ = [
     "ModelArgs",
     "Router",
     "active_params",
+    "args_from_hf_config",
     "expert_load",
     "flops_per_token",
     "num_params",

@@ -40,7 +40,7 @@ from torch import nn
 from models.common.documents import attention_dtype, document_mask, document_positions
 from models.common.norms import RMSNorm
 from models.common.rope import RotaryEmbedding, apply_rotary
-from models.common.spec import ModelArgsError
+from models.common.spec import ModelArgsError, arg
 
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
 # torch._grouped_mm needs every row stride to be a multiple of 16 bytes: widths a multiple of 8 cover bf16.
@@ -51,38 +51,38 @@ GROUPED_MM_ALIGN = 8
 class ModelArgs:
     """Shape of a DeepSeek-V3 model. Frozen: derive variants with `dataclasses.replace`."""
 
-    dim: int = 7168
-    n_layers: int = 61
-    n_dense_layers: int = 3  # the first layers use a dense FFN, the rest a mixture of experts
-    n_heads: int = 128
-    vocab_size: int = 129280
-    inter_dim: int = 18432  # dense FFN hidden size
-    moe_inter_dim: int = 2048  # hidden size of one expert (routed or shared)
+    dim: int = arg(7168, "model width", ge=1)
+    n_layers: int = arg(61, "number of transformer blocks", ge=1)
+    n_dense_layers: int = arg(3, "the first blocks use a dense FFN, the rest a mixture of experts", ge=0)
+    n_heads: int = arg(128, "attention heads", ge=1)
+    vocab_size: int = arg(129280, "vocabulary size (must cover the tokenizer's ids)", ge=1)
+    inter_dim: int = arg(18432, "dense FFN hidden size", ge=1)
+    moe_inter_dim: int = arg(2048, "hidden size of one expert (routed or shared)", ge=1)
     # Mixture of experts.
-    n_routed_experts: int = 256
-    n_shared_experts: int = 1
-    n_activated_experts: int = 8  # top-k routed experts per token
-    n_expert_groups: int = 1  # > 1: group-limited routing, experts split into groups ...
-    n_limited_groups: int = 1  # ... and a token picks its experts from this many groups only
-    score_func: str = "sigmoid"
-    route_norm: bool = True  # renormalize the top-k gate weights to sum to 1
-    route_scale: float = 1.0
-    bias_update_rate: float = 0.001  # the balancing bias's step (DeepSeek-V3's gamma); 0 freezes it
+    n_routed_experts: int = arg(256, "routed experts per MoE block", ge=1)
+    n_shared_experts: int = arg(1, "shared experts per MoE block (every token runs them)", ge=0)
+    n_activated_experts: int = arg(8, "routed experts per token (top-k)", ge=1)
+    n_expert_groups: int = arg(1, "> 1: group-limited routing, the experts split into this many groups", ge=1)
+    n_limited_groups: int = arg(1, "group-limited routing: a token picks its experts from this many groups", ge=1)
+    score_func: str = arg("sigmoid", "router scores", choices=SCORE_FUNCTIONS)
+    route_norm: bool = arg(True, "renormalize the top-k gate weights to sum to 1")
+    route_scale: float = arg(1.0, "factor on the routed experts' gate weights", gt=0)
+    bias_update_rate: float = arg(0.001, "the balancing bias's step per training step (gamma); 0 freezes it", ge=0)
     # Multi-head latent attention.
-    q_lora_rank: int = 0  # 0: no query compression
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
+    q_lora_rank: int = arg(0, "rank of the query compression; 0: no query compression", ge=0)
+    kv_lora_rank: int = arg(512, "rank of the key/value compression", ge=1)
+    qk_nope_head_dim: int = arg(128, "query/key channels per head without RoPE", ge=1)
+    qk_rope_head_dim: int = arg(64, "query/key channels per head with RoPE (decoupled)", ge=2)
+    v_head_dim: int = arg(128, "value channels per head", ge=1)
     # RoPE with YaRN scaling once max_seq_len exceeds original_seq_len.
-    rope_theta: float = 10000.0
-    max_seq_len: int = 4096
-    original_seq_len: int = 4096
-    rope_factor: float = 40.0
-    beta_fast: int = 32
-    beta_slow: int = 1
-    mscale: float = 1.0
-    norm_eps: float = 1e-6
+    rope_theta: float = arg(10000.0, "RoPE base frequency", gt=0)
+    max_seq_len: int = arg(4096, "longest sequence the RoPE table covers", ge=1)
+    original_seq_len: int = arg(4096, "YaRN: the context length the model was first trained at", ge=1)
+    rope_factor: float = arg(40.0, "YaRN: context extension factor (applied when max_seq_len > original_seq_len)", gt=0)
+    beta_fast: int = arg(32, "YaRN: rotations at the high-frequency edge of the ramp", ge=1)
+    beta_slow: int = arg(1, "YaRN: rotations at the low-frequency edge of the ramp", ge=1)
+    mscale: float = arg(1.0, "YaRN: attention temperature coefficient", gt=0)
+    norm_eps: float = arg(1e-6, "RMSNorm epsilon", gt=0)
 
     def __post_init__(self) -> None:
         checks = (

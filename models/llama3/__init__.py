@@ -10,7 +10,7 @@ from models.llama3.model import (
     num_params,
     num_params_from_args,
 )
-from models.llama3.state_dict_adapter import Llama3StateDictAdapter
+from models.llama3.state_dict_adapter import Llama3StateDictAdapter, args_from_hf_config
 
 # Megatron's split of the Llama block: q/k/v and w1/w3 by output rows, wo and w2 by input columns, so each
 # block needs one all-gather before attention and one before the FFN (the norms' outputs, sequence-sharded) and
@@ -35,6 +35,8 @@ SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     parallel_plan=ParallelPlan(layers="layers", tensor_parallel=TENSOR_PARALLEL),
     hf_adapter=Llama3StateDictAdapter,
+    hf_names=("llama", "LlamaForCausalLM"),
+    args_from_hf_config=args_from_hf_config,
 )
 
 __all__ = [

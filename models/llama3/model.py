@@ -28,32 +28,32 @@ from torch import nn
 from models.common.documents import attention_dtype, document_mask, document_positions
 from models.common.norms import RMSNorm
 from models.common.rope import RotaryEmbedding, apply_rotary
-from models.common.spec import ModelArgsError
+from models.common.spec import ModelArgsError, arg
 
 
 @dataclass(frozen=True)
 class ModelArgs:
     """Shape and initialization of a Llama-3 model. Frozen: derive variants with `dataclasses.replace`."""
 
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
-    vocab_size: int = 128256
-    multiple_of: int = 256  # FFN hidden size is rounded up to a multiple of this
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
+    dim: int = arg(4096, "model width", ge=1)
+    n_layers: int = arg(32, "number of transformer blocks", ge=1)
+    n_heads: int = arg(32, "attention heads", ge=1)
+    n_kv_heads: int | None = arg(None, "key/value heads (grouped-query attention); unset: n_heads", ge=1)
+    vocab_size: int = arg(128256, "vocabulary size (must cover the tokenizer's ids)", ge=1)
+    multiple_of: int = arg(256, "FFN hidden size is rounded up to a multiple of this", ge=1)
+    ffn_dim_multiplier: float | None = arg(None, "FFN hidden size multiplier (of 2/3 of 4 x dim)", gt=0)
+    norm_eps: float = arg(1e-5, "RMSNorm epsilon", gt=0)
+    rope_theta: float = arg(500000.0, "RoPE base frequency", gt=0)
     # Llama-3.1 long-context frequency scaling of RoPE.
-    use_rope_scaling: bool = False
-    scaling_factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_seq_len: int = 8192
-    max_seq_len: int = 2048  # length of the precomputed RoPE tables
-    dropout: float = 0.0  # residual dropout; 0 disables it entirely (no op in the graph)
-    tie_embeddings: bool = False
-    depth_init: bool = True  # scale output projections' init by layer depth rather than model depth
+    use_rope_scaling: bool = arg(False, "apply Llama-3.1 RoPE frequency scaling")
+    scaling_factor: float = arg(8.0, "RoPE scaling: how much the low frequencies are stretched", gt=0)
+    low_freq_factor: float = arg(1.0, "RoPE scaling: low-frequency edge (original wavelengths per context)", gt=0)
+    high_freq_factor: float = arg(4.0, "RoPE scaling: high-frequency edge (original wavelengths per context)", gt=0)
+    original_max_seq_len: int = arg(8192, "RoPE scaling: the context length the model was first trained at", ge=1)
+    max_seq_len: int = arg(2048, "longest sequence the RoPE table covers", ge=1)
+    dropout: float = arg(0.0, "residual dropout probability; 0 disables it (no op in the graph)", ge=0, lt=1)
+    tie_embeddings: bool = arg(False, "share the input embedding and output projection")
+    depth_init: bool = arg(True, "scale output projections' init by layer depth rather than model depth")
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads != 0:

@@ -16,6 +16,7 @@ FSDP rank converts only the heads its shard touches).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from models.common.spec import ModelArgsError
 from models.llama3.model import ModelArgs, ffn_hidden_dim
 
 _LAYER_NAMES = {
@@ -237,6 +239,74 @@ def _normalized(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def args_from_hf_config(config: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """The `ModelArgs` fields a Hugging Face Llama `config.json` sets: the folder alone is the model.
+
+    Every field the file decides (width, depth, heads, KV heads, vocabulary, FFN width, RoPE base and llama3
+    scaling, norm epsilon, tied embeddings, the longest context). The FFN width `intermediate_size` maps exactly
+    onto our rule (`ffn_hidden_dim`): the given `multiple_of` / `ffn_dim_multiplier` when they already give it,
+    else `multiple_of` = the width itself and a multiplier that rounds up to it.
+
+    Raises:
+        ModelArgsError: a config these arguments cannot represent (a head size other than width / heads, another
+            activation, biases, another RoPE scaling, an FFN width our rule cannot give), in one line.
+    """
+    c = _normalized(config)
+    dim, heads = c.get("hidden_size"), c.get("num_attention_heads")
+    if not isinstance(dim, int) or not isinstance(heads, int) or heads < 1:
+        raise ModelArgsError("config.json has no integer hidden_size and num_attention_heads; use the model's own")
+    unsupported = [
+        f"{key} {json.dumps(c[key])} (Llama-3 has {json.dumps(ours)})"
+        for key, ours in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False))
+        if c.get(key) != ours
+    ]
+    if c.get("head_dim") != dim // heads:
+        unsupported.append(f"head_dim {c.get('head_dim')} (this model's is hidden_size / num_attention_heads)")
+    scaling = c["rope_scaling"]
+    if scaling is not None and scaling.get("rope_type") != "llama3":
+        unsupported.append(f"rope_scaling of type {scaling.get('rope_type')!r} (only 'llama3' is implemented)")
+    if unsupported:
+        raise ModelArgsError(f"config.json has {', '.join(unsupported)}, which models/llama3 cannot represent")
+    out: dict[str, Any] = {
+        "dim": dim,
+        "n_layers": c["num_hidden_layers"],
+        "n_heads": heads,
+        "n_kv_heads": c["num_key_value_heads"],
+        "vocab_size": c["vocab_size"],
+        "norm_eps": float(c["rms_norm_eps"]),
+        "rope_theta": float(c["rope_theta"]),
+        "use_rope_scaling": scaling is not None,
+        "tie_embeddings": bool(c["tie_word_embeddings"]),
+        "max_seq_len": c.get("max_position_embeddings", ModelArgs.max_seq_len),
+        **_ffn_fields(dim, c["intermediate_size"], given),
+    }
+    if scaling is not None:
+        out.update(
+            scaling_factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_seq_len=scaling["original_max_position_embeddings"],
+        )
+    return out
+
+
+def _ffn_fields(dim: int, width: int, given: Mapping[str, Any]) -> dict[str, Any]:
+    """`multiple_of` and `ffn_dim_multiplier` that give the FFN width `width` at model width `dim`: the given ones
+    when they do, else `width` itself and a multiplier that lands in (width - multiple_of, width]. Never a None
+    multiplier (None is "the flavor's value" on the command line; 1.0 is the same rule)."""
+    for multiple_of, multiplier in (
+        (given.get("multiple_of") or ModelArgs.multiple_of, given.get("ffn_dim_multiplier") or 1.0),
+        (width, width / int(8 * dim / 3)),
+    ):
+        args = ModelArgs(dim=dim, n_heads=1, multiple_of=multiple_of, ffn_dim_multiplier=multiplier)
+        if ffn_hidden_dim(args) == width:
+            return {"multiple_of": multiple_of, "ffn_dim_multiplier": multiplier}
+    raise ModelArgsError(
+        f"config.json's intermediate_size {width} cannot be given by the FFN rule of models/llama3 at hidden_size "
+        f"{dim}; set --model.multiple_of and --model.ffn_dim_multiplier that give it"
+    )
+
+
 def _same(found: Any, expected: Any) -> bool:
     """Equal, with floats compared as floats (JSON writes 500000.0 as 500000) to a relative 1e-9: a value
     written as text and read back differs by less."""
@@ -251,6 +321,7 @@ def _same(found: Any, expected: Any) -> bool:
 
 __all__ = [
     "ConfigMismatch",
+    "args_from_hf_config",
     "Llama3StateDictAdapter",
     "halves_to_interleaved",
     "interleaved_to_halves",

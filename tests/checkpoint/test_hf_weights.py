@@ -29,27 +29,34 @@ from graph_trainer.errors import UserError
 from graph_trainer.export import full_model_state
 from graph_trainer.export import main as export_main
 from graph_trainer.job_config.cli import load_config
+from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.model_args import build_model_args
 from models import MODELS
 from models.llama3 import Llama3StateDictAdapter, Transformer
 from models.llama3.state_dict_adapter import halves_to_interleaved, interleaved_to_halves
 from tests.extras import import_extra
 from tests.test_docs import HF_ROUND_TRIP
-from tests.tiny import DETERMINISTIC, TINY_BATCH, tiny_model
+from tests.tiny import DETERMINISTIC, TINY_BATCH
 
 transformers = import_extra("transformers")
 import_extra("safetensors")
 
 REPO = Path(__file__).resolve().parents[2]
+HF = "--checkpoint.initial_load_path"
 LLAMA = MODELS["llama3"]
 # Logits of the same weights through transformers' eager attention and rotate-half RoPE, and through ours
-# (SDPA, pair rotation): the same math in another op order, in float32. Measured: at most 1e-6 on logits of
-# size ~1; 1e-5 leaves room for another BLAS. A missing permutation moves them by more than 0.1 (checked below).
-LOGITS_ATOL = 1e-5
+# (SDPA, pair rotation): the same math in another op order, in float32. Measured at 6 layers: at most 1.3e-5 on
+# logits of size ~1 (1e-6 at 2 layers: the rounding grows with depth, through the sharp scaled-q/k attention);
+# 5e-5 leaves room for another BLAS. A missing permutation moves them by more than 0.1 (checked below).
+LOGITS_ATOL = 5e-5
 QK_SCALE = 20.0  # q/k weights x20 (std 0.4): attention scores of several units, far from uniform
+# Every Hugging Face model here is deeper than the 3- and 4-block models the depth-free plan traces (DECISIONS.md:
+# real depth), so a run from it plans depth-free, and nothing may check the folder against a short model.
+LAYERS = 6
+DEPTH_FREE = f"preflight: depth-free plan, models of 3 + 4 blocks traced for a model of {LAYERS}"
 
 
-def hf_llama(*, tie: bool = False, layers: int = 2, scaling: bool = False, vocab: int = 2048) -> torch.nn.Module:
+def hf_llama(*, tie: bool = False, layers: int = LAYERS, scaling: bool = False, vocab: int = 2048) -> torch.nn.Module:
     """A random Hugging Face Llama shaped like tests/tiny.py's model (debugmodel's vocabulary and FFN width)."""
     rope_scaling = {
         "rope_type": "llama3",
@@ -81,7 +88,7 @@ def hf_llama(*, tie: bool = False, layers: int = 2, scaling: bool = False, vocab
     return model
 
 
-def our_args(*, tie: bool = False, layers: int = 2, scaling: bool = False, vocab: int = 2048):
+def our_args(*, tie: bool = False, layers: int = LAYERS, scaling: bool = False, vocab: int = 2048):
     """Our arguments for `hf_llama` with the same options."""
     overrides = {"dim": 64, "n_layers": layers, "n_heads": 4, "n_kv_heads": 2, "tie_embeddings": tie}
     args = build_model_args("llama3", "debugmodel", {**overrides, "vocab_size": vocab})
@@ -380,12 +387,178 @@ def _main_error(argv: list[str], capsys) -> str:
     return err
 
 
-def test_config_that_disagrees_is_one_line_exit_2_through_the_cli(tmp_path, hf_folder, capsys):
-    """The command line's main(), in process (the subprocess around it adds only an interpreter start)."""
-    args = ["--checkpoint.initial_load_path", str(hf_folder), *tiny_model(layers=3), *TINY_BATCH, *DETERMINISTIC]
-    err = _main_error([*args, "--job.dump_folder", str(tmp_path / "run")], capsys)
-    assert "num_hidden_layers is 2 there but 3 here" in err and "--model.n_layers 2" in err
+EOT = "<|eot|>"  # the folder's declared end of a document: not one of the spellings the tokenizer would guess
+
+
+def write_tokenizer(folder: Path, vocab: int = 512) -> int:
+    """A byte-level BPE tokenizer.json trained with the `tokenizers` library, beside a tokenizer_config.json that
+    declares its BOS and EOS (as a Hugging Face release does); returns the EOS id."""
+    tokenizers = import_extra("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", EOT]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["the folder is the model; " * 20, "any depth, any layout " * 20], trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    declared = {"bos_token": "<|begin_of_text|>", "eos_token": {"content": EOT}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(declared))
+    return tok.token_to_id(EOT)
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> tuple[Path, int]:
+    """(a 6-layer Hugging Face folder with its tokenizer, as a release has them, its EOS id)."""
+    folder = tmp_path_factory.mktemp("hf") / "tiny-llama-with-tokenizer"
+    hf_llama().save_pretrained(folder)
+    return folder, write_tokenizer(folder)
+
+
+def test_the_folders_declared_eos_and_bos_are_the_tokenizers(tmp_path):
+    """tokenizer_config.json's tokens first, then generation_config.json's ids (the first of a list: the document
+    end), then the usual spellings; a declared token the vocabulary lacks is one line."""
+    from graph_trainer.data.tokenizer import build_tokenizer
+
+    eot = write_tokenizer(tmp_path)
+    tok = build_tokenizer(str(tmp_path))
+    assert (tok.eos_id, tok.bos_id) == (eot, 0)  # not "<|end_of_text|>" (1), which a guess by spelling would pick
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [eot, 1]}))
+    assert build_tokenizer(str(tmp_path)).eos_id == eot
+    (tmp_path / "generation_config.json").unlink()
+    assert build_tokenizer(str(tmp_path)).eos_id == 1  # nothing declared: found by its spelling
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    with pytest.raises(UserError, match="names the special token '<\\|eot_id\\|>', which tokenizer"):
+        build_tokenizer(str(tmp_path))
+
+
+# Our loss and transformers' on the same tokens and weights, in float32: logits within LOGITS_ATOL (see above), a
+# cross-entropy of ~7.6 over 64 tokens. Measured: 6.3e-8 relative; 1e-5 is the bound the issue asks for.
+LOSS_RTOL = 1e-5
+
+
+def test_the_folder_alone_is_the_model_trained_depth_free_with_its_tokenizer(tmp_path, model_folder, capsys):
+    """`--checkpoint.initial_load_path DIR` and no --model.* option: config.json sets the model (6 layers: the
+    preflight plans it depth-free, and nothing checks the folder against its short models, as once happened), the
+    folder's tokenizer.json and declared EOS are the data's, and the loss of step 1 is transformers' on the same
+    tokens. The tensors are read once, by the build that materializes the model."""
+    from graph_trainer.builder import build_data
+    from graph_trainer.distributed.launch import single_process
+
+    folder, eot = model_folder
+    # Eager: the loss of step 1 is the traced step's bitwise (tests/test_trainer.py), and its trace would add time.
+    argv = [HF, str(folder), *TINY_BATCH, *DETERMINISTIC, "--training.steps", "1", "--compile.mode", "eager"]
+    assert cli.main([*argv, "--job.dump_folder", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert DEPTH_FREE in out
+    assert out.count(f"loaded {9 * LAYERS + 3} tensors") == 1  # 9 a block, the embedding, the last norm, the output
+    assert f"ids, EOS {eot} and BOS 0 (from {folder / 'tokenizer_config.json'})" in out
+    loss = json.loads((tmp_path / "run" / "summary.json").read_text())["steps"][0]["loss"]
+
+    cfg, _ = load_config(argv)
+    assert (cfg.model.n_layers, cfg.data.tokenizer) == (LAYERS, str(folder / "tokenizer.json"))
+    data = build_data(cfg, single_process(cfg))
+    assert data.tokenizer.eos_id == eot  # the declared one (documents end with it), not "<|end_of_text|>"
+    batch = next(iter(data.loader))
+    tokens = torch.cat([batch["input"], batch["labels"][:, -1:]], dim=1)  # transformers shifts the labels itself
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens, labels=tokens).loss.item()
+    assert abs(loss - theirs) <= LOSS_RTOL * theirs, (loss, theirs)
+
+
+def test_options_that_disagree_with_the_folder_are_all_named_in_one_line(tmp_path, hf_folder, capsys):
+    """Every disagreeing option at once (once: one run per field), exit 2, nothing written; options that agree,
+    also when they describe the FFN width another way, are accepted."""
+    wrong = ["--model.n_layers", "3", "--model.dim", "128", "--model.tie_embeddings", "true"]
+    err = _main_error([HF, str(hf_folder), *wrong, "--job.dump_folder", str(tmp_path / "run")], capsys)
+    for part in ("--model.dim 128 (the folder: 64)", "--model.n_layers 3 (the folder: 6)"):
+        assert part in err
+    assert "--model.tie_embeddings true (the folder: false)" in err and "drop them" in err
     assert not (tmp_path / "run").exists()  # refused before anything was written
+    agree = ["--model.n_layers", "6", "--model.multiple_of", "128", "--model.ffn_dim_multiplier", "1.5"]
+    cfg, _ = load_config([HF, str(hf_folder), *agree])  # int(1.5 * 170) = 255, rounded up to 256: the folder's
+    assert (cfg.model.multiple_of, cfg.model.ffn_dim_multiplier) == (128, 1.5)
+
+
+def _config_only_folder(folder: Path, config: dict) -> Path:
+    """A folder with `config` and an empty weights file: building the config reads no tensor."""
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / SINGLE_FILE).touch()
+    return folder
+
+
+@pytest.mark.parametrize(("flavor", "config"), [("1B", "LLAMA_3_2_1B"), ("8B", "LLAMA_3_8B")])
+def test_a_published_config_alone_gives_its_flavors_model(tmp_path, flavor, config):
+    """Llama-3.2-1B's and Llama-3-8B's config.json give the shapes of their flavors (tied embeddings and RoPE
+    scaling for 1B), and the intermediate_size exactly through our FFN rule."""
+    config = globals()[config]
+    cfg, _ = load_config([HF, str(_config_only_folder(tmp_path / "folder", config))])
+    args, flavor_args = resolve_model_args(cfg), build_model_args("llama3", flavor)
+    assert Llama3StateDictAdapter(args).config_mismatch(config) is None
+    assert LLAMA.num_params(args) == LLAMA.num_params(flavor_args)
+    skip = {"multiple_of", "ffn_dim_multiplier", "max_seq_len"}  # the same FFN width said another way; the file's
+    ours = {k: v for k, v in vars(args).items() if k not in skip}
+    assert ours == {k: v for k, v in vars(flavor_args).items() if k not in skip}
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"head_dim": 32}, "head_dim 32"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_scaling of type 'yarn'"),
+        ({"mlp_bias": True}, "mlp_bias true"),
+        ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type 'mistral'"),
+    ],
+)
+def test_a_config_the_model_cannot_represent_is_one_line(tmp_path, hf_folder, change, named):
+    config = {**json.loads((hf_folder / "config.json").read_text()), **change}
+    with pytest.raises(UserError) as info:
+        load_config([HF, str(_config_only_folder(tmp_path / "folder", config))])
+    assert named in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_deepseek_v3_folder_sets_its_experts_and_latent_attention(tmp_path):
+    """transformers' DeepseekV3ForCausalLM folder (6 layers): the family, its mixture of experts and MLA fields come
+    from config.json, and the model they build has transformers' parameter count (every shape mapped; the weights'
+    own names are mapped later, so the folder is planned, not loaded)."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=LAYERS,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    hf.save_pretrained(tmp_path / "ds")
+    cfg, _ = load_config([HF, str(tmp_path / "ds")])
+    args = resolve_model_args(cfg)
+    assert cfg.model.name == "deepseek_v3"
+    expected = dict(n_layers=LAYERS, n_dense_layers=1, n_routed_experts=4, n_activated_experts=2, n_expert_groups=2)
+    expected |= dict(n_limited_groups=1, route_scale=1.5, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8)
+    assert {k: getattr(args, k) for k in expected} == expected
+    assert MODELS["deepseek_v3"].num_params(args) == hf.num_parameters()
+
+
+def test_dry_run_and_the_planner_take_the_folder_as_the_model(hf_folder, capsys):
+    """A real model's fine-tune planned without a config: `--dry-run` and `python -m graph_trainer.plan` with the
+    folder alone, depth-free, and the planner's command line keeps the folder."""
+    from graph_trainer.plan.__main__ import main as plan_main
+
+    small = ["--training.seq_len", "32", "--training.local_batch_size", "1"]
+    assert cli.main([HF, str(hf_folder), *small, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"blocks traced: 3 + 4 for a model of {LAYERS}" in out
+    assert f"{LLAMA.num_params(our_args()):,}" in out
+    cluster = ["--cluster.gpus", "1", "--cluster.gpus_per_node", "1", "--search.ac_modes", "none"]
+    assert plan_main([HF, str(hf_folder), *small, *cluster, "--search.exact", "1", "--batch.global_seqs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 depth-free plans" in out and f"{HF} {hf_folder}" in out
 
 
 def test_pickle_only_folder_is_refused_unread(tmp_path, capsys):
@@ -399,7 +572,7 @@ def test_pickle_only_folder_is_refused_unread(tmp_path, capsys):
             return (Path.touch, (marker,))
 
     torch.save({"x": Payload()}, folder / "pytorch_model.bin")
-    base = [*tiny_model(), *TINY_BATCH, *DETERMINISTIC, "--job.dump_folder", str(tmp_path / "run")]
+    base = [*TINY_BATCH, *DETERMINISTIC, "--job.dump_folder", str(tmp_path / "run")]
     err = _main_error([*base, "--checkpoint.initial_load_path", str(folder)], capsys)
     assert "pytorch_model.bin" in err and "only safetensors are read" in err
     assert not marker.exists()
@@ -416,14 +589,17 @@ def test_index_naming_a_file_outside_the_folder_is_refused(tmp_path, hf_folder):
         HFFolder.open(folder)
 
 
-def test_a_resume_wins_over_initial_load_path(tmp_path):
-    """With checkpoint.resume the folder is not even opened: the run's own checkpoint is the starting point."""
-    base = ["--checkpoint.initial_load_path", str(tmp_path / "missing"), "--checkpoint.enable", "true"]
+def test_a_resume_wins_over_initial_load_path(tmp_path, hf_folder):
+    """With checkpoint.resume the folder's weights are not even looked for (the run's own checkpoint is the starting
+    point), though its config.json still sets the model; without it, a folder with no weights is refused."""
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text((hf_folder / "config.json").read_text())
+    base = ["--checkpoint.initial_load_path", str(folder), "--checkpoint.enable", "true"]
     cfg, _ = load_config([*base, "--checkpoint.resume", "true"])
-    assert initial_weights(cfg) is None
-    cfg, _ = load_config(base)
-    with pytest.raises(UserError, match="is not a folder"):
-        initial_weights(cfg)
+    assert initial_weights(cfg) is None and cfg.model.n_layers == LAYERS
+    with pytest.raises(UserError, match="holds neither model.safetensors"):
+        load_config(base)
 
 
 def test_initial_load_in_hf_false_is_refused_and_an_export_never_overwrites(tmp_path):
@@ -473,7 +649,8 @@ def test_the_documented_round_trip_runs_verbatim(tmp_path):
     script = " && ".join(HF_ROUND_TRIP)
     result = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "loaded 21 tensors" in result.stdout and result.stdout.splitlines()[-1] == "2 385344"
+    assert DEPTH_FREE in result.stdout and f"loaded {9 * LAYERS + 3} tensors" in result.stdout
+    assert result.stdout.splitlines()[-1] == f"{LAYERS} 631616"
     out = tmp_path / "outputs"
     assert_exported_is_the_trained_model(
         out / "hf_run" / "checkpoint" / "step-00000003.pt", out / "hf_trained", out / "hf_tiny"
@@ -488,8 +665,7 @@ def test_fsdp_ranks_train_from_hf_and_the_sharded_checkpoint_exports_to_hf(tmp_p
     train = [
         *trainer_command(2),
         "--checkpoint.initial_load_path",
-        str(hf_folder),
-        *tiny_model(),
+        str(hf_folder),  # the model: no --model.* option
         *TINY_BATCH,
         *DETERMINISTIC,
         "--parallelism.dp_shard",
@@ -505,6 +681,7 @@ def test_fsdp_ranks_train_from_hf_and_the_sharded_checkpoint_exports_to_hf(tmp_p
     result = subprocess.run(train, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"from {hf_folder}" in result.stdout + result.stderr  # the load was logged
+    assert DEPTH_FREE in result.stdout  # each rank planned the deep model from short ones, none read the folder then
     checkpoint = run / "checkpoint" / "step-00000003.dcp"
     assert export_main([str(checkpoint), str(tmp_path / "exported"), "--format", "hf"]) == 0
     assert (tmp_path / "exported" / "config.json").is_file() and (tmp_path / "exported" / SINGLE_FILE).is_file()

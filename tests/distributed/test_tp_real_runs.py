@@ -56,6 +56,10 @@ TP, LAYERS, VOCAB = 2, 2, 259
 VOCAB_ARGS = ["--model.vocab_size", str(VOCAB)]  # the byte tokenizer's 258 ids + 1: tp 2 pads it to 260
 STEP_SYNC = ["--parallelism.fsdp_grad_sync", "step"]
 HF = "--checkpoint.initial_load_path"
+# The Hugging Face folder is deeper than the short models the depth-free plan traces (DECISIONS.md: real depth); its
+# runs say its depth, which agrees with the folder (tests/tiny.py's other model options do too).
+LAYERS_HF = 6
+HF_DEPTH = ["--model.n_layers", str(LAYERS_HF)]
 # Accumulated steps, per world: (name, overrides); "hf" runs start from the Hugging Face folder.
 ACCUMULATION = {
     TP: {
@@ -65,18 +69,21 @@ ACCUMULATION = {
     2 * TP: {
         "2d_step_eager": [*STEP_SYNC, "--compile.mode", "eager"],
         "2d_step_trace": STEP_SYNC,
-        "2d_micro_batch_eager_hf": ["--compile.mode", "eager", HF],  # the folder is appended
+        "2d_micro_batch_eager_hf": ["--compile.mode", "eager", *HF_DEPTH, HF],  # the folder is appended
     },
 }
 # The Hugging Face run a Trainer trains at tp 2, with a checkpoint to export (and one process does the same).
 HF_STEPS = 2
-HF_RUN = ["--config", "llama3_debug", *tiny_model(), *TINY_BATCH, *DETERMINISTIC, *VOCAB_ARGS]
+HF_RUN = ["--config", "llama3_debug", *tiny_model(LAYERS_HF), *TINY_BATCH, *DETERMINISTIC, *VOCAB_ARGS]
 HF_RUN += ["--training.steps", str(HF_STEPS)]
 # tp vs one process from the same weights: the same arithmetic up to the summation order of the row-parallel
 # matmuls' partial sums and of the vocabulary-parallel log-sum-exp; tests/distributed/test_tp.py bounds the losses
 # at 1e-6 relative for the same reasons.
 LOSS_RTOL = 1e-6
-HF_GRAD_RTOL = 1e-5  # of a gradient's largest entry (see the test that uses it)
+# From the 6-layer Hugging Face folder (q/k scaled x20): the sharp attention amplifies the summation order's rounding
+# layer after layer. Measured at 6 layers: losses within 3.1e-6 relative over 2 steps (1.7e-7 at 2 layers).
+HF_LOSS_RTOL = 1e-5
+HF_GRAD_RTOL = 1e-4  # of a gradient's largest entry; measured 3.7e-5 at 6 layers (see the test that uses it)
 
 
 def whole_grads(job) -> dict[str, torch.Tensor]:
@@ -242,23 +249,23 @@ def test_tp_with_fsdp_from_hf_weights_accumulates_the_gradients_of_one_process(o
 
     The loss within the tolerance above. The gradients within HF_GRAD_RTOL of each tensor's largest entry: the
     folder's q/k are scaled x20, so attention scores are several units and the softmax amplifies the summation
-    order's rounding of them: measured up to 2.6e-6 of the largest entry (7.6e-7 on the embedding's 0.29), which
-    exceeds 1e-5 elementwise on small entries. A block read from the wrong place is off by the entries' own size."""
+    order's rounding of them, more with each layer: measured up to 3.7e-5 of the largest entry at 6 layers (a norm's
+    weight; 2.6e-6 at 2 layers). A block read from the wrong place is off by the entries' own size."""
     run = _load(out_2d, "2d_micro_batch_eager_hf")
-    big_loss, big = _one_process(HF, str(folder))
+    big_loss, big = _one_process(*HF_DEPTH, HF, str(folder))
     torch.testing.assert_close(run["loss"], big_loss, rtol=RTOL, atol=ATOL)
     assert run["grads"].keys() == big.keys()
-    for name, g in run["grads"].items():
-        worst = (g - big[name]).abs().max() / big[name].abs().max()
-        print(f"{name}: max |grad - one-process grad| / max |one-process grad| = {worst:.2g}")
-        assert worst <= HF_GRAD_RTOL, name
+    worst = {name: ((g - big[name]).abs().max() / big[name].abs().max()).item() for name, g in run["grads"].items()}
+    name = max(worst, key=worst.get)
+    print(f"max |grad - one-process grad| / max |one-process grad|: {worst[name]:.2g} ({name})")
+    assert all(w <= HF_GRAD_RTOL for w in worst.values()), worst
 
 
 def test_tp_trained_from_hf_weights_matches_one_process_and_exports_to_hf(out, folder, tmp_path):
     losses = json.loads((out / "hf_run.json").read_text())["losses"]
     one = train_one_process([*HF_RUN, HF, str(folder)], str(tmp_path / "one"))[1].losses
     print(f"tp {TP} from HF weights: losses {losses}, one process {one}")
-    assert losses == pytest.approx(one, rel=LOSS_RTOL)
+    assert losses == pytest.approx(one, rel=HF_LOSS_RTOL)
     checkpoint = out / "hf_run" / "checkpoint" / f"step-{HF_STEPS:08d}.dcp"
     assert export_main([str(checkpoint), str(tmp_path / "exported"), "--format", "hf"]) == 0
     assert_exported_is_the_trained_model(checkpoint, tmp_path / "exported", folder, our_args(vocab=VOCAB))

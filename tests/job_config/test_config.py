@@ -1,6 +1,7 @@
 """Config schema, TOML loading, command-line overrides and validation errors."""
 
 import dataclasses
+import json
 import tomllib
 from pathlib import Path
 
@@ -322,13 +323,18 @@ def test_bad_input_raises_one_line_config_error(argv, expected):
         assert part in message
 
 
-def test_tensor_parallelism_composes_with_accumulation_and_hugging_face_weights():
-    """Once refused: tests/distributed/test_tp_real_runs.py trains them."""
+def test_tensor_parallelism_composes_with_accumulation_and_hugging_face_weights(tmp_path):
+    """Once refused: tests/distributed/test_tp_real_runs.py trains them. The config reads only the folder's
+    config.json (an empty weights file is enough here)."""
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4}
+    config |= {"intermediate_size": 256, "vocab_size": 2048}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").touch()
     cfg, _ = load_config(
         ["--parallelism.tp", "2", "--training.local_batch_size", "2", "--training.global_batch_size", "8"]
-        + ["--checkpoint.initial_load_path", "somewhere"]
+        + ["--checkpoint.initial_load_path", str(tmp_path)]
     )
-    assert (cfg.parallelism.tp, cfg.training.global_batch_size, cfg.checkpoint.initial_load_path) == (2, 8, "somewhere")
+    assert (cfg.parallelism.tp, cfg.training.global_batch_size, cfg.model.n_layers) == (2, 8, 6)
 
 
 def test_unknown_section_and_key_in_toml_suggest_the_right_name(tmp_path):
@@ -383,6 +389,31 @@ def test_bf16_fsdp_params_mean_no_autocast_and_bf16_compute():
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16  # unchanged without mixed precision
 
 
+def test_model_options_are_the_configured_familys_own_with_their_limits_and_help():
+    """[model] is generated from each family's args (models/<family>/model.py): DeepSeek-V3's expert and MLA options
+    are set from the command line and TOML, listed by its --help and not by Llama's, limits checked, and an option
+    of another family is refused in one line naming whose it is."""
+    from models.deepseek_v3.model import ModelArgs as DeepSeekArgs
+    from models.llama3.model import ModelArgs as LlamaArgs
+
+    deepseek = help_text(family="deepseek_v3")
+    assert "[model] (family deepseek_v3)" in deepseek
+    for f in dataclasses.fields(DeepSeekArgs):
+        assert f"--model.{f.name} " in deepseek and f.metadata["help"] in " ".join(deepseek.split())
+    assert "--model.n_routed_experts" not in help_text() and "--model.n_kv_heads" not in deepseek
+    assert all(f"--model.{f.name} " in help_text() for f in dataclasses.fields(LlamaArgs))
+    cfg, _ = load_config(
+        ["--model.name", "deepseek_v3", "--model.n_routed_experts", "16", "--model.kv_lora_rank", "32"]
+    )
+    assert cfg.model.overrides() == {"n_routed_experts": 16, "kv_lora_rank": 32}
+    assert _error(["--model.name", "deepseek_v3", "--model.n_activated_experts", "0"]) == (
+        "model.n_activated_experts must be >= 1, got 0"
+    )
+    assert "model.n_routed_experts is an option of deepseek_v3, not of model.name 'llama3'" in _error(
+        ["--model.n_routed_experts", "16"]
+    )
+
+
 def test_config_error_is_a_user_error():
     assert issubclass(ConfigError, UserError)
 
@@ -395,6 +426,8 @@ def test_help_lists_every_option_with_type_default_and_meaning():
     cfg = JobConfig()
     for section in dataclasses.fields(cfg):
         for f in dataclasses.fields(getattr(cfg, section.name)):
+            if "llama3" not in f.metadata.get("families", ("llama3",)):
+                continue  # another family's option: listed by that family's --help (below)
             assert f"--{section.name}.{f.name}" in text
             assert f.metadata["help"].split()[0] in text
     assert "--training.steps INT" in text and "(default: 20; >= 0)" in text
