@@ -14,7 +14,7 @@ import pytest
 pytest_plugins = ["pytester"]
 REPO = Path(__file__).resolve().parents[1]
 
-MODULE = '''
+MODULE = """
 import pytest
 
 def test_missing_package():
@@ -30,14 +30,14 @@ def test_gpu_only():
 
 def test_runs():
     pass
-'''
-MODULE_LEVEL = '''
+"""
+MODULE_LEVEL = """
 import pytest
 pytest.importorskip("no_such_package_for_graph_trainer")
 
 def test_never_collected():
     pass
-'''
+"""
 
 
 def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, ci: bool, module: str) -> pytest.RunResult:

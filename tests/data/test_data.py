@@ -10,6 +10,7 @@ import torch
 from graph_trainer.data.loader import PackedBatchLoader, build_dataloader, embedded_documents
 from graph_trainer.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 from graph_trainer.errors import ConfigError, UserError
+from tests.extras import import_extra
 
 BYTE = ByteTokenizer()
 
@@ -50,7 +51,7 @@ def test_byte_tokenizer_round_trip():
 
 
 def test_hf_tokenizer_loads_and_encodes(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = import_extra("tokenizers")
     from tokenizers import models, pre_tokenizers, trainers
 
     tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
@@ -81,7 +82,7 @@ def test_hf_tokenizer_loads_and_encodes(tmp_path):
 
 
 def test_hf_tokenizer_without_specials_has_no_eos(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = import_extra("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))

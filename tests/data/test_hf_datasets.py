@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from itertools import islice
@@ -18,10 +17,10 @@ from graph_trainer.data.loader import pack_windows, tokenize_documents
 from graph_trainer.data.tokenizer import ByteTokenizer
 from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.job_config.cli import load_config
+from tests.extras import import_extra
 from tests.tiny import TINY
 
-# A test extra: CI installs it, and there a missing package must fail, not skip.
-datasets = __import__("datasets") if os.environ.get("CI") == "true" else pytest.importorskip("datasets")
+datasets = import_extra("datasets")
 
 BYTE = ByteTokenizer()
 # Rows of uneven lengths, one empty (it adds no token, not even EOS), so windows cross row boundaries.

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import run_tests
+from tests.extras import import_extra
 from tests.integration.checks import FAILED, PASSED, SKIPPED, RunOutcome, as_float32, check_test
 from tests.integration.collect import RunMetrics, collect_run
 from tests.integration.integration_tests import TESTS
@@ -380,7 +381,7 @@ def _runs_with_memory() -> list[run_tests.TestRun]:
 
 
 def test_chart_is_a_png_matplotlib_reads_back(tmp_path):
-    pytest.importorskip("matplotlib")
+    import_extra("matplotlib")
     import matplotlib.image
 
     line, name = run_tests.chart_line(tmp_path, _runs_with_memory())

@@ -15,8 +15,9 @@ import torch.nn as nn
 
 from graph_trainer.eager.step import EagerStep
 from graph_trainer.tracer import GraphStep, TraceError
+from tests.extras import import_extra
 
-transformers = pytest.importorskip("transformers")
+transformers = import_extra("transformers")
 
 
 @pytest.fixture
