@@ -58,8 +58,8 @@ def fail_illegitimate_skip(report: pytest.TestReport | pytest.CollectReport) -> 
         return
     report.outcome = "failed"
     report.longrepr = (
-        f"skipped under CI=true: {reason}. CI installs the test extra (pip install -e '.[test]') and pins torch, "
-        "so this test must run there; if the skip is legitimate, add its reason to LEGITIMATE in tests/conftest.py"
+        f"skipped under CI=true: {reason}. CI installs the test extra and pins torch, so this test must run there; "
+        "if the skip is legitimate, add its reason to LEGITIMATE in tests/conftest.py"
     )
 
 
