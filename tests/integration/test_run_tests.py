@@ -154,13 +154,13 @@ def test_absolute_peak_limit():
     )
 
 
-def test_estimate_must_equal_measured_on_cpu_only_when_logged():
+def test_estimate_must_be_logged_and_equal_measured_on_cpu():
     t = decl("a", estimate_matches_measured=True)
     assert check(t, ok(metrics(LOSSES, est_bytes=1000, active_bytes=1000))).status == PASSED
     v = check(t, ok(metrics(LOSSES, est_bytes=1000, active_bytes=1504)))
     assert v.failures == ["estimated peak 1,000 B != measured 1,504 B (-504 B)"]
-    v = check(t, ok(metrics(LOSSES)))
-    assert v.status == PASSED and "no memory estimate logged" in v.notes[0]
+    v = check(t, ok(metrics(LOSSES, active_bytes=1000)))
+    assert v.status == FAILED and v.failures == ["no memory estimate logged: estimate == measured cannot be checked"]
     v = check(t, ok(metrics(LOSSES, est_bytes=1000, active_bytes=1504)), on_cpu=False)
     assert v.status == PASSED and "CPU only" in v.notes[0]
 
