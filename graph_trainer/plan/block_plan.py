@@ -372,7 +372,8 @@ def _mode_independent(pipelines: list[Pipeline]) -> list[GraphPass]:
     """The leading passes every pipeline of `pipelines` runs alike whatever its AC mode: the same passes, none
     of which reads `activation_checkpoint`."""
     shared: list[GraphPass] = []
-    for passes in zip(*(p.passes for p in pipelines)):
+    # The pipelines may differ in length (each AC mode has its own passes): the shared prefix ends at the shortest.
+    for passes in zip(*(p.passes for p in pipelines), strict=False):
         first = passes[0]
         if any(p is not first for p in passes) or any(r.startswith("activation_checkpoint") for r in first.reads):
             break

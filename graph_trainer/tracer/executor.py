@@ -76,8 +76,9 @@ def describe_change(old: tuple, new: tuple) -> str:
     if [leaf[0] for leaf in old] != [leaf[0] for leaf in new]:
         return f"batch structure changed: {[leaf[0] for leaf in old]} -> {[leaf[0] for leaf in new]}"
     diffs = []
-    for (path, *a), (_, *b) in zip(old, new):
-        for what, x, y in zip(("shape", "dtype", "device"), a, b):
+    for (path, *a), (_, *b) in zip(old, new, strict=True):
+        # A tensor's leaf holds (shape, dtype, device), a Python constant's (type, value): names for the longer.
+        for what, x, y in zip(("shape", "dtype", "device"), a, b, strict=False):
             if x != y:
                 diffs.append(f"{path} {what} {x} -> {y}")
     return "; ".join(diffs) or "signature changed"
@@ -291,7 +292,7 @@ class GraphStep:
             loss, grad_norm, grads = traced(self.flat_inputs(batch))
         else:
             loss, grad_norm, grads = self._accumulated(traced, micro, trained)
-        for p, g in zip(trained, grads):
+        for p, g in zip(trained, grads, strict=True):
             p.grad = g
         if self.optimizer is not None:
             self.optimizer.after_step()

@@ -27,7 +27,7 @@ def take(loader, n):
 
 def assert_batches_equal(a, b):
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert torch.equal(x["input"], y["input"])
         assert torch.equal(x["labels"], y["labels"])
 
@@ -169,7 +169,7 @@ def test_same_seed_same_batches_different_seed_different_order():
     a, b, c = embedded_loader(seed=1), embedded_loader(seed=1), embedded_loader(seed=2)
     ba, bb, bc = take(a, 4), take(b, 4), take(c, 4)
     assert_batches_equal(ba, bb)
-    assert not all(torch.equal(x["input"], y["input"]) for x, y in zip(ba, bc))
+    assert not all(torch.equal(x["input"], y["input"]) for x, y in zip(ba, bc, strict=True))
 
 
 def test_resume_from_state_yields_the_same_next_batches():
@@ -207,7 +207,7 @@ def test_epoch_rollover_increments_epoch_and_reshuffles():
     for epoch in (first, second):
         rows = torch.cat([b["input"] for b in epoch])
         assert rows.shape[0] == 12 and torch.unique(rows, dim=0).shape[0] == 12
-    assert not all(torch.equal(x["input"], y["input"]) for x, y in zip(first, second))
+    assert not all(torch.equal(x["input"], y["input"]) for x, y in zip(first, second, strict=True))
 
 
 def test_partial_last_batch_is_dropped():
