@@ -476,7 +476,8 @@ def check_gathered(traced: TracedStep, held: Collection[str] | None = None) -> T
         TraceError: naming the parameter, the op and the module that read it.
     """
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
-    for name, node in zip(traced.layout.param_names, placeholders, strict=True):
+    param_nodes = traced.layout.split(placeholders)[0]  # the parameters lead the graph's inputs
+    for name, node in zip(traced.layout.param_names, param_nodes, strict=True):
         if held is not None and name not in held:  # another parallelism's parameter (expert parallelism's experts)
             continue
         for user in node.users:
