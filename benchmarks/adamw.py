@@ -56,7 +56,7 @@ def main() -> None:
         params = [p for g in opt.param_groups for p in g["params"]]
         torch.manual_seed(0)
         grads = [torch.randn_like(p) * 1e-2 for p in params]
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g
         graph_opt = GraphAdamW(opt)
         flat = lambda: [*params, *grads, *graph_opt.state_tensors(), *graph_opt.host_scalars()]  # noqa: E731

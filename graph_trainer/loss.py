@@ -285,7 +285,7 @@ class VocabParallelChunkedCrossEntropy(torch.autograd.Function):
                 y = labels[start : start + chunk_size]
                 top, log_sum, target, column = _shard_statistics(x, y, shard)
                 total = total + _token_sum(target, y)
-                for kept, t in zip(stats, (top, log_sum, column)):
+                for kept, t in zip(stats, (top, log_sum, column), strict=True):
                     kept.append(t)
                 del x  # one chunk's logits alive at a time
         count = _token_count(labels, num_tokens)

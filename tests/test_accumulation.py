@@ -84,7 +84,7 @@ def test_traced_accumulation_is_bitwise_equal_to_eager_accumulation(ac, in_graph
     step = traced_job.build_step()
     traced = _train(step, traced_job, batches)
     assert step.report().trace_count == 2  # the micro graph and the update graph, once each for both steps
-    for a, b in zip(eager[0], traced[0]):
+    for a, b in zip(eager[0], traced[0], strict=True):
         assert torch.equal(a, b)
     for name, p in eager[1].items():
         assert torch.equal(p, traced[1][name]), name

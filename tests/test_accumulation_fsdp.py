@@ -57,7 +57,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             grads = {}
             for unit in fsdp.units:
                 shards = [p.grad for p in unit.current()]
-                grads.update(zip(unit.param_names, _gather(unit, fsdp.group, shards, None, None)))
+                grads.update(zip(unit.param_names, _gather(unit, fsdp.group, shards, None, None), strict=True))
             record = {"loss": mesh.global_average(loss), "grads": grads}
             if mode == "trace":
                 record["micro_rs"] = sum(str(n.target) == REDUCE_SCATTER for n in step.traced.gm.graph.nodes)

@@ -68,7 +68,7 @@ def test_loaders_emit_document_ids_at_the_boundaries_and_resume_exactly(tmp_path
     loader_state = build(document_masking=True)
     next(loader_state)
     resumed.load_state_dict(loader_state.state_dict())
-    for want, got in zip(batches[1:], islice(resumed, 2)):
+    for want, got in zip(batches[1:], islice(resumed, 2), strict=True):
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     # Off: the batches are today's, without the key.
     off = next(build())

@@ -67,7 +67,7 @@ def test_example_step_is_bitwise_equal_to_eager_and_leaves_the_frozen_embedding_
             assert torch.equal(loss_e, loss_t) and torch.equal(norm_e, norm_t)
     finally:
         torch.use_deterministic_algorithms(False)
-    for (name, pe), pt in zip(model_e.named_parameters(), model_t.parameters()):
+    for (name, pe), pt in zip(model_e.named_parameters(), model_t.parameters(), strict=True):
         assert torch.equal(pe, pt), name
     assert torch.equal(model_t.embed.weight, frozen) and model_t.embed.weight.grad is None
     # `full` on the named blocks really recomputes: the graph saves less for the backward than with "none".

@@ -62,7 +62,7 @@ def test_traced_chunked_step_is_bitwise_equal_to_eager_chunked_step():
     flat = [*model.parameters(), *model.buffers(), batch["input"], batch["labels"]]
     loss, norm, grads = traced(flat)
     assert torch.equal(loss, eager_loss) and torch.equal(norm, eager_norm)
-    for g, e in zip(grads, eager_grads):
+    for g, e in zip(grads, eager_grads, strict=True):
         assert torch.equal(g, e)
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.extras import import_extra
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -47,7 +49,7 @@ def _run(cmd: list, **kw) -> subprocess.CompletedProcess:
 
 @pytest.mark.integration
 def test_wheel_installed_in_a_fresh_venv_trains_a_shipped_config_from_another_folder(tmp_path):
-    pytest.importorskip("setuptools")  # the wheel is built without build isolation (offline)
+    import_extra("setuptools")  # the wheel is built without build isolation (offline)
     wheels, venv, elsewhere = tmp_path / "wheels", tmp_path / "venv", tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}

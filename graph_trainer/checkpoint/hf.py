@@ -303,7 +303,7 @@ def save_hf(
     try:
         shards = _plan_shards(state, adapter, dtype, max_shard_bytes)
         names = _shard_names(len(shards))
-        for shard, file in zip(shards, names):
+        for shard, file in zip(shards, names, strict=True):
             tensors = {adapter.hf_name(k): adapter.to_hf_tensor(k, state[k].detach().to("cpu", dtype)) for k in shard}
             save_file(tensors, temp / file, metadata={"format": "pt"})
         if len(shards) > 1:
@@ -353,7 +353,7 @@ def _write_index(
     adapter: Any,
     dtype: torch.dtype,
 ) -> None:
-    weight_map = {adapter.hf_name(k): file for shard, file in zip(shards, names) for k in shard}
+    weight_map = {adapter.hf_name(k): file for shard, file in zip(shards, names, strict=True) for k in shard}
     total = sum(_nbytes(state[k], dtype) for shard in shards for k in shard)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")

@@ -73,7 +73,7 @@ def logical_chunk(local: torch.Tensor, box: Sequence[slice], size: Sequence[int]
     other rank's chunk in DCP's check of the global plan."""
     lengths = [s.stop - s.start for s in box]
     part = local.detach()[tuple(slice(0, n) for n in lengths)]
-    offsets = [s.start if n else full for s, n, full in zip(box, lengths, size)]
+    offsets = [s.start if n else full for s, n, full in zip(box, lengths, size, strict=True)]
     return LogicalChunk(part, offsets, size)
 
 

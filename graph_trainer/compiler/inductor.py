@@ -502,12 +502,7 @@ def compile_regions(gm: torch.fx.GraphModule, *, options: dict[str, Any] | None 
 
 def static_input_indices(layout: InputLayout) -> list[int]:
     """Indices of the inputs that live across steps: parameters, buffers and optimizer state (not batch, scalars)."""
-    out, start = [], 0
-    for category, n in zip(("parameter", "buffer", "batch", "optimizer_state", "scalar"), layout.sizes):
-        if category in ("parameter", "buffer", "optimizer_state"):
-            out += range(start, start + n)
-        start += n
-    return out
+    return [i for i, category in enumerate(layout.categories) if category in ("parameter", "buffer", "optimizer_state")]
 
 
 class InductorStage:

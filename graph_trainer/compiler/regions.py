@@ -237,10 +237,10 @@ class RegionalStep:
         values[: plan.n_inputs] = flat_inputs
         for s, constant in plan.constants.items():
             values[s] = constant
-        for region, fn in zip(plan.regions, self.fns):
+        for region, fn in zip(plan.regions, self.fns, strict=True):
             args = [values[s] for s in region.inputs]
             for s in region.drops:
                 values[s] = None  # `args` holds the last reference: the region frees it at its own last use
-            for s, out in zip(region.outputs, fn(args)):
+            for s, out in zip(region.outputs, fn(args), strict=True):
                 values[s] = out
         return [values[ref] if kind == "slot" else ref for kind, ref in plan.result]

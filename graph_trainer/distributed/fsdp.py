@@ -203,7 +203,7 @@ def _gather(
     reduce_tag = unit.tag(node_meta.GRAD_REDUCE)
     gathered = AllGather.apply(group, reduce_dtype, param_dtype, reduce_tag, grad_sum, *shards).view(n, -1)
     full = []
-    for piece, shape in zip(gathered.split([s.numel() for s in shards], dim=1), unit.shapes):
+    for piece, shape in zip(gathered.split([s.numel() for s in shards], dim=1), unit.shapes, strict=True):
         rows = piece.shape[1] // max(1, math.prod(shape[1:]))
         full.append(piece.reshape(n * rows, *shape[1:])[: shape[0]])
     return full
@@ -286,10 +286,10 @@ class FSDP(Parallelism):
             with fx_traceback.annotate({node_meta.COLLECTIVE: unit.tag(node_meta.GRAD_REDUCE)}):
                 shard = _mean_shard(total, self.group, self.reduce_dtype, shards[0].dtype)
             total.zero_()  # after the reduce-scatter's wait: the next step starts from zero
-            by_name.update(zip(unit.param_names, _cut(shard, [t.shape for t in shards])))
+            by_name.update(zip(unit.param_names, _cut(shard, [t.shape for t in shards]), strict=True))
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         assert len(names) == len(grads), "one gradient per trainable parameter"
-        return [by_name.get(n, g) for n, g in zip(names, grads)]
+        return [by_name.get(n, g) for n, g in zip(names, grads, strict=True)]
 
     @contextlib.contextmanager
     def gathered(self, name: str):
@@ -300,13 +300,13 @@ class FSDP(Parallelism):
         # decides whether the backward reads them or gathers again.
         with fx_traceback.annotate({node_meta.COLLECTIVE: unit.tag(node_meta.PARAM_GATHER), node_meta.LAYER_ID: None}):
             full = _gather(unit, self.group, shards, self.param_dtype, self.reduce_dtype, self._grad_sum(unit))
-        for slots, t in zip(unit.slots, full):
+        for slots, t in zip(unit.slots, full, strict=True):
             for module, attr in slots:
                 module._parameters[attr] = t
         try:
             yield
         finally:
-            for slots, s in zip(unit.slots, shards):
+            for slots, s in zip(unit.slots, shards, strict=True):
                 for module, attr in slots:
                     module._parameters[attr] = s
 
@@ -349,7 +349,7 @@ class FSDP(Parallelism):
 
     def full_shapes(self) -> dict[str, torch.Size]:
         """The logical (unpadded) shape of every parameter, under each name it is held by (tied weights: two)."""
-        full_by_id = {id(t): shape for u in self.units for t, shape in zip(u.current(), u.shapes)}
+        full_by_id = {id(t): shape for u in self.units for t, shape in zip(u.current(), u.shapes, strict=True)}
         return {
             name: full_by_id[id(p)]
             for name, p in self.model.named_parameters(remove_duplicate=False)
@@ -373,7 +373,9 @@ class FSDP(Parallelism):
         out = dict(state)
         with torch.no_grad():
             for unit in self.units:
-                for name, t in zip(unit.param_names, _gather(unit, self.group, unit.current(), None, None)):
+                for name, t in zip(
+                    unit.param_names, _gather(unit, self.group, unit.current(), None, None), strict=True
+                ):
                     out[name] = t.clone()
         return out
 
@@ -474,7 +476,8 @@ def check_gathered(traced: TracedStep, held: Collection[str] | None = None) -> T
         TraceError: naming the parameter, the op and the module that read it.
     """
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
-    for name, node in zip(traced.layout.param_names, placeholders):
+    param_nodes = traced.layout.split(placeholders)[0]  # the parameters lead the graph's inputs
+    for name, node in zip(traced.layout.param_names, param_nodes, strict=True):
         if held is not None and name not in held:  # another parallelism's parameter (expert parallelism's experts)
             continue
         for user in node.users:

@@ -158,7 +158,7 @@ class ParallelModel:
         for part in self.parts:
             found = part.local_slices(name, local)
             if found is not None:
-                box = found if box is None else tuple(_within(o, i) for o, i in zip(box, found))
+                box = found if box is None else tuple(_within(o, i) for o, i in zip(box, found, strict=True))
         return box if box is not None else tuple(slice(0, n) for n in local.shape)
 
     def full_state(self) -> dict[str, torch.Tensor]:

@@ -192,7 +192,7 @@ class ReplicatedGrads:
 
     def reduce(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         grads = list(grads)
-        for i, (module, layer) in zip(self.indices, self.owners):
+        for i, (module, layer) in zip(self.indices, self.owners, strict=True):
             # Tagged with the norm's module and layer, as the rest of its block: a model's blocks then hold
             # identical op sequences, which the depth-free plan (graph_trainer/plan/block_plan.py) relies on.
             with _tagged(node_meta.GRAD_REDUCE, "", layer), fx_traceback.annotate(_owner_tags(module, layer)):

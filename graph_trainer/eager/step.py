@@ -78,7 +78,7 @@ class EagerStep:
         with torch.no_grad():
             if self.grad_reduce is not None:
                 # Before clipping, as in the traced step: the norm is of the averaged gradients.
-                for p, g in zip(self._params, self.grad_reduce([p.grad for p in self._params])):
+                for p, g in zip(self._params, self.grad_reduce([p.grad for p in self._params]), strict=True):
                     p.grad = g
             if self.step_update is not None:
                 self.step_update(self.model)

@@ -219,7 +219,7 @@ def load_optimizer_state(
     """
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     optimizer.load_state_dict(optimizer_state)
-    for group, values in zip(optimizer.param_groups, hyper):
+    for group, values in zip(optimizer.param_groups, hyper, strict=True):
         group.update(values)
     scheduler.load_state_dict(scheduler_state)
     scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]

@@ -90,7 +90,7 @@ def timeline_rows(
             "estimated_bytes": None if n.estimated_bytes is None else n.estimated_bytes + outside_bytes,
             "measured_bytes": m,
         }
-        for i, (n, m) in enumerate(zip(nodes, measured))
+        for i, (n, m) in enumerate(zip(nodes, measured, strict=True))
     ]
 
 
@@ -145,10 +145,15 @@ def draw(doc: dict[str, Any], path: Path) -> None:
     if est:
         label = "estimate (static, per node)"
         label += f" + {outside / MIB:.2f} MiB optimizer state outside the graph" if outside else ""
-        ax.plot(*zip(*est), drawstyle="steps-mid", lw=1.6, color="C0", label=label)
+        ax.plot(*zip(*est, strict=True), drawstyle="steps-mid", lw=1.6, color="C0", label=label)
     if meas:
         ax.plot(
-            *zip(*meas), ls="none", marker=".", ms=3, color="C1", label="measured (live tensor bytes after each op)"
+            *zip(*meas, strict=True),
+            ls="none",
+            marker=".",
+            ms=3,
+            color="C1",
+            label="measured (live tensor bytes after each op)",
         )
     peak = doc["estimated_peak"] or doc["measured_peak"]
     top = max(p["bytes"] for p in (doc["estimated_peak"], doc["measured_peak"]) if p is not None) if peak else 1

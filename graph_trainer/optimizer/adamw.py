@@ -170,7 +170,7 @@ class GraphAdamW:
         """0-d float64 tensors for the coming step: per parameter (decay factor, sqrt of bias correction 2,
         -step size)."""
         out = []
-        for p, group in zip(self.params, self._groups):
+        for p, group in zip(self.params, self._groups, strict=True):
             lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
             step = self._state(p)["step"].item() + 1
             bias_correction1 = 1 - beta1**step
@@ -188,7 +188,7 @@ class GraphAdamW:
         scalars: list[torch.Tensor],
     ) -> None:
         """The traced AdamW update, in place; constants (betas, eps) are baked into the graph."""
-        for i, (p, g, group) in enumerate(zip(params, grads, self._groups)):
+        for i, (p, g, group) in enumerate(zip(params, grads, self._groups, strict=True)):
             beta1, beta2 = group["betas"]
             step_t, exp_avg, exp_avg_sq = state[3 * i : 3 * i + 3]
             decay, bias_correction2_sqrt, neg_step_size = scalars[3 * i : 3 * i + 3]

@@ -44,6 +44,8 @@ def resync_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
     Needed after loading a checkpoint: the saved lr came from the saved run's
     schedule, and a resumed run may have a different `training.steps` horizon.
     """
-    for group, base_lr, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+    for group, base_lr, fn in zip(
+        scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
         group["lr"] = base_lr * fn(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

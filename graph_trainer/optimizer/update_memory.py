@@ -7,6 +7,7 @@ The traced update's memory is in the graph's own estimate; this is the rest of t
 from __future__ import annotations
 
 import dataclasses
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -62,10 +63,10 @@ def eager_step_scratch_bytes(optimizer: torch.optim.AdamW, device: torch.device 
         device_type = (device or params[0].device).type
         if implementation == "single_tensor":
             sizes = [allocated_bytes(_nbytes(p), device_type) for p in params]
-            peak = max(peak, max((prev + 2 * cur for prev, cur in zip([0, *sizes], sizes)), default=0))
+            peak = max(peak, max((prev + 2 * cur for prev, cur in pairwise([0, *sizes])), default=0))
             continue
         sizes = [sum(allocated_bytes(_nbytes(p), device_type) for p in bucket) for bucket in _foreach_buckets(params)]
-        peak = max(peak, max((prev + cur for prev, cur in zip([0, *sizes], sizes)), default=0))
+        peak = max(peak, max((prev + cur for prev, cur in pairwise([0, *sizes])), default=0))
     return peak
 
 

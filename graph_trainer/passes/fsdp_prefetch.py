@@ -19,6 +19,8 @@ rank (every rank runs the same graph).
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch.fx
 
 from graph_trainer.passes.graph_utils import is_all_gather, is_wait
@@ -58,7 +60,7 @@ def prefetch_fsdp_gathers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     gathers = [n for n in gm.graph.nodes if is_all_gather(n) and node_meta.gathered_unit(n) is not None]
     for rematerialized in (False, True):
         group = [g for g in gathers if node_meta.is_rematerialized(g) == rematerialized]
-        for previous, gather in zip(group, group[1:]):
+        for previous, gather in pairwise(group):
             anchor = _wait_of(previous)
             for n in _issue_chain(gather):
                 anchor.append(n)

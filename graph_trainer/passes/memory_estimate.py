@@ -144,7 +144,7 @@ def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
     placeholders = [n for n in nodes if n.op == "placeholder"]
     if input_categories is not None and len(input_categories) != len(placeholders):
         raise ValueError(f"input_categories has {len(input_categories)} entries for {len(placeholders)} graph inputs")
-    in_cat = dict(zip(placeholders, input_categories or [INPUT] * len(placeholders)))
+    in_cat = dict(zip(placeholders, input_categories or [INPUT] * len(placeholders), strict=True))
     device_type = graph_device_type(gm)
     output_node = next(n for n in reversed(nodes) if n.op == "output")
     outputs = {a for a in tree_iter(output_node.args) if isinstance(a, torch.fx.Node)}

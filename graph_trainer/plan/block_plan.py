@@ -409,7 +409,8 @@ def _mode_independent(pipelines: list[Pipeline]) -> list[GraphPass]:
     """The leading passes every pipeline of `pipelines` runs alike whatever its AC mode: the same passes, none
     of which reads `activation_checkpoint`."""
     shared: list[GraphPass] = []
-    for passes in zip(*(p.passes for p in pipelines)):
+    # The pipelines may differ in length (each AC mode has its own passes): the shared prefix ends at the shortest.
+    for passes in zip(*(p.passes for p in pipelines), strict=False):
         first = passes[0]
         if any(p is not first for p in passes) or any(r.startswith("activation_checkpoint") for r in first.reads):
             break
@@ -858,7 +859,7 @@ def _field_difference(a: _Signature, b: _Signature) -> str:
 
 def _first_difference(a: list[_Signature], b: list[_Signature]) -> str:
     """Where two node sequences first differ: the node's index and op, and the field (one line)."""
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):  # unequal lengths are a difference too, below
         if x != y:
             return f"at its node {i} ({x.op}), {_field_difference(x, y)}"
     n = min(len(a), len(b))

@@ -152,7 +152,7 @@ def node_blocks(gm: torch.fx.GraphModule, layers: str | None) -> list[tuple[int,
     ops = list(op_nodes(gm))
     anchors = [block(n) for _, n in ops]
     out = []
-    for (i, node), anchor, prev in zip(ops, anchors, _filled(anchors)):
+    for (i, node), anchor, prev in zip(ops, anchors, _filled(anchors), strict=True):
         layer = anchor if anchor is not _UNKNOWN else None
         if anchor is _UNKNOWN and node_meta.is_backward(node) and isinstance(prev, int):
             layer = prev

@@ -130,7 +130,7 @@ class InputLayout:
     def categories(self) -> list[str]:
         """One category per graph input, for memory accounting."""
         names = ("parameter", "buffer", "batch", "optimizer_state", "scalar", "gradient")
-        return [name for name, n in zip(names, self.sizes) for _ in range(n)]
+        return [name for name, n in zip(names, self.sizes, strict=True) for _ in range(n)]
 
     def split(self, flat: list) -> list[list]:
         """Split flat inputs into [params, buffers, batch leaves, optimizer state, scalars, gradient accumulators]."""
@@ -185,8 +185,9 @@ def describe_change(old: tuple, new: tuple) -> str:
     if [leaf[0] for leaf in old] != [leaf[0] for leaf in new]:
         return f"batch structure changed: {[leaf[0] for leaf in old]} -> {[leaf[0] for leaf in new]}"
     diffs = []
-    for (path, *a), (_, *b) in zip(old, new):
-        for what, x, y in zip(("shape", "dtype", "device"), a, b):
+    for (path, *a), (_, *b) in zip(old, new, strict=True):
+        # A tensor's leaf holds (shape, dtype, device), a Python constant's (type, value): names for the longer.
+        for what, x, y in zip(("shape", "dtype", "device"), a, b, strict=False):
             if x != y:
                 diffs.append(f"{path} {what} {x} -> {y}")
     return "; ".join(diffs) or "signature changed"
@@ -612,7 +613,7 @@ class _StepFunction:
     def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
         params, buffers, batch, state, host, accums = self.layout.split(list(flat))
         try:
-            by_name = dict(zip(self.layout.param_names, params))
+            by_name = dict(zip(self.layout.param_names, params, strict=True))
             trained = [by_name[n] for n in self.layout.grad_names]
             if self.part == "update":
                 # Swapped in as for the forward: a reduction may read the model's buffers (FSDP's gradient sums).
@@ -636,7 +637,10 @@ class _StepFunction:
     def _swapped(self, params: list, buffers: list):
         """The graph's parameter and buffer inputs in the model's slots (tied modules follow the one name)."""
         layout = self.layout
-        tensors = {**dict(zip(layout.param_names, params)), **dict(zip(layout.buffer_names, buffers))}
+        tensors = {
+            **dict(zip(layout.param_names, params, strict=True)),
+            **dict(zip(layout.buffer_names, buffers, strict=True)),
+        }
         return torch.nn.utils.stateless._reparametrize_module(self.model, tensors, tie_weights=True)
 
     def _forward(self, params: list, buffers: list, batch: list) -> torch.Tensor:
@@ -666,7 +670,7 @@ class _StepFunction:
     def _accumulate(self, accums: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Each gradient added in place into its accumulator, as autograd accumulates into `param.grad`."""
         with fx_traceback.annotate({node_meta.PHASE: node_meta.BACKWARD}), torch.no_grad():
-            for acc, grad in zip(accums, grads):
+            for acc, grad in zip(accums, grads, strict=True):
                 if grad is not None:
                     acc.add_(grad)
 

@@ -74,7 +74,10 @@ class _EvalFunction:
         layout = self.layout
         try:
             with fx_traceback.annotate({node_meta.PHASE: node_meta.FORWARD}):
-                tensors = {**dict(zip(layout.param_names, params)), **dict(zip(layout.buffer_names, buffers))}
+                tensors = {
+                    **dict(zip(layout.param_names, params, strict=True)),
+                    **dict(zip(layout.buffer_names, buffers, strict=True)),
+                }
                 with torch.nn.utils.stateless._reparametrize_module(self.model, tensors, tie_weights=True):
                     leaves = iter(batch)
                     values = [next(leaves) if isinstance(v, torch.Tensor) else v for v in self.batch_leaves]

@@ -311,7 +311,7 @@ class GraphStep:
             loss, grad_norm, grads = traced(self.flat_inputs(batch))
         else:
             loss, grad_norm, grads = self._accumulated(traced, micro, trained)
-        for p, g in zip(trained, grads):
+        for p, g in zip(trained, grads, strict=True):
             p.grad = g
         if self.optimizer is not None:
             self.optimizer.after_step()

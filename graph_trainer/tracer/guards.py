@@ -184,13 +184,15 @@ class TraceGuard:
         try:
             current = tuple(map(getattr, self.modules, self.names))
         except AttributeError:
-            current = tuple(getattr(m, n, _Deleted) for m, n in zip(self.modules, self.names))
+            current = tuple(getattr(m, n, _Deleted) for m, n in zip(self.modules, self.names, strict=True))
         if current != self.values or tuple(map(type, current)) != self.types:
             return self._attributes_changed(current)
         state = global_state(self.device_type)
         if state != self.state:
             return "; ".join(
-                f"{name} {old!r} -> {new!r}" for (name, old), (_, new) in zip(self.state, state) if old != new
+                f"{name} {old!r} -> {new!r}"
+                for (name, old), (_, new) in zip(self.state, state, strict=True)
+                if old != new
             )
         if self.trainable is not None and trainable != self.trainable:
             return _trainable_changed(self.trainable, trainable)
@@ -199,7 +201,9 @@ class TraceGuard:
     def _attributes_changed(self, current: tuple[Any, ...]) -> str:
         changed = [
             f"{path} {old!r} -> {new!r}"
-            for path, old, new, kind in zip(map(_path, self.fqns, self.names), self.values, current, self.types)
+            for path, old, new, kind in zip(
+                map(_path, self.fqns, self.names), self.values, current, self.types, strict=True
+            )
             if not (type(new) is kind and new == old)
         ]
         more = f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""

@@ -58,7 +58,7 @@ def _assert_same(a, b, where="") -> None:
             _assert_same(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same(x, y, f"{where}[{i}]")
     else:
         assert a == b, where
@@ -89,9 +89,9 @@ def test_weights_only_round_trip_and_resume_is_bitwise(tmp_path):
     sched2.load_state_dict(ckpt["lr_scheduler"])
     restore_rng_state(ckpt["rng"])
     resumed = [_train_step(model2, opt2, sched2) for _ in range(3)]
-    for a, b in zip(expected, resumed):
+    for a, b in zip(expected, resumed, strict=True):
         assert torch.equal(a, b)
-    for (k, p), p2 in zip(model.named_parameters(), model2.parameters()):
+    for (k, p), p2 in zip(model.named_parameters(), model2.parameters(), strict=True):
         assert torch.equal(p, p2), k
 
 

@@ -165,7 +165,9 @@ def test_resume_on_the_same_ranks_is_bitwise(two):
         assert resumed["params"] == straight["params"]  # this rank's final shards
     assert all(
         torch.equal(a, b)
-        for a, b in zip(torch.load(two / "resumed.params.pt").values(), torch.load(two / "straight.params.pt").values())
+        for a, b in zip(
+            torch.load(two / "resumed.params.pt").values(), torch.load(two / "straight.params.pt").values(), strict=True
+        )
     )
 
 

@@ -241,7 +241,9 @@ def test_each_fsdp_rank_reads_exactly_its_rows(tmp_path, tie):
         shards.append(dict(model.named_parameters(remove_duplicate=False)))
         assert (model.output.weight is model.tok_embeddings.weight) == tie
         for unit in fsdp.units:  # every slot of a parameter holds the one loaded shard
-            assert all(m._parameters[a] is t for t, slots in zip(unit.current(), unit.slots) for m, a in slots)
+            assert all(
+                m._parameters[a] is t for t, slots in zip(unit.current(), unit.slots, strict=True) for m, a in slots
+            )
     for name, full in whole.items():
         rows = shards[0][name].shape[0]
         assert rows == -(-full.shape[0] // world)

@@ -51,7 +51,9 @@ def test_the_ranks_chunks_tile_the_logical_tensor_and_hold_its_values(rows, tp, 
             part = chunk.__get_tensor_shard__(None)
             assert torch.equal(part, full[box]), (i, j, box)
             (offsets,) = [c.offsets for c in chunk.__create_chunk_list__()]
-            assert all(o == s.start or (s.start == s.stop and o == n) for o, s, n in zip(offsets, box, full.shape))
+            assert all(
+                o == s.start or (s.start == s.stop and o == n) for o, s, n in zip(offsets, box, full.shape, strict=True)
+            )
             covered[box] += 1
     assert bool((covered == 1).all())
 

@@ -107,11 +107,11 @@ def test_compiled_step_gradients_and_in_place_update_match_the_graph(traced_and_
     ref, out, ref_in, out_in = _run_both(traced, inputs, compiled)
     assert len(out) == len(ref)
     assert _close(ref[0], out[0], LOSS_RTOL)
-    for r, o in zip(ref[2:], out[2:]):  # the clipped gradients of step 1
+    for r, o in zip(ref[2:], out[2:], strict=True):  # the clipped gradients of step 1
         assert r.shape == o.shape and _close(r, o, GRAD_RTOL)
     # The optimizer's in-place update reached the caller's tensors (params, exp_avg, exp_avg_sq, step).
-    changed = [i for i, (a, b) in enumerate(zip(inputs, out_in)) if not torch.equal(a, b)]
-    assert changed == [i for i, (a, b) in enumerate(zip(inputs, ref_in)) if not torch.equal(a, b)]
+    changed = [i for i, (a, b) in enumerate(zip(inputs, out_in, strict=True)) if not torch.equal(a, b)]
+    assert changed == [i for i, (a, b) in enumerate(zip(inputs, ref_in, strict=True)) if not torch.equal(a, b)]
     assert changed, "the compiled step updated no parameter or optimizer state"
     for i in changed:
         assert _close(ref_in[i], out_in[i], GRAD_RTOL), i
@@ -122,7 +122,7 @@ def test_compiled_step_is_not_bitwise_and_says_so(traced_and_compiled):
     """The declared numerics: close, not equal (if this ever becomes bitwise, update docs/compile.md)."""
     traced, inputs, compiled = traced_and_compiled
     ref, out, _, _ = _run_both(traced, inputs, compiled)
-    assert not all(torch.equal(r, o) for r, o in zip(ref, out))
+    assert not all(torch.equal(r, o) for r, o in zip(ref, out, strict=True))
 
 
 @pytest.mark.integration  # shares an Inductor compile of the step, whole and regional
@@ -130,7 +130,7 @@ def test_compiled_step_reruns_identically(traced_and_compiled):
     traced, inputs, compiled = traced_and_compiled
     _, first, _, first_in = _run_both(traced, inputs, compiled)
     _, second, _, second_in = _run_both(traced, inputs, compiled)
-    assert all(torch.equal(a, b) for a, b in zip(first + first_in, second + second_in))
+    assert all(torch.equal(a, b) for a, b in zip(first + first_in, second + second_in, strict=True))
 
 
 @pytest.mark.integration
@@ -138,7 +138,7 @@ def test_twenty_compiled_steps_follow_the_eager_loss_curve(tmp_path):
     eager = trainer(tmp_path / "eager", "--compile.mode", "eager", steps=20).train()
     compiled = trainer(tmp_path / "inductor", "--compile.backend", "inductor", steps=20).train()
     assert len(compiled.losses) == 20
-    for step, (e, c) in enumerate(zip(eager.losses, compiled.losses), start=1):
+    for step, (e, c) in enumerate(zip(eager.losses, compiled.losses, strict=True), start=1):
         assert abs(e - c) <= LOSS_RTOL * abs(e), (step, e, c)
     assert compiled.records[-1]["inductor_time_s"] > 0
     assert compiled.trace_count == 1

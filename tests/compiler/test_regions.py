@@ -62,11 +62,11 @@ def test_regions_run_in_order_compute_the_graph_bitwise(ac, optimizer):
         expected = traced.gm(*whole_in)
         got = RegionalStep(plan, [lambda args, gm=r.gm: gm(*args) for r in plan.regions])(regions_in)
     assert len(got) == len(expected)
-    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     # The in-place effects (AdamW on parameters and state) are the graph's too.
-    assert all(torch.equal(a, b) for a, b in zip(whole_in, regions_in))
+    assert all(torch.equal(a, b) for a, b in zip(whole_in, regions_in, strict=True))
     if optimizer:
-        assert any(not torch.equal(a, b) for a, b in zip(inputs, regions_in)), "nothing was updated"
+        assert any(not torch.equal(a, b) for a, b in zip(inputs, regions_in, strict=True)), "nothing was updated"
 
     def ops(gm):
         return sum(n.op == "call_function" for n in gm.graph.nodes)

@@ -10,6 +10,7 @@ import torch
 from graph_trainer.data.loader import PackedBatchLoader, build_dataloader, embedded_documents
 from graph_trainer.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 from graph_trainer.errors import ConfigError, UserError
+from tests.extras import import_extra
 
 BYTE = ByteTokenizer()
 
@@ -26,7 +27,7 @@ def take(loader, n):
 
 def assert_batches_equal(a, b):
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert torch.equal(x["input"], y["input"])
         assert torch.equal(x["labels"], y["labels"])
 
@@ -50,7 +51,7 @@ def test_byte_tokenizer_round_trip():
 
 
 def test_hf_tokenizer_loads_and_encodes(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = import_extra("tokenizers")
     from tokenizers import models, pre_tokenizers, trainers
 
     tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
@@ -81,7 +82,7 @@ def test_hf_tokenizer_loads_and_encodes(tmp_path):
 
 
 def test_hf_tokenizer_without_specials_has_no_eos(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = import_extra("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
@@ -168,7 +169,7 @@ def test_same_seed_same_batches_different_seed_different_order():
     a, b, c = embedded_loader(seed=1), embedded_loader(seed=1), embedded_loader(seed=2)
     ba, bb, bc = take(a, 4), take(b, 4), take(c, 4)
     assert_batches_equal(ba, bb)
-    assert not all(torch.equal(x["input"], y["input"]) for x, y in zip(ba, bc))
+    assert not all(torch.equal(x["input"], y["input"]) for x, y in zip(ba, bc, strict=True))
 
 
 def test_resume_from_state_yields_the_same_next_batches():
@@ -206,7 +207,7 @@ def test_epoch_rollover_increments_epoch_and_reshuffles():
     for epoch in (first, second):
         rows = torch.cat([b["input"] for b in epoch])
         assert rows.shape[0] == 12 and torch.unique(rows, dim=0).shape[0] == 12
-    assert not all(torch.equal(x["input"], y["input"]) for x, y in zip(first, second))
+    assert not all(torch.equal(x["input"], y["input"]) for x, y in zip(first, second, strict=True))
 
 
 def test_partial_last_batch_is_dropped():

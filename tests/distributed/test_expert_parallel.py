@@ -184,7 +184,7 @@ def test_resume_stays_bitwise_over_every_resumed_step_with_the_balancing_bias(ou
         straight, resumed = _record(out, "straight", rank), _record(out, "resumed", rank)
         assert resumed["losses"] == straight["losses"][2:] and resumed["params"] == straight["params"]
         biases = [torch.load(out / f"{name}.rank{rank}.bias.pt") for name in ("straight", "resumed")]
-        assert all(torch.equal(a, b) and a.any() for a, b in zip(*biases))
+        assert all(torch.equal(a, b) and a.any() for a, b in zip(*biases, strict=True))
 
 
 def test_an_ep2_checkpoint_of_2_ranks_resumes_on_4_ranks_at_ep4(out, four):

@@ -156,7 +156,7 @@ def test_fsdp_compiled_by_inductor_follows_the_traced_step(ranks):
     # The functional gather's own buffer is in the estimate (`functional_gather_bytes`): still a bound.
     for rank, record in enumerate(records):
         uncompiled = _record(out, "trace_optimizer", rank)["peaks"]
-        for (estimated, measured, late), (plain_estimate, _, _) in zip(record["peaks"], uncompiled):
+        for (estimated, measured, late), (plain_estimate, _, _) in zip(record["peaks"], uncompiled, strict=True):
             assert measured <= estimated + late, (rank, record["peaks"])
             assert estimated > plain_estimate
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -205,7 +206,7 @@ def test_prefetch_issues_each_gather_right_after_the_previous_wait(group):
     for rematerialized in (False, True):
         gathers = [n for n in nodes if str(n.target) == GATHER and node_meta.is_rematerialized(n) == rematerialized]
         assert len(gathers) == (LAYERS if rematerialized else UNITS)
-        for previous, gather in zip(gathers, gathers[1:]):
+        for previous, gather in pairwise(gathers):
             wait = next(u for u in previous.users if "wait_tensor" in str(u.target))
             between = nodes[nodes.index(wait) + 1 : nodes.index(gather)]
             # Only the gather's own buffer preparation sits between: no compute of the previous unit.

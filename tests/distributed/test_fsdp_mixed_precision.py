@@ -138,7 +138,7 @@ def test_bf16_params_close_to_torch_fully_shard(out):
     vs_fp32 = _max_diff(ours, torch.load(out / "trace.params.pt"))
     losses = json.loads((out / "fully_shard.json").read_text())["losses"]
     ours_losses = _record(out, "trace_bf16")["losses"]
-    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(ours_losses, losses))
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(ours_losses, losses, strict=True))
     print(
         f"bf16 params: max |param - fully_shard param| after {STEPS} steps {diff:.3g} (vs our fp32 run "
         f"{vs_fp32:.3g}); max relative loss difference {loss_diff:.3g}"

@@ -93,7 +93,13 @@ def whole_grads(job) -> dict[str, torch.Tensor]:
     if "fsdp" in parts:
         fsdp = parts["fsdp"]
         for unit in fsdp.units:
-            grads.update(zip(unit.param_names, _gather(unit, fsdp.group, [p.grad for p in unit.current()], None, None)))
+            grads.update(
+                zip(
+                    unit.param_names,
+                    _gather(unit, fsdp.group, [p.grad for p in unit.current()], None, None),
+                    strict=True,
+                )
+            )
     return parts["tp"].full_state(grads)
 
 

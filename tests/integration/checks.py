@@ -121,14 +121,14 @@ def _check_own_metrics(test: IntegrationTest, m: RunMetrics | None, on_cpu: bool
     if m.tb_steps != m.steps:
         failures.append(f"TensorBoard logged steps {m.tb_steps} but summary.json {m.steps}")
     else:
-        for step, tb, exact in zip(m.steps, m.tb_losses, m.losses):
+        for step, tb, exact in zip(m.steps, m.tb_losses, m.losses, strict=True):
             if bits(tb) != bits(as_float32(exact)):
                 failures.append(f"step {step}: TensorBoard loss {tb!r} is not summary.json's {exact!r} as float32")
                 break
     if exp.steps is not None and m.steps != list(range(1, exp.steps + 1)):
         failures.append(f"logged steps {m.steps}, expected 1..{exp.steps}")
     if exp.finite_loss:
-        bad = [(s, x) for s, x in zip(m.steps, m.losses) if not math.isfinite(x)]
+        bad = [(s, x) for s, x in zip(m.steps, m.losses, strict=True) if not math.isfinite(x)]
         if bad:
             failures.append(f"loss is {bad[0][1]} at step {bad[0][0]}")
     if exp.falling_loss:
@@ -149,8 +149,8 @@ def _check_own_metrics(test: IntegrationTest, m: RunMetrics | None, on_cpu: bool
     if exp.estimate_matches_measured:
         if not on_cpu:
             notes.append("estimate == measured is checked on CPU only")
-        elif m.estimated_peak_bytes is None:
-            notes.append("no memory estimate logged; estimate == measured not checked")
+        elif m.estimated_peak_bytes is None:  # memory is tracked for every test that asks: a missing one is a bug
+            failures.append("no memory estimate logged: estimate == measured cannot be checked")
         elif m.peak_active_bytes is None:
             failures.append("a memory estimate is logged but no measured peak")
         elif m.estimated_peak_bytes != m.peak_active_bytes:
@@ -196,7 +196,7 @@ def compare_bitwise(m: RunMetrics, ref: RunMetrics, ref_name: str) -> list[str]:
     """Every step's exact loss and the final parameter/gradient digests equal the reference's."""
     if m.steps != ref.steps:
         return [f"logged steps {m.steps} differ from {ref_name}'s {ref.steps}"]
-    for step, a, b in zip(m.steps, m.losses, ref.losses):
+    for step, a, b in zip(m.steps, m.losses, ref.losses, strict=True):
         if bits(a) != bits(b):
             return [f"loss at step {step} is {a!r}, {ref_name} has {b!r} (not bitwise equal)"]
     failures = []
@@ -227,7 +227,7 @@ def compare_close(m: RunMetrics, ref: RunMetrics, ref_name: str, rtol: float) ->
     """Same logged steps and every loss within `rtol` of the reference's."""
     if m.steps != ref.steps:
         return [f"logged steps {m.steps} differ from {ref_name}'s {ref.steps}"]
-    for step, a, b in zip(m.steps, m.losses, ref.losses):
+    for step, a, b in zip(m.steps, m.losses, ref.losses, strict=True):
         if not abs(a - b) <= rtol * abs(b):
             return [f"loss at step {step} is {a!r}, {ref_name} has {b!r} (beyond rtol {rtol})"]
     return []

@@ -47,7 +47,7 @@ class Expect:
     peak_ratio: PeakRatio | None = None
     bitwise_equal_to: str | None = None  # every loss and the final digests equal to this test's
     loss_close_to: tuple[str, float] | None = None  # (test, rtol): same steps, losses within rtol
-    estimate_matches_measured: bool = False  # on CPU, when an estimate is logged
+    estimate_matches_measured: bool = False  # on CPU: the logged estimate equals the measured peak (none logged fails)
     # When the (last) run exits 2 with this fragment in stderr, the feature is not
     # there yet: the test is skipped with the trainer's message as the reason.
     skip_if_rejected: str | None = None

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import run_tests
+from tests.extras import import_extra
 from tests.integration.checks import FAILED, PASSED, SKIPPED, RunOutcome, as_float32, check_test
 from tests.integration.collect import RunMetrics, collect_run
 from tests.integration.integration_tests import TESTS
@@ -153,13 +154,13 @@ def test_absolute_peak_limit():
     )
 
 
-def test_estimate_must_equal_measured_on_cpu_only_when_logged():
+def test_estimate_must_be_logged_and_equal_measured_on_cpu():
     t = decl("a", estimate_matches_measured=True)
     assert check(t, ok(metrics(LOSSES, est_bytes=1000, active_bytes=1000))).status == PASSED
     v = check(t, ok(metrics(LOSSES, est_bytes=1000, active_bytes=1504)))
     assert v.failures == ["estimated peak 1,000 B != measured 1,504 B (-504 B)"]
-    v = check(t, ok(metrics(LOSSES)))
-    assert v.status == PASSED and "no memory estimate logged" in v.notes[0]
+    v = check(t, ok(metrics(LOSSES, active_bytes=1000)))
+    assert v.status == FAILED and v.failures == ["no memory estimate logged: estimate == measured cannot be checked"]
     v = check(t, ok(metrics(LOSSES, est_bytes=1000, active_bytes=1504)), on_cpu=False)
     assert v.status == PASSED and "CPU only" in v.notes[0]
 
@@ -380,7 +381,7 @@ def _runs_with_memory() -> list[run_tests.TestRun]:
 
 
 def test_chart_is_a_png_matplotlib_reads_back(tmp_path):
-    pytest.importorskip("matplotlib")
+    import_extra("matplotlib")
     import matplotlib.image
 
     line, name = run_tests.chart_line(tmp_path, _runs_with_memory())

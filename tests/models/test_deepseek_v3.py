@@ -135,7 +135,7 @@ def test_all_tokens_to_one_expert_and_empty_experts_equal_eager_without_retrace(
             _force_expert(model, expert)
         a, b = eager(batch), graph(batch)
         assert torch.equal(a.loss, b.loss) and torch.equal(a.grad_norm, b.grad_norm)
-        for p, q in zip(eager_model.parameters(), graph_model.parameters()):
+        for p, q in zip(eager_model.parameters(), graph_model.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)
         counts = graph_model.routers()[0].tokens_per_expert
         assert torch.equal(counts, eager_model.routers()[0].tokens_per_expert)
@@ -218,7 +218,7 @@ def test_gradient_accumulation_moves_the_bias_once_per_step_as_one_big_batch(tmp
     assert any(b.any() for b in bias["trace"])  # it moved
     # The same tokens in one batch of 4 route alike, and integer counts add up exactly in fp32: the bias after 2
     # steps equals the big batch's bit for bit (a bias moved once per micro-batch would have moved twice as often).
-    for acc, big in zip(bias["trace"], bias["big"]):
+    for acc, big in zip(bias["trace"], bias["big"], strict=True):
         assert torch.equal(acc, big)
-    for a, b in zip(runs["trace"].model.routers(), runs["big"].model.routers()):
+    for a, b in zip(runs["trace"].model.routers(), runs["big"].model.routers(), strict=True):
         assert torch.equal(a.tokens_per_expert, b.tokens_per_expert) and a.tokens_per_expert.sum() == 4 * 32 * 2

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import subprocess
 import sys
@@ -20,14 +19,14 @@ import torch
 
 from graph_trainer.checkpoint.run_folder import Manifest
 from tests.checkpoint.test_run_folder import REPO, TINY, cli, one_line_error
+from tests.extras import import_extra
 
 PROFILE = ["--profiling.profile_freq", "2", "--training.steps", "2"]
 
 
 @pytest.mark.integration  # one short training run
 def test_profiling_writes_the_chrome_trace_and_the_cpu_memory_timeline_where_estimate_equals_measurement(tmp_path):
-    if os.environ.get("CI") != "true":  # a test extra that .ci/run installs: there, a missing one fails the test
-        pytest.importorskip("matplotlib")
+    import_extra("matplotlib")
     import matplotlib.image
 
     dump = tmp_path / "run"

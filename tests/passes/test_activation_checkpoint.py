@@ -4,6 +4,7 @@ static estimate == measured CPU peak for every mode, monotone peak under a shrin
 from __future__ import annotations
 
 import re
+from itertools import pairwise
 
 import pytest
 
@@ -129,7 +130,7 @@ def test_peak_never_increases_as_budget_decreases(tmp_path):
         estimated.append(est)
         measured.append(meas)
     assert estimated == measured
-    assert all(a >= b for a, b in zip(estimated, estimated[1:])), estimated
+    assert all(a >= b for a, b in pairwise(estimated)), estimated
     assert estimated[-1] < estimated[0]
 
 

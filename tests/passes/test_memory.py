@@ -259,7 +259,7 @@ def test_estimate_equals_tracker_with_inplace_optimizer():
     def step(p, m, v, x, y):
         loss, grads = _loss_and_grads(model, p, x, y, tag_backward=True)
         with torch.no_grad():
-            for (k, w), g in zip(p.items(), grads):
+            for (k, w), g in zip(p.items(), grads, strict=True):
                 w.mul_(1 - 1e-3 * 0.1)
                 m[k].lerp_(g, 0.1)
                 v[k].mul_(0.999).addcmul_(g, g, value=0.001)
@@ -276,7 +276,7 @@ def test_estimate_equals_tracker_with_inplace_optimizer():
     live = [*params.values(), *exp_avg.values(), *exp_avg_sq.values(), x, y]
     before = [t.clone() for t in params.values()]
     tracker, _ = _run_tracked(gm, (params, exp_avg, exp_avg_sq, x, y), live)
-    assert not any(torch.equal(a, b) for a, b in zip(before, params.values()))  # really updated in place
+    assert not any(torch.equal(a, b) for a, b in zip(before, params.values(), strict=True))  # really updated in place
     assert est.peak_bytes == tracker.peak_bytes
     _assert_matches_every_op(gm, est, tracker)
     at_peak = est.peak_bytes_by_category

@@ -138,7 +138,7 @@ def test_dce_keeps_in_place_optimizer_ops_and_numerics():
     expected = _run(gm, inputs)
     gm = remove_noops(dead_code_elimination(gm))
     assert sum(is_mutating(n) for n in gm.graph.nodes) == before
-    assert all(torch.equal(a, b) for a, b in zip(expected, _run(gm, inputs)))
+    assert all(torch.equal(a, b) for a, b in zip(expected, _run(gm, inputs), strict=True))
 
 
 def test_remat_is_bitwise_and_final():
@@ -152,7 +152,7 @@ def test_remat_is_bitwise_and_final():
     )
     copies = [n for n in gm.graph.nodes if node_meta.is_rematerialized(n)]
     assert copies and not any(node_meta.is_random(n) for n in copies)
-    assert all(torch.equal(a, b) for a, b in zip(expected, _run(gm, inputs)))
+    assert all(torch.equal(a, b) for a, b in zip(expected, _run(gm, inputs), strict=True))
     assert rematerialize(gm) is gm  # nothing left to decide
 
 
@@ -191,7 +191,7 @@ def test_memory_policy_transform_gives_a_users_step_the_policy_bitwise(mode):
     loss, norm = step(batch)
     loss_e, norm_e = EagerStep(eager_model, max_norm=1.0)(batch)
     assert torch.equal(loss, loss_e) and torch.equal(norm, norm_e)
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), eager_model.parameters()))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), eager_model.parameters(), strict=True))
     assert any(node_meta.is_rematerialized(n) for n in step.traced.gm.graph.nodes)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -26,6 +27,8 @@ from graph_trainer.plan.step_plan import plan_config, plan_step, with_ac_mode
 from graph_trainer.runtime.gc_pause import gc_paused
 
 REPO = Path(__file__).resolve().parents[2]
+# The 8B dry run's output, written by the command in `test_dry_run_of_8b_matches_its_golden_output...`'s docstring.
+GOLDEN_8B = REPO / "tests" / "golden" / "dry_8b.txt"
 # Activations dominate at this shape, so AC modes differ in peak.
 SMALL = ["--model.n_layers", "2", "--training.seq_len", "256", "--training.local_batch_size", "4"]
 
@@ -91,15 +94,28 @@ def _one_process() -> Mesh:
     return Mesh(ParallelDims(), 0, torch.device("cpu"))
 
 
+def _machine_free(dry_run_output: str) -> list[str]:
+    """The dry run's lines without what depends on the machine: each row's planning seconds (the column before
+    'peak at') and the memory available; what stays (peaks, saved bytes, parameters, FLOPs, where the peak is) is
+    a function of the config alone."""
+    seconds = re.compile(r"^(\S+(?:\s+[\d.,]+){4})\s+[\d.]+(\s+.*)$")  # ac mode, 4 figures, plan s, peak at
+    lines = [line for line in dry_run_output.splitlines() if not line.startswith("available on ")]
+    return [" ".join(seconds.sub(r"\1 -\2", line).split()) for line in lines]
+
+
 @pytest.mark.integration
-def test_dry_run_of_8b_is_small_and_traces_once_a_mode():
-    """Bounds what does not depend on the machine's load: the real memory the 8B plan takes and the work it
+def test_dry_run_of_8b_matches_its_golden_output_is_small_and_traces_once_a_mode():
+    """The 8B dry run prints what tests/golden/dry_8b.txt holds, but for the machine's figures (planning seconds,
+    memory available); a change of plan updates the file on purpose:
+    `python -m graph_trainer --config llama3_8b.toml --dry-run --training.device cpu > tests/golden/dry_8b.txt`.
+    Bounds what does not depend on the machine's load: the real memory the 8B plan takes and the work it
     does (one trace a mode). Its wall time is printed, not asserted (it was flaky under load)."""
     start = time.perf_counter()
-    proc = _cli("--config", "llama3_8b.toml", "--dry-run", timeout=600)
+    proc = _cli("--config", "llama3_8b.toml", "--dry-run", "--training.device", "cpu", timeout=600)
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
+    assert _machine_free(out) == _machine_free(GOLDEN_8B.read_text())
     for mode in ("none", "selective", "full", "budget"):
         assert out.count(f"\n{mode} ") == 1
     assert "8,030,261,248" in out

@@ -24,7 +24,7 @@ def test_accuracy_table_has_one_line_per_published_row(monkeypatch):
     assert saved["name"] == "reference_table" and set(saved["tables"]) == {"throughput"}
     lines = saved["tables"]["throughput"].splitlines()[2:]  # past the header and its rule
     assert len(lines) == len(published) == len(saved["data"]) == 2
-    for line, record, (label, tokens_published, _, _) in zip(lines, saved["data"], published):
+    for line, record, (label, tokens_published, _, _) in zip(lines, saved["data"], published, strict=True):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[:3] == ["8b-8", label, f"{tokens_published:,}"]
         ratio = record["predicted_tokens_per_gpu"] / tokens_published

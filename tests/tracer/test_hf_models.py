@@ -94,5 +94,5 @@ def test_hf_model_with_the_memory_policy_instead_of_its_own_checkpointing_is_bit
         loss_t, norm_t = step(hf_batch())
     assert "recomputes nothing" not in caplog.text and "took" not in caplog.text
     assert torch.equal(loss_e, loss_t) and torch.equal(norm_e, norm_t)
-    for (name, pe), pt in zip(eager_model.named_parameters(), model.parameters()):
+    for (name, pe), pt in zip(eager_model.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(pe.grad, pt.grad), name

@@ -15,8 +15,9 @@ import torch.nn as nn
 
 from graph_trainer.eager.step import EagerStep
 from graph_trainer.tracer import GraphStep, TraceError
+from tests.extras import import_extra
 
-transformers = pytest.importorskip("transformers")
+transformers = import_extra("transformers")
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def _traced_equals_eager(experts: str, dtype: torch.dtype) -> GraphStep:
     step = GraphStep(graph_model, loss_fn=hf_loss)
     b = step(hf_batch())
     assert torch.equal(a.loss, b.loss) and torch.equal(a.grad_norm, b.grad_norm)
-    for (name, p), q in zip(eager_model.named_parameters(), graph_model.parameters()):
+    for (name, p), q in zip(eager_model.named_parameters(), graph_model.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
     return step
 

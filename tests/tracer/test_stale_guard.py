@@ -70,7 +70,7 @@ def _assert_step_bitwise(model_e: nn.Module, eager: EagerStep, model_t: nn.Modul
     torch.manual_seed(seed)
     loss_t = graph(_batch(seed)).loss
     assert torch.equal(loss_e, loss_t), (loss_e.item(), loss_t.item())
-    for (name, pe), pt in zip(model_e.named_parameters(), model_t.parameters()):
+    for (name, pe), pt in zip(model_e.named_parameters(), model_t.parameters(), strict=True):
         assert torch.equal(pe.grad, pt.grad), name
 
 
@@ -112,7 +112,7 @@ def test_nothing_changed_no_retrace_and_only_what_forward_read_is_guarded():
     model_t.blocks[0].unused = -1.0  # forward never reads it: the graph does not depend on it
     graph(_batch())
     assert graph.stats.count == 1 and not graph.stats.reasons
-    guarded = set(zip(graph.traced.guard.fqns, graph.traced.guard.names))
+    guarded = set(zip(graph.traced.guard.fqns, graph.traced.guard.names, strict=True))
     assert ("blocks.0", "temperature") in guarded and ("blocks.0.drop", "training") in guarded
     assert ("blocks.0", "unused") not in guarded and ("", "training") not in guarded  # Stack.forward reads no flag
 

@@ -127,7 +127,7 @@ def assert_bitwise(eager, traced):
     assert torch.equal(loss_e, loss_t), (loss_e.item(), loss_t.item())
     assert torch.equal(norm_e, norm_t)
     assert len(grads_e) == len(grads_t)
-    for i, (ge, gt) in enumerate(zip(grads_e, grads_t)):
+    for i, (ge, gt) in enumerate(zip(grads_e, grads_t, strict=True)):
         assert torch.equal(ge, gt), f"grad {i} differs"
 
 
@@ -297,7 +297,7 @@ def test_optimizer_in_graph_matches_torch_adamw_over_five_steps():
         sched_t.step()
         assert torch.equal(loss_e, loss_t), f"step {i}"
     assert graph.stats.count == 1
-    for pe, pt in zip(model_e.parameters(), model_t.parameters()):
+    for pe, pt in zip(model_e.parameters(), model_t.parameters(), strict=True):
         assert torch.equal(pe, pt)
         se, st = opt_e.state[pe], opt_t.state[pt]
         for key in ("step", "exp_avg", "exp_avg_sq"):

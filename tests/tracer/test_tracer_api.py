@@ -101,7 +101,7 @@ def test_mapping_batch_with_python_constants_traces_and_matches_eager():
     eager_loss = _scaled_loss(model, batch)
     eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()))
     assert torch.equal(loss, eager_loss.detach())
-    assert all(torch.equal(g, e) for g, e in zip(grads, eager_grads))
+    assert all(torch.equal(g, e) for g, e in zip(grads, eager_grads, strict=True))
     # The constant is specialized on: a new value retraces, with the reason.
     step(Encoding({"input_ids": ids, "labels": ids.roll(1, 1), "scale": 4}))
     assert step.stats.count == 2 and "scale" in step.stats.reasons[0]
@@ -130,7 +130,7 @@ def test_frozen_parameters_get_no_gradient_and_the_rest_is_bitwise_equal_to_eage
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     eager, traced = eager_and_traced(model, make_batch(96))
     grads_e, grads_t = eager[2], traced[2]
-    assert all(g is None for g, (_, p) in zip(grads_t, model.named_parameters()) if not p.requires_grad)
+    assert all(g is None for g, (_, p) in zip(grads_t, model.named_parameters(), strict=True) if not p.requires_grad)
     assert [g is None for g in grads_e] == [g is None for g in grads_t]
     assert_bitwise(
         (eager[0], eager[1], [g for g in grads_e if g is not None]),
@@ -152,7 +152,7 @@ def test_optimizer_over_trainable_parameters_in_graph_matches_torch_adamw_and_le
         loss_t, _ = graph(batch)
         assert torch.equal(loss_e, loss_t), f"step {i}"
     assert graph.stats.count == 1
-    for (name, pe), pt in zip(model_e.named_parameters(), model_t.parameters()):
+    for (name, pe), pt in zip(model_e.named_parameters(), model_t.parameters(), strict=True):
         assert torch.equal(pe, pt), name
         assert (pt.grad is None) == (name in frozen_before), name
     for name, before in frozen_before.items():

@@ -1,0 +1,77 @@
+"""One rule for the whole suite: under CI=true, a skip is a failure unless it is legitimate.
+
+A test that skips because a package or module is missing (`pytest.importorskip`, `tests.extras.import_extra`,
+a `skipif` on a missing backend) passes by not running: on a developer's machine that is a convenience, in CI
+it hides that the promise was never checked. `.ci/run` installs the `test` extra and pins torch, so there every
+optional package and every torch module the tests use is present, and a skip for want of one is a failure.
+
+Legitimate skips, the only ones CI=true lets through (each is impossible on CI's CPU machine, not merely
+missing a package):
+- a GPU test, when this machine has no CUDA device: its reason names CUDA or a GPU, and
+  `torch.cuda.is_available()` is False. On a machine with CUDA the same skip fails.
+- a parametrized case that the test's own layout does not train (`tests/distributed/test_fsdp.py`: a run
+  trained at 2 ranks only, asked of the 4-rank layout).
+- an API that the installed transformers does not have (`tests/tracer/test_hf_models.py`: a version without
+  one of its checkpointing methods): the package is there, the method is not, and the test has nothing to
+  refuse.
+Everything else is not: a missing package, a torch module that moved, no gloo backend, no torch.distributed.
+A new legitimate skip is added to LEGITIMATE below, with its reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+# A skip whose reason names CUDA or a GPU: legitimate only where there is no CUDA device.
+GPU_SKIP = r"\b(CUDA|GPU)\b"
+# (pattern searched in the skip's reason, why that skip is legitimate on CI's machine)
+LEGITIMATE: tuple[tuple[str, str], ...] = (
+    (r" is trained at \d+ ranks only$", "a case the test's layout does not train"),
+    (r"^transformers \S+ has no \w+\(\)$", "an API the installed transformers does not have"),
+)
+
+
+def skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    """The reason a skipped report gives, without pytest's 'Skipped: ' prefix."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def is_legitimate(reason: str) -> bool:
+    """Whether a skip for `reason` is allowed under CI=true (see the module's docstring)."""
+    if re.search(GPU_SKIP, reason):
+        return not torch.cuda.is_available()
+    return any(re.search(pattern, reason) for pattern, _why in LEGITIMATE)
+
+
+def fail_illegitimate_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Under CI=true, turn a skipped report whose reason is not legitimate into a failure naming it."""
+    if os.environ.get("CI") != "true" or not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = skip_reason(report)
+    if is_legitimate(reason):
+        return
+    report.outcome = "failed"
+    report.longrepr = (
+        f"skipped under CI=true: {reason}. CI installs the test extra and pins torch, so this test must run there; "
+        "if the skip is legitimate, add its reason to LEGITIMATE in tests/conftest.py"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A test's skip (from a skipif marker, importorskip or pytest.skip in setup or body)."""
+    outcome = yield
+    fail_illegitimate_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """A whole module's skip (importorskip at module level, pytest.skip(allow_module_level=True))."""
+    outcome = yield
+    fail_illegitimate_skip(outcome.get_result())
