@@ -23,6 +23,7 @@ from models.deepseek_v3.model import DeepSeekV3
 from models.deepseek_v3.model import ModelArgs as DeepSeekArgs
 from models.llama3.model import ModelArgs as LlamaArgs
 from models.llama3.model import Transformer
+from tests.extras import import_extra
 from tests.passes.test_activation_checkpoint import _measure as measure_traced_step
 from tests.tiny import TINY
 
@@ -53,7 +54,7 @@ def _check_ids_follow_eos(batch: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("source", ["jsonl", "hf_datasets"])
 def test_loaders_emit_document_ids_at_the_boundaries_and_resume_exactly(tmp_path, source):
     if source == "hf_datasets":
-        pytest.importorskip("datasets")
+        import_extra("datasets")
     path = str(short_documents(tmp_path / "docs.jsonl"))
     kw = dict(batch_size=2, seq_len=32, seed=0)
     build = lambda **extra: build_dataloader(source, path, BYTE, **kw, **extra)  # noqa: E731
