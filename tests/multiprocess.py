@@ -211,7 +211,9 @@ def train_dtensor_tp(cfg: Any, world: int) -> tuple[list[float], dict]:
     layer_plan = {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            # (x, cos, sin, mask): only x is sharded (over the sequence); the mask is None without document masking
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
         ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
