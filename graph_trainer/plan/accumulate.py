@@ -6,7 +6,9 @@ A step of k micro-batches of `local_batch` sequences runs the graph of one micro
 top of that graph's own peak is alive from before the first micro-step to after the last, so it adds to every
 point of the graph and leaves the peak where it was:
 - the other k-1 micro-batches of the step's batch (the loader hands the step its whole batch);
-- the step's valid-token count, one 4-byte scalar every micro-step's loss divides by;
+- the step's valid-token count, one float32 scalar every micro-step's loss divides by;
+- the losses of the micro-steps already run, one float32 scalar each, kept for the step's sum (`step.sum_losses`):
+  k-1 of them during the last micro-step, where the peak therefore is;
 - the gradient accumulator: the sharded gradients, one per parameter shard (the bytes of the parameters the
   rank holds: gradients take the parameters' dtype);
 - with `parallelism.fsdp_grad_sync = "step"`, each FSDP unit's whole gradient sum as well (dp_shard times the
@@ -30,20 +32,24 @@ from __future__ import annotations
 
 import dataclasses
 
+from graph_trainer.observability.memory import allocated_bytes
 from graph_trainer.plan.step_plan import StepPlan
 
-TOKEN_COUNT_BYTES = 4  # the step's valid-token count (a scalar input of every micro-step)
+SCALAR_BYTES = 4  # a float32 scalar: the step's valid-token count, or one micro-step's loss
 ONCE_PER_STEP = ("fsdp all_reduce", "dp_replicate all_reduce")  # the norm; replication averages accumulated grads
 
 
-def accumulated(plan: StepPlan, steps: int, grad_sync: str, dp_shard: int) -> StepPlan:
-    """The plan of a step of `steps` micro-batches whose one micro-batch's plan (no accumulation) is `plan`."""
+def accumulated(plan: StepPlan, steps: int, grad_sync: str, dp_shard: int, device_type: str = "cpu") -> StepPlan:
+    """The plan of a step of `steps` micro-batches whose one micro-batch's plan (no accumulation) is `plan`, on a
+    device of `device_type` (CUDA's allocator rounds each scalar up to a block)."""
     if steps == 1:
         return plan
     cats = plan.peak_by_category
+    scalar = allocated_bytes(SCALAR_BYTES, device_type)
     extra = {
         "other_inputs": (steps - 1) * cats.get("batch", 0),
-        "batch": TOKEN_COUNT_BYTES,
+        "batch": scalar,
+        "output": (steps - 1) * scalar,
         "gradient": cats.get("parameter", 0),
     }
     if grad_sync == "step" and dp_shard > 1:

@@ -374,7 +374,7 @@ def screen(cfg: JobConfig, cluster: Cluster, cands: list[Candidate], efficiency:
         if isinstance(plan, UserError):
             plans.fail(cand, "screen", plan)
             continue
-        out.append(_screened(cluster, cand, ref, plan, efficiency))
+        out.append(_screened(cluster, cand, ref, plan, efficiency, plans.device.type))
     return out
 
 
@@ -402,13 +402,13 @@ def _ref(c: Candidate) -> Candidate:
     )
 
 
-def _screened(cluster, cand: Candidate, ref: Candidate, p: StepPlan, efficiency) -> Screened:
+def _screened(cluster, cand: Candidate, ref: Candidate, p: StepPlan, efficiency, device_type: str) -> Screened:
     d, r = dict(cand.degrees), dict(ref.degrees)
     scale = r.get("dp_shard", 1) / d.get("dp_shard", 1)
     sharded = sum(p.peak_by_category.get(k, 0) for k in SHARDED)
     cats = {**p.peak_by_category, **{k: int(p.peak_by_category[k] * scale) for k in SHARDED if k in p.peak_by_category}}
     micro = dataclasses.replace(p, peak_bytes=p.peak_bytes + int(sharded * scale) - sharded, peak_by_category=cats)
-    plan = accumulated(micro, cand.accumulation, cand.grad_sync, d.get("dp_shard", 1))
+    plan = accumulated(micro, cand.accumulation, cand.grad_sync, d.get("dp_shard", 1), device_type)
     comm = dict(plan.comm_bytes)
     if d.get("dp_replicate", 1) > 1:  # the references replicate nothing: the gradients' all-reduce, once a step
         comm["dp_replicate all_reduce"] = p.num_params * 4 // (d.get("dp_shard", 1) * d.get("tp", 1))
@@ -427,7 +427,7 @@ def plan_exactly(cfg: JobConfig, cluster: Cluster, rows: list[Screened], efficie
             plans.fail(c, "exact", plan)
             continue
         d = dict(c.degrees)
-        row.exact = accumulated(plan, c.accumulation, c.grad_sync, d.get("dp_shard", 1))
+        row.exact = accumulated(plan, c.accumulation, c.grad_sync, d.get("dp_shard", 1), plans.device.type)
         row.exact_time = step_time(
             cluster, row.exact.flops, row.exact.comm_bytes, {**d, "ep": c.ep}, efficiency, c.prefetch
         )

@@ -87,8 +87,11 @@ def plan_step(job: Job, *, log_passes: bool = False) -> StepPlan:
     with contextlib.nullcontext() if log_passes else quiet():  # other modes' plans would only add noise
         step.prepare(meta_batch(job.cfg))
     elapsed = time.perf_counter() - start
+    # The plan reads the whole step's estimate; the graph the trainer reuses keeps its own (with accumulation the
+    # micro graph's, which the trainer widens itself: handing it the widened one counted the other micro-batches twice).
     result = Transformed(step.traced, step.step_estimate())
-    return plan_of(job, result, elapsed, blocks_traced=job.model.args.n_layers, flops=_step_flops(step))
+    own = Transformed(step.traced, step.memory_estimate)
+    return plan_of(job, result, elapsed, blocks_traced=job.model.args.n_layers, flops=_step_flops(step), graph=own)
 
 
 def meta_batch(cfg: JobConfig) -> dict[str, torch.Tensor]:
@@ -216,10 +219,17 @@ def finish_plan(
 
 
 def plan_of(
-    job: Job, result: Transformed, trace_time_s: float, *, blocks_traced: int, flops: int | None = None
+    job: Job,
+    result: Transformed,
+    trace_time_s: float,
+    *,
+    blocks_traced: int,
+    flops: int | None = None,
+    graph: Transformed | None = None,
 ) -> StepPlan:
     """The plan of `job`'s step from its transformed trace (the final graph and its memory estimate). `flops`:
-    the step's, when it is more than this graph's (gradient accumulation runs it once per micro-batch)."""
+    the step's, when it is more than this graph's (gradient accumulation runs it once per micro-batch). `graph`:
+    the graph with its own estimate for the trainer to reuse, when `result`'s estimate is the whole step's."""
     traced, est = result.traced, result.memory_estimate
     device = job.device
     # The trace is of a batch on the meta device; the step's batches live on `device`.
@@ -241,7 +251,7 @@ def plan_of(
         comm=communication_bytes(traced.gm),
         trace_time_s=trace_time_s,
         blocks_traced=blocks_traced,
-        step_graph=Transformed(traced, result.memory_estimate),
+        step_graph=graph or Transformed(traced, result.memory_estimate),
         where=f"{est.peak_node} ({est.peak_op}){module}",  # as before the depth-free plan (golden files hold it)
     )
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 from graph_trainer.errors import UserError
 from graph_trainer.loss import NUM_TOKENS, lm_loss
 from graph_trainer.observability.log import get_logger
+from graph_trainer.observability.memory import allocated_bytes
 from graph_trainer.optimizer.adamw import adamw_implementation
 from graph_trainer.optimizer.update_memory import EagerUpdate, accumulated_estimate, whole_step_peak
 from graph_trainer.step import CountReduce, GraphNode, StepOutput, StepReport, micro_batches, sum_losses
@@ -291,11 +292,14 @@ class GraphStep:
         est = self.memory_estimate
         if self.update is None or est is None or self.update.memory_estimate is None:
             return est
-        # Alive outside the micro graph: the traced update's optimizer state, the other micro-batches' tokens.
+        # Alive outside the micro graph: the traced update's optimizer state, the other micro-batches' tokens, and
+        # during the last micro-step the earlier micro-steps' losses (float32 scalars kept for `sum_losses`).
         state = _nbytes(self.optimizer.state_tensors()) if self.optimizer is not None else 0
         others = self._batch_bytes - self._batch_bytes // self.accumulation_steps
+        device = self.device or self._params[0].device
+        losses = (self.accumulation_steps - 1) * allocated_bytes(4, device.type)
         return accumulated_estimate(
-            est, self.update.memory_estimate, micro_extra=state + others, update_extra=self._batch_bytes
+            est, self.update.memory_estimate, micro_extra=state + others + losses, update_extra=self._batch_bytes
         )
 
     def __call__(self, batch: Any) -> StepOutput:

@@ -93,6 +93,7 @@ def test_the_best_cpu_plan_runs_through_its_command_at_the_planned_peak(tmp_path
         # it by no more than what gloo's worker thread freed late that step (tests/multiprocess.assert_peaks_match).
         late = step.get("late_free_bytes", 0)
         assert step["peak_active_bytes"] == planned or 0 < step["peak_active_bytes"] - planned <= late, step
+        assert step["estimated_peak_bytes"] == planned, step  # the trainer's own estimate is the plan's
 
 
 @pytest.mark.parametrize(("sync", "tp"), [("micro_batch", 1), ("step", 1), ("micro_batch", 2)])
