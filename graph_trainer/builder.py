@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from graph_trainer.checkpoint.hf import Pretrained
 from graph_trainer.data.hf_datasets import SequentialPackedLoader, Shuffle
-from graph_trainer.data.loader import PackedBatchLoader, build_dataloader
+from graph_trainer.data.loader import CHAT_SOURCE, PackedBatchLoader, build_dataloader
 from graph_trainer.data.tokenizer import Tokenizer, build_tokenizer
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import ParallelModel
@@ -132,6 +132,7 @@ def build_data(cfg: JobConfig, mesh: Mesh) -> JobData:
         text_column=d.text_column,
         streaming=d.streaming,
         document_masking=d.document_masking,
+        chat_template=d.chat_template,
     )
     validation, held_out = None, None
     if cfg.validation.enable:
@@ -341,6 +342,8 @@ class Job:
             "accumulation_steps": accumulation_steps(self.cfg),
             "count_reduce": self.parallel.count_reduce(),
             "step_update": self.spec.step_update,  # once per step, after every micro-batch: a MoE's balancing bias
+            # Masked labels (instruction data): the global batch's count divides the loss, accumulating or not.
+            "count_tokens": self.cfg.data.source == CHAT_SOURCE,
         }
 
     def graph_step(

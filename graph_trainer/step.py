@@ -81,6 +81,14 @@ def micro_batches(batch: dict[str, Any], steps: int, count_reduce: CountReduce |
     return [{**pytree.tree_unflatten([p[i] for p in parts], spec), NUM_TOKENS: count} for i in range(steps)]
 
 
+def with_token_count(batch: dict[str, Any], count_reduce: CountReduce | None) -> dict[str, Any]:
+    """`batch` with `NUM_TOKENS`, the step's count of counted labels over every data-parallel rank (mapped by
+    `count_reduce`, as for `micro_batches`): a step without accumulation whose labels are masked (instruction data)
+    then divides its summed loss by the global batch's count, not by its own (a mean of means is wrong when the
+    ranks count different numbers of tokens)."""
+    return micro_batches(batch, 1, count_reduce)[0]
+
+
 def sum_losses(losses: list[torch.Tensor]) -> torch.Tensor:
     """The step's loss from its micro-batches' (each already a share of the step's mean), added in order."""
     total = losses[0]

@@ -90,15 +90,18 @@ def _commands(text: str) -> list[str]:
     return [" ".join(shlex.split(c, comments=True)) if "#" in c else c for c in found]
 
 
-def first_bash_block(page: Path) -> list[str]:
-    """The commands of the first ```bash block of `page`."""
-    body = next(body for lang, body in FENCE.findall(page.read_text()) if lang == "bash")
+def first_bash_block(page: Path, holding: str = "") -> list[str]:
+    """The commands of the first ```bash block of `page` (that holds `holding`)."""
+    body = next(body for lang, body in FENCE.findall(page.read_text()) if lang == "bash" and holding in body)
     return _commands(f"```bash\n{body}```\n")
 
 
 # The Hugging Face round trip runs verbatim, one command after the other, in tests/checkpoint/test_hf_weights.py.
 HF_ROUND_TRIP = first_bash_block(REPO / "docs" / "hf_weights.md")
 RUN_ELSEWHERE.update(dict.fromkeys(HF_ROUND_TRIP, "tests/checkpoint/test_hf_weights.py"))
+# So does the README's chat fine-tune (a stand-in instruct model and chats, trained, exported), in test_chat.py.
+CHAT_FINETUNE = first_bash_block(REPO / "README.md", "examples/make_chat_model.py")
+RUN_ELSEWHERE.update(dict.fromkeys(CHAT_FINETUNE, "tests/data/test_chat.py"))
 
 
 def all_commands() -> list[tuple[str, str]]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from graph_trainer.data import chat
 from graph_trainer.data.hf_datasets import SOURCE as HF_SOURCE
 from graph_trainer.data.hf_datasets import Gather, SequentialPackedLoader, Shuffle, build_hf_loader
 from graph_trainer.data.packing import packed_batch, stream_document_ids
@@ -136,8 +137,26 @@ DOCUMENT_SOURCES: dict[str, Callable[[str], Iterator[str]]] = {
     "text": text_documents,
     "jsonl": jsonl_documents,
 }
+CHAT_SOURCE = "chat"  # instruction rows whose answers alone count (graph_trainer.data.chat)
 # The in-memory sources, then the one read with Hugging Face datasets (graph_trainer.data.hf_datasets).
-SOURCES = (*sorted([*DOCUMENT_SOURCES, "synthetic"]), HF_SOURCE)
+SOURCES = (*sorted([*DOCUMENT_SOURCES, CHAT_SOURCE, "synthetic"]), HF_SOURCE)
+
+
+def infer_source(path: str) -> str:
+    """The source that reads `path` when `data.path` is given without `data.source`: "chat" for instruction rows
+    (`chat.is_instruction_data`), "jsonl" for .jsonl text, "hf_datasets" for parquet, json or arrow files (or a
+    folder of them), else "text" (which refuses a path that is not text in its own words)."""
+    if chat.is_instruction_data(path):
+        return CHAT_SOURCE
+    root = Path(path).expanduser()
+    suffixes = {root.suffix} if root.is_file() else {f.suffix for f in root.rglob("*") if f.is_file()}
+    if root.is_dir() and any((root / m).is_file() for m in ("dataset_info.json", "state.json")):
+        return HF_SOURCE
+    if ".jsonl" in suffixes and suffixes <= {".jsonl"}:
+        return "jsonl"
+    if suffixes & {".parquet", ".json", ".arrow"}:
+        return HF_SOURCE
+    return "text"
 
 
 def holdout_documents(documents: Iterator[str], every: int, held_out: bool) -> Iterator[str]:
@@ -213,6 +232,7 @@ class PackedBatchLoader:
         rank: int = 0,
         world_size: int = 1,
         document_starts: torch.Tensor | None = None,
+        counted: torch.Tensor | None = None,
     ) -> None:
         if windows.dim() != 2 or windows.shape[1] < 2:
             raise ValueError(f"windows must be [num_windows, seq_len + 1], seq_len >= 1; got {tuple(windows.shape)}")
@@ -224,6 +244,7 @@ class PackedBatchLoader:
         self.rank = rank
         self.world_size = world_size
         self.document_starts = document_starts  # sorted stream offsets of the documents (None: no document ids)
+        self.counted = counted  # bool, the windows' shape: which tokens count as labels (None: all of them)
         # Same count on every rank, so collectives stay in step at epoch ends.
         self.batches_per_epoch = windows.shape[0] // batch_size // world_size
         if self.batches_per_epoch == 0:
@@ -262,11 +283,12 @@ class PackedBatchLoader:
         start = global_batch * self.batch_size
         idx = self._permutation(self.epoch)[start : start + self.batch_size]
         self.batch_index += 1
+        counted = None if self.counted is None else self.counted[idx]
         if self.document_starts is None:
-            return packed_batch(self.windows[idx])
+            return packed_batch(self.windows[idx], counted=counted)
         width = self.windows.shape[1]  # window w holds the stream's tokens w * width .. (w + 1) * width - 1
         offsets = idx[:, None] * width + torch.arange(width)
-        return packed_batch(self.windows[idx], stream_document_ids(self.document_starts, offsets))
+        return packed_batch(self.windows[idx], stream_document_ids(self.document_starts, offsets), counted)
 
     def state_dict(self) -> dict[str, int]:
         """Position in the data: the current epoch and how many of its batches this rank has taken."""
@@ -305,6 +327,7 @@ def build_dataloader(
     shuffle: Shuffle | None = None,
     option: str = "data.path",
     document_masking: bool = False,
+    chat_template: str = "",
 ) -> PackedBatchLoader | SequentialPackedLoader:
     """Read `source` (see `SOURCES`), tokenize and pack it, and return this rank's loader.
 
@@ -315,7 +338,8 @@ def build_dataloader(
     validation split rule (`holdout_documents`); `shuffle` draws each pass's row order of "hf_datasets" (the other
     sources always visit their windows in an order drawn from `seed`); `option` names `path` in messages.
     `document_masking` adds each row's document ids to the batches (graph_trainer.data.packing); synthetic tokens
-    are one document.
+    are one document. "chat" reads instruction rows (graph_trainer.data.chat), rendered with `chat_template` or the
+    tokenizer folder's template.
     """
     if batch_size < 1:
         raise ConfigError(f"training.local_batch_size must be >= 1, got {batch_size}")
@@ -337,6 +361,9 @@ def build_dataloader(
             option=option,
             document_ids=document_masking,
         )
+    if source == CHAT_SOURCE:
+        return _instruction_loader(path, tokenizer, batch_size, seq_len, seed, rank, world_size, holdout, option,
+                                   document_masking, chat_template)  # fmt: skip
     starts = torch.zeros(1, dtype=torch.long)
     if source == "synthetic":
         num_windows = batch_size * world_size * SYNTHETIC_BATCHES_PER_RANK
@@ -373,4 +400,40 @@ def build_dataloader(
         rank=rank,
         world_size=world_size,
         document_starts=starts if document_masking else None,
+    )
+
+
+def _instruction_loader(
+    path: str,
+    tokenizer: Tokenizer,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    holdout: tuple[int, bool] | None,
+    option: str,
+    document_masking: bool,
+    chat_template: str,
+) -> PackedBatchLoader:
+    """The loader of instruction rows: whole rows packed into windows (`chat.packed_instructions`), visited as the
+    other in-memory sources visit theirs."""
+    packed = chat.packed_instructions(
+        path, tokenizer, seq_len, template_path=chat_template, holdout=holdout, option=option
+    )
+    needed = batch_size * world_size
+    if packed.windows.shape[0] < needed:
+        ranks = f" on each of {world_size} ranks" if world_size > 1 else ""
+        raise UserError(
+            f"{option} '{path}' packs into {packed.windows.shape[0]} windows of seq_len {seq_len} + 1 tokens but one "
+            f"batch needs {needed} ({batch_size}{ranks}); use a smaller training.local_batch_size or more rows"
+        )
+    return PackedBatchLoader(
+        packed.windows,
+        batch_size=batch_size,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        document_starts=packed.document_starts if document_masking else None,
+        counted=packed.counted,
     )

@@ -14,13 +14,20 @@ import torch
 
 # The batch key of the document ids; graph_trainer.loss.DOCUMENT_IDS reads it under the same name.
 DOCUMENT_IDS = "document_ids"
+# The label of a token that does not count in the loss: graph_trainer.loss.IGNORE_INDEX, torch's default.
+IGNORE_LABEL = -100
 
 
-def packed_batch(windows: torch.Tensor, window_document_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def packed_batch(
+    windows: torch.Tensor, window_document_ids: torch.Tensor | None = None, counted: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """`{"input", "labels"}` (LongTensor [B, S]) of windows [B, S + 1], plus `DOCUMENT_IDS` of the input tokens
-    when `window_document_ids` ([B, S + 1], any integers that change exactly where a document starts) is given."""
+    when `window_document_ids` ([B, S + 1], any integers that change exactly where a document starts) is given.
+    With `counted` (bool [B, S + 1]: the token is one the model learns to say) the others' labels are
+    `IGNORE_LABEL`."""
     tokens = windows.long()
-    batch = {"input": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+    labels = tokens[:, 1:] if counted is None else torch.where(counted[:, 1:], tokens[:, 1:], IGNORE_LABEL)
+    batch = {"input": tokens[:, :-1].contiguous(), "labels": labels.contiguous()}
     if window_document_ids is not None:
         ids = window_document_ids[:, :-1].long()
         batch[DOCUMENT_IDS] = (ids - ids[:, :1]).contiguous()  # each row's first document is 0

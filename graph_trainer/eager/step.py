@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from graph_trainer.loss import lm_loss
 from graph_trainer.optimizer.clip import clip_grads_
-from graph_trainer.step import CountReduce, StepOutput, StepReport, micro_batches, sum_losses
+from graph_trainer.step import CountReduce, StepOutput, StepReport, micro_batches, sum_losses, with_token_count
 from graph_trainer.tracer.capture import GradReduce, LossFn, NormReduce, StepUpdate
 
 
@@ -42,8 +42,10 @@ class EagerStep:
         accumulation_steps: int = 1,
         count_reduce: CountReduce | None = None,
         step_update: StepUpdate | None = None,
+        count_tokens: bool = False,
     ):
         self.model = model
+        self.count_tokens = count_tokens  # as GraphStep's: the global count divides the loss without accumulation
         self.step_update = step_update
         self.accumulation_steps, self.count_reduce = accumulation_steps, count_reduce
         self.loss_fn = loss_fn
@@ -66,7 +68,7 @@ class EagerStep:
         for p in self._params:
             p.grad = None
         if self.accumulation_steps == 1:
-            loss = self.loss_fn(self.model, batch)
+            loss = self.loss_fn(self.model, with_token_count(batch, self.count_reduce) if self.count_tokens else batch)
             loss.backward()
         else:
             losses = []

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graph_trainer.errors import ConfigError, did_you_mean
+from graph_trainer.job_config.data_source import apply_data_source
 from graph_trainer.job_config.load import (
     apply_toml,
     canonical_key,
@@ -196,6 +197,7 @@ def build_config(opts: CliOptions) -> JobConfig:
         set_value(getattr(cfg, sec_name), sec_name, name, value, fields, "")
         given.add(f"{sec_name}.{canonical_key(sec_name, name)}")
     apply_pretrained_config(cfg, given)  # the folder is the model: before the checks that read the model
+    apply_data_source(cfg, given)  # the data path is the data: its files pick the source
     validate(cfg)
     return cfg
 

@@ -99,13 +99,13 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"optimizer.betas must be a list of 2 floats, got {cfg.optimizer.betas!r}")
 
     data = cfg.data
-    file_sources = ("text", "jsonl", "hf_datasets")
+    file_sources = ("text", "jsonl", "chat", "hf_datasets")
     if data.source in file_sources and not data.path:
         raise ConfigError(f"data.path is required for data.source = '{data.source}': set --data.path to the input file")
     if data.source not in file_sources and data.path:
         raise ConfigError(
             f"data.path is set ({data.path!r}) but data.source = '{data.source}' does not "
-            f"read files: set --data.source text, jsonl or hf_datasets, or clear data.path"
+            f"read files: set --data.source text, jsonl, chat or hf_datasets, or clear data.path"
         )
     if not data.tokenizer:
         raise ConfigError("data.tokenizer must be 'byte' or a path to a tokenizer.json, got ''")

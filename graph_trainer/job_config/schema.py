@@ -146,11 +146,16 @@ class LRSchedulerConfig:
 class DataConfig:
     source: str = _opt(
         "embedded",
-        "training text: embedded corpus, a text file, a jsonl file, random tokens, or parquet/json/arrow files "
-        "read with Hugging Face datasets",
-        choices=("embedded", "text", "jsonl", "synthetic", "hf_datasets"),
+        "training text: embedded corpus, a text file, a jsonl file, instruction or chat rows (jsonl/json/parquet: "
+        "only the answers count in the loss), random tokens, or parquet/json/arrow files read with Hugging Face "
+        "datasets",
+        choices=("embedded", "text", "jsonl", "chat", "synthetic", "hf_datasets"),
     )
-    path: str = _opt("", "input file or folder (required for source text|jsonl|hf_datasets)")
+    path: str = _opt(
+        "",
+        "input file or folder (required for source text|jsonl|chat|hf_datasets); given without data.source, the "
+        "source is the one its files need: instruction rows (messages, or prompt and completion) are 'chat'",
+    )
     tokenizer: str = _opt("byte", "'byte' (256 bytes + BOS/EOS) or a path to a HF tokenizer.json")
     text_column: str = _opt("text", "hf_datasets: the column that holds the text")
     streaming: bool = _opt(False, "hf_datasets: stream the files (IterableDataset) instead of loading them")
@@ -160,12 +165,18 @@ class DataConfig:
         "shuffle their windows)",
     )
     shuffle_buffer: int = _opt(10_000, "hf_datasets with data.streaming: rows a stream is shuffled within", ge=1)
+    chat_template: str = _opt(
+        "",
+        "chat: a Jinja chat template file for rows of messages; empty: the tokenizer folder's (chat_template.jinja, "
+        "or chat_template in tokenizer_config.json)",
+    )
     # torchtitan has no job option for this: its models choose `attn_mask_type = "block_causal"` in their own
     # arguments (documents cut at the EOS id), so there is no alias to declare here.
     document_masking: bool = _opt(
         False,
         "packed documents do not see each other: each attends only within itself and its RoPE positions restart at 0 "
-        "(each batch carries its rows' document ids, so moving boundaries never retrace the step)",
+        "(each batch carries its rows' document ids, so moving boundaries never retrace the step); on by default for "
+        "data.source chat",
     )
 
 

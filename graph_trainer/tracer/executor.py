@@ -27,7 +27,15 @@ from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.memory import allocated_bytes
 from graph_trainer.optimizer.adamw import adamw_implementation
 from graph_trainer.optimizer.update_memory import EagerUpdate, accumulated_estimate, whole_step_peak
-from graph_trainer.step import CountReduce, GraphNode, StepOutput, StepReport, micro_batches, sum_losses
+from graph_trainer.step import (
+    CountReduce,
+    GraphNode,
+    StepOutput,
+    StepReport,
+    micro_batches,
+    sum_losses,
+    with_token_count,
+)
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import (
     GradReduce,
@@ -113,6 +121,8 @@ class GraphStep:
             accumulator (zeros at the start of the step), then "update" reduces (`grad_reduce`, once), clips and
             updates on the sums. Neither depends on the number of micro-batches.
         count_reduce: maps this rank's count of valid tokens to its loss divisor (see `step.micro_batches`).
+        count_tokens: without accumulation too, divide the summed loss by the global batch's count of counted
+            tokens (`step.with_token_count`): for data whose labels are masked.
         step_update: the model's once-per-step buffer update, traced after the gradients (see `trace_step`): into
             the step graph, or with accumulation into the update graph (once per step, after every micro-batch).
     """
@@ -135,6 +145,7 @@ class GraphStep:
         accumulation_steps: int = 1,
         count_reduce: CountReduce | None = None,
         step_update: StepUpdate | None = None,
+        count_tokens: bool = False,
     ):
         if on_shape_change not in ("retrace", "error"):
             raise UserError(f"compile.on_shape_change: expected retrace|error, got {on_shape_change!r}")
@@ -155,6 +166,7 @@ class GraphStep:
         self._reusable: tuple[Transformed, str] | None = None  # (a trace made elsewhere, by whom): see reuse_trace
         self.layers = layers
         self.accumulation_steps, self.count_reduce = accumulation_steps, count_reduce
+        self.count_tokens = count_tokens
         self.step_update = step_update
         self.update: Transformed | None = None  # the "update" part of an accumulated step, traced on first use
         self._batch_bytes = 0  # the trainer's whole batch (every micro-batch), alive throughout the step
@@ -281,10 +293,11 @@ class GraphStep:
 
         With accumulation the graph is traced on the first micro-batch's shapes, the token count a stand-in."""
         self._batch_bytes = _nbytes(batch_tensors(batch))
+        count = {NUM_TOKENS: torch.empty((), device=batch["labels"].device)}  # the token count's stand-in
         if self.part == "step":
-            return self.ensure_traced(batch)
+            return self.ensure_traced({**batch, **count} if self.count_tokens else batch)
         micro = {k: v.chunk(self.accumulation_steps)[0] for k, v in batch.items()}
-        return self.ensure_traced({**micro, NUM_TOKENS: torch.empty((), device=batch["labels"].device)})
+        return self.ensure_traced({**micro, **count})
 
     def step_estimate(self) -> MemoryEstimate | None:
         """The estimate of the whole step's graphs: the main graph's, or with accumulation the larger of the micro
@@ -306,6 +319,8 @@ class GraphStep:
         """Run one training step; returns (loss, grad_norm) and leaves the (clipped) grads in `param.grad`."""
         self._batch_bytes = _nbytes(batch_tensors(batch))
         micro = micro_batches(batch, self.accumulation_steps, self.count_reduce) if self.part == "micro" else None
+        if micro is None and self.count_tokens:
+            batch = with_token_count(batch, self.count_reduce)
         traced = self.ensure_traced(micro[0] if micro else batch)
         # Frozen parameters get no gradient, and their .grad is left alone, as eager backward does.
         trained = [self._params_by_name[n] for n in traced.layout.grad_names]
