@@ -197,8 +197,13 @@ def main() -> None:
             if best is not None:
                 ratio_best = row.exact_time.total_s / best.exact_time.total_s
                 best_label = f"{best.cand.layout()} {best.cand.ac_mode} {best.cand.batch()}"
-                best_tokens = best.cand.local_batch * SEQ / (dict(best.cand.degrees).get("tp", 1)
-                                                             * best.exact_time.total_s)  # fmt: skip
+                # A step's tokens per GPU: every micro-batch of it (the candidate's accumulation), over tp's peers.
+                best_tokens = (
+                    best.cand.local_batch
+                    * best.cand.accumulation
+                    * SEQ
+                    / (dict(best.cand.degrees).get("tp", 1) * best.exact_time.total_s)
+                )
                 best_rows.append((name, best_label, f"{best_tokens:,.0f}", f"{ratio_best:.2f}"))
         peaks = {"graph": to_gib(row.exact.peak_bytes), "eager": eager}
         throughput += throughput_lines(pinned)

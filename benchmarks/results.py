@@ -80,12 +80,19 @@ def doc_tables(page: Path) -> list[DocTable]:
 
 
 def _commit() -> str:
-    """HEAD's short hash, with `+dirty` when tracked files differ from it (a figure from uncommitted code)."""
+    """HEAD's short hash, with `+dirty` when tracked files other than results differ from it (a figure from
+    uncommitted code)."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=REPO, capture_output=True).returncode != 0
+        # Results files rewritten by earlier benchmarks of the same run are not code: they do not make it dirty.
+        dirty = (
+            subprocess.run(
+                ["git", "diff", "--quiet", "HEAD", "--", ".", ":!benchmarks/results"], cwd=REPO, capture_output=True
+            ).returncode
+            != 0
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
