@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from graph_trainer import __main__ as cli
-from graph_trainer.data.chat import ChatTemplate, Encoded, Row, encode_row, pack_rows
+from graph_trainer.data.chat import ChatTemplate, Encoded, Row, encode_row, pack_rows, read_rows
 from graph_trainer.data.loader import build_dataloader
 from graph_trainer.data.packing import DOCUMENT_IDS, IGNORE_LABEL
 from graph_trainer.data.tokenizer import ByteTokenizer
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
+from tests.extras import import_extra
 from tests.tiny import TINY
 
 BYTE = ByteTokenizer()
@@ -147,6 +148,14 @@ def test_the_data_path_alone_reads_instruction_rows_with_document_masking(tmp_pa
     # json and parquet rows too
     (tmp_path / "chats.json").write_text(json.dumps([{"messages": CHAT}]))
     assert load_config(["--data.path", str(tmp_path / "chats.json")])[0].data.source == "chat"
+    import_extra("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "completion": "b"}] * 3), tmp_path / "rows.parquet")
+    assert load_config(["--data.path", str(tmp_path / "rows.parquet")])[0].data.source == "chat"
+    rows = list(read_rows(str(tmp_path / "rows.parquet")))
+    assert [r.data for r in rows] == [{"prompt": "a", "completion": "b"}] * 3 and rows[2].where.endswith("row 3")
 
 
 # --------------------------------------------------------------------------- the loss
