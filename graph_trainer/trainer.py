@@ -21,6 +21,7 @@ from graph_trainer.builder import build_data, build_job, cli_trace_errors
 from graph_trainer.checkpoint.checkpointer import build_checkpointer
 from graph_trainer.checkpoint.run_folder import CONFIG_FILE, RunFolder, inspect
 from graph_trainer.checkpoint.single_file import capture_rng_state, restore_rng_state
+from graph_trainer.data.loader import CHAT_SOURCE
 from graph_trainer.distributed.expert_parallel import dropped_tokens
 from graph_trainer.distributed.launch import single_process
 from graph_trainer.distributed.mesh import Mesh
@@ -28,6 +29,7 @@ from graph_trainer.errors import UserError, WriteFailed
 from graph_trainer.job_config.load import config_to_toml
 from graph_trainer.job_config.resume import compare_on_resume, load_optimizer_state, stored_config
 from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.loss import IGNORE_INDEX
 from graph_trainer.observability.digest import tensors_digest
 from graph_trainer.observability.divergence import DivergenceGuard, TrainingDiverged
 from graph_trainer.observability.log import configure_console, get_logger
@@ -298,6 +300,8 @@ class Trainer:
         }
         if self.peak_flops:
             record["mfu_pct"] = 100 * record["tflops"] * 1e12 / (self.peak_flops * self.world_size)
+        if self.cfg.data.source == CHAT_SOURCE:  # masked labels: the share of this rank's labels the loss counts
+            record["counted_fraction"] = (batch["labels"] != IGNORE_INDEX).float().mean().item()
         if self.step_metrics is not None:
             record.update(self.step_metrics(self.model))
         record.update(self._dropped_tokens())

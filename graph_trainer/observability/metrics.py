@@ -41,6 +41,7 @@ TB_TAGS: Mapping[str, str] = MappingProxyType(
         "grad_norm": "grad_norm",
         "lr": "lr",
         "tokens_per_s": "throughput(tps)",
+        "counted_fraction": "data/counted_fraction",  # instruction data: the labels the loss counts, this rank's
         "tflops": "tflops",
         "mfu_pct": "mfu(%)",
         "peak_active_bytes": "memory/max_active(GiB)",
@@ -131,6 +132,8 @@ def format_step_line(
         parts.append(f"lr {float(record['lr']):.1e}")
     if "tokens_per_s" in record:
         parts.append(f"tok/s {float(record['tokens_per_s']):>7,.0f}")
+    if "counted_fraction" in record:
+        parts.append(f"counted {100 * float(record['counted_fraction']):4.1f}%")
     if "mfu_pct" in record:
         parts.append(f"mfu {float(record['mfu_pct']):4.1f}%")
     if "step_time_s" in record:

@@ -257,6 +257,8 @@ def test_the_readme_fine_tune_gives_transformers_loss_on_the_answers_and_exports
     summary = json.loads((tmp_path / "outputs/chat_run/summary.json").read_text())
     losses = [s["loss"] for s in summary["steps"]]
     assert summary["validation"] and losses[-1] < losses[0]
+    assert all(0 < s["counted_fraction"] < 0.5 for s in summary["steps"])  # the answers only, logged each step
+    assert "counted " in out
 
     # Step 1's loss against transformers, on the batch the run read first (the same loader, rebuilt).
     argv = shlex_argv(CHAT_FINETUNE[1])

@@ -17,6 +17,7 @@ EXPECTED_TAGS = {
     "grad_norm",
     "lr",
     "throughput(tps)",
+    "data/counted_fraction",
     "tflops",
     "mfu(%)",
     "memory/max_active(GiB)",
