@@ -52,6 +52,7 @@ def _record(step: int) -> dict:
         "lr": 8e-4 * step,
         "step_time_s": 0.5,
         "tokens_per_s": 4321.0,
+        "counted_fraction": 0.25,
         "tflops": 1.5,
         "mfu_pct": 12.5,
         "peak_active_bytes": 2 * GIB,
@@ -145,7 +146,9 @@ def test_nan_loss_keeps_summary_strict_json(tmp_path):
 def test_console_line_format():
     record = _record(5) | {"loss": 5.1234, "grad_norm": 1.23, "lr": 8e-4, "step_time_s": 0.95}
     line = format_step_line(5, 20, record, 0.95)
-    assert line.startswith("step  5/20  loss  5.1234  grad_norm   1.23  lr 8.0e-04  tok/s   4,321  mfu 12.5%")
+    assert line.startswith(
+        "step  5/20  loss  5.1234  grad_norm   1.23  lr 8.0e-04  tok/s   4,321  counted 25.0%  mfu 12.5%"
+    )
     assert "step  0.95s" in line
     assert "mem  2.00 GiB (est 0.50)" in line
     assert "traces 1 (0.6s)" in line
