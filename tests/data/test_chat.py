@@ -230,7 +230,7 @@ def test_traced_equals_eager_bitwise_on_chat_batches(tmp_path):
 
 
 @pytest.mark.integration  # the README's three commands: a 6-layer stand-in written by transformers, 20 steps, export
-def test_the_readme_fine_tune_gives_transformers_loss_on_the_answers_and_exports(tmp_path):
+def test_the_readme_fine_tune_gives_transformers_loss_on_the_answers_and_exports(tmp_path, monkeypatch):
     """The product promise, as the README types it: `--checkpoint.initial_load_path DIR --data.path chats.jsonl`
     and no model or data option. The folder is the model and the tokenizer, its chat template renders the rows,
     the first step's loss is transformers' on the same tokens with every label but the answers' at -100, the
@@ -262,7 +262,7 @@ def test_the_readme_fine_tune_gives_transformers_loss_on_the_answers_and_exports
 
     # Step 1's loss against transformers, on the batch the run read first (the same loader, rebuilt).
     argv = shlex_argv(CHAT_FINETUNE[1])
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # the loader reads the relative paths the README typed
     cfg, _ = load_config(argv)
     batch = next(iter(build_data(cfg, single_process(cfg)).loader))
     # transformers has no document mask: each chat runs alone through it, its per-token losses summed, and the sum
