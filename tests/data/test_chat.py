@@ -71,7 +71,7 @@ def test_prompt_and_completion_count_the_completion_and_its_eos():
     assert enc.counted.tolist() == [False] * 12 + [True, True]
 
 
-def test_rows_are_packed_whole_cut_to_the_window_or_dropped_and_said(caplog):
+def test_rows_are_packed_whole_cut_to_the_window_or_dropped_and_counted():
     def row(prompt: int, answer: int) -> Encoded:
         return Encoded(torch.arange(prompt + answer, dtype=torch.int32) + 1,
                        torch.tensor([False] * prompt + [True] * answer))  # fmt: skip
