@@ -15,7 +15,7 @@ code raises, `main` reports. Exit codes:
 import signal
 import sys
 
-from graph_trainer.errors import UserError, WriteFailed
+from graph_trainer.errors import TrainingDiverged, UserError, WriteFailed
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
@@ -24,12 +24,13 @@ EXIT_WRITE_FAILED = 74
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the process exit code (see the module doc)."""
-    from graph_trainer.job_config.cli import help_text, load_config
-    from graph_trainer.job_config.load import config_to_toml
-    from graph_trainer.observability.divergence import TrainingDiverged
-
     argv = sys.argv[1:] if argv is None else argv
     try:
+        # Imported inside the try: torchrun may stop a rank (SIGTERM) while it is still importing, because another
+        # rank has already refused a bad launch, and that stop is one line too, not a traceback.
+        from graph_trainer.job_config.cli import help_text, load_config
+        from graph_trainer.job_config.load import config_to_toml
+
         cfg, opts = load_config(argv)
         if opts.help:
             print(help_text(opts.config, dict(opts.overrides).get("model.name")), end="")
@@ -45,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from graph_trainer.distributed.launch import destroy, init_distributed
 
-        # The launch is checked before the trainer's heavy imports, so every rank of a bad launch says why before
-        # torchrun stops the others.
+        # The launch is checked before the trainer's heavy imports, so that a bad launch is refused in seconds. A rank
+        # still importing when another has refused it is stopped by torchrun, in one line (see above).
         mesh = init_distributed(cfg)  # one rank of torchrun's launch, or the only process
         from graph_trainer.trainer import Trainer
 

@@ -22,6 +22,13 @@ class WriteFailed(Exception):
     command line reports it in one line with its own exit code (see `graph_trainer.__main__`)."""
 
 
+class TrainingDiverged(Exception):
+    """The run blew up (non-finite or exploding values); nothing was saved for the failing step.
+
+    Not a user error: `__main__` reports it in one line with its own exit code, 3.
+    """
+
+
 def closest_match(given: str, candidates: list[str], *, ignore_case: bool = False) -> str | None:
     """The candidate `given` was most likely meant to be (difflib's closest), or None if none is close."""
     if not ignore_case:

@@ -29,15 +29,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from graph_trainer.errors import TrainingDiverged  # defined there so that the command line catches it without torch
+
 MAX_NORM_GROWTH = 10.0  # parameter norm at a save / norm at the previous check
 MAX_LOSS_GROWTH = 10.0  # loss at a save / this run's first loss
-
-
-class TrainingDiverged(Exception):
-    """The run blew up (non-finite or exploding values); nothing was saved for the failing step.
-
-    Not a user error: `__main__` reports it in one line with its own exit code, 3.
-    """
 
 
 def parameter_norm(params: Iterable[torch.Tensor]) -> float:
