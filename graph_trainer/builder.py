@@ -287,7 +287,7 @@ class Job:
         Raises:
             ConfigError: compile options that cannot run together, or a bad pass configuration.
         """
-        from graph_trainer.compiler.inductor import check_compile_config
+        from graph_trainer.compiler.options import check_compile_config
 
         cfg = self.cfg
         check_compile_config(

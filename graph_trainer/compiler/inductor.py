@@ -64,15 +64,14 @@ from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from graph_trainer.compiler.options import BACKENDS, check_compile_config  # noqa: F401 (this module's API too)
 from graph_trainer.compiler.regions import RegionalStep, dedup_key, split_into_regions
-from graph_trainer.errors import ConfigError, UserError
+from graph_trainer.errors import UserError
 from graph_trainer.observability.log import get_logger
 from graph_trainer.tracer.capture import InputLayout
 from graph_trainer.tracer.executor import Transformed
 
 logger = get_logger(__name__)
-
-BACKENDS = ("none", "inductor")
 
 
 def _new_escaping_buffers(node: Any, other: Any) -> list:
@@ -251,37 +250,6 @@ INDUCTOR_OPTIONS: dict[str, Any] = {
     "reorder_for_peak_memory": False,
     "comprehensive_padding": False,
 }
-
-
-def check_compile_config(
-    backend: str, cudagraphs: bool, mode: str, device: torch.device, *, regional: bool = False
-) -> None:
-    """Refuse combinations that cannot run, naming the fix.
-
-    Raises:
-        ConfigError: an unknown backend, a compile backend with the eager step,
-            or CUDA graphs without inductor, off CUDA or with a regional compile.
-    """
-    if backend not in BACKENDS:
-        raise ConfigError(f"compile.backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")
-    if backend != "none" and mode != "trace":
-        raise ConfigError(
-            f"compile.backend = '{backend}' compiles the traced step; set compile.mode = 'trace' "
-            "or compile.backend = 'none'"
-        )
-    if cudagraphs and backend != "inductor":
-        raise ConfigError("compile.cudagraphs = true needs compile.backend = 'inductor'")
-    if cudagraphs and device.type != "cuda":
-        raise ConfigError(
-            f"compile.cudagraphs = true needs a CUDA device, but the job runs on {device.type}; "
-            "set compile.cudagraphs = false"
-        )
-    if cudagraphs and regional:
-        # One CUDA graph per region would re-record for each layer's own parameter addresses.
-        raise ConfigError(
-            "compile.cudagraphs = true replays the whole step as one CUDA graph, but compile.regional "
-            "= true cuts it into regions; set compile.regional = false"
-        )
 
 
 @dataclasses.dataclass
