@@ -201,13 +201,18 @@ def _check_pip(argv: list[str]) -> None:
         assert set(filter(None, rest.rstrip("]").split(","))) <= set(extras), target
 
 
+# The README's test command: the unit tests on every core (pytest-xdist; tests/conftest.py keeps a module's shared
+# training run on one worker).
+TEST_COMMAND = "python -m pytest -q -n auto --dist loadgroup"
+
+
 def _check_quick_start(command: str) -> None:
     """The two quick-start lines: the test one is .ci/run's first command, the training one installs alike."""
     ci = (REPO / ".ci" / "run").read_text()
     steps = command.split(" && ")
-    test_command = steps[:3] + ["pip install -e '.[test]'", "python -m pytest -q"]
+    test_command = steps[:3] + ["pip install -e '.[test]'", TEST_COMMAND]
     assert " && ".join(test_command) in ci, "the README's test command must be what .ci/run runs"
-    if steps[-1] != "python -m pytest -q":
+    if steps[-1] != TEST_COMMAND:
         assert steps[3] == "pip install -e ." and steps[-1].startswith("python -m graph_trainer ")
         _check_trainer(shlex.split(steps[-1])[3:])
 
