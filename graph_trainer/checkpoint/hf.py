@@ -10,7 +10,9 @@ block (safetensors' `get_slice`: FSDP's rows, TP's row or column blocks, or FSDP
 the family's adapter (`ModelSpec.hf_adapter`, e.g. models/llama3/state_dict_adapter.py). Each tensor is read
 through its own `safe_open`: the file is memory-mapped while open, and the pages a read touched stay in the
 process's resident memory until the mapping closes, so one mapping for the whole file would hold the model a
-second time. The peak is the model plus one tensor (measured: benchmarks/hf_load.py).
+second time. The peak is the model plus one tensor (measured: benchmarks/hf_load.py). A stacked parameter
+(DeepSeek-V3's routed experts: one tensor per expert in the files) keeps its experts' files open until it is
+filled, which is still one of our tensors.
 
 Saving (`python -m graph_trainer.export ... --format hf`) writes `config.json` and safetensors, sharded
 with an index above `max_shard_bytes`, that `transformers.AutoModelForCausalLM.from_pretrained` loads.
@@ -18,6 +20,7 @@ with an index above `max_shard_bytes`, that `transformers.AutoModelForCausalLM.f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -186,7 +189,7 @@ def load_hf_weights(
     """
     start = time.perf_counter()
     params = _unique_parameters(model, adapter)
-    _check_names(folder, adapter, params)
+    _check_names(folder, adapter, [*params, *adapter.buffers([n for n, _ in model.named_buffers()])])
     total = 0
     full_shapes = parallel.full_shapes()
     for name, (param, slots) in params.items():
@@ -201,6 +204,8 @@ def load_hf_weights(
             if buf is not None:
                 module._buffers[key] = torch.empty_like(buf, device=device)
     model.init_buffers()
+    for name in adapter.buffers([n for n, _ in model.named_buffers()]):
+        total += _read_buffer(folder, adapter, model, name)
     report = LoadReport(len(params), total, time.perf_counter() - start)
     logger.info(
         f"loaded {report.tensors} tensors ({report.bytes / 2**30:.3f} GiB on this rank) from {folder.path} "
@@ -224,8 +229,10 @@ def _unique_parameters(model: nn.Module, adapter: Any) -> dict[str, tuple[nn.Par
     }
 
 
-def _check_names(folder: HFFolder, adapter: Any, params: Mapping[str, Any]) -> None:
-    wanted = {adapter.hf_name(n) for n in params if adapter.in_hf_files(n)}
+def _check_names(folder: HFFolder, adapter: Any, names: list[str]) -> None:
+    """UserError naming the first tensor the model needs that the folder lacks, or the first it holds that the
+    model has no place for. `names`: ours, of every parameter and every buffer the files hold."""
+    wanted = {hf_name for n in names if adapter.in_hf_files(n) for hf_name in adapter.hf_names(n)}
     missing = sorted(wanted - folder.files.keys())
     if missing:
         raise UserError(f"{folder.path} has no tensor {missing[0]}, which the model needs; check the model folder")
@@ -239,6 +246,8 @@ def _ignorable(adapter: Any, hf_name: str) -> bool:
     name = adapter.our_name(hf_name)
     if name is not None and not adapter.in_hf_files(name):
         return True  # a tied output projection saved anyway: the embedding is the weight (as transformers does)
+    if adapter.ignorable(hf_name):
+        return True  # the family's own (DeepSeek-V3's multi-token-prediction layers)
     return hf_name.endswith("rotary_emb.inv_freq")  # older exports saved RoPE's frequencies, which the config sets
 
 
@@ -252,27 +261,63 @@ def _read_local(
     device: Any,
 ) -> torch.Tensor:
     """This rank's part `local` of parameter `name` (shaped like `param`, padding rows zero), from the folder."""
-    hf_name = adapter.hf_name(name)
+    out = torch.empty(param.shape, dtype=param.dtype, device=device)
+    if adapter.is_stacked(name):
+        return _read_local_experts(folder, adapter.hf_names(name), local, full_shape, out)
+    (hf_name,) = adapter.hf_names(name)
     rows, rest = local[0], local[1:]
     block = adapter.rows_read_together(name)
     # Whole blocks around this rank's rows: the adapter converts (permutes) a block at a time.
     first, end = rows.start // block * block, math.ceil(rows.stop / block) * block
     with _safetensors().safe_open(folder.files[hf_name], framework="pt", device="cpu") as f:
         sliced = f.get_slice(hf_name)
-        if tuple(sliced.get_shape()) != full_shape:
-            raise UserError(
-                f"{folder.path}: tensor {hf_name} has shape {tuple(sliced.get_shape())} but the model expects "
-                f"{full_shape}; check the model folder and --model options"
-            )
+        _check_shape(folder, hf_name, sliced.get_shape(), full_shape)
         # The other dimensions are cut in the read too (a row-parallel TP block is a block of columns).
         part = adapter.from_hf_rows(name, sliced[(slice(first, min(end, full_shape[0])), *rest)])
-    out = torch.empty(param.shape, dtype=param.dtype, device=device)
     n = rows.stop - rows.start
     out[:n].copy_(part[rows.start - first : rows.stop - first])
     # The padding rows stay zero: an FSDP shard's, and TP's vocabulary padding (masked logits, zero gradients, so
     # AdamW keeps them zero).
     out[n:].zero_()
     return out
+
+
+def _read_local_experts(
+    folder: HFFolder, hf_names: list[str], local: tuple[slice, ...], full_shape: tuple[int, ...], out: torch.Tensor
+) -> torch.Tensor:
+    """Fill `out` with this rank's experts `local[0]` of a stacked parameter [experts, in, out] (`hf_names`: each
+    expert's own tensor [out, in] in the files), read only for the experts and columns this rank holds."""
+    experts, rows_in, cols_out = local
+    with contextlib.ExitStack() as files:
+        opened: dict[Path, Any] = {}
+        for i, e in enumerate(range(experts.start, experts.stop)):
+            path = folder.files[hf_names[e]]
+            if path not in opened:
+                opened[path] = files.enter_context(_safetensors().safe_open(path, framework="pt", device="cpu"))
+            sliced = opened[path].get_slice(hf_names[e])
+            _check_shape(folder, hf_names[e], sliced.get_shape(), (full_shape[2], full_shape[1]))
+            out[i].copy_(sliced[cols_out, rows_in].t())
+    out[experts.stop - experts.start :].zero_()  # an FSDP shard's padding experts
+    return out
+
+
+def _check_shape(folder: HFFolder, hf_name: str, found: Any, expected: tuple[int, ...]) -> None:
+    if tuple(found) != tuple(expected):
+        raise UserError(
+            f"{folder.path}: tensor {hf_name} has shape {tuple(found)} but the model expects {tuple(expected)}; "
+            "check the model folder and --model options"
+        )
+
+
+def _read_buffer(folder: HFFolder, adapter: Any, model: nn.Module, name: str) -> int:
+    """Read the buffer `name` whole (buffers are not sharded) into the model; its bytes."""
+    (hf_name,) = adapter.hf_names(name)
+    buffer = model.get_buffer(name)
+    with _safetensors().safe_open(folder.files[hf_name], framework="pt", device="cpu") as f:
+        tensor = f.get_tensor(hf_name)
+    _check_shape(folder, hf_name, tensor.shape, buffer.shape)
+    buffer.copy_(tensor)
+    return buffer.numel() * buffer.element_size()
 
 
 # --------------------------------------------------------------------------- writing a folder
@@ -304,7 +349,13 @@ def save_hf(
         shards = _plan_shards(state, adapter, dtype, max_shard_bytes)
         names = _shard_names(len(shards))
         for shard, file in zip(shards, names, strict=True):
-            tensors = {adapter.hf_name(k): adapter.to_hf_tensor(k, state[k].detach().to("cpu", dtype)) for k in shard}
+            tensors = {
+                hf_name: tensor
+                for k in shard
+                for hf_name, tensor in adapter.to_hf_tensors(
+                    k, state[k].detach().to("cpu", adapter.export_dtype(k, dtype))
+                ).items()
+            }
             save_file(tensors, temp / file, metadata={"format": "pt"})
         if len(shards) > 1:
             _write_index(temp, shards, names, state, adapter, dtype)
@@ -331,7 +382,7 @@ def _plan_shards(
     shards: list[list[str]] = [[]]
     size = 0
     for name in (k for k in state if adapter.in_hf_files(k)):
-        nbytes = _nbytes(state[name], dtype)
+        nbytes = _nbytes(state[name], adapter.export_dtype(name, dtype))
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
@@ -353,8 +404,13 @@ def _write_index(
     adapter: Any,
     dtype: torch.dtype,
 ) -> None:
-    weight_map = {adapter.hf_name(k): file for shard, file in zip(shards, names, strict=True) for k in shard}
-    total = sum(_nbytes(state[k], dtype) for shard in shards for k in shard)
+    weight_map = {
+        hf_name: file
+        for shard, file in zip(shards, names, strict=True)
+        for k in shard
+        for hf_name in adapter.hf_names(k)
+    }
+    total = sum(_nbytes(state[k], adapter.export_dtype(k, dtype)) for shard in shards for k in shard)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 

@@ -13,6 +13,7 @@ from models.deepseek_v3.model import (
     num_params,
     rebalance,
 )
+from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 
 SPEC = ModelSpec(
     name="deepseek_v3",
@@ -28,10 +29,12 @@ SPEC = ModelSpec(
     leading_blocks=lambda args: args.n_dense_layers,  # dense FFNs before the mixtures of experts
     hf_names=("deepseek_v3", "DeepseekV3ForCausalLM"),
     args_from_hf_config=args_from_hf_config,
+    hf_adapter=DeepSeekV3StateDictAdapter,
 )
 
 __all__ = [
     "DEEPSEEK_V3_FLAVORS",
+    "DeepSeekV3StateDictAdapter",
     "SPEC",
     "DeepSeekV3",
     "ModelArgs",

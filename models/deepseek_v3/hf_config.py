@@ -1,7 +1,7 @@
 """Hugging Face's DeepSeek-V3 `config.json` (transformers' `DeepseekV3Config`) as our `ModelArgs`.
 
-Only the configuration: a folder's `config.json` alone sets the model (its weights' names and layouts are not
-mapped yet, so a DeepSeek-V3 folder can be planned, not loaded).
+Only the configuration: a folder's `config.json` alone sets the model. The weights' names and layouts are
+`state_dict_adapter.py`'s.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ _HF_DEFAULTS: dict[str, Any] = {
     "attention_bias": False,
     "hidden_act": "silu",
     "scoring_func": "sigmoid",
+    "rope_interleave": True,
 }
 
 
@@ -83,6 +84,7 @@ def args_from_hf_config(config: Mapping[str, Any], given: Mapping[str, Any]) -> 
             ("tie_word_embeddings", False),
             ("scoring_func", "sigmoid"),
             ("num_key_value_heads", c["num_attention_heads"]),  # multi-head latent attention: one key per head
+            ("rope_interleave", True),  # RoPE on adjacent channel pairs, as the weights were trained
         )
         if c.get(key, ours) != ours
     ]

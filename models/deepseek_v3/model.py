@@ -469,6 +469,15 @@ class DeepSeekV3(nn.Module):
         return self.norm(h)
 
     @torch.no_grad()
+    def init_buffers(self) -> None:
+        """(Re)compute the buffers that pretrained weights do not set: the RoPE tables, from the config, and the
+        balancing statistics, to zero. The router biases are zeroed too; a Hugging Face folder sets them after."""
+        self.rope.reset_parameters()
+        for layer in self.layers:
+            if layer.moe is not None:
+                for buffer in layer.moe.router.buffers():
+                    buffer.zero_()
+
     def init_weights(self) -> None:
         """(Re)initialize parameters, RoPE tables and balancing buffers; deterministic under torch.manual_seed.
 

@@ -4,7 +4,7 @@ Plain PyTorch: the trainer reads the files (graph_trainer/checkpoint/hf.py); thi
 two layouts.
 
 Names: `model.layers.{i}.self_attn.q_proj.weight` is our `layers.{i}.attention.wq.weight`, and so on
-(`_LAYER_NAMES`, `_TOP_NAMES`).
+(`_LAYER_NAMES`, `TOP_NAMES`).
 
 RoPE: we rotate adjacent channel pairs (x[2i], x[2i+1]) of each head (Meta's layout, see
 models/common/rope.py); Hugging Face rotates the two halves of a head (x[i], x[i + head_dim/2])
@@ -17,14 +17,12 @@ FSDP rank converts only the heads its shard touches).
 from __future__ import annotations
 
 import json
-import math
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from models.common.hf_names import HF_LAYER, OURS_LAYER, TOP_NAMES, ConfigMismatch, same_value
 from models.common.spec import ModelArgsError
 from models.llama3.model import ModelArgs, ffn_hidden_dim
 
@@ -39,13 +37,6 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _ROTATED = ("attention.wq.weight", "attention.wk.weight")  # the projections RoPE rotates: their rows permute
 
 
@@ -61,17 +52,6 @@ def halves_to_interleaved(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     return rows.reshape(heads, 2, head_dim // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
-@dataclass(frozen=True)
-class ConfigMismatch:
-    """A `config.json` field that disagrees with the model arguments: what each side says and which of our
-    options sets it (for the fix)."""
-
-    field: str
-    found: Any
-    expected: Any
-    option: str
-
-
 class Llama3StateDictAdapter:
     """Names, layouts and config of Hugging Face's `LlamaForCausalLM` for `Transformer(args)`."""
 
@@ -82,23 +62,43 @@ class Llama3StateDictAdapter:
 
     def hf_name(self, name: str) -> str:
         """Hugging Face's name of our parameter `name`. KeyError for a name Llama does not have."""
-        m = _OURS_LAYER.match(name)
+        m = OURS_LAYER.match(name)
         if m:
             return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-        return _TOP_NAMES[name]
+        return TOP_NAMES[name]
 
     def our_name(self, hf_name: str) -> str | None:
         """Our name of Hugging Face's tensor `hf_name`; None when our model has no such tensor."""
-        m = _HF_LAYER.match(hf_name)
+        m = HF_LAYER.match(hf_name)
         if m:
             ours = {v: k for k, v in _LAYER_NAMES.items()}.get(m.group(2))
             return f"layers.{m.group(1)}.{ours}" if ours else None
-        return {v: k for k, v in _TOP_NAMES.items()}.get(hf_name)
+        return {v: k for k, v in TOP_NAMES.items()}.get(hf_name)
+
+    def hf_names(self, name: str) -> list[str]:
+        """The Hugging Face tensors that hold our `name`: always the one (`hf_name`)."""
+        return [self.hf_name(name)]
 
     def in_hf_files(self, name: str) -> bool:
         """Whether Hugging Face's files hold our parameter `name`: a tied output projection is not written (it is
         the embedding, as `tie_word_embeddings` says)."""
         return not (self.args.tie_embeddings and name == "output.weight")
+
+    def ignorable(self, hf_name: str) -> bool:
+        """A tensor of the folder that the model has no place for and may skip: none of Llama's."""
+        return False
+
+    def is_stacked(self, name: str) -> bool:
+        """Whether our `name` stacks several Hugging Face tensors: never, in Llama."""
+        return False
+
+    def buffers(self, names: list[str]) -> list[str]:
+        """Which of the model's buffer `names` the files hold: none (the RoPE tables come from the config)."""
+        return []
+
+    def export_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype `name` is exported in: the export's, for every tensor."""
+        return dtype
 
     # --- layouts --------------------------------------------------------------------------------------
 
@@ -116,6 +116,10 @@ class Llama3StateDictAdapter:
         if name.endswith(_ROTATED):
             return interleaved_to_halves(tensor, self.args.head_dim).contiguous()
         return tensor.contiguous()
+
+    def to_hf_tensors(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Our whole tensor `name` as Hugging Face's tensors: {its name: it}, or {} for a tied output projection."""
+        return {self.hf_name(name): self.to_hf_tensor(name, tensor)} if self.in_hf_files(name) else {}
 
     def to_hf(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our whole state dict -> Hugging Face's (names, q/k layout; a tied output projection left out)."""
@@ -182,7 +186,7 @@ class Llama3StateDictAdapter:
         ours = self.hf_config()
         found = _normalized(config)
         for field_name, option in _CHECKED:
-            if not _same(found.get(field_name), ours[field_name]):
+            if not same_value(found.get(field_name), ours[field_name]):
                 return ConfigMismatch(field_name, found[field_name], ours[field_name], option)
         return None
 
@@ -305,18 +309,6 @@ def _ffn_fields(dim: int, width: int, given: Mapping[str, Any]) -> dict[str, Any
         f"config.json's intermediate_size {width} cannot be given by the FFN rule of models/llama3 at hidden_size "
         f"{dim}; set --model.multiple_of and --model.ffn_dim_multiplier that give it"
     )
-
-
-def _same(found: Any, expected: Any) -> bool:
-    """Equal, with floats compared as floats (JSON writes 500000.0 as 500000) to a relative 1e-9: a value
-    written as text and read back differs by less."""
-    if isinstance(found, Mapping) and isinstance(expected, Mapping):
-        return found.keys() == expected.keys() and all(_same(found[k], expected[k]) for k in found)
-    if isinstance(found, bool) or isinstance(expected, bool):
-        return found is expected
-    if isinstance(found, (int, float)) and isinstance(expected, (int, float)):
-        return math.isclose(found, expected, rel_tol=1e-9)
-    return found == expected
 
 
 __all__ = [

@@ -527,8 +527,8 @@ def test_a_config_the_model_cannot_represent_is_one_line(tmp_path, hf_folder, ch
 
 def test_a_deepseek_v3_folder_sets_its_experts_and_latent_attention(tmp_path):
     """transformers' DeepseekV3ForCausalLM folder (6 layers): the family, its mixture of experts and MLA fields come
-    from config.json, and the model they build has transformers' parameter count (every shape mapped; the weights'
-    own names are mapped later, so the folder is planned, not loaded)."""
+    from config.json, and the model they build has transformers' parameter count (every shape mapped; its weights
+    are tests/checkpoint/test_hf_deepseek_v3.py's)."""
     config = transformers.DeepseekV3Config(
         vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=LAYERS,
         first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
