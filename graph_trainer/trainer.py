@@ -128,8 +128,11 @@ class Trainer:
         self.num_params = job.num_params()
         self.flops_per_token = job.flops_per_token()
         self.step_metrics = job.spec.step_metrics  # the family's own per-step figures (MoE: expert load)
+        # The flavor names the model only when no Hugging Face folder set it (its config.json is the model then).
+        folder = cfg.checkpoint.initial_load_path if cfg.checkpoint.initial_load_in_hf else None
+        source = f"{cfg.model.name} of {folder}" if folder else f"{cfg.model.name}/{cfg.model.flavor}"
         logger.info(
-            f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
+            f"model {source}: {self.num_params:,} parameters, "
             f"device {self.device}, compute dtype {str(self.compute_dtype).removeprefix('torch.')}, "
             f"mode {cfg.compile.mode}, {self.parallel.describe()}"
         )

@@ -210,6 +210,7 @@ def test_the_folder_alone_trains_depth_free_with_transformers_loss_and_exports(d
         f"preflight: depth-free plan, models of {DENSE + 2} + {DENSE + 3} blocks traced for a model of {LAYERS}" in out
     )
     assert out.count(f"loaded {TENSORS} tensors") == 1
+    assert f"model deepseek_v3 of {ds_folder}: " in out  # not the flavor's name: the folder is the model
     loss = json.loads((run / "summary.json").read_text())["steps"][0]["loss"]
 
     cfg, _ = load_config(argv)
