@@ -28,12 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Imported inside the try: torchrun may stop a rank (SIGTERM) while it is still importing, because another
         # rank has already refused a bad launch, and that stop is one line too, not a traceback.
-        from graph_trainer.job_config.cli import help_text, load_config
+        from graph_trainer.job_config.cli import help_family, help_text, load_config
         from graph_trainer.job_config.load import config_to_toml
 
         cfg, opts = load_config(argv)
         if opts.help:
-            print(help_text(opts.config, dict(opts.overrides).get("model.name")), end="")
+            print(help_text(opts.config, help_family(opts)), end="")
             return 0
         if opts.print_config:
             print(config_to_toml(cfg), end="")

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from graph_trainer.errors import ConfigError, did_you_mean
@@ -23,7 +24,7 @@ from graph_trainer.job_config.load import (
     shipped_configs,
     validate,
 )
-from graph_trainer.job_config.pretrained import apply_pretrained_config
+from graph_trainer.job_config.pretrained import CONFIG_FILE, apply_pretrained_config, family_of, read_config
 from graph_trainer.job_config.schema import JobConfig, section_fields, sections
 from graph_trainer.job_config.values import limits_text, parse_cli_value, type_parts
 
@@ -132,6 +133,23 @@ def help_text(config: str | None = None, family: str | None = None) -> str:
     if family is not None:
         values.model.name = family
     return build_parser(values if values_from or family else None, values_from or "the command line").format_help()
+
+
+def help_family(opts: Any) -> str | None:
+    """The family whose [model] options --help lists: the --model.name given, else the family of the Hugging Face
+    folder --checkpoint.initial_load_path names (its config.json sets the model), else None (the config's).
+
+    Raises:
+        UserError: the folder's config.json cannot be read or names no family here (as a run would say).
+    """
+    overrides = dict(opts.overrides)
+    if overrides.get("model.name"):
+        return overrides["model.name"]
+    folder = overrides.get("checkpoint.initial_load_path")
+    if not folder:
+        return None
+    path = Path(folder).expanduser()
+    return family_of(read_config(path), path / CONFIG_FILE)
 
 
 def _attach_dash_values(argv: list[str]) -> list[str]:

@@ -29,6 +29,14 @@ def test_help_exits_0_and_lists_options(tmp_path):
     assert "--training.steps" in result.stdout and "--activation_checkpoint.mode" in result.stdout
 
 
+def test_help_with_a_hugging_face_folder_lists_its_familys_model_options(tmp_path, capsys):
+    """--help listed Llama's [model] options for a DeepSeek-V3 folder, whose config.json sets the model."""
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}')
+    assert cli.main(["--checkpoint.initial_load_path", str(tmp_path), "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "[model] (family deepseek_v3):" in out and "--model.n_routed_experts" in out
+
+
 def test_help_with_a_config_shows_its_values_as_defaults(tmp_path):
     """Issue 8.9: --help ignored --config and showed the built-in defaults as if they were the config's."""
     result = _run(["--config", "llama3_8b", "--help"], tmp_path)
