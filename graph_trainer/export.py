@@ -87,8 +87,20 @@ def export_hf(checkpoint: Path, out: Path, *, dtype: torch.dtype, max_shard_byte
     model = stored_model_config(checkpoint)
     overrides = {k: v for k, v in model.items() if k not in ("name", "flavor")}
     args = build_model_args(model["name"], model["flavor"], overrides)
-    adapter = hf_adapter(get_model_spec(model["name"]), args)
-    return save_hf(full_model_state(checkpoint), adapter, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    spec = get_model_spec(model["name"])
+    adapter = hf_adapter(spec, args)
+    state = full_model_state(checkpoint)
+    with torch.device("meta"):  # the names the model has (shapes only, nothing allocated)
+        names = spec.model_cls(args).state_dict().keys()
+    # A folder without one of them would load in transformers with that tensor freshly initialized, and only a
+    # warning there: refuse instead (e.g. DeepSeek-V3's router biases, which are buffers).
+    missing = [name for name in names if adapter.in_hf_files(name) and name not in state]
+    if missing:
+        raise UserError(
+            f"{checkpoint} holds no {missing[0]} (of {len(missing)} missing), which the Hugging Face folder needs; "
+            "export a checkpoint this model's run wrote"
+        )
+    return save_hf(state, adapter, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
 
 def _size(text: str) -> int:

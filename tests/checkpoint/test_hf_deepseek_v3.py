@@ -230,6 +230,16 @@ def test_the_folder_alone_trains_depth_free_with_transformers_loss_and_exports(d
     with torch.no_grad():
         torch.testing.assert_close(hf_logits(tmp_path / "trained"), trained.eval()(TOKENS), atol=LOGITS_ATOL, rtol=0)
 
+    # A checkpoint without a router bias would export a folder that transformers loads with that bias at zero
+    # (a warning there, other routing): refused, naming it.
+    saved = torch.load(checkpoint, weights_only=True)
+    bias = f"layers.{LAYERS - 1}.moe.router.expert_bias"
+    del saved["model"][bias]
+    torch.save(saved, tmp_path / "step-00000002.pt")
+    assert export_main([str(tmp_path / "step-00000002.pt"), str(tmp_path / "no-bias"), "--format", "hf"]) == 2
+    assert f"holds no {bias} (of 1 missing)" in capsys.readouterr().err
+    assert not (tmp_path / "no-bias").exists()
+
 
 def test_each_fsdp_rank_reads_exactly_its_experts(ds_folder):
     """3 FSDP ranks over 4 experts (2, 2 and none plus padding): each rank's shards are the rows of the whole
