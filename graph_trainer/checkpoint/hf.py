@@ -189,7 +189,8 @@ def load_hf_weights(
     """
     start = time.perf_counter()
     params = _unique_parameters(model, adapter)
-    _check_names(folder, adapter, [*params, *adapter.buffers([n for n, _ in model.named_buffers()])])
+    held_buffers = adapter.buffers([n for n, _ in model.named_buffers()])  # the ones the files hold
+    _check_names(folder, adapter, [*params, *held_buffers])
     total = 0
     full_shapes = parallel.full_shapes()
     for name, (param, slots) in params.items():
@@ -204,7 +205,7 @@ def load_hf_weights(
             if buf is not None:
                 module._buffers[key] = torch.empty_like(buf, device=device)
     model.init_buffers()
-    for name in adapter.buffers([n for n, _ in model.named_buffers()]):
+    for name in held_buffers:
         total += _read_buffer(folder, adapter, model, name)
     report = LoadReport(len(params), total, time.perf_counter() - start)
     logger.info(
