@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from graph_trainer.distributed.launch import destroy, init_distributed
 from graph_trainer.distributed.mesh import Mesh, ParallelDims, build_mesh
@@ -91,6 +92,24 @@ def assert_peaks_match(step_peaks: list, context: Any = None) -> None:
     for estimated, measured, late in step_peaks:
         assert estimated is not None and measured is not None, step_peaks
         assert measured == estimated or 0 < measured - estimated <= late, (context, step_peaks)
+
+
+def settled_bytes(tracker: Any, quiet_s: float = 0.5, timeout_s: float = 30.0) -> int:
+    """The tracker's live bytes once gloo's worker threads have let go of the step's collective buffers.
+
+    A worker drops a finished collective's work object (and the tensors only it still holds) a moment after
+    the step's thread saw it complete, so bytes read right at the step's end can include such a buffer
+    (4 bytes once, on the CI machine). Wait for every rank's collectives, then until the count has stayed
+    unchanged for `quiet_s`. A tensor the step really leaks never goes, so it still shows.
+    """
+    dist.barrier()
+    deadline = time.monotonic() + timeout_s
+    last, since = tracker.current_bytes, time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.05)
+        if tracker.current_bytes != last:
+            last, since = tracker.current_bytes, time.monotonic()
+    return last
 
 
 def state_bytes(trainer: Trainer) -> int:
