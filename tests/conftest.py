@@ -86,21 +86,3 @@ MAX_WORKERS = 4
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """The worker count of `-n auto` (pytest-xdist's hook): the cores, at most MAX_WORKERS."""
     return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep the tests that share a module-scoped fixture on one pytest-xdist worker.
-
-    The README's and CI's commands run the suite on every core (`-n auto --dist loadgroup`). A module-scoped
-    fixture is typically a multi-rank training run that several tests read; spread over workers, each worker
-    would train it again. Tests without one are spread test by test.
-    """
-    for item in items:
-        fixture_info = getattr(item, "_fixtureinfo", None)
-        if fixture_info is None:
-            continue
-        ours = [
-            d for defs in fixture_info.name2fixturedefs.values() for d in defs if d.func.__module__.startswith("tests")
-        ]
-        if any(d.scope != "function" for d in ours):  # pytest's own (tmp_path_factory, ...) are cheap
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

@@ -201,9 +201,9 @@ def _check_pip(argv: list[str]) -> None:
         assert set(filter(None, rest.rstrip("]").split(","))) <= set(extras), target
 
 
-# The README's test command: the unit tests on every core (pytest-xdist; tests/conftest.py keeps a module's shared
-# training run on one worker).
-TEST_COMMAND = "python -m pytest -q -n auto --dist loadgroup"
+# The README's test command: the unit tests on every core (pytest-xdist; each file's tests on one worker, so a
+# module's shared training run is trained once).
+TEST_COMMAND = "python -m pytest -q -n auto --dist loadfile"
 
 
 def _check_quick_start(command: str) -> None:
