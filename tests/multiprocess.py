@@ -49,10 +49,12 @@ def train_runs(
     args: list[str],
     out: str,
     before_leaving: Callable[[Any], None] | None = None,
+    on_built: Callable[[str, Trainer], None] | None = None,
 ) -> Iterator[tuple[str, Trainer, Any]]:
     """In a spawned rank: join the group once, then train each run (`args` + its overrides, dumping under
     `out/<name>` unless the overrides name a --job.dump_folder), yielding (name, trainer, result).
-    `before_leaving(cfg)` runs last, still in the group."""
+    `on_built(name, trainer)` sees each trainer before it trains; `before_leaving(cfg)` runs last, still in the
+    group."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
@@ -64,6 +66,8 @@ def train_runs(
             cfg, _ = load_config([*args, *overrides, *dump])
             info = info or init_distributed(cfg)
             trainer = Trainer(cfg, mesh=_mesh_for(cfg, info))
+            if on_built is not None:
+                on_built(name, trainer)
             result = trainer.train()
             torch.use_deterministic_algorithms(False)
             yield name, trainer, result
