@@ -65,25 +65,47 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := VmRSS
 
 
-def load_and_measure(folder: str, dim: int, n_layers: int, vocab_size: int, naive: bool = False) -> str:
+def load_and_measure(
+    folder: str,
+    dim: int,
+    n_layers: int,
+    vocab_size: int,
+    naive: bool = False,
+    rank: tuple[int, int, int, int] | None = None,
+) -> str:
     """In a fresh process: load `folder` into the meta-built model; JSON with seconds and peak RSS growth.
 
     `naive`: the one-liner instead (materialize the model, read the whole file, `load_state_dict`), timed from the
-    same meta model, so both figures include allocating the model's memory."""
+    same meta model, so both figures include allocating the model's memory. `rank` = (tp rank, tp, dp rank, dp):
+    the model split as that rank of tensor parallelism, then FSDP-sharded as that rank of dp_shard, as a rank of
+    a `tp x dp_shard` run holds it (splitting and loading need no process group), so the load reads only its part.
+    `model_bytes` is then that rank's part."""
     args = bench_args(dim, n_layers, vocab_size)
     with torch.device("meta"):
         model = Transformer(args)
+    parallel = ParallelModel(model, None) if rank is None else _split(model, *rank)
     _reset_peak()
     before = _status("VmRSS")
     start = time.perf_counter()
     if naive:
         _naive_load(model, args, Path(folder))
     else:
-        Pretrained.open(folder, MODELS["llama3"], args).load_into(model, ParallelModel(model, None), "cpu")
+        Pretrained.open(folder, MODELS["llama3"], args).load_into(model, parallel, "cpu")
     seconds = time.perf_counter() - start
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     report = {"seconds": seconds, "peak_growth_bytes": _status("VmHWM") - before, "model_bytes": model_bytes}
     return json.dumps(report)
+
+
+def _split(model: Transformer, tp_rank: int, tp: int, dp_rank: int, dp: int) -> ParallelModel:
+    """`model` (on meta) split as rank `tp_rank` of tp, then sharded as rank `dp_rank` of dp_shard."""
+    from graph_trainer.distributed.fsdp import ShardGroup, fully_shard_model
+    from graph_trainer.distributed.tp import tensor_parallelize
+
+    plan = MODELS["llama3"].parallel_plan
+    parts = [tensor_parallelize(model, ShardGroup(tp_rank, tp, "unused"), plan.tensor_parallel, plan.layers)]
+    parts.append(fully_shard_model(model, ShardGroup(dp_rank, dp, "unused"), layers=plan.layers))
+    return ParallelModel(model, None, parts)
 
 
 def _naive_load(model: Transformer, args, folder: Path) -> None:

@@ -690,9 +690,17 @@ def test_fsdp_ranks_train_from_hf_and_the_sharded_checkpoint_exports_to_hf(tmp_p
     assert_exported_is_the_trained_model(checkpoint, tmp_path / "exported", hf_folder)
 
 
-_PEAK_SCRIPT = (
-    "import sys; from benchmarks.hf_load import load_and_measure; print(load_and_measure(sys.argv[1], 384, 4, 16384))"
-)
+def measure_load(folder: Path, dim: int, layers: int, vocab: int, rank: tuple | None = None) -> dict:
+    """`benchmarks.hf_load.load_and_measure` in a fresh process (its peak memory is the load's alone)."""
+    script = (
+        "import sys; from benchmarks.hf_load import load_and_measure; "
+        f"print(load_and_measure(sys.argv[1], {dim}, {layers}, {vocab}, rank={rank}))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", script, str(folder)], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.integration
@@ -704,20 +712,30 @@ def test_peak_host_memory_while_loading_is_the_model_plus_one_tensor(tmp_path):
 
     folder, model_bytes, largest = write_random_hf(tmp_path / "hf", dim=384, n_layers=4, vocab_size=16384)
     assert model_bytes > 50 * 2**20
-    result = subprocess.run(
-        [sys.executable, "-c", _PEAK_SCRIPT, str(folder)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = measure_load(folder, dim=384, layers=4, vocab=16384)
     # 16 MiB: allocator and Python objects made during the load (measured: under 8 MiB).
     bound = model_bytes + 2 * largest + 16 * 2**20
     assert 0.9 * model_bytes < report["peak_growth_bytes"] < bound, (report, model_bytes, largest)
     assert report["peak_growth_bytes"] < 1.5 * model_bytes  # so never the model twice
+
+
+@pytest.mark.integration
+def test_peak_host_memory_of_a_tp_x_dp_shard_rank_is_its_part_plus_one_tensor(tmp_path):
+    """The last rank of tp 2 x dp_shard 2 loads ~100 MiB of weights in a fresh process: its peak resident memory
+    grows by its quarter of the model plus at most two copies of the largest tensor, never by the whole model
+    (what a rank that read whole tensors, or kept what it read, would hold)."""
+    from benchmarks.hf_load import write_random_hf
+
+    dim, layers, vocab = 384, 12, 4096  # 12 blocks of 8 MiB and a 6 MiB embedding: the quarter is 26 MiB
+    folder, model_bytes, largest = write_random_hf(tmp_path / "hf", dim=dim, n_layers=layers, vocab_size=vocab)
+    report = measure_load(folder, dim, layers, vocab, rank=(1, 2, 1, 2))
+    part, growth = report["model_bytes"], report["peak_growth_bytes"]
+    print(f"\nrank (tp 1, dp 1) of 2 x 2: part {part / 2**20:.1f} MiB of {model_bytes / 2**20:.1f}, "
+          f"peak growth {growth / 2**20:.1f} MiB")  # fmt: skip
+    assert 0.2 * model_bytes < part < 0.3 * model_bytes  # a quarter, with the vocabulary's padding
+    # 16 MiB: allocator and Python objects made during the load, as in the one-process test above.
+    assert 0.9 * part < growth < part + 2 * largest + 16 * 2**20, (report, model_bytes, largest)
+    assert growth < 0.6 * model_bytes  # so never the whole model
 
 
 def test_an_export_removes_nothing_it_did_not_write(tmp_path):
