@@ -19,7 +19,8 @@ Hugging Face weights (`checkpoint.initial_load_path`; a tiny `LlamaForCausalLM` 
 permutation shows):
 - tp 2 trains from them with the losses of one process trained from them; its DCP checkpoint, exported with
   `--format hf`, loads in transformers with our logits and holds the pretrained weights moved only by training;
-- tp 2 x dp_shard 2 (each rank reads FSDP's rows of its TP blocks) gives one process's loss and gradients.
+- tp 2 x dp_shard 2 (each rank reads FSDP's rows of its TP blocks) gives one process's loss and gradients, and
+  trained 2 steps by a Trainer, its export loads in transformers with the logits of one process trained alike.
 tests/checkpoint/test_hf_weights.py checks in one process that each rank reads exactly its block.
 """
 
@@ -40,14 +41,14 @@ from graph_trainer.export import main as export_main
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.tracer import node_meta
 from graph_trainer.trainer import Trainer
-from tests.checkpoint.test_hf_weights import assert_exported_is_the_trained_model, hf_llama, our_args
+from tests.checkpoint.test_hf_weights import assert_exported_is_the_trained_model, hf_llama, our_args, transformers
 from tests.multiprocess import free_port, spawn_ranks, train_one_process
 from tests.test_accumulation import ATOL, BASE, RTOL, B, K, _batch, _grads, _job
 from tests.tiny import DETERMINISTIC, TINY_BATCH, tiny_model
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.integration,  # 2, then 4 ranks: 3 runs each, 2 of them traced
+    pytest.mark.integration,  # 2, then 4 ranks: 3 accumulated steps each (2 traced), then a Trainer's 2-step run
     pytest.mark.skipif(
         not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with the gloo backend"
     ),
@@ -153,12 +154,12 @@ def _worker(rank: int, world: int, port: int, folder: str, out: str) -> None:
     mesh = None
     try:
         mesh = _accumulate(rank, world, folder, out)
-        if world == TP:  # a Trainer's run from the Hugging Face folder, with a checkpoint to export
-            run = [*HF_RUN, "--parallelism.tp", str(TP), HF, folder, "--checkpoint.enable", "true"]
-            cfg, _ = load_config([*run, "--job.dump_folder", f"{out}/hf_run"])
-            result = Trainer(cfg, mesh=mesh).train()
-            if rank == 0:
-                Path(out, "hf_run.json").write_text(json.dumps({"losses": result.losses}))
+        # A Trainer's run from the Hugging Face folder, with a checkpoint to export: tp 2, or tp 2 x dp_shard 2.
+        run = [*HF_RUN, "--parallelism.tp", str(TP), "--parallelism.dp_shard", str(world // TP), HF, folder]
+        cfg, _ = load_config([*run, "--checkpoint.enable", "true", "--job.dump_folder", f"{out}/hf_run"])
+        result = Trainer(cfg, mesh=mesh).train()
+        if rank == 0:
+            Path(out, "hf_run.json").write_text(json.dumps({"losses": result.losses}))
     finally:
         torch.use_deterministic_algorithms(False)
         if mesh is not None:
@@ -275,3 +276,44 @@ def test_tp_trained_from_hf_weights_matches_one_process_and_exports_to_hf(out, f
     checkpoint = out / "hf_run" / "checkpoint" / f"step-{HF_STEPS:08d}.dcp"
     assert export_main([str(checkpoint), str(tmp_path / "exported"), "--format", "hf"]) == 0
     assert_exported_is_the_trained_model(checkpoint, tmp_path / "exported", folder, our_args(vocab=VOCAB))
+
+
+# tp 2 x dp_shard 2 trained 2 steps from the folder, against one process trained the same way. The step-1 losses
+# are equal (a block read from the wrong place is not), but the gradients differ by the summation order's rounding
+# (3.7e-5 of a tensor's largest entry, above), and AdamW's first steps move each weight by about the learning rate
+# whatever its gradient's size: where a gradient is rounding-sized (rare embedding rows), the two runs' updates can
+# differ by up to both steps' learning rates. Measured: weights 7.8e-4 apart (the rates sum to 8.0e-4; bound:
+# twice that), transformers' logits of the two exports 2.4e-3 apart (the q/k scaled x20 sharpen it), while training
+# moved them 0.43. A wrong block or padding row in the export moves logits by the weights' own size.
+TRAINED_LOGITS_ATOL = 1e-2
+
+
+def test_tp_with_fsdp_trained_from_hf_weights_exports_one_processs_model(out_2d, folder, tmp_path):
+    """Load under tp 2 x dp_shard 2 (each rank reads FSDP's rows of its TP block), train 2 steps, export the DCP
+    checkpoint with `--format hf`: transformers reloads it with the logits of one process trained the same way from
+    the same folder on the same global batch, the vocabulary's padding row dropped."""
+    losses = json.loads((out_2d / "hf_run.json").read_text())["losses"]
+    global_batch = ["--training.local_batch_size", str(2 * int(TINY_BATCH[-1]))]
+    one = train_one_process(
+        [*HF_RUN, HF, str(folder), *global_batch, "--checkpoint.enable", "true"], str(tmp_path / "one")
+    )
+    assert losses == pytest.approx(one[1].losses, rel=HF_LOSS_RTOL)
+    exported = {}
+    for name, run in (("2d", out_2d / "hf_run"), ("one", tmp_path / "one")):
+        step = next((run / "checkpoint").glob(f"step-{HF_STEPS:08d}.*"))
+        assert export_main([str(step), str(tmp_path / f"{name}_hf"), "--format", "hf"]) == 0
+        exported[name] = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}_hf").eval()
+    assert exported["2d"].config.vocab_size == VOCAB  # the padding row (260 under tp 2) dropped
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = {name: model(tokens).logits for name, model in exported.items()}
+        moved = (logits["one"] - pretrained(tokens).logits).abs().max().item()
+    diff = (logits["2d"] - logits["one"]).abs().max().item()
+    ones = dict(exported["one"].named_parameters())
+    weights = max((p - ones[n]).abs().max().item() for n, p in exported["2d"].named_parameters())
+    lrs = sum(record["lr"] for record in one[1].records)
+    print(f"tp 2 x dp_shard 2 export vs one process's: max |weight difference| {weights:.2g} (the learning rates "
+          f"sum to {lrs:.2g}), max |logit difference| {diff:.2g} (training moved them {moved:.2g})")  # fmt: skip
+    assert weights <= 2 * lrs
+    assert diff <= TRAINED_LOGITS_ATOL and moved > 10 * TRAINED_LOGITS_ATOL
