@@ -27,6 +27,7 @@ from graph_trainer.distributed.launch import single_process
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.errors import UserError, WriteFailed
 from graph_trainer.job_config.load import config_to_toml
+from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.job_config.resume import compare_on_resume, load_optimizer_state, stored_config
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.loss import IGNORE_INDEX
@@ -128,11 +129,8 @@ class Trainer:
         self.num_params = job.num_params()
         self.flops_per_token = job.flops_per_token()
         self.step_metrics = job.spec.step_metrics  # the family's own per-step figures (MoE: expert load)
-        # The flavor names the model only when no Hugging Face folder set it (its config.json is the model then).
-        folder = cfg.checkpoint.initial_load_path if cfg.checkpoint.initial_load_in_hf else None
-        source = f"{cfg.model.name} of {folder}" if folder else f"{cfg.model.name}/{cfg.model.flavor}"
         logger.info(
-            f"model {source}: {self.num_params:,} parameters, "
+            f"model {model_name(cfg)}: {self.num_params:,} parameters, "
             f"device {self.device}, compute dtype {str(self.compute_dtype).removeprefix('torch.')}, "
             f"mode {cfg.compile.mode}, {self.parallel.describe()}"
         )

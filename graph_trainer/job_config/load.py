@@ -18,6 +18,7 @@ import tomli_w
 
 from graph_trainer.errors import ConfigError, did_you_mean
 from graph_trainer.job_config.batching import check_global_batch, check_grad_sync
+from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.job_config.schema import JobConfig, field_aliases, section_fields, sections
 from graph_trainer.job_config.values import check_limits, coerce, value_desc
 
@@ -151,7 +152,7 @@ def validate(cfg: JobConfig) -> None:
     if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
         raise ConfigError(
             f"training.seq_len must be <= the model's max_seq_len ({max_seq_len} for "
-            f"{cfg.model.name}/{cfg.model.flavor}), got {cfg.training.seq_len}: lower "
+            f"{model_name(cfg)}), got {cfg.training.seq_len}: lower "
             f"--training.seq_len or raise --model.max_seq_len"
         )
 

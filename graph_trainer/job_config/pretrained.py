@@ -30,6 +30,14 @@ TOKENIZER_FILE = "tokenizer.json"
 _PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
+def model_name(cfg: JobConfig) -> str:
+    """The model as messages name it: `family of FOLDER` when a Hugging Face folder set it (its config.json is the
+    model then, not the flavor), else `family/flavor`."""
+    if cfg.checkpoint.initial_load_path and cfg.checkpoint.initial_load_in_hf:
+        return f"{cfg.model.name} of {cfg.checkpoint.initial_load_path}"
+    return f"{cfg.model.name}/{cfg.model.flavor}"
+
+
 def read_json(path: Path, what: str) -> Any:
     """The parsed JSON file `path` of a Hugging Face folder; UserError naming it when missing or unreadable."""
     if not path.is_file():

@@ -126,6 +126,7 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
 
     from graph_trainer.errors import UserError
     from graph_trainer.job_config.cli import load_config
+    from graph_trainer.job_config.pretrained import model_name
     from graph_trainer.observability.units import to_gib
     from graph_trainer.plan import search
     from graph_trainer.plan.cluster import build_cluster
@@ -157,7 +158,7 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
         )
     kept = [c for c in cands if search.state_bytes(cfg, c) < cluster.memory_bytes]
     print(
-        f"plan: {cfg.model.name}/{cfg.model.flavor} on {cluster.gpus} x {cluster.device.name} "
+        f"plan: {model_name(cfg)} on {cluster.gpus} x {cluster.device.name} "
         f"({cluster.gpus_per_node} per node), global batch {global_seqs} x {seq} tokens; {len(cands)} candidates, "
         f"{len(cands) - len(kept)} pruned (state alone over memory); screening the rest",
         flush=True,

@@ -53,6 +53,7 @@ from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.model_args import get_model_spec
+from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger, quiet
 from graph_trainer.observability.units import GIB
@@ -144,7 +145,7 @@ def fall_back(cfg: JobConfig, why: str, say: Callable[[str], None] | None = None
     depth = resolve_model_args(cfg).n_layers
     if cfg.plan.require_depth_free:
         raise ConfigError(
-            f"plan.require_depth_free: the {depth} blocks of {cfg.model.name}/{cfg.model.flavor} cannot be planned "
+            f"plan.require_depth_free: the {depth} blocks of {model_name(cfg)} cannot be planned "
             f"depth-free ({why}); drop --plan.require_depth_free to trace the whole depth (slower)"
         )
     (say or logger.warning)(

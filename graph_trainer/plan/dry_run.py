@@ -12,6 +12,7 @@ from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.load import resolve_model_args
+from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import to_gib
 from graph_trainer.plan.attention_memory import attention_memory
@@ -47,7 +48,7 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
         dtype = str(compute_dtype(t.dtype, device, t.mixed_precision_param)).removeprefix("torch.")
         per_rank = f", one rank of {mesh.world_size} ({job.parallel.describe()}, {' x '.join(dims.used())})"
         print_fn(
-            f"dry run: {cfg.model.name}/{cfg.model.flavor}, batch {t.local_batch_size} x "
+            f"dry run: {model_name(cfg)}, batch {t.local_batch_size} x "
             f"seq {t.seq_len}{_accumulation(cfg)}, device {device.type}"
             f"{per_rank if mesh.world_size > 1 else ''}, compute dtype "
             f"{dtype}, fake tensors only (clipping and the AdamW update included: {update})"

@@ -555,12 +555,14 @@ def test_dry_run_and_the_planner_take_the_folder_as_the_model(hf_folder, capsys)
     small = ["--training.seq_len", "32", "--training.local_batch_size", "1"]
     assert cli.main([HF, str(hf_folder), *small, "--dry-run"]) == 0
     out = capsys.readouterr().out
+    assert f"dry run: llama3 of {hf_folder}, " in out  # the folder is the model, not the flavor's preset
     assert f"blocks traced: 3 + 4 for a model of {LAYERS}" in out
     assert f"{LLAMA.num_params(our_args()):,}" in out
     cluster = ["--cluster.gpus", "1", "--cluster.gpus_per_node", "1", "--search.ac_modes", "none"]
     assert plan_main([HF, str(hf_folder), *small, *cluster, "--search.exact", "1", "--batch.global_seqs", "1"]) == 0
     out = capsys.readouterr().out
     assert "1 depth-free plans" in out and f"{HF} {hf_folder}" in out
+    assert f"plan: llama3 of {hf_folder} on 1 x " in out
 
 
 def test_pickle_only_folder_is_refused_unread(tmp_path, capsys):
