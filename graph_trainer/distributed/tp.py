@@ -307,6 +307,14 @@ def check_divisible(model: nn.Module, plan: Any, tp: int, seq_len: int) -> None:
     Raises:
         UserError: naming the size and the fix.
     """
+    why = indivisible(model, plan, tp, seq_len)
+    if why is not None:
+        raise UserError(f"{why}; pick a tp that divides it")
+
+
+def indivisible(model: nn.Module, plan: Any, tp: int, seq_len: int) -> str | None:
+    """The first size of `model` (a block is enough, on meta) or of the sequence that tp does not divide, said in
+    words (None: tp divides them all). The one check: the trainer refuses with it, the search skips with it."""
     args = model.args
     sizes = {"model.n_heads": args.n_heads, "model.n_kv_heads": getattr(args, "kv_heads", args.n_heads)}
     sizes["training.seq_len"] = seq_len
@@ -314,7 +322,8 @@ def check_divisible(model: nn.Module, plan: Any, tp: int, seq_len: int) -> None:
         sizes[f"the width of {rel}"] = _first_layer(model, plan.layers).get_submodule(rel).weight.shape[0]
     for what, n in sizes.items():
         if n % tp:
-            raise UserError(f"{what} = {n} does not divide by parallelism.tp = {tp}; pick a tp that divides it")
+            return f"{what} = {n} does not divide by parallelism.tp = {tp}"
+    return None
 
 
 def _first_layer(model: nn.Module, layers: str) -> nn.Module:

@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from graph_trainer.builder import build_model
 from graph_trainer.distributed.expert_parallel import check_expert_degrees
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
+from graph_trainer.distributed.tp import indivisible
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args, validate
 from graph_trainer.job_config.model_args import get_model_spec
@@ -135,19 +137,27 @@ def factorizations(gpus: int, names: tuple[str, ...]) -> Iterator[dict[str, int]
 
 def model_allows(cfg: JobConfig, degrees: dict[str, int], gpus_per_node: int) -> str | None:
     """Why the model refuses these degrees (None: it allows them): tp needs the family's tensor-parallel plan,
-    must divide the heads and KV heads and stay within a node."""
+    must divide what the trainer's own check divides (heads, KV heads, the split widths, the sequence) and stay
+    within a node."""
     tp = degrees.get("tp", 1)
     if tp == 1:
         return None
-    if get_model_spec(cfg.model.name).parallel_plan.tensor_parallel is None:
+    plan = get_model_spec(cfg.model.name).parallel_plan
+    if plan.tensor_parallel is None:
         return f"model {cfg.model.name} declares no tensor-parallel plan"
-    args = resolve_model_args(cfg)
-    kv = getattr(args, "n_kv_heads", None) or args.n_heads
-    if args.n_heads % tp or kv % tp:
-        return f"tp {tp} does not divide {args.n_heads} heads and {kv} KV heads"
+    why = indivisible(_one_block(cfg), plan, tp, cfg.training.seq_len)
+    if why is not None:
+        return why
     if tp > gpus_per_node:
         return f"tp {tp} spans nodes"
     return None
+
+
+def _one_block(cfg: JobConfig) -> torch.nn.Module:
+    """`cfg`'s model with one block, on the meta device: the sizes tp splits, whatever the depth, at no cost."""
+    short = copy.deepcopy(cfg)
+    short.model.n_layers = 1
+    return build_model(short, None)
 
 
 def trainer_refuses(cfg: JobConfig, cand: Candidate) -> str | None:

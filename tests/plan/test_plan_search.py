@@ -32,6 +32,14 @@ def test_a_layout_that_breaks_divisibility_is_never_proposed():
     assert "does not divide" in search.model_allows(cfg, {"tp": 3}, 8)
     assert "spans nodes" in search.model_allows(cfg, {"tp": 16}, 8)
     assert search.model_allows(cfg, {"tp": 4}, 8) is None
+    # The trainer's own check (distributed/tp.py's `indivisible`), so the sequence and the split widths count too:
+    # a search at seq_len 66 once proposed tp 4, and the trainer stopped it.
+    odd, _ = load_config([*DEBUG[:-1], "66"])
+    assert search.model_allows(odd, {"tp": 4}, 8) == "training.seq_len = 66 does not divide by parallelism.tp = 4"
+    assert search.model_allows(odd, {"tp": 2}, 8) is None
+    assert "tp 4: training.seq_len = 66 does not divide" in "\n".join(
+        search.layouts(odd, Cluster(DEVICES["h100-80gb"], 4, 4))[1]
+    )
     cluster = Cluster(DEVICES["h100-80gb"], 8, 8)
     layouts, skipped = search.layouts(cfg, cluster)
     for cand in search.candidates(cfg, layouts, 12, ("none",), (0,), (False,)).cands:  # 12 sequences: dp must divide
