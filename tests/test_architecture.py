@@ -9,6 +9,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 TABLE = REPO / "docs" / "architecture.md"
 ENTRY_POINTS = {"graph_trainer.__main__", "graph_trainer.export"}
@@ -97,3 +99,41 @@ def test_every_import_follows_the_table():
 def test_models_import_nothing_from_graph_trainer():
     for path in (REPO / "models").rglob("*.py"):
         assert not [m for m in _imports(path) if m.split(".")[0] == "graph_trainer"], path
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (function-level imports included: they run too). `from package
+    import module` is an edge to that module, not to the package's `__init__` (which Python runs first for any of
+    its modules, and which may import them back to re-export their names)."""
+    paths = [*(REPO / "graph_trainer").rglob("*.py"), *(REPO / "models").rglob("*.py")]
+    modules = {_module_name(p): p for p in paths}
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                named = [f"{node.module}.{a.name}" for a in node.names]
+                targets |= {n for n in named if n in modules} or {node.module}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+        graph[module] = {_project_module(t, modules) for t in targets} - {module, None}
+    return graph
+
+
+def _project_module(name: str, modules: dict) -> str | None:
+    """The project module `name` is, or lies in (a name imported from it); None outside the project."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def test_no_module_imports_itself_through_others():
+    """No import cycle: each module can be read (and loaded) after the ones it imports. A cycle ties two modules'
+    concepts together so that neither can move alone (checkpoint/single_file.py and sharded.py were one)."""
+    import graphlib
+
+    try:
+        tuple(graphlib.TopologicalSorter(_import_graph()).static_order())
+    except graphlib.CycleError as e:
+        # graphlib lists the cycle along its predecessor edges: reversed, each module imports the next
+        pytest.fail(f"import cycle: {' imports '.join(reversed(e.args[1]))}")

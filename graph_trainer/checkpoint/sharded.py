@@ -33,7 +33,6 @@ saved run had the same position; their RNG streams cannot be mapped onto other r
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from graph_trainer.checkpoint.dcp_reader import SafeFileSystemReader
+from graph_trainer.checkpoint.formats import SHARDED, refuse_other_format
 from graph_trainer.checkpoint.logical_chunk import logical_chunk
 from graph_trainer.checkpoint.single_file import CheckpointManager, check_compatible
 from graph_trainer.distributed.parallelism import ParallelModel
@@ -64,7 +64,6 @@ from graph_trainer.runtime.fsutil import (
 logger = get_logger(__name__)
 
 SUFFIX = ".dcp"
-_DIR_RE = re.compile(r"^step-(\d{8,})\.dcp$")
 _MODEL, _OPTIMIZER = "model", "optimizer"
 # Plain (non-tensor) entries of the trainer's state, kept per rank in rank{r}.pt.
 _PLAIN = ("lr_scheduler", "data", "rng", "step", "config")
@@ -82,7 +81,7 @@ class ShardedCheckpointManager(CheckpointManager):
     `CheckpointManager`. `optimizer` is the job's AdamW over the model's shards.
     """
 
-    pattern = _DIR_RE
+    pattern = SHARDED
     reshardable = True
 
     def __init__(
@@ -300,27 +299,4 @@ def _write_error(error: CheckpointException, path: Path) -> WriteError:
     raise error
 
 
-def refuse_other_format(folder: Path, *, sharded: bool) -> None:
-    """UserError when `folder` holds checkpoints only in the format this job does not write (see the module doc).
-
-    A sharded (`step-*.dcp`) checkpoint needs a `parallelism.dp_shard` job to load it; a
-    single-file one (`step-*.pt`) a single-process or `dp_replicate` job.
-    """
-    if not folder.is_dir():
-        return
-    names = sorted(p.name for p in folder.iterdir())
-    if sharded and any(CheckpointManager.pattern.match(n) for n in names):
-        raise UserError(
-            f"{folder} holds single-file checkpoints (step-*.pt, from one process or "
-            "parallelism.dp_replicate), which a parallelism.dp_shard job cannot resume; resume it "
-            "without --parallelism.dp_shard, or start a new job.dump_folder"
-        )
-    if not sharded and any(_DIR_RE.match(n) for n in names):
-        raise UserError(
-            f"{folder} holds sharded checkpoints (step-*.dcp, from a parallelism.dp_shard job), which "
-            "only a parallelism.dp_shard job can resume; launch with `torchrun --nproc_per_node N` and "
-            "--parallelism.dp_shard N, or export the weights with `python -m graph_trainer.export`"
-        )
-
-
-__all__ = ["SUFFIX", "ShardedCheckpointManager", "refuse_other_format"]
+__all__ = ["SUFFIX", "ShardedCheckpointManager"]

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from graph_trainer.checkpoint.formats import SINGLE_FILE, refuse_other_format
 from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.runtime.fsutil import TEMP_SUFFIX, atomic_write, remove_path, writing
 
-_CKPT_RE = re.compile(r"^step-(\d{8,})\.pt$")
 _RESUME_HINT = "resume with the model config the checkpoint was written with, or start a new job.dump_folder"
 
 # What torch.load(weights_only=True) can rebuild, besides tensors and containers.
@@ -61,7 +61,7 @@ class CheckpointManager:
     format (`graph_trainer.checkpoint.sharded`) override `pattern`, `path`, `save` and `load`.
     """
 
-    pattern = _CKPT_RE  # names of complete checkpoints in the folder; group 1 is the step
+    pattern = SINGLE_FILE  # names of complete checkpoints in the folder; group 1 is the step
     reshardable = False  # whether a resume may change the number of ranks (see resume_config)
 
     def __init__(
@@ -148,8 +148,6 @@ class CheckpointManager:
 
     def refuse_other_format(self) -> None:
         """UserError when the folder holds only checkpoints of the sharded format, which this job cannot read."""
-        from graph_trainer.checkpoint.sharded import refuse_other_format  # the sharded format builds on this one
-
         refuse_other_format(self.folder, sharded=False)
 
     def load(self, step: int | None = None, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
+from graph_trainer.checkpoint.formats import refuse_other_format
 from graph_trainer.checkpoint.run_folder import MANIFEST_FILE, Manifest, remove_run
-from graph_trainer.checkpoint.sharded import refuse_other_format
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.resume import compare_on_resume, stored_config
 from graph_trainer.job_config.schema import JobConfig
