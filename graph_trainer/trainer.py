@@ -22,7 +22,6 @@ from graph_trainer.checkpoint.checkpointer import build_checkpointer
 from graph_trainer.checkpoint.run_folder import CONFIG_FILE, RunFolder, inspect
 from graph_trainer.checkpoint.single_file import capture_rng_state, restore_rng_state
 from graph_trainer.data.loader import CHAT_SOURCE
-from graph_trainer.distributed.expert_parallel import dropped_tokens
 from graph_trainer.distributed.launch import single_process
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.errors import UserError, WriteFailed
@@ -305,7 +304,7 @@ class Trainer:
             record["counted_fraction"] = (batch["labels"] != IGNORE_INDEX).float().mean().item()
         if self.step_metrics is not None:
             record.update(self.step_metrics(self.model))
-        record.update(self._dropped_tokens())
+        record.update(self.parallel.step_metrics())  # its own figures (expert parallelism's dropped rows)
         report = self.step_fn.report()
         record.update(report.as_record())
         if report.cuda_graphs and "peak_reserved_bytes" in record:
@@ -318,20 +317,6 @@ class Trainer:
                 100 * (record["estimated_peak_bytes"] - record["peak_active_bytes"]) / record["peak_active_bytes"]
             )
         return record
-
-    def _dropped_tokens(self) -> dict[str, float]:
-        """Expert parallelism: the (token, expert) rows dropped over capacity this step, summed over every rank and
-        MoE layer, logged to the console whenever it is not zero (empty without expert parallelism)."""
-        dropped = dropped_tokens(self.model)
-        if dropped is None:
-            return {}
-        total = float(self.mesh.global_average(dropped) * self.world_size)
-        if total > 0 and self.rank == 0:  # the total is every rank's: say it once
-            logger.warning(
-                f"expert parallelism dropped {total:.0f} (token, expert) rows over capacity this step "
-                "(raise parallelism.ep_capacity_factor to drop fewer)"
-            )
-        return {"dropped_tokens": total}
 
     def train(self) -> TrainResult:
         """Run the loop to `training.steps`; checkpoints and logs. The dump folder's lock is released at the end.

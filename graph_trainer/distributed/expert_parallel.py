@@ -52,8 +52,11 @@ from graph_trainer.distributed.fsdp import EXPERT_PARALLEL, FSDP, ShardGroup, Un
 from graph_trainer.distributed.mesh import EP, EXPERT_SHARD, Mesh
 from graph_trainer.distributed.parallelism import Parallelism
 from graph_trainer.errors import UserError
+from graph_trainer.observability.log import get_logger
 from graph_trainer.runtime.device import DTYPES
 from graph_trainer.tracer import node_meta
+
+logger = get_logger(__name__)
 
 c10d = torch.ops._c10d_functional
 KIND = "ep"
@@ -237,8 +240,8 @@ class ExpertParallel(Parallelism):
     kind = KIND
     label = "EP"
 
-    def __init__(self, holders: ShardGroup, block: int, full: dict[str, torch.Size]):
-        self.holders, self.block, self._full = holders, block, full
+    def __init__(self, holders: ShardGroup, block: int, full: dict[str, torch.Size], mesh: Mesh):
+        self.holders, self.block, self._full, self.mesh = holders, block, full, mesh
 
     @classmethod
     def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ExpertParallel | None:
@@ -273,7 +276,21 @@ class ExpertParallel(Parallelism):
             gathered = functools.partial(fsdp.gathered, name) if fsdp is not None else contextlib.nullcontext
             layer = _layer_of(name, plan.layers)
             experts.forward = functools.partial(_ep_forward, experts, group, factor, layer, inner, gathered)
-        return cls(holder_group, group.block, full)
+        return cls(holder_group, group.block, full, mesh)
+
+    def step_metrics(self, model: nn.Module) -> dict[str, float]:
+        """The (token, expert) rows dropped over capacity this step, summed over every rank and MoE layer (a
+        collective), and said once, on rank 0, whenever it is not zero."""
+        dropped = dropped_tokens(model)
+        if dropped is None:
+            return {}
+        total = float(self.mesh.global_average(dropped) * self.mesh.world_size)
+        if total > 0 and self.mesh.rank == 0:
+            logger.warning(
+                f"expert parallelism dropped {total:.0f} (token, expert) rows over capacity this step "
+                "(raise parallelism.ep_capacity_factor to drop fewer)"
+            )
+        return {"dropped_tokens": total}
 
     def full_shapes(self) -> dict[str, torch.Size]:
         return dict(self._full)

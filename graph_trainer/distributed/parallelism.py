@@ -10,6 +10,7 @@ then answers the few questions the step, the clip, the divergence guard and the 
   the gradients; sharded gradients make the clip norm a sum over the ranks); `makes_grads`: whose gradient hook
   makes the gradients (FSDP's once-per-step sync) and so runs before the others';
 - `check_traced`: refuse a traced step that the parallelism cannot run right;
+- `step_metrics`: its own figures for each step's record (expert parallelism's dropped rows);
 - `shard_sum`, `full_shapes`, `full_state`, `local_slices`: what the divergence guard, the checkpoint, exports
   and the loading of pretrained weights need of parameters that no rank holds whole. A parameter split by two
   parallelisms (FSDP's row block of TP's block) is answered by both: `ParallelModel.local_slices` composes them.
@@ -79,6 +80,11 @@ class Parallelism:
         """`traced` unchanged, or a `TraceError` naming what this parallelism cannot run."""
         return traced
 
+    def step_metrics(self, model: nn.Module) -> dict[str, float]:
+        """This parallelism's figures for the step's record, read after the step (the same on every rank: a
+        collective when they sum over ranks). It says what needs saying (a warning) once, itself."""
+        return {}
+
     def shard_sum(self) -> Callable[[float], float] | None:
         """Turns a per-rank sum over this rank's parameter shards into the sum over the whole parameters (a
         collective, outside the graph: the divergence guard's parameter norm); None when nothing is sharded."""
@@ -135,6 +141,12 @@ class ParallelModel:
 
     def count_reduce(self) -> CountReduce | None:
         return _chain([p.count_reduce() for p in self.parts])
+
+    def step_metrics(self) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for part in self.parts:
+            metrics.update(part.step_metrics(self.model))
+        return metrics
 
     def check_traced(self, traced: TracedStep) -> TracedStep:
         for part in self.parts:
