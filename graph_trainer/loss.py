@@ -6,12 +6,10 @@ each chunk's logits in the backward, so no [tokens, vocab] tensor is ever whole:
 Llama-3 8B (vocab 128,256, 8,192 tokens) each fp32 logits-sized tensor is 3.9 GiB.
 
 Under tensor parallelism the output projection is split by vocabulary and no rank ever holds whole logits:
-inside `vocab_parallel(shard)` both losses compute the vocabulary-parallel cross-entropy
-(`VocabParallelCrossEntropy`, `VocabParallelChunkedCrossEntropy`). Their forward needs three all-reduces of
-one number per token (the max logit, the sum of exponentials, the target's logit), never one over the
-vocabulary; their backward needs none (softmax minus one-hot is local to each vocabulary shard). The
-collectives themselves come from the `VocabShard` the parallelism passes in, so this module stays free of
-any process group.
+inside `vocab_parallel(shard)` both losses hand their logits (or the chunked loss its hidden states) to the
+`VocabShard` the parallelism passes in, which computes the vocabulary-parallel cross-entropy
+(graph_trainer.distributed.vocab_parallel, with the same chunk loop: `each_chunk`, `chunked_backward`). So this
+module stays free of any process group and of tensor parallelism.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -52,22 +50,16 @@ DOCUMENT_IDS = "document_ids"
 
 
 class VocabShard(Protocol):
-    """This rank's part of a vocabulary-parallel output projection (see the module docstring).
+    """This rank's part of a vocabulary-split output projection, which computes the losses of its logits
+    (graph_trainer.distributed.vocab_parallel.VocabParallelLoss is the one tensor parallelism passes in)."""
 
-    Its logits are the columns `start .. start + valid - 1` of the whole vocabulary, followed by padding
-    columns (the vocabulary is padded to a multiple of the tensor-parallel degree); padded logits are masked.
-    """
-
-    start: int  # the vocabulary id of this rank's first logit
-    valid: int  # how many of this rank's logits are real ids; the rest are padding
-
-    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        """`t` reduced ('max' or 'sum') over the ranks that hold the other vocabulary shards."""
-        ...
-
-    def gather_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, S / tp, D] sequence-sharded hidden states -> [B, S, D] (its gradient reduce-scattered back)."""
-        ...
+    # [B, S / tp, D] sequence-sharded hidden states -> [B, S, D] (its gradient reduce-scattered back)
+    gather_sequence: Callable[[torch.Tensor], torch.Tensor]
+    # (this rank's [N, V / tp] logits, [N] labels, num_tokens or None) -> the mean cross-entropy
+    cross_entropy: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    # (the whole sequence's [N, D] hidden states, this rank's vocabulary rows, labels, chunk_size, dtype, num_tokens)
+    # -> `ChunkedCrossEntropy` of them
+    chunked_cross_entropy: Callable[..., torch.Tensor]
 
 
 _VOCAB_SHARD: contextvars.ContextVar[VocabShard | None] = contextvars.ContextVar("vocab_shard", default=None)
@@ -99,88 +91,11 @@ def cross_entropy_loss(
     """
     shard = _VOCAB_SHARD.get()
     if shard is not None:
-        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), labels.flatten(0, 1), shard, num_tokens)
+        return shard.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1), num_tokens)
     logits, labels = logits.flatten(0, 1).float(), labels.flatten(0, 1)
     if num_tokens is None:
         return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum") / num_tokens
-
-
-def _token_count(labels: torch.Tensor, num_tokens: torch.Tensor | None) -> torch.Tensor:
-    """The divisor of the summed token losses: `num_tokens` when given (see `NUM_TOKENS`), else this batch's valid
-    labels. The tp ranks read the same batch, so either is the same on each of them and needs no reduction."""
-    return valid_tokens(labels).float() if num_tokens is None else num_tokens
-
-
-def _shard_statistics(
-    x: torch.Tensor, labels: torch.Tensor, shard: VocabShard
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per token of `x` (fp32 [N, shard.valid], this rank's real logits): the max logit and the log of the sum
-    of exponentials over the whole vocabulary, the target's log-probability, and the target's column here
-    (-1 where another rank holds it).
-
-    Three all-reduces of N numbers: max (for a stable exp), sum of exponentials, target log-probability (0 on
-    the ranks that do not hold the target). The arithmetic is log-softmax's, (x - max) - log(sum), in the
-    order torch's `loss_parallel` and `F.cross_entropy` use, so the three agree to the last bits."""
-    top = shard.all_reduce(x.amax(dim=-1), "max")
-    shifted = x - top.unsqueeze(1)
-    log_sum = torch.log(shard.all_reduce(torch.exp(shifted).sum(dim=-1), "sum"))
-    local = labels - shard.start
-    here = (local >= 0) & (local < x.shape[1])
-    column = torch.where(here, local, -1)
-    picked = shifted.gather(1, column.clamp(min=0).unsqueeze(1)).squeeze(1) - log_sum
-    target = shard.all_reduce(torch.where(here, picked, 0.0), "sum")
-    return top, log_sum, target, column
-
-
-def _token_sum(target: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of the counted tokens' cross-entropies (minus their targets' log-probabilities)."""
-    return torch.where(labels != IGNORE_INDEX, -target, 0.0).sum()
-
-
-def _grad_shard_logits(
-    x: torch.Tensor,
-    top: torch.Tensor,
-    log_sum: torch.Tensor,
-    column: torch.Tensor,
-    labels: torch.Tensor,
-    scale: torch.Tensor,
-    width: int,
-) -> torch.Tensor:
-    """d(loss)/d(this rank's logits), [N, width] fp32: softmax minus one-hot, times `scale` on counted tokens;
-    zero on the padding columns past `x`'s."""
-    grad = torch.exp((x - top.unsqueeze(1)) - log_sum.unsqueeze(1))
-    rows = torch.arange(x.shape[0], device=x.device)
-    grad[rows, column.clamp(min=0)] -= (column >= 0).to(grad.dtype)
-    grad.mul_(torch.where(labels != IGNORE_INDEX, scale, 0.0).unsqueeze(1))
-    return F.pad(grad, (0, width - x.shape[1])) if width > x.shape[1] else grad
-
-
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of logits split by vocabulary over the tensor-parallel ranks (this rank's [N, V / tp]).
-
-    The counterpart of torch's `loss_parallel`: forward reduces three per-token numbers over the ranks
-    (`_shard_statistics`); backward is local. The padding columns never count and get zero gradient. With
-    `num_tokens` the sum over the valid tokens is divided by it instead of their number (see `NUM_TOKENS`).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, logits: torch.Tensor, labels: torch.Tensor, shard: VocabShard, num_tokens: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        x = logits[:, : shard.valid].float()
-        top, log_sum, target, column = _shard_statistics(x, labels, shard)
-        count = _token_count(labels, num_tokens)
-        ctx.save_for_backward(logits, labels, top, log_sum, column, count)
-        ctx.valid = shard.valid
-        return _token_sum(target, labels) / count
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor):
-        logits, labels, top, log_sum, column, count = ctx.saved_tensors
-        x = logits[:, : ctx.valid].float()
-        grad = _grad_shard_logits(x, top, log_sum, column, labels, grad_loss / count, logits.shape[1])
-        return grad.to(logits.dtype), None, None, None
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -193,9 +108,37 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return (batch["input"],) if DOCUMENT_IDS not in batch else (batch["input"], batch[DOCUMENT_IDS])
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 logits of one chunk, with the projection computed in `dtype` (as autocast would)."""
     return F.linear(hidden.to(dtype), weight.to(dtype)).float()
+
+
+def each_chunk(rows: int, chunk_size: int) -> Iterator[slice]:
+    """The row slices of `rows` rows, `chunk_size` at a time, the caller's work on each traced under its chunk's
+    tag (`LOSS_CHUNK`): the one chunk loop of every chunked loss."""
+    for index, start in enumerate(range(0, rows, chunk_size)):
+        with _chunk(index):
+            yield slice(start, start + chunk_size)
+
+
+def chunked_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    dtype: torch.dtype,
+    chunk_size: int,
+    grad_logits: Callable[[slice, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d(loss)/d(hidden), d(loss)/d(weight)) of a chunked loss of `hidden @ weight.T`, one chunk at a time:
+    `grad_logits(rows, hidden[rows])` gives d(loss)/d(that chunk's logits), recomputed from them (fp32)."""
+    grad_hidden = torch.empty_like(hidden)
+    grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+    w = weight.to(dtype)
+    for rows in each_chunk(hidden.shape[0], chunk_size):
+        h = hidden[rows]
+        g = grad_logits(rows, h).to(dtype)  # its fp32 logits and gradient freed here: one chunk's alive at a time
+        grad_hidden[rows] = (g @ w).to(hidden.dtype)
+        grad_weight += (g.t() @ h.to(dtype)).float()
+    return grad_hidden, grad_weight.to(weight.dtype)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -222,13 +165,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         num_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         total = hidden.new_zeros((), dtype=torch.float32)
-        for index, start in enumerate(range(0, hidden.shape[0], chunk_size)):
-            with _chunk(index):
-                logits = _chunk_logits(hidden[start : start + chunk_size], weight, dtype)
-                total = total + F.cross_entropy(
-                    logits, labels[start : start + chunk_size], ignore_index=IGNORE_INDEX, reduction="sum"
-                )
-                del logits  # one chunk's logits alive at a time
+        for rows in each_chunk(hidden.shape[0], chunk_size):
+            logits = chunk_logits(hidden[rows], weight, dtype)
+            total = total + F.cross_entropy(logits, labels[rows], ignore_index=IGNORE_INDEX, reduction="sum")
+            del logits  # one chunk's logits alive at a time
         count = valid_tokens(labels) if num_tokens is None else num_tokens
         ctx.save_for_backward(hidden, weight, labels, count)
         ctx.chunk_size, ctx.dtype = chunk_size, dtype
@@ -238,79 +178,16 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: torch.Tensor):
         hidden, weight, labels, count = ctx.saved_tensors
         scale = grad_loss / count
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-        w = weight.to(ctx.dtype)
-        for index, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
-            with _chunk(index):
-                h = hidden[start : start + ctx.chunk_size]
-                y = labels[start : start + ctx.chunk_size]
-                grad_logits = torch.softmax(_chunk_logits(h, weight, ctx.dtype), dim=-1)
-                valid = y != IGNORE_INDEX
-                rows = torch.arange(y.shape[0], device=y.device)
-                grad_logits[rows, y.clamp(min=0)] -= 1.0
-                grad_logits.mul_((valid.to(grad_logits.dtype) * scale).unsqueeze(1))
-                g = grad_logits.to(ctx.dtype)
-                del grad_logits
-                grad_hidden[start : start + ctx.chunk_size] = (g @ w).to(hidden.dtype)
-                grad_weight += (g.t() @ h.to(ctx.dtype)).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
+        def grad_logits(rows: slice, h: torch.Tensor) -> torch.Tensor:  # softmax minus one-hot, scaled
+            y = labels[rows]
+            grad = torch.softmax(chunk_logits(h, weight, ctx.dtype), dim=-1)
+            valid = y != IGNORE_INDEX
+            grad[torch.arange(y.shape[0], device=y.device), y.clamp(min=0)] -= 1.0
+            return grad.mul_((valid.to(grad.dtype) * scale).unsqueeze(1))
 
-class VocabParallelChunkedCrossEntropy(torch.autograd.Function):
-    """`ChunkedCrossEntropy` with the output projection split by vocabulary (`weight` is this rank's rows).
-
-    `hidden` is the whole sequence's; each chunk's logits are this rank's vocabulary shard, reduced as
-    `VocabParallelCrossEntropy` reduces them (three all-reduces per chunk). The per-token log-sum-exp is kept
-    for the backward, which is local: it recomputes each chunk's logits and returns this rank's partial
-    d(loss)/d(hidden) (the sequence gather's backward sums the partials over the ranks) and its rows' gradient.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        chunk_size: int,
-        dtype: torch.dtype,
-        shard: VocabShard,
-        num_tokens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        total = hidden.new_zeros((), dtype=torch.float32)
-        stats: list[list[torch.Tensor]] = [[], [], []]  # per chunk: max, log-sum-exp, target column
-        for index, start in enumerate(range(0, hidden.shape[0], chunk_size)):
-            with _chunk(index):
-                x = _chunk_logits(hidden[start : start + chunk_size], weight[: shard.valid], dtype)
-                y = labels[start : start + chunk_size]
-                top, log_sum, target, column = _shard_statistics(x, y, shard)
-                total = total + _token_sum(target, y)
-                for kept, t in zip(stats, (top, log_sum, column), strict=True):
-                    kept.append(t)
-                del x  # one chunk's logits alive at a time
-        count = _token_count(labels, num_tokens)
-        ctx.save_for_backward(hidden, weight, labels, count, *(torch.cat(kept) for kept in stats))
-        ctx.chunk_size, ctx.dtype, ctx.valid = chunk_size, dtype, shard.valid
-        return total / count
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor):
-        hidden, weight, labels, count, top, log_sum, column = ctx.saved_tensors
-        scale = grad_loss / count
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-        w = weight.to(ctx.dtype)
-        for index, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
-            with _chunk(index):
-                rows = slice(start, start + ctx.chunk_size)
-                h = hidden[rows]
-                x = _chunk_logits(h, weight[: ctx.valid], ctx.dtype)
-                g = _grad_shard_logits(x, top[rows], log_sum[rows], column[rows], labels[rows], scale, weight.shape[0])
-                g = g.to(ctx.dtype)
-                del x
-                grad_hidden[rows] = (g @ w).to(hidden.dtype)
-                grad_weight += (g.t() @ h.to(ctx.dtype)).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+        grad_hidden, grad_weight = chunked_backward(hidden, weight, ctx.dtype, ctx.chunk_size, grad_logits)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, chunk_size: int) -> torch.Tensor:
@@ -335,9 +212,7 @@ def chunked_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, chunk_s
     hidden, labels = hidden.flatten(0, 1), batch["labels"].flatten(0, 1)
     with torch.autocast(device_type, enabled=False):
         if shard is not None:
-            return VocabParallelChunkedCrossEntropy.apply(
-                hidden, output.weight, labels, chunk_size, dtype, shard, batch.get(NUM_TOKENS)
-            )
+            return shard.chunked_cross_entropy(hidden, output.weight, labels, chunk_size, dtype, batch.get(NUM_TOKENS))
         return ChunkedCrossEntropy.apply(hidden, output.weight, labels, chunk_size, dtype, batch.get(NUM_TOKENS))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graph_trainer.distributed.vocab_parallel import VocabParallelLoss
 from graph_trainer.eager.step import EagerStep
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
@@ -107,8 +108,8 @@ def test_chunked_loss_refuses_a_model_without_hidden_states():
         chunked_lm_loss(torch.nn.Linear(3, 3), {"input": torch.zeros(1, 2, dtype=torch.long)}, chunk_size=4)
 
 
-class _OneRankShard:
-    """A `VocabShard` holding the whole vocabulary (then padding columns): no other rank to reduce over."""
+class _OneRankShard(VocabParallelLoss):
+    """A vocabulary shard holding the whole vocabulary (then padding columns): no other rank to reduce over."""
 
     def __init__(self, vocab: int):
         self.start, self.valid = 0, vocab

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from graph_trainer.distributed.fsdp import ShardGroup
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import Parallelism
+from graph_trainer.distributed.vocab_parallel import VocabParallelLoss
 from graph_trainer.errors import UserError
 from graph_trainer.loss import vocab_parallel
 from graph_trainer.tracer import node_meta
@@ -126,9 +127,9 @@ def scatter_sequence(x: torch.Tensor, group: ShardGroup, unit: str, layer: int |
 
 
 @dataclasses.dataclass(frozen=True)
-class VocabSplit:
+class VocabSplit(VocabParallelLoss):
     """The vocabulary cut into tp row blocks of `rows` (the last ones padded): this rank's first id and how many
-    of its rows are real ids. `graph_trainer.loss.VocabShard`, with the collectives of the tp group."""
+    of its rows are real ids, and the losses of its logits (`VocabParallelLoss`) with the tp group's collectives."""
 
     group: ShardGroup
     vocab_size: int
