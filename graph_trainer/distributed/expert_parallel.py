@@ -239,6 +239,7 @@ class ExpertParallel(Parallelism):
 
     kind = KIND
     label = "EP"
+    mesh_dim = EP
 
     def __init__(self, holders: ShardGroup, block: int, full: dict[str, torch.Size], mesh: Mesh):
         self.holders, self.block, self._full, self.mesh = holders, block, full, mesh

@@ -214,6 +214,7 @@ class FSDP(Parallelism):
 
     kind = KIND
     label = "FSDP"
+    mesh_dim = MESH_DIM
 
     def __init__(
         self,

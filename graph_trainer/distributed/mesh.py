@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,14 @@ DATA_PARALLEL = ("dp_replicate", "dp_shard")  # the dimensions over which ranks 
 # the named "dp_shard" dimension is those two flattened (ep innermost: an ep group is dp_shard's neighbours).
 EP = "ep"
 EXPERT_SHARD = "dp_shard_mod_ep"  # the ranks that hold the same routed experts (FSDP over dp_shard / ep)
+
+
+def ring(dim: str, degrees: Mapping[str, int]) -> tuple[int, int]:
+    """(size, stride) of the rings that mesh dimension `dim` makes in a layout of `degrees`: how many ranks each
+    holds, and how far apart they are (the product of the dimensions inside it, `DIMS` outermost first; `ep` is
+    the inner part of dp_shard). What the cost model needs to price a collective over `dim`."""
+    inner = DIMS[DIMS.index("dp_shard" if dim == EP else dim) + 1 :]
+    return degrees.get(dim, 1), math.prod(degrees.get(d, 1) for d in inner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,4 +229,4 @@ def planning_mesh(dims: ParallelDims, device: torch.device) -> Iterator[Mesh]:
         dist.destroy_process_group()
 
 
-__all__ = ["DATA_PARALLEL", "DIMS", "EP", "EXPERT_SHARD", "Mesh", "ParallelDims", "build_mesh", "planning_mesh"]
+__all__ = ["DATA_PARALLEL", "DIMS", "EP", "EXPERT_SHARD", "Mesh", "ParallelDims", "build_mesh", "planning_mesh", "ring"]

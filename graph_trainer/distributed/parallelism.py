@@ -24,14 +24,14 @@ do", so the trainer, the builder and the planner never ask whether a model is sh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graph_trainer.distributed.mesh import Mesh
+from graph_trainer.distributed.mesh import Mesh, ring
 from graph_trainer.step import CountReduce
 from graph_trainer.tracer.capture import GradReduce, LossFn, NormReduce, TracedStep
 
@@ -52,6 +52,18 @@ class Parallelism:
 
     kind: str = ""  # the `kind` of its collectives' tags, e.g. "fsdp"
     label: str = ""  # what a user calls it, e.g. "FSDP"
+    mesh_dim: str = ""  # the mesh dimension its collectives run over ("" when it has none of its own)
+
+    @classmethod
+    def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> Parallelism | None:
+        """This parallelism applied to `model` in place for the job `cfg` on `mesh`; None when the job does not
+        use it. `plan` is the model family's `ParallelPlan` (models/common/spec.py)."""
+        raise NotImplementedError
+
+    @classmethod
+    def ring(cls, degrees: Mapping[str, int]) -> tuple[int, int]:
+        """(size, stride) of the rings its collectives run on in a layout of `degrees` (`mesh.ring`)."""
+        return ring(cls.mesh_dim, degrees)
 
     def wrap_loss(self, loss_fn: LossFn) -> LossFn:
         """`loss_fn` as it must run under this parallelism."""
@@ -106,10 +118,6 @@ class Parallelism:
         is this rank's part after every parallelism. Lets checkpoints and pretrained weights be read and
         written part by part."""
         return None
-
-
-# Each parallelism's `apply(model, mesh, cfg, plan) -> Parallelism | None`, in the order they are applied.
-Apply = Callable[..., Parallelism | None]
 
 
 class ParallelModel:
@@ -204,14 +212,16 @@ def _chain(hooks: list[Callable[[Any], Any] | None]) -> Callable[[Any], Any] | N
     return chained
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg: Any, plan: Any, appliers: Sequence[Apply]) -> ParallelModel:
-    """Apply each parallelism of `appliers` that the job uses to `model`, in place, in order.
+def parallelize(
+    model: nn.Module, mesh: Mesh, cfg: Any, plan: Any, parallelisms: Sequence[type[Parallelism]]
+) -> ParallelModel:
+    """Apply each of `parallelisms` that the job uses to `model`, in place, in order.
 
     `plan` is the model family's `ParallelPlan` (models/common/spec.py): which modules are the layers, and
-    later which are column- or row-parallel. An applier returns None when its degree is 1.
+    later which are column- or row-parallel. `apply` returns None when its degree is 1.
     """
-    parts = [part for apply in appliers if (part := apply(model, mesh, cfg, plan)) is not None]
+    parts = [part for kind in parallelisms if (part := kind.apply(model, mesh, cfg, plan)) is not None]
     return ParallelModel(model, mesh, parts)
 
 
-__all__ = ["Apply", "ParallelModel", "Parallelism", "mean_count_over", "parallelize"]
+__all__ = ["ParallelModel", "Parallelism", "mean_count_over", "parallelize"]

@@ -2,12 +2,14 @@
 
     parallel = parallelize_model(model, mesh, cfg, spec.parallel_plan)
 
-A new parallelism is a module in this package whose class implements `Parallelism` and has an
-`apply(model, mesh, cfg, plan)` that returns None when the job does not use it; add it to `PARALLELISMS`.
+A new parallelism is a module in this package whose class implements `Parallelism`: its `apply(model, mesh, cfg,
+plan)` returns None when the job does not use it, and its `mesh_dim` names the mesh dimension its collectives run
+over (the cost model's rings come from it: `collective_rings`); add the class to `PARALLELISMS`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch.nn as nn
@@ -16,7 +18,7 @@ from graph_trainer.distributed.expert_balance import ExpertBalance
 from graph_trainer.distributed.expert_parallel import ExpertParallel
 from graph_trainer.distributed.fsdp import FSDP
 from graph_trainer.distributed.mesh import Mesh
-from graph_trainer.distributed.parallelism import Apply, ParallelModel, parallelize
+from graph_trainer.distributed.parallelism import Parallelism, ParallelModel, parallelize
 from graph_trainer.distributed.replicate import Replicate
 from graph_trainer.distributed.tp import TensorParallel
 
@@ -28,13 +30,7 @@ from graph_trainer.distributed.tp import TensorParallel
 # top of TP does; its reduce-scatters run in the backward, before any gradient hook). The norm hooks chain in this
 # order too: TP's counts its replicated gradients once on this rank's FSDP shards, before FSDP sums over dp_shard.
 # The MoE balancing counts are summed over whichever data-parallel dimension is used.
-PARALLELISMS: tuple[Apply, ...] = (
-    ExpertParallel.apply,
-    Replicate.apply,
-    TensorParallel.apply,
-    FSDP.apply,
-    ExpertBalance.apply,
-)
+PARALLELISMS: tuple[type[Parallelism], ...] = (ExpertParallel, Replicate, TensorParallel, FSDP, ExpertBalance)
 
 
 def parallelize_model(model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ParallelModel:
@@ -42,4 +38,10 @@ def parallelize_model(model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> Para
     return parallelize(model, mesh, cfg, plan, PARALLELISMS)
 
 
-__all__ = ["PARALLELISMS", "parallelize_model"]
+def collective_rings(degrees: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """Each parallelism's collective kind -> (size, stride) of its rings in a layout of `degrees`, from the mesh
+    dimension it declares (the cost model prices each collective on its ring)."""
+    return {p.kind: p.ring(degrees) for p in PARALLELISMS if p.mesh_dim}
+
+
+__all__ = ["PARALLELISMS", "collective_rings", "parallelize_model"]

@@ -50,6 +50,7 @@ class Replicate(Parallelism):
 
     kind = KIND
     label = "replicated"
+    mesh_dim = "dp_replicate"
 
     def __init__(self, group: dist.ProcessGroup, world_size: int):
         self.averager = GradAverager(group, world_size)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from graph_trainer.distributed.mesh import ring
+from graph_trainer.distributed.parallelize import collective_rings
 from graph_trainer.plan.cluster import Cluster
 
 # Bytes over the bus per byte of buffer, times (n-1)/n: nccl-tests' busbw factors (doc/PERFORMANCE.md).
@@ -66,21 +68,12 @@ def step_time(
     device = cluster.device
     counted = flops / (device.peak_tflops * 1e12 * efficiency * device.clock)
     compute = counted / device.contraction_share
-    tp = degrees.get("tp", 1)
-    shard = degrees.get("dp_shard", 1)
-    replicate = degrees.get("dp_replicate", 1)
-    groups = {  # (size, stride) of the ring each parallelism's collectives run on (tp innermost)
-        "tp": (tp, 1),
-        "fsdp": (shard, tp),
-        # Replication all-reduces the gradients across replicas.
-        "dp_replicate": (replicate, shard * tp),
-        # Expert parallelism's all-to-alls run over ep ranks carved out of dp_shard (its inner part), tp apart.
-        "ep": (degrees.get("ep", 1), tp),
-    }
+    rings = collective_rings(degrees)  # (size, stride) of each parallelism's rings, from its mesh dimension
     times = {}
     for key, nbytes in comm.items():
         kind, _, collective = key.partition(" ")  # '<parallelism> <collective>' (passes/communication.py)
-        n, stride = groups.get(kind, (shard, tp))
+        # A kind with no dimension of its own (the MoE balancing counts) runs over the data-parallel shards.
+        n, stride = rings.get(kind) or ring("dp_shard", degrees)
         if n <= 1:
             times[key] = 0.0
             continue

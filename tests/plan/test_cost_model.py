@@ -62,3 +62,12 @@ def test_a_group_across_nodes_runs_at_its_ranks_nics_together():
     assert group_link_gbps(cluster, 128, 1) == min(8 * H100.inter_gbps, H100.intra_gbps)  # 8 NICs a node: 400
     assert group_link_gbps(cluster, 16, 8) == H100.inter_gbps  # one rank a node (FSDP over tp 8): one NIC
     assert group_link_gbps(cluster, 32, 2) == 4 * H100.inter_gbps  # four ranks a node
+
+
+def test_each_collective_is_priced_on_the_ring_its_parallelism_declares():
+    """The rings come from the parallelisms (each declares its mesh dimension) and the mesh order (dp_replicate,
+    dp_shard, tp innermost; ep the inner part of dp_shard), not from a table in the cost model."""
+    from graph_trainer.distributed.parallelize import collective_rings
+
+    degrees = {"dp_replicate": 2, "dp_shard": 4, "tp": 8, "ep": 2}
+    assert collective_rings(degrees) == {"tp": (8, 1), "fsdp": (4, 8), "dp_replicate": (2, 32), "ep": (2, 8)}
