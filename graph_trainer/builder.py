@@ -388,20 +388,6 @@ class Job:
         )
 
 
-def _check_balancing_counts(model: nn.Module, mesh: Mesh) -> None:
-    """Refuse a mixture of experts on several data-parallel ranks when no parallelism sums its routers' counts.
-
-    A router's `count_reduce` (models/deepseek_v3) must sum the tokens-per-expert counts over the ranks, or
-    each rank's balancing bias drifts on its own tokens, silently; `distributed.expert_balance` sets it.
-    """
-    if mesh.data_size > 1 and any(getattr(m, "count_reduce", False) is None for m in model.modules()):
-        raise UserError(
-            f"model {model.__class__.__name__} balances its experts from per-rank token counts, which are not yet "
-            f"summed over the {mesh.data_size} data-parallel ranks of this layout; "
-            "train it with parallelism.dp_shard or parallelism.dp_replicate alone, or on one process"
-        )
-
-
 def _reusable(cfg: JobConfig) -> bool:
     """Whether the preflight's graph is the step's: the preflight runs no compile stage and writes no graph dumps
     (the run folder is not ready then); everything else it builds as the step does."""
@@ -428,7 +414,6 @@ def build_job(cfg: JobConfig, mesh: Mesh, *, materialize: bool = True, vocab_nee
     model.train()
     # From here on, a sharded parameter is this rank's part of it (same names, smaller shapes).
     parallel = parallelize_model(model, mesh, cfg, spec.parallel_plan)
-    _check_balancing_counts(model, mesh)
     if pretrained is not None:
         pretrained.load_into(model, parallel, mesh.device)
     optimizer = build_job_optimizer(cfg, model, mesh.device)

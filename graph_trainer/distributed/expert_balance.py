@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from graph_trainer.distributed.mesh import DATA_PARALLEL, Mesh
 from graph_trainer.distributed.parallelism import Parallelism
+from graph_trainer.errors import UserError
 from graph_trainer.tracer import node_meta
 
 KIND = "expert_balance"
@@ -49,13 +50,22 @@ class ExpertBalance(Parallelism):
 
     @classmethod
     def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ExpertBalance | None:
-        """None unless the model has routers and several ranks read different data."""
+        """None unless the model has routers and several ranks read different data.
+
+        Raises:
+            UserError: the ranks read different data over two dimensions (HSDP), whose counts it does not sum yet:
+                each rank's bias would drift on its own tokens, silently.
+        """
         routers = [m for m in model.modules() if hasattr(m, "count_reduce")]
         if not routers or mesh.data_size == 1:
             return None
         used = [d for d in DATA_PARALLEL if mesh.size(d) > 1]
-        if len(used) != 1:  # HSDP is refused by the mesh; one data-parallel dimension at a time
-            return None
+        if len(used) != 1:
+            raise UserError(
+                f"model {model.__class__.__name__} balances its experts from per-rank token counts, which are not yet "
+                f"summed over the {mesh.data_size} data-parallel ranks of this layout ({' x '.join(used)}); "
+                "train it with parallelism.dp_shard or parallelism.dp_replicate alone, or on one process"
+            )
         reduce = CountSum(mesh.group(used[0]).group_name)
         for router in routers:
             router.count_reduce = reduce
