@@ -32,7 +32,7 @@ from graph_trainer.errors import UserError
 LOSS_CHUNK = "loss_chunk"
 
 
-def _chunk(index: int) -> contextlib.AbstractContextManager:
+def loss_chunk(index: int) -> contextlib.AbstractContextManager:
     """Tag the ops traced inside with their loss chunk (`LOSS_CHUNK`); outside a trace it only sets a dict entry."""
     return fx_traceback.annotate({LOSS_CHUNK: index})
 
@@ -113,12 +113,12 @@ def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype)
     return F.linear(hidden.to(dtype), weight.to(dtype)).float()
 
 
-def each_chunk(rows: int, chunk_size: int) -> Iterator[slice]:
-    """The row slices of `rows` rows, `chunk_size` at a time, the caller's work on each traced under its chunk's
-    tag (`LOSS_CHUNK`): the one chunk loop of every chunked loss."""
+def each_chunk(rows: int, chunk_size: int) -> Iterator[tuple[int, slice]]:
+    """(index, row slice) of each chunk of `rows` rows, `chunk_size` at a time: the one chunk loop of every chunked
+    loss. The caller tags its work on a chunk with `loss_chunk(index)` (inside its loop, so that an exception
+    leaves no tag behind)."""
     for index, start in enumerate(range(0, rows, chunk_size)):
-        with _chunk(index):
-            yield slice(start, start + chunk_size)
+        yield index, slice(start, start + chunk_size)
 
 
 def chunked_backward(
@@ -133,11 +133,12 @@ def chunked_backward(
     grad_hidden = torch.empty_like(hidden)
     grad_weight = torch.zeros_like(weight, dtype=torch.float32)
     w = weight.to(dtype)
-    for rows in each_chunk(hidden.shape[0], chunk_size):
-        h = hidden[rows]
-        g = grad_logits(rows, h).to(dtype)  # its fp32 logits and gradient freed here: one chunk's alive at a time
-        grad_hidden[rows] = (g @ w).to(hidden.dtype)
-        grad_weight += (g.t() @ h.to(dtype)).float()
+    for index, rows in each_chunk(hidden.shape[0], chunk_size):
+        with loss_chunk(index):
+            h = hidden[rows]
+            g = grad_logits(rows, h).to(dtype)  # its fp32 logits and gradient freed here: one chunk's at a time
+            grad_hidden[rows] = (g @ w).to(hidden.dtype)
+            grad_weight += (g.t() @ h.to(dtype)).float()
     return grad_hidden, grad_weight.to(weight.dtype)
 
 
@@ -165,10 +166,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         num_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         total = hidden.new_zeros((), dtype=torch.float32)
-        for rows in each_chunk(hidden.shape[0], chunk_size):
-            logits = chunk_logits(hidden[rows], weight, dtype)
-            total = total + F.cross_entropy(logits, labels[rows], ignore_index=IGNORE_INDEX, reduction="sum")
-            del logits  # one chunk's logits alive at a time
+        for index, rows in each_chunk(hidden.shape[0], chunk_size):
+            with loss_chunk(index):
+                logits = chunk_logits(hidden[rows], weight, dtype)
+                total = total + F.cross_entropy(logits, labels[rows], ignore_index=IGNORE_INDEX, reduction="sum")
+                del logits  # one chunk's logits alive at a time
         count = valid_tokens(labels) if num_tokens is None else num_tokens
         ctx.save_for_backward(hidden, weight, labels, count)
         ctx.chunk_size, ctx.dtype = chunk_size, dtype

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from graph_trainer.loss import IGNORE_INDEX, chunk_logits, chunked_backward, each_chunk, valid_tokens
+from graph_trainer.loss import IGNORE_INDEX, chunk_logits, chunked_backward, each_chunk, loss_chunk, valid_tokens
 
 
 class VocabParallelLoss:
@@ -163,14 +163,15 @@ class VocabParallelChunkedCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         total = hidden.new_zeros((), dtype=torch.float32)
         stats: list[list[torch.Tensor]] = [[], [], []]  # per chunk: max, log-sum-exp, target column
-        for rows in each_chunk(hidden.shape[0], chunk_size):
-            x = chunk_logits(hidden[rows], weight[: shard.valid], dtype)
-            y = labels[rows]
-            top, log_sum, target, column = _shard_statistics(x, y, shard)
-            total = total + _token_sum(target, y)
-            for kept, t in zip(stats, (top, log_sum, column), strict=True):
-                kept.append(t)
-            del x  # one chunk's logits alive at a time
+        for index, rows in each_chunk(hidden.shape[0], chunk_size):
+            with loss_chunk(index):
+                x = chunk_logits(hidden[rows], weight[: shard.valid], dtype)
+                y = labels[rows]
+                top, log_sum, target, column = _shard_statistics(x, y, shard)
+                total = total + _token_sum(target, y)
+                for kept, t in zip(stats, (top, log_sum, column), strict=True):
+                    kept.append(t)
+                del x  # one chunk's logits alive at a time
         count = _token_count(labels, num_tokens)
         ctx.save_for_backward(hidden, weight, labels, count, *(torch.cat(kept) for kept in stats))
         ctx.chunk_size, ctx.dtype, ctx.valid = chunk_size, dtype, shard.valid
