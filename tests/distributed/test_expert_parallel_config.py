@@ -74,19 +74,3 @@ def test_ep_below_dp_shard_needs_dp_shard_to_divide_the_experts():
     with planning_mesh(ParallelDims(dp_shard=4, ep=2), torch.device("cpu")) as mesh:
         with pytest.raises(UserError, match="dp_shard = 4 does not divide the 6 routed experts"):
             ExpertParallel.apply(model, mesh, JobConfig(), ParallelPlan(routed_experts="experts"))
-
-
-def test_balancing_counts_over_two_data_dimensions_are_refused_not_left_per_rank():
-    """Ranks reading different data over dp_replicate and dp_shard at once (HSDP, which the mesh refuses today):
-    the routers' counts would not be summed, and each rank's balancing bias would drift on its own tokens. The
-    balancing parallelism refuses it in one line rather than leave the routers unreduced."""
-    import types
-
-    from graph_trainer.distributed.expert_balance import ExpertBalance
-
-    router = nn.Module()
-    router.count_reduce = None
-    hsdp = types.SimpleNamespace(data_size=4, size=lambda dim: 2)
-    with pytest.raises(UserError, match=r"not yet summed over the 4 data-parallel ranks of this layout \(dp_replicate x dp_shard\)"):
-        ExpertBalance.apply(router, hsdp, None, None)
-    assert router.count_reduce is None

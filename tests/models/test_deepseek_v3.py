@@ -186,16 +186,24 @@ def test_cli_trains_the_debug_model_and_the_loss_falls(tmp_path):
 # --------------------------------------------------------------------------- data-parallel ranks
 
 
-def test_several_data_parallel_ranks_are_refused_until_the_counts_are_summed():
+def test_data_ranks_over_two_dimensions_are_refused_until_the_counts_are_summed():
+    """The balancing counts are summed over one data-parallel dimension; ranks reading different data over two
+    (HSDP, which the mesh refuses today) would each move their bias on their own tokens, silently: refused in one
+    line by the parallelism that sums them (stand-in meshes: this needs no process group)."""
     from types import SimpleNamespace
 
-    from graph_trainer.builder import _check_balancing_counts
+    from graph_trainer.distributed.expert_balance import ExpertBalance
     from graph_trainer.errors import UserError
 
     model = _tiny_model()
-    _check_balancing_counts(model, SimpleNamespace(data_size=1))  # one process: every token is counted here
-    with pytest.raises(UserError, match="not yet summed over the 2 data-parallel ranks"):
-        _check_balancing_counts(model, SimpleNamespace(data_size=2))
+    one = SimpleNamespace(data_size=1, size=lambda dim: 1)
+    assert ExpertBalance.apply(model, one, None, None) is None  # one process: every token is counted here
+    hsdp = SimpleNamespace(data_size=4, size=lambda dim: 2)
+    with pytest.raises(
+        UserError, match=r"not yet summed over the 4 data-parallel ranks of this layout \(dp_replicate x dp_shard\)"
+    ):
+        ExpertBalance.apply(model, hsdp, None, None)
+    assert all(r.count_reduce is None for r in model.routers())  # left as they were
 
 
 def _biases(trainer: Trainer) -> list[torch.Tensor]:
