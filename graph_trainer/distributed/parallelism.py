@@ -33,7 +33,11 @@ import torch.nn as nn
 
 from graph_trainer.distributed.mesh import Mesh, ring
 from graph_trainer.step import CountReduce
+from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import GradReduce, LossFn, NormReduce, TracedStep
+from graph_trainer.tracer.layers import transformer_layers
+
+Owner = tuple[str, int | None]  # a parameter's module FQN and the index of the block it is in (None: outside them)
 
 
 def mean_count_over(group: dist.ProcessGroup, world_size: int) -> CountReduce:
@@ -45,6 +49,31 @@ def mean_count_over(group: dist.ProcessGroup, world_size: int) -> CountReduce:
         return total / world_size
 
     return reduce
+
+
+def gradient_owners(model: nn.Module, layers: str | None) -> list[Owner]:
+    """The owner of each gradient the step's `grad_reduce` hook receives (the trainable parameters, in
+    `named_parameters` order), blocks found in the container `layers` (the family's `ParallelPlan.layers`)."""
+    blocks = transformer_layers(model, layers)
+    owners = []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            module = name.rpartition(".")[0]
+            layer = next((i for fqn, i in blocks.items() if module == fqn or module.startswith(fqn + ".")), None)
+            owners.append((module, layer))
+    return owners
+
+
+def owned_by(owner: Owner) -> dict[str, Any]:
+    """Node tags (for `fx.traceback.annotate`) that make a gradient reduction an op of its parameter's module and
+    block, as the rest of the block: a model's blocks then hold identical op sequences, which the depth-free plan
+    (graph_trainer/plan/block_plan.py) relies on. Untagged, the reductions would sit outside the blocks, one more
+    per parameter with every block, and no short trace could stand for the whole depth."""
+    module, layer = owner
+    tags: dict[str, Any] = {node_meta.MODULE_FQN: module}
+    if layer is not None:
+        tags[node_meta.LAYER_ID] = layer
+    return tags
 
 
 class Parallelism:
@@ -224,4 +253,4 @@ def parallelize(
     return ParallelModel(model, mesh, parts)
 
 
-__all__ = ["ParallelModel", "Parallelism", "mean_count_over", "parallelize"]
+__all__ = ["Owner", "ParallelModel", "Parallelism", "gradient_owners", "mean_count_over", "owned_by", "parallelize"]

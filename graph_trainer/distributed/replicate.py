@@ -4,7 +4,12 @@ After the backward each gradient is averaged over the replicas, so all ranks tak
 stay identical. The averaging uses traceable functional collectives
 (`torch.distributed._functional_collectives`): inside the traced step they become
 `_c10d_functional.all_reduce` + `wait_tensor` nodes of the one step graph, tagged as this parallelism's
-gradient reductions; eagerly they run the same ops, so eager and traced steps agree bitwise.
+gradient reductions and as ops of their parameter's module and block (so the blocks of a deep model stay
+identical and its plan depth-free); eagerly they run the same ops, so eager and traced steps agree bitwise.
+
+With `parallelism.dp_shard` too (HSDP: replicas of a sharded model), the gradients it receives are the FSDP
+shards, already averaged over dp_shard by the backward's reduce-scatters: it averages those shards over the
+replicas, each element once.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 
 from graph_trainer.distributed.mesh import Mesh
-from graph_trainer.distributed.parallelism import Parallelism, mean_count_over
+from graph_trainer.distributed.parallelism import Owner, Parallelism, gradient_owners, mean_count_over, owned_by
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import GradReduce
 
@@ -30,18 +35,24 @@ class GradAverager:
 
     One all-reduce per gradient (no bucketing). Sum-then-divide rather than the
     "avg" reduce op so that every backend (gloo, nccl) runs the same arithmetic.
+    `owners[i]` is gradient i's parameter's module and block, which its reduction is tagged with.
     """
 
     group: dist.ProcessGroup
     world_size: int
+    owners: tuple[Owner, ...]
 
     def __call__(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         import torch.distributed._functional_collectives as funcol  # absent from builds without distributed
 
         # Under make_fx the functional all_reduce is traced with its wait_tensor; eagerly
         # the division waits on the AsyncCollectiveTensor it returns.
-        with fx_traceback.annotate({node_meta.COLLECTIVE: node_meta.collective_tag(KIND, node_meta.GRAD_REDUCE)}):
-            return [funcol.all_reduce(g, "sum", self.group) / self.world_size for g in grads]
+        averaged = []
+        for g, owner in zip(grads, self.owners, strict=True):
+            tag = node_meta.collective_tag(KIND, node_meta.GRAD_REDUCE, layer=owner[1])
+            with fx_traceback.annotate({node_meta.COLLECTIVE: tag, **owned_by(owner)}):
+                averaged.append(funcol.all_reduce(g, "sum", self.group) / self.world_size)
+        return averaged
 
 
 class Replicate(Parallelism):
@@ -52,15 +63,15 @@ class Replicate(Parallelism):
     label = "replicated"
     mesh_dim = "dp_replicate"
 
-    def __init__(self, group: dist.ProcessGroup, world_size: int):
-        self.averager = GradAverager(group, world_size)
+    def __init__(self, group: dist.ProcessGroup, world_size: int, owners: list[Owner]):
+        self.averager = GradAverager(group, world_size, tuple(owners))
 
     @classmethod
     def apply(cls, model: torch.nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> Replicate | None:
         """Replication over the mesh's `dp_replicate` dimension; None when its degree is 1."""
         if mesh.size(KIND) == 1:
             return None
-        return cls(mesh.group(KIND), mesh.size(KIND))
+        return cls(mesh.group(KIND), mesh.size(KIND), gradient_owners(model, plan.layers))
 
     def grad_reduce(self) -> GradReduce:
         return self.averager

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from graph_trainer.distributed.fsdp import ShardGroup
 from graph_trainer.distributed.mesh import Mesh
-from graph_trainer.distributed.parallelism import Parallelism
+from graph_trainer.distributed.parallelism import Owner, Parallelism, gradient_owners, owned_by
 from graph_trainer.distributed.vocab_parallel import VocabParallelLoss
 from graph_trainer.errors import UserError
 from graph_trainer.loss import vocab_parallel
@@ -186,17 +186,15 @@ class ReplicatedGrads:
     gradients counted once: the split gradients' part is all-reduced, the replicated part added once.
     """
 
-    def __init__(self, group: ShardGroup, indices: list[int], owners: list[tuple[str, int | None]]):
+    def __init__(self, group: ShardGroup, indices: list[int], owners: list[Owner]):
         self.group, self.indices = group, indices
         self.owners = owners  # each index's (module FQN, layer): its reduction is tagged as that module's op
         self._replicated: list[torch.Tensor] = []
 
     def reduce(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         grads = list(grads)
-        for i, (module, layer) in zip(self.indices, self.owners, strict=True):
-            # Tagged with the norm's module and layer, as the rest of its block: a model's blocks then hold
-            # identical op sequences, which the depth-free plan (graph_trainer/plan/block_plan.py) relies on.
-            with _tagged(node_meta.GRAD_REDUCE, "", layer), fx_traceback.annotate(_owner_tags(module, layer)):
+        for i, owner in zip(self.indices, self.owners, strict=True):
+            with _tagged(node_meta.GRAD_REDUCE, "", owner[1]), fx_traceback.annotate(owned_by(owner)):
                 grads[i] = _wait(c10d.all_reduce(grads[i], "sum", self.group.group_name))
         self._replicated = [grads[i] for i in self.indices]
         return grads
@@ -393,20 +391,8 @@ def tensor_parallelize(
     replicated = _replicated_names(model, plan, layers)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     indices = [i for i, name in enumerate(names) if name in replicated]
-    owners = [_owner(names[i].rpartition(".")[0], layers) for i in indices]
-    return TensorParallel(model, group, split, vocab, ReplicatedGrads(group, indices, owners))
-
-
-def _owner(module: str, layers: dict[str, int]) -> tuple[str, int | None]:
-    """`module`'s FQN and the index of the transformer layer it is in (None: outside them)."""
-    return module, next((i for fqn, i in layers.items() if module == fqn or module.startswith(fqn + ".")), None)
-
-
-def _owner_tags(module: str, layer: int | None) -> dict[str, Any]:
-    tags: dict[str, Any] = {node_meta.MODULE_FQN: module}
-    if layer is not None:
-        tags[node_meta.LAYER_ID] = layer
-    return tags
+    owners = gradient_owners(model, layers_name)
+    return TensorParallel(model, group, split, vocab, ReplicatedGrads(group, indices, [owners[i] for i in indices]))
 
 
 def _wrap_layer(layer: nn.Module, fqn: str, index: int, group: ShardGroup, plan: Any) -> None:
