@@ -6,7 +6,7 @@ On resume, `compare_on_resume` holds it against the current config, option by op
 - refused (one line, exit 2): options that change the data stream or the model's
   structure. The saved data position counts batches of the saved shape and order
   (`training.local_batch_size`, `training.seq_len`, `training.seed`, `data.*`,
-  `parallelism.dp_shard`), and the saved weights fit one architecture (`model.*`
+  `parallelism.dp_shard`, `parallelism.dp_replicate`), and the saved weights fit one architecture (`model.*`
   except the options listed as honoured below).
 - refused too: a change of the validation split (`validation.enable` with an empty
   `validation.path` holds every `validation.holdout_every`-th document out of training).
@@ -15,12 +15,12 @@ On resume, `compare_on_resume` holds it against the current config, option by op
   clipping, dropout, AC and compile modes, logging and checkpoint options.
 
 A sharded checkpoint (`parallelism.dp_shard`, see `graph_trainer.checkpoint.sharded`)
-can be resumed on another number of ranks, but only with the same global batch
-(`dp_shard x local_batch_size`): then every step reads the very windows the saved run
-would have read (rank r of N takes the r-th slice of each global batch), so the data
-position carries over exactly and only the summation order changes. A different
-global batch would be a different run from that step on, and is refused. So is any
-`dp_shard` change with `data.source = "hf_datasets"`, whose ranks each read their own slice.
+can be resumed on another layout of its data-parallel ranks (dp_shard, and dp_replicate with it: HSDP), but
+only with the same global batch (`dp_replicate x dp_shard x local_batch_size`): then every step reads the very
+windows the saved run would have read (data rank r of N takes the r-th slice of each global batch), so the data
+position carries over exactly and only the summation order changes. A different global batch would be a
+different run from that step on, and is refused. So is any such change with `data.source = "hf_datasets"`,
+whose ranks each read their own slice.
 
 Gradient accumulation (`training.global_batch_size`): the data position counts whole steps' batches of
 `accumulation steps x local_batch_size` sequences, so a resume that changes the number of accumulation steps
@@ -57,6 +57,7 @@ REFUSED: dict[str, str] = {
     "data.shuffle": _DATA,
     "data.shuffle_buffer": _DATA,
     "parallelism.dp_shard": _DATA,
+    "parallelism.dp_replicate": _DATA,
     **{
         f"model.{f.name}": _MODEL
         for f in dataclasses.fields(JobConfig().model)
@@ -91,7 +92,13 @@ def _as_flag(key: str, value: Any) -> str:
     return f"--{key} {value!r}" if isinstance(value, str) and (not value or " " in value) else f"--{key} {value}"
 
 
-_RESHARD = ("parallelism.dp_shard", "training.local_batch_size")
+_RESHARD = ("parallelism.dp_replicate", "parallelism.dp_shard", "training.local_batch_size")
+_DATA_PARALLEL = _RESHARD[:2]  # their product is the number of data ranks
+
+
+def _data_ranks(config: dict[str, Any]) -> int:
+    """How many ranks read different data (dp_replicate x dp_shard) in a flattened config."""
+    return config["parallelism.dp_shard"] * config.get("parallelism.dp_replicate", 1)
 
 
 def _accumulation_steps(config: dict[str, Any]) -> int:
@@ -99,13 +106,12 @@ def _accumulation_steps(config: dict[str, Any]) -> int:
     global_batch = config.get("training.global_batch_size", -1)
     if global_batch == -1:
         return 1
-    dp = config["parallelism.dp_shard"] * config.get("parallelism.dp_replicate", 1)
-    return global_batch // (config["training.local_batch_size"] * dp)
+    return global_batch // (config["training.local_batch_size"] * _data_ranks(config))
 
 
 def _global_batch(config: dict[str, Any]) -> int:
-    """Sequences per step over the dp_shard ranks (every micro-batch of a step)."""
-    return config["parallelism.dp_shard"] * config["training.local_batch_size"] * _accumulation_steps(config)
+    """Sequences per step over the data ranks (every micro-batch of a step)."""
+    return _data_ranks(config) * config["training.local_batch_size"] * _accumulation_steps(config)
 
 
 def _accumulation_refusal(before: dict[str, Any], now: dict[str, Any], checkpoint: Path) -> UserError:
@@ -120,15 +126,16 @@ def _accumulation_refusal(before: dict[str, Any], now: dict[str, Any], checkpoin
 
 
 def _reshard_refusal(before: dict[str, Any], now: dict[str, Any], checkpoint: Path) -> UserError:
-    n, batch = now["parallelism.dp_shard"], _global_batch(before)
+    n, batch = _data_ranks(now), _global_batch(before)
     fix = (
         f"--training.local_batch_size {batch // n} to keep it"
         if batch % n == 0
-        else f"a parallelism.dp_shard that divides {batch}"
+        else f"a data-parallel degree (parallelism.dp_replicate x parallelism.dp_shard) that divides {batch}"
     )
+    layout = " x ".join(f"{k.split('.')[1]} {now[k]}" for k in _DATA_PARALLEL if now.get(k, 1) > 1)
     return UserError(
-        f"cannot resume {checkpoint} on parallelism.dp_shard {n} with training.local_batch_size "
-        f"{now['training.local_batch_size']}: the global batch (dp_shard x local_batch_size) would be "
+        f"cannot resume {checkpoint} on {n} data ranks ({layout}) with training.local_batch_size "
+        f"{now['training.local_batch_size']}: the global batch (data ranks x local_batch_size) would be "
         f"{_global_batch(now)} instead of {batch}, and the saved data position counts batches of "
         f"{batch}; resume with {fix}"
     )
@@ -176,12 +183,11 @@ def compare_on_resume(
         now.pop("data.path", None)
     changed = [k for k in now if k not in _NOT_COMPARED and k in before and before[k] != now[k]]
     _check_held_out(before, now, checkpoint)
-    if _accumulation_steps(before) != _accumulation_steps(now) and not (
-        reshardable and "parallelism.dp_shard" in changed
-    ):
+    new_layout = any(k in changed for k in _DATA_PARALLEL)
+    if _accumulation_steps(before) != _accumulation_steps(now) and not (reshardable and new_layout):
         raise _accumulation_refusal(before, now, checkpoint)
     # hf_datasets positions are per data-parallel rank (each reads its own slice): they cannot be resharded.
-    resharded = reshardable and "parallelism.dp_shard" in changed and before["data.source"] != "hf_datasets"
+    resharded = reshardable and new_layout and before["data.source"] != "hf_datasets"
     if resharded and _global_batch(before) != _global_batch(now):
         raise _reshard_refusal(before, now, checkpoint)
     refused = [k for k in changed if k in REFUSED and not (resharded and k in _RESHARD)]

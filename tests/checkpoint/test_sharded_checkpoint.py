@@ -39,14 +39,15 @@ def test_manifest_owns_a_recorded_checkpoint_folder_and_its_torn_temp_folder_and
     assert len(list((ckpt / "step-00000009.dcp").iterdir())) == 3
 
 
-def _now(dp_shard: int, local_batch_size: int) -> JobConfig:
+def _now(dp_shard: int, local_batch_size: int, dp_replicate: int = 1) -> JobConfig:
     cfg = JobConfig()
     cfg.parallelism.dp_shard, cfg.training.local_batch_size = dp_shard, local_batch_size
+    cfg.parallelism.dp_replicate = dp_replicate
     return cfg
 
 
-def _saved(dp_shard: int, local_batch_size: int) -> dict:
-    return stored_config(_now(dp_shard, local_batch_size))
+def _saved(dp_shard: int, local_batch_size: int, dp_replicate: int = 1) -> dict:
+    return stored_config(_now(dp_shard, local_batch_size, dp_replicate))
 
 
 def test_a_sharded_checkpoint_reshards_only_with_the_same_global_batch(tmp_path):
@@ -54,10 +55,26 @@ def test_a_sharded_checkpoint_reshards_only_with_the_same_global_batch(tmp_path)
     assert any(line.startswith("parallelism.dp_shard: 2 in the checkpoint, 4 now (resharded") for line in lines)
     with pytest.raises(UserError, match=r"global batch .* would be 16 instead of 8.*--training.local_batch_size 2"):
         compare_on_resume(_saved(2, 4), _now(4, 4), tmp_path, reshardable=True)
-    with pytest.raises(UserError, match="a parallelism.dp_shard that divides 8"):
+    with pytest.raises(
+        UserError, match=r"a data-parallel degree \(parallelism.dp_replicate x parallelism.dp_shard\) that divides 8"
+    ):
         compare_on_resume(_saved(2, 4), _now(3, 4), tmp_path, reshardable=True)
     with pytest.raises(UserError, match="changed training.local_batch_size"):  # single-file checkpoints: as before
         compare_on_resume(_saved(2, 4), _now(4, 2), tmp_path)
+
+
+def test_hsdp_counts_both_data_parallel_dimensions_in_the_global_batch(tmp_path):
+    """HSDP 2 x 2 with local batch 2 reads 8 sequences a step: resumed as dp_shard 4 it keeps them at local batch
+    2, and as dp_shard 2 alone it would read 4, refused. A replicated (single-file) run cannot change
+    dp_replicate: its global batch would change under the saved data position, silently."""
+    lines = compare_on_resume(_saved(2, 2, dp_replicate=2), _now(4, 2), tmp_path, reshardable=True)
+    assert any(line.startswith("parallelism.dp_replicate: 2 in the checkpoint, 1 now (resharded") for line in lines)
+    with pytest.raises(
+        UserError, match=r"on 2 data ranks \(dp_shard 2\) .* would be 4 instead of 8.*local_batch_size 4"
+    ):
+        compare_on_resume(_saved(2, 2, dp_replicate=2), _now(2, 2), tmp_path, reshardable=True)
+    with pytest.raises(UserError, match=r"changed parallelism.dp_replicate 4 \(checkpoint: 2\)"):
+        compare_on_resume(_saved(1, 2, dp_replicate=2), _now(1, 2, dp_replicate=4), tmp_path)
 
 
 def test_a_job_refuses_a_folder_of_the_other_checkpoint_format_in_one_line(tmp_path):
