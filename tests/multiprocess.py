@@ -6,6 +6,7 @@ group once, trains each run and leaves the group at the end.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -82,6 +83,19 @@ def _mesh_for(cfg: Any, joined: Mesh) -> Mesh:
     """The mesh of `cfg`'s layout over the ranks already joined (another layout of the same ranks: a reshard)."""
     dims = ParallelDims.from_config(cfg.parallelism)
     return joined if dims == joined.dims else build_mesh(dims, joined.rank, joined.device)
+
+
+class LogLines(logging.Handler):
+    """This process's trainer log lines, kept to be written with a rank's record (rank 0 logs progress, the
+    others warnings only)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        logging.getLogger("graph_trainer").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def peaks(records: list[dict]) -> list[tuple[int | None, int | None, int]]:

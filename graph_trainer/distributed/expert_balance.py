@@ -22,7 +22,6 @@ import torch.nn as nn
 
 from graph_trainer.distributed.mesh import DATA_PARALLEL, Mesh
 from graph_trainer.distributed.parallelism import Parallelism
-from graph_trainer.errors import UserError
 from graph_trainer.tracer import node_meta
 
 KIND = "expert_balance"
@@ -30,16 +29,20 @@ KIND = "expert_balance"
 
 @dataclasses.dataclass(frozen=True)
 class CountSum:
-    """A router's `count_reduce`: its counts summed over the ranks of `group_name` (a traceable all-reduce)."""
+    """A router's `count_reduce`: its counts summed over the ranks of each group in `group_names` in turn (one
+    traceable all-reduce each). Over two data-parallel dimensions (HSDP: dp_shard, then dp_replicate) the sums
+    over the shards' sums are the sums over every data rank; the counts are whole numbers, so exactly."""
 
-    group_name: str
+    group_names: tuple[str, ...]
 
     def __call__(self, counts: torch.Tensor) -> torch.Tensor:
         c10d = torch.ops._c10d_functional
         with fx_traceback.annotate(
             {node_meta.COLLECTIVE: node_meta.collective_tag(KIND, node_meta.EXPERT_COUNT_REDUCE)}
         ):
-            return c10d.wait_tensor(c10d.all_reduce(counts, "sum", self.group_name))
+            for name in self.group_names:
+                counts = c10d.wait_tensor(c10d.all_reduce(counts, "sum", name))
+            return counts
 
 
 class ExpertBalance(Parallelism):
@@ -50,23 +53,13 @@ class ExpertBalance(Parallelism):
 
     @classmethod
     def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ExpertBalance | None:
-        """None unless the model has routers and several ranks read different data.
-
-        Raises:
-            UserError: the ranks read different data over two dimensions (HSDP), whose counts it does not sum yet:
-                each rank's bias would drift on its own tokens, silently.
-        """
+        """None unless the model has routers and several ranks read different data: then the counts are summed
+        over every data-parallel dimension the job uses (innermost first)."""
         routers = [m for m in model.modules() if hasattr(m, "count_reduce")]
         if not routers or mesh.data_size == 1:
             return None
-        used = [d for d in DATA_PARALLEL if mesh.size(d) > 1]
-        if len(used) != 1:
-            raise UserError(
-                f"model {model.__class__.__name__} balances its experts from per-rank token counts, which are not yet "
-                f"summed over the {mesh.data_size} data-parallel ranks of this layout ({' x '.join(used)}); "
-                "train it with parallelism.dp_shard or parallelism.dp_replicate alone, or on one process"
-            )
-        reduce = CountSum(mesh.group(used[0]).group_name)
+        used = [d for d in reversed(DATA_PARALLEL) if mesh.size(d) > 1]
+        reduce = CountSum(tuple(mesh.group(d).group_name for d in used))
         for router in routers:
             router.count_reduce = reduce
         return cls()

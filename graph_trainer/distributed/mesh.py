@@ -53,15 +53,9 @@ class ParallelDims:
         """The degrees `parallelism.*` asks for.
 
         Raises:
-            UserError: a combination the trainer cannot run (dp_shard with dp_replicate, HSDP; tp composes with
-                either).
+            UserError: a combination the trainer cannot run (ep that does not divide dp_shard, ep with tp).
+                dp_replicate with dp_shard is HSDP: replicas of a sharded model (distributed/replicate.py).
         """
-        if p.dp_shard > 1 and p.dp_replicate > 1:
-            raise UserError(
-                f"parallelism.dp_shard = {p.dp_shard} with parallelism.dp_replicate = {p.dp_replicate} (HSDP) is "
-                "not supported; use one of them: --parallelism.dp_shard N (FSDP) or "
-                "--parallelism.dp_replicate N (replicated)"
-            )
         if p.dp_shard % p.ep:
             raise UserError(
                 f"parallelism.ep = {p.ep} does not divide parallelism.dp_shard = {p.dp_shard}: expert parallelism is "

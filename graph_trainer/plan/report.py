@@ -55,17 +55,18 @@ def _row(r: search.Screened, cluster: Cluster, seq: int) -> dict:
 
 def print_table(rows: list[search.Screened], cluster: Cluster, seq: int) -> None:
     """The ranked table of exactly planned candidates, fastest first."""
+    table = [_row(r, cluster, seq) for r in rows]
+    wide = max([26] + [len(x["layout"]) for x in table])  # HSDP with tp: "dp_replicate 2 x dp_shard 16 x tp 2"
     print(
-        f"{'#':>2} {'layout':<26} {'ac':<9} {'lb x acc':>8} {'peak GiB':>8} {'free GiB':>8} {'step s':>7} "
+        f"{'#':>2} {'layout':<{wide}} {'ac':<9} {'lb x acc':>8} {'peak GiB':>8} {'free GiB':>8} {'step s':>7} "
         f"{'tok/s/gpu':>9} {'MFU':>5}  comm GiB/step ({' '.join(name for name, _ in COLUMNS)})"
     )
-    for i, r in enumerate(rows, 1):
-        x = _row(r, cluster, seq)
+    for i, (r, x) in enumerate(zip(rows, table, strict=True), 1):
         comm = " ".join(f"{sum(v for k, v in x['comm_gib'].items() if counts(k)):.1f}" for _, counts in COLUMNS)
         batch = r.cand.batch()
         peak = ("~" if x["peak_approximate"] else "") + f"{x['peak_gib']:.2f}"  # ~: an upper bound
         print(
-            f"{i:>2} {x['layout']:<26} {x['ac_mode']:<9} {batch:>8} {peak:>8} "
+            f"{i:>2} {x['layout']:<{wide}} {x['ac_mode']:<9} {batch:>8} {peak:>8} "
             f"{x['headroom_gib']:8.2f} {x['step_s']:7.2f} {x['tokens_per_s_per_gpu']:9.0f} {x['mfu']:5.1%}  {comm}"
         )
 

@@ -180,10 +180,11 @@ def test_trainer_without_process_group_refuses_dp_shard(tmp_path):
         Trainer(cfg)
 
 
-def test_dp_shard_with_dp_replicate_is_refused_as_hsdp():
+def test_dp_shard_with_dp_replicate_launches_as_hsdp_on_their_product_of_ranks():
     cfg, _ = load_config([*TINY, "--parallelism.dp_shard", "2", "--parallelism.dp_replicate", "2"])
-    with pytest.raises(UserError, match=r"\(HSDP\) is not supported; use one of them"):
-        check_launch(cfg, {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"})
+    check_launch(cfg, {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"})  # accepted: HSDP
+    with pytest.raises(UserError, match="torchrun --nproc_per_node 4"):
+        check_launch(cfg, {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
 
 
 # SIGTERM raised in the middle of the command line's first import, as torchrun sends it to a rank that is still

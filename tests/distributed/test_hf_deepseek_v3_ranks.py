@@ -11,7 +11,6 @@ The claims (issue 31):
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ from tests.checkpoint.test_hf_deepseek_v3 import (
 )
 from tests.checkpoint.test_hf_weights import HF, LAYERS, write_tokenizer
 from tests.data.test_chat import prompt_rows, write_rows
-from tests.multiprocess import free_port, spawn_ranks, train_one_process, train_runs
+from tests.multiprocess import LogLines, free_port, spawn_ranks, train_one_process, train_runs
 from tests.tiny import DETERMINISTIC
 
 pytestmark = [
@@ -66,20 +65,8 @@ def _args(folder: Path, rows: Path) -> list[str]:
             "--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS)]  # fmt: skip
 
 
-class _Lines(logging.Handler):
-    """The trainer's log lines of this rank, kept to be written with its record."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _worker(rank: int, port: int, folder: str, rows: str, out: str) -> None:
-    lines = _Lines()
-    logging.getLogger("graph_trainer").addHandler(lines)  # rank 0 logs progress, the others warnings only
+    lines = LogLines()
 
     def save_loaded_experts(_name: str, trainer) -> None:  # as loaded, before the first step
         torch.save(dict(trainer.model.named_parameters())[EXPERTS_W1].detach().clone(), f"{out}/experts{rank}.pt")

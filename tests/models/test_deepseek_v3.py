@@ -186,24 +186,21 @@ def test_cli_trains_the_debug_model_and_the_loss_falls(tmp_path):
 # --------------------------------------------------------------------------- data-parallel ranks
 
 
-def test_data_ranks_over_two_dimensions_are_refused_until_the_counts_are_summed():
-    """The balancing counts are summed over one data-parallel dimension; ranks reading different data over two
-    (HSDP, which the mesh refuses today) would each move their bias on their own tokens, silently: refused in one
-    line by the parallelism that sums them (stand-in meshes: this needs no process group)."""
+def test_the_counts_are_summed_over_every_data_parallel_dimension():
+    """Ranks that read different data over two dimensions (HSDP) must sum their counts over both, or each replica's
+    bias would move on its own tokens, silently: the innermost (dp_shard) first, then dp_replicate (stand-in
+    meshes: this needs no process group; tests/distributed/test_hsdp.py runs it on 4 ranks)."""
     from types import SimpleNamespace
 
     from graph_trainer.distributed.expert_balance import ExpertBalance
-    from graph_trainer.errors import UserError
 
     model = _tiny_model()
     one = SimpleNamespace(data_size=1, size=lambda dim: 1)
     assert ExpertBalance.apply(model, one, None, None) is None  # one process: every token is counted here
-    hsdp = SimpleNamespace(data_size=4, size=lambda dim: 2)
-    with pytest.raises(
-        UserError, match=r"not yet summed over the 4 data-parallel ranks of this layout \(dp_replicate x dp_shard\)"
-    ):
-        ExpertBalance.apply(model, hsdp, None, None)
-    assert all(r.count_reduce is None for r in model.routers())  # left as they were
+    assert all(r.count_reduce is None for r in model.routers())
+    hsdp = SimpleNamespace(data_size=4, size=lambda dim: 2, group=lambda dim: SimpleNamespace(group_name=dim))
+    assert ExpertBalance.apply(model, hsdp, None, None) is not None
+    assert {r.count_reduce.group_names for r in model.routers()} == {("dp_shard", "dp_replicate")}
 
 
 def _biases(trainer: Trainer) -> list[torch.Tensor]:

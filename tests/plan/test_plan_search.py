@@ -46,9 +46,9 @@ def test_a_layout_that_breaks_divisibility_is_never_proposed():
         d = dict(cand.degrees)
         assert 12 % (d.get("dp_replicate", 1) * d.get("dp_shard", 1)) == 0
         assert search.model_allows(cfg, d, 8) is None
-    # HSDP is refused by the trainer today: skipped and said so, never searched.
-    assert any(line.startswith("dp_replicate 2 x dp_shard 4: the trainer refuses it") for line in skipped)
-    assert all(not (d.get("dp_replicate", 1) > 1 and d.get("dp_shard", 1) > 1) for d in layouts)
+    # HSDP is a layout the trainer runs (tests/distributed/test_hsdp.py): searched, never skipped.
+    assert {"dp_replicate": 2, "dp_shard": 4, "tp": 1} in layouts
+    assert not any(line.startswith("dp_replicate 2 x dp_shard 4") for line in skipped)
 
 
 def test_the_candidate_generator_takes_the_degrees_the_schema_offers(monkeypatch):

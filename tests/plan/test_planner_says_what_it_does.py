@@ -124,14 +124,16 @@ def test_skipped_layouts_and_refused_candidates_are_one_counted_line_each_listed
 
     monkeypatch.setattr(search, "validate", refuse_accumulation)
     # Everything is pruned (the state alone is over the memory): the lines and plan.json come without any plan.
-    code = main(["--config", "llama3_debug", "--cluster.gpus", "4", "--cluster.gpus_per_node", "4",
-                 "--batch.global_seqs", "8", "--cluster.memory_gib", "0.0001", "--out", str(tmp_path)])  # fmt: skip
+    # 2 kv heads: tp 4 is the one layout of 4 GPUs the model refuses.
+    code = main(["--config", "llama3_debug", "--model.n_kv_heads", "2", "--cluster.gpus", "4",
+                 "--cluster.gpus_per_node", "4", "--batch.global_seqs", "8", "--cluster.memory_gib", "0.0001",
+                 "--out", str(tmp_path)])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 2
     data = json.loads((tmp_path / "plan.json").read_text())
     (layouts,) = [x for x in out.splitlines() if x.startswith("skipped") and "layouts the model" in x]
     assert layouts.startswith(f"skipped {len(data['skipped_layouts'])} layouts") and len(data["skipped_layouts"]) == 1
-    assert "dp_replicate 2 x dp_shard 2" in data["skipped_layouts"][0]
+    assert data["skipped_layouts"][0].startswith("tp 4: model.n_kv_heads = 2 does not divide by parallelism.tp = 4")
     (cands,) = [x for x in out.splitlines() if x.startswith("skipped") and "candidates the trainer" in x]
     assert cands.startswith(f"skipped {sum(data['refused_candidates'].values())} candidates the trainer refuses")
     assert all("global_batch_size is refused" in what for what in data["refused_candidates"])
