@@ -32,12 +32,13 @@ CLUSTERS = {  # name: (config, GPUs)
     "ds16b-8": ("deepseek_v3_16b.toml", 8),
 }
 RANKED_HEADER = ("#", "layout", "AC", "lb x acc", "peak GiB", "free GiB", "step s", "tok/s/GPU", "MFU",
-                 "GiB/step fsdp-ag fsdp-rs tp-ag tp-rs ep-a2a")  # fmt: skip
+                 "GiB/step fsdp-ag fsdp-rs tp-ag tp-rs ep-a2a dp-ar")  # fmt: skip
 SUMMARY_HEADER = ("cluster (H100 80 GB, seq 8192)", "search CPU s / wall s", "best exact plan", "per-rank peak",
                   "tokens/s per GPU, predicted")  # fmt: skip
 STATS_HEADER = ("cluster", "candidates (pruned, screened, planned exactly)", "depth-free plans", "whole-depth plans",
                 "CPU s / wall s", "max RSS GiB")  # fmt: skip
-COMM = ("fsdp all_gather", "fsdp reduce_scatter", "tp all_gather", "tp reduce_scatter", "ep all_to_all")
+COMM = ("fsdp all_gather", "fsdp reduce_scatter", "tp all_gather", "tp reduce_scatter", "ep all_to_all",
+        "dp_replicate all_reduce")  # the replicas' average of the gradients (dp_replicate, HSDP)
 
 
 def search(config: str, gpus: int) -> tuple[dict, float, float, float]:
