@@ -37,8 +37,14 @@ SUMMARY_HEADER = ("cluster (H100 80 GB, seq 8192)", "search CPU s / wall s", "be
                   "tokens/s per GPU, predicted")  # fmt: skip
 STATS_HEADER = ("cluster", "candidates (pruned, screened, planned exactly)", "depth-free plans", "whole-depth plans",
                 "CPU s / wall s", "max RSS GiB")  # fmt: skip
-COMM = ("fsdp all_gather", "fsdp reduce_scatter", "tp all_gather", "tp reduce_scatter", "ep all_to_all",
-        "dp_replicate all_reduce")  # the replicas' average of the gradients (dp_replicate, HSDP)
+COMM = (
+    "fsdp all_gather",
+    "fsdp reduce_scatter",
+    "tp all_gather",
+    "tp reduce_scatter",
+    "ep all_to_all",
+    "dp_replicate all_reduce",
+)  # the replicas' average of the gradients (dp_replicate, HSDP)
 
 
 def search(config: str, gpus: int) -> tuple[dict, float, float, float]:
