@@ -40,7 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -255,14 +255,13 @@ class ExpertParallel(Parallelism):
         ep = mesh.size(EP)
         if ep == 1:
             return None
-        suffix = getattr(plan, "routed_experts", "")
-        if not suffix:
-            raise UserError(f"parallelism.ep = {ep} but this model has no routed experts; use --parallelism.ep 1")
-        found = _experts_modules(model, suffix)
+        why = cls.allows(model, plan, {EP: ep, HOLDERS: mesh.size(HOLDERS)}, cfg.training.seq_len)
+        if why is not None:
+            raise UserError(why)
+        found = _experts_modules(model, plan.routed_experts)
         if not found:  # a family with experts, built too shallow to reach its MoE layers (the planner's short models)
             return None
         n, holders = next(found[0][1].parameters()).shape[0], mesh.size(HOLDERS)
-        check_expert_degrees(n, ep, holders)
         pg = mesh.group(EP)
         shard = mesh.size(EXPERT_SHARD)  # the ranks whose blocks make up one ep rank's experts
         group = EPGroup(dist.get_rank(pg), ep, pg.group_name, mesh.data_size // shard, n // holders)
@@ -278,6 +277,24 @@ class ExpertParallel(Parallelism):
             layer = _layer_of(name, plan.layers)
             experts.forward = functools.partial(_ep_forward, experts, group, factor, layer, inner, gathered)
         return cls(holder_group, group.block, full, mesh)
+
+    @classmethod
+    def allows(cls, block: nn.Module, plan: Any, degrees: Mapping[str, int], seq_len: int) -> str | None:
+        """ep needs routed experts (the family's `ParallelPlan.routed_experts`), and ep and dp_shard (the holders of
+        the experts' blocks) must divide their number: the stacked weights' first dimension, or for a block built
+        too shallow to hold them (the search's one-block model of DeepSeek-V3 is dense) its args' `n_routed_experts`."""
+        ep = degrees.get(EP, 1)
+        if ep == 1:
+            return None
+        suffix = getattr(plan, "routed_experts", "")
+        found = _experts_modules(block, suffix) if suffix else []
+        if found:
+            n = next(found[0][1].parameters()).shape[0]
+        else:
+            n = getattr(getattr(block, "args", None), "n_routed_experts", 0) or 0
+        if not suffix or not n:
+            return f"parallelism.ep = {ep} but this model has no routed experts; use --parallelism.ep 1"
+        return expert_degrees_refusal(n, ep, degrees.get(HOLDERS, 1))
 
     def step_metrics(self, model: nn.Module) -> dict[str, float]:
         """The (token, expert) rows dropped over capacity this step, summed over every rank and MoE layer (a
@@ -314,20 +331,18 @@ class ExpertParallel(Parallelism):
         return out
 
 
-def check_expert_degrees(n: int, ep: int, holders: int) -> None:
-    """Refuse an ep that does not divide the `n` routed experts, or a dp_shard (the blocks' holders) that does not.
-
-    Raises:
-        UserError: naming the degree and the fix (also the planner's gate, before any model is built).
-    """
+def expert_degrees_refusal(n: int, ep: int, holders: int) -> str | None:
+    """Why an ep, or a dp_shard (the blocks' holders), does not split the `n` routed experts, with the fix (None:
+    both divide them)."""
     if n % ep:
-        raise UserError(f"parallelism.ep = {ep} does not divide the {n} routed experts; pick an ep that divides {n}")
+        return f"parallelism.ep = {ep} does not divide the {n} routed experts; pick an ep that divides {n}"
     if n % holders:
-        raise UserError(
+        return (
             f"parallelism.dp_shard = {holders} does not divide the {n} routed experts: with parallelism.ep = {ep} "
             f"each rank holds n_routed_experts / dp_shard whole experts; pick a dp_shard that divides {n} "
             f"(or ep = dp_shard)"
         )
+    return None
 
 
 def _expert_fsdp(model: nn.Module, found: list[tuple[str, nn.Module]], mesh: Mesh, cfg: Any, layers: str) -> FSDP:
@@ -369,7 +384,7 @@ __all__ = [
     "AllToAll",
     "ExpertParallel",
     "capacity",
-    "check_expert_degrees",
+    "expert_degrees_refusal",
     "dropped_tokens",
     "plan_slots",
 ]

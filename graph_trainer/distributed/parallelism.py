@@ -9,6 +9,7 @@ then answers the few questions the step, the clip, the divergence guard and the 
 - `grad_reduce` / `norm_reduce`: hooks traced into the step graph after the backward (replication averages
   the gradients; sharded gradients make the clip norm a sum over the ranks); `makes_grads`: whose gradient hook
   makes the gradients (FSDP's once-per-step sync) and so runs before the others';
+- `allows`: whether it can split a model at given degrees (the trainer, the dry run and the search ask it);
 - `check_traced`: refuse a traced step that the parallelism cannot run right;
 - `step_metrics`: its own figures for each step's record (expert parallelism's dropped rows);
 - `shard_sum`, `full_shapes`, `full_state`, `local_slices`: what the divergence guard, the checkpoint, exports
@@ -88,6 +89,14 @@ class Parallelism:
         """This parallelism applied to `model` in place for the job `cfg` on `mesh`; None when the job does not
         use it. `plan` is the model family's `ParallelPlan` (models/common/spec.py)."""
         raise NotImplementedError
+
+    @classmethod
+    def allows(cls, block: nn.Module, plan: Any, degrees: Mapping[str, int], seq_len: int) -> str | None:
+        """Why this parallelism cannot split the model at `degrees` (the mesh's, with `ep`), said in words; None
+        when it can. `block` is the model with one block (on meta is enough: only sizes are read, and `block.args`
+        holds the family's arguments); `plan` its family's `ParallelPlan`. The one check: `apply` refuses with it
+        (the trainer and the dry run), the search skips layouts with it (`parallelize.refusal`)."""
+        return None
 
     @classmethod
     def ring(cls, degrees: Mapping[str, int]) -> tuple[int, int]:

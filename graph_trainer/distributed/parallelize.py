@@ -38,10 +38,17 @@ def parallelize_model(model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> Para
     return parallelize(model, mesh, cfg, plan, PARALLELISMS)
 
 
+def refusal(block: nn.Module, plan: Any, degrees: Mapping[str, int], seq_len: int) -> str | None:
+    """The first registered parallelism's reason not to split the model at `degrees` (`Parallelism.allows`; `block`
+    is the model with one block, on meta), None when every one allows them: what the search skips a layout for, in
+    the words the trainer refuses it with."""
+    return next((why for p in PARALLELISMS if (why := p.allows(block, plan, degrees, seq_len)) is not None), None)
+
+
 def collective_rings(degrees: Mapping[str, int]) -> dict[str, tuple[int, int]]:
     """Each parallelism's collective kind -> (size, stride) of its rings in a layout of `degrees`, from the mesh
     dimension it declares (the cost model prices each collective on its ring)."""
     return {p.kind: p.ring(degrees) for p in PARALLELISMS if p.mesh_dim}
 
 
-__all__ = ["PARALLELISMS", "collective_rings", "parallelize_model"]
+__all__ = ["PARALLELISMS", "collective_rings", "parallelize_model", "refusal"]

@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -237,15 +237,29 @@ class TensorParallel(Parallelism):
         Raises:
             UserError: the family has no tensor-parallel plan, or the model or sequence does not divide by tp.
         """
-        if mesh.size(MESH_DIM) == 1:
+        tp = mesh.size(MESH_DIM)
+        if tp == 1:
+            return None
+        why = cls.allows(model, plan, {MESH_DIM: tp}, cfg.training.seq_len)
+        if why is not None:
+            fix = (
+                "set parallelism.tp = 1 (or add a TensorParallelPlan to its ParallelPlan)"
+                if plan.tensor_parallel is None
+                else "pick a tp that divides it"
+            )
+            raise UserError(f"{why}; {fix}")
+        return tensor_parallelize(model, ShardGroup.of(mesh.group(MESH_DIM)), plan.tensor_parallel, plan.layers)
+
+    @classmethod
+    def allows(cls, block: nn.Module, plan: Any, degrees: Mapping[str, int], seq_len: int) -> str | None:
+        """tp needs the family's tensor-parallel plan, and must divide the heads, the KV heads, the split widths
+        and the sequence (`indivisible`); the vocabulary is padded instead."""
+        tp = degrees.get(MESH_DIM, 1)
+        if tp == 1:
             return None
         if plan.tensor_parallel is None:
-            raise UserError(
-                f"model {cfg.model.name!r} declares no tensor-parallel plan; set parallelism.tp = 1 "
-                "(or add a TensorParallelPlan to its ParallelPlan)"
-            )
-        check_divisible(model, plan, mesh.size(MESH_DIM), cfg.training.seq_len)
-        return tensor_parallelize(model, ShardGroup.of(mesh.group(MESH_DIM)), plan.tensor_parallel, plan.layers)
+            return f"model {type(block).__name__} declares no tensor-parallel plan"
+        return indivisible(block, plan, tp, seq_len)
 
     def wrap_loss(self, loss_fn: Callable) -> Callable:
         """`loss_fn` with the logits taken as this rank's vocabulary shard (the vocabulary-parallel loss)."""
@@ -299,17 +313,6 @@ class TensorParallel(Parallelism):
                 dist.all_gather_into_tensor(whole, local, group=self.group.group)
                 out[name] = whole[: p.shape[p.dim]].movedim(0, p.dim).contiguous()
         return out
-
-
-def check_divisible(model: nn.Module, plan: Any, tp: int, seq_len: int) -> None:
-    """Refuse, in one line, a model or sequence that tp does not divide (the vocabulary is padded instead).
-
-    Raises:
-        UserError: naming the size and the fix.
-    """
-    why = indivisible(model, plan, tp, seq_len)
-    if why is not None:
-        raise UserError(f"{why}; pick a tp that divides it")
 
 
 def indivisible(model: nn.Module, plan: Any, tp: int, seq_len: int) -> str | None:
@@ -431,7 +434,6 @@ __all__ = [
     "SeqCollective",
     "TensorParallel",
     "VocabSplit",
-    "check_divisible",
     "gather_sequence",
     "scatter_sequence",
     "tensor_parallelize",

@@ -19,9 +19,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from graph_trainer.builder import build_model
-from graph_trainer.distributed.expert_parallel import check_expert_degrees
 from graph_trainer.distributed.mesh import DIMS, ParallelDims, planning_mesh
-from graph_trainer.distributed.tp import indivisible
+from graph_trainer.distributed.parallelize import refusal
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args, validate
 from graph_trainer.job_config.model_args import get_model_spec
@@ -136,20 +135,14 @@ def factorizations(gpus: int, names: tuple[str, ...]) -> Iterator[dict[str, int]
 
 
 def model_allows(cfg: JobConfig, degrees: dict[str, int], gpus_per_node: int) -> str | None:
-    """Why the model refuses these degrees (None: it allows them): tp needs the family's tensor-parallel plan,
-    must divide what the trainer's own check divides (heads, KV heads, the split widths, the sequence) and stay
-    within a node."""
-    tp = degrees.get("tp", 1)
-    if tp == 1:
-        return None
-    plan = get_model_spec(cfg.model.name).parallel_plan
-    if plan.tensor_parallel is None:
-        return f"model {cfg.model.name} declares no tensor-parallel plan"
-    why = indivisible(_one_block(cfg), plan, tp, cfg.training.seq_len)
+    """Why the model refuses these degrees (None: it allows them): each parallelism's own check, as the trainer
+    runs it (`parallelize.refusal`: tp divides the heads, KV heads, split widths and sequence; ep the experts),
+    and tp within a node."""
+    why = refusal(_one_block(cfg), get_model_spec(cfg.model.name).parallel_plan, degrees, cfg.training.seq_len)
     if why is not None:
-        return why
-    if tp > gpus_per_node:
-        return f"tp {tp} spans nodes"
+        return why.split(";")[0]
+    if degrees.get("tp", 1) > gpus_per_node:
+        return f"tp {degrees['tp']} spans nodes"
     return None
 
 
@@ -165,18 +158,20 @@ def trainer_refuses(cfg: JobConfig, cand: Candidate) -> str | None:
     proposes a combination (tp with accumulation, ep below dp_shard, HSDP) as soon as the trainer takes it.
 
     It runs the trainer's own checks: the config validation (`job_config.load.validate`), the mesh's
-    (`ParallelDims.from_config`) and expert parallelism's degrees (`check_expert_degrees`, which the trainer runs
-    when it builds the model).
+    (`ParallelDims.from_config`) and each parallelism's at the candidate's degrees, ep included
+    (`parallelize.refusal`, which the trainer's parallelisms run when they split the model).
     """
     trial = cand.apply(cfg)
     try:
         validate(trial)
         ParallelDims.from_config(trial.parallelism)
-        experts = getattr(resolve_model_args(trial), "n_routed_experts", 0) or 0
-        if cand.ep > 1 and experts:
-            check_expert_degrees(experts, cand.ep, trial.parallelism.dp_shard)
     except UserError as e:
         return str(e).split(";")[0].split(":")[0]
+    if cand.ep > 1:
+        degrees, plan = {**dict(cand.degrees), "ep": cand.ep}, get_model_spec(trial.model.name).parallel_plan
+        why = refusal(_one_block(trial), plan, degrees, trial.training.seq_len)
+        if why is not None:
+            return why.split(";")[0].split(":")[0]
     return None
 
 

@@ -1,6 +1,6 @@
 """`parallelism.tp` planned on torch's fake process group (no process is launched, nothing is trained): the
 collectives per layer and their bytes in one rank's plan, and the refusals (one line, exit 2) of the dry run.
-Heads, kv heads, the FFN width and the sequence go through one check (`distributed.tp.check_divisible`): the
+Heads, kv heads, the FFN width and the sequence go through one check (`TensorParallel.allows`): the
 kv heads case stands for them."""
 
 from __future__ import annotations

@@ -172,6 +172,23 @@ def test_expert_parallel_degrees_follow_the_expert_count():
     assert (len(degrees) > 1) == bool(experts)
 
 
+def test_the_search_skips_with_the_words_each_parallelism_refuses_with(tmp_path):
+    """The one check per parallelism (`Parallelism.allows`): the search's skip and the trainer's refusal are the
+    same sentence, for tp (kv heads) and for ep (the experts dp_shard must divide)."""
+    ds, _ = load_config(["--config", "deepseek_v3_debug", "--model.n_routed_experts", "6"])
+    shard4 = (("dp_replicate", 1), ("dp_shard", 4), ("tp", 1))
+    why = search.trainer_refuses(ds, search.Candidate(shard4, "none", 1, 0, False, ep=2))
+    assert why == "parallelism.dp_shard = 4 does not divide the 6 routed experts"
+    assert search.trainer_refuses(ds, search.Candidate(shard4, "none", 1, 0, False, ep=1)) is None
+    llama, _ = load_config([*DEBUG, "--model.n_kv_heads", "2", "--job.dump_folder", str(tmp_path)])
+    why = search.model_allows(llama, {"tp": 4}, 8)
+    assert why == "model.n_kv_heads = 2 does not divide by parallelism.tp = 4"
+    from tests.job_config.test_cli import _run
+
+    refused = _run([*DEBUG, "--model.n_kv_heads", "2", "--parallelism.tp", "4", "--dry-run"], tmp_path)
+    assert refused.returncode == 2 and why in refused.stderr
+
+
 def test_nothing_fits_names_the_activations_when_the_state_fits():
     """The line blames what does not fit: with the state under the memory but the smallest local batch's
     activations over it, it names the activations, and more GPUs cannot help when they alone exceed it."""
