@@ -104,10 +104,12 @@ def test_the_best_cpu_plan_runs_through_its_command_at_the_planned_peak(tmp_path
         assert step["estimated_peak_bytes"] == planned, step  # the trainer's own estimate is the plan's
 
 
-@pytest.mark.parametrize(("sync", "tp"), [("micro_batch", 1), ("step", 1), ("micro_batch", 2)])
-def test_the_accumulated_plan_equals_the_whole_accumulating_plan(sync, tp):
+@pytest.mark.parametrize(
+    ("sync", "tp", "replicas"), [("micro_batch", 1, 1), ("step", 1, 1), ("micro_batch", 2, 1), ("micro_batch", 1, 2)]
+)
+def test_the_accumulated_plan_equals_the_whole_accumulating_plan(sync, tp, replicas):
     """The planner plans one micro-step and adds what lives across micro-steps (plan/accumulate.py): to the byte
-    what planning the accumulating step whole gives, whatever the number of micro-steps."""
+    what planning the accumulating step whole gives, whatever the number of micro-steps (HSDP too: replicas 2)."""
     import torch
 
     from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
@@ -115,7 +117,7 @@ def test_the_accumulated_plan_equals_the_whole_accumulating_plan(sync, tp):
     from graph_trainer.plan.block_plan import plan_modes
 
     cfg, _ = load_config(DEBUG)
-    micro = search.Candidate((("dp_replicate", 1), ("dp_shard", 2), ("tp", tp)), "none", 2, 0, False)
+    micro = search.Candidate((("dp_replicate", replicas), ("dp_shard", 2), ("tp", tp)), "none", 2, 0, False)
     plans = search.Plans(cfg, torch.device("cpu"))
     for steps in (3,):  # one count: the accumulated buffers scale with it, and 3 exercises the "other" batches
         cand = dataclasses.replace(micro, accumulation=steps, grad_sync=sync)
