@@ -3,7 +3,7 @@
     python -m benchmarks.guard_overhead [--steps 20] [--warmup 3] [--reps 20000]
 
 Before each step `GraphStep` checks that its graph still fits: the batch signature, and the trace's guard
-(the module attributes the traced code read, the global state, the trainable parameters; see
+(the module attributes the traced code read, the global state, the trainable parameters, the model's tensors; see
 graph_trainer/tracer/guards.py). The check runs `--reps` times in a loop (timeit, best of 5) and is divided by
 the median traced step of the same trainer, timed between the same runs. Run it on an idle machine: the ratio
 is the figure (the issue's "costs nothing measurable per step"). Writes benchmarks/results/guard_overhead.json.
@@ -20,8 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import make_trainer, median, next_batch  # noqa: E402
 from benchmarks.results import markdown_table, save  # noqa: E402
-from graph_trainer.tracer.capture import batch_signature, trainable_parameter_names  # noqa: E402
+from graph_trainer.tracer.capture import batch_signature  # noqa: E402
 from graph_trainer.tracer.executor import stale_reason  # noqa: E402
+
+
+def whole_check(step, traced, batch) -> str | None:
+    """What `GraphStep.ensure_traced` checks before a step: the live tensors, the batch signature, the guard."""
+    trainable, tensors = step.live_tensors()
+    return stale_reason(traced, batch_signature(batch), trainable, tensors=tensors)
 
 
 def main() -> None:
@@ -33,18 +39,17 @@ def main() -> None:
     args = parser.parse_args()
     trainer = make_trainer(args.config, "--compile.mode", "trace")
     trainer.memory.track = False  # its dispatch overhead is not the step's
-    step, model = trainer.step_fn, trainer.model
+    step = trainer.step_fn
     batch = next_batch(trainer)
     times = [trainer.train_step(next_batch(trainer))["step_time_s"] for _ in range(args.warmup + args.steps)]
     step_s = median(times[args.warmup :])
     traced = step.traced
     checks = {
-        # The guard alone: the attributes the trace read, the global state, the trainable names.
-        "guard (attributes, global state, trainable set)": lambda: traced.guard.stale(trainable_parameter_names(model)),
+        # The guard alone: the attributes the trace read, the global state, the trainable names, and the model's
+        # tensors (read live: which objects, their dtypes and shapes).
+        "guard (attributes, global state, trainable set, tensors)": lambda: traced.guard.stale(*step.live_tensors()),
         # Everything GraphStep checks before a step: the batch signature too.
-        "whole check (batch signature + guard)": lambda: stale_reason(
-            traced, batch_signature(batch), trainable_parameter_names(model)
-        ),
+        "whole check (batch signature + guard)": lambda: whole_check(step, traced, batch),
     }
     assert all(check() is None for check in checks.values()), "the graph is stale: nothing to time"
     rows, data = [], {"step_s": step_s, "guarded_attributes": len(traced.guard.names), "checks": {}}

@@ -53,7 +53,6 @@ class EagerStep:
         self.grad_reduce = grad_reduce
         self.optimizer = optimizer
         self.norm_reduce = norm_reduce
-        self._params = [p for p in model.parameters() if p.requires_grad]
 
     def report(self) -> StepReport:
         """Nothing is traced or estimated; the update (if any) runs eagerly after the backward."""
@@ -65,7 +64,10 @@ class EagerStep:
 
     def __call__(self, batch: Any) -> StepOutput:
         """Run one step; returns (loss, grad_norm) with the clipped grads in `param.grad`."""
-        for p in self._params:
+        # The model's trainable parameters now, not when the step was built: a state dict loaded with assign=True
+        # replaces them, and requires_grad may have changed.
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
             p.grad = None
         if self.accumulation_steps == 1:
             loss = self.loss_fn(self.model, with_token_count(batch, self.count_reduce) if self.count_tokens else batch)
@@ -80,11 +82,11 @@ class EagerStep:
         with torch.no_grad():
             if self.grad_reduce is not None:
                 # Before clipping, as in the traced step: the norm is of the averaged gradients.
-                for p, g in zip(self._params, self.grad_reduce([p.grad for p in self._params]), strict=True):
+                for p, g in zip(params, self.grad_reduce([p.grad for p in params]), strict=True):
                     p.grad = g
             if self.step_update is not None:
                 self.step_update(self.model)
-            grad_norm = clip_grads_([p.grad for p in self._params], self.max_norm, self.norm_reduce)
+            grad_norm = clip_grads_([p.grad for p in params], self.max_norm, self.norm_reduce)
         if self.optimizer is not None:
             self.optimizer.step()
         return StepOutput(loss.detach(), grad_norm)

@@ -39,7 +39,7 @@ from graph_trainer.loss import lm_loss
 from graph_trainer.observability.log import get_logger
 from graph_trainer.optimizer.clip import clip_grads_
 from graph_trainer.tracer import fake_rules, node_meta
-from graph_trainer.tracer.guards import TraceGuard, recording_reads
+from graph_trainer.tracer.guards import TraceGuard, recording_reads, tensor_meta
 from graph_trainer.tracer.layers import transformer_layers
 
 _ = fake_rules  # imported for its registrations: fp32 torch._grouped_mm traces
@@ -515,7 +515,9 @@ def trace_step(
     with recording_reads(model) as reads:
         gm, trace_time = _make_graph(step, _fake_inputs(inputs, layout, device), failure_dir)
     _annotate_graph(gm, layout, step.annotator)
-    guard = TraceGuard.capture(reads, device_type(inputs, device), layout.grad_names)
+    n_tensors = len(layout.param_names) + len(layout.buffer_names)
+    named = zip((*layout.param_names, *layout.buffer_names), inputs[:n_tensors], strict=True)
+    guard = TraceGuard.capture(reads, device_type(inputs, device), layout.grad_names, tensor_meta(named))
     return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch), trace_time_s=trace_time, guard=guard)
 
 

@@ -41,7 +41,7 @@ from graph_trainer.tracer.capture import (
     describe_change,
     device_type,
 )
-from graph_trainer.tracer.guards import TraceGuard, recording_reads
+from graph_trainer.tracer.guards import TraceGuard, recording_reads, tensor_meta
 
 logger = get_logger(__name__)
 
@@ -110,7 +110,8 @@ def trace_eval(
     with torch.no_grad(), eval_mode(model), recording_reads(model, ignore=frozenset({"training"})) as reads:
         gm, trace_time = _make_graph(function, fakes, failure_dir)
     gm.recompile()
-    guard = TraceGuard.capture(reads, device_type(inputs, device), trainable=None)  # no gradient to return
+    named = zip((*layout.param_names, *layout.buffer_names), inputs, strict=False)  # the tensors lead the inputs
+    guard = TraceGuard.capture(reads, device_type(inputs, device), None, tensor_meta(named))  # no gradient returned
     return TracedStep(gm=gm, layout=layout, signature=batch_signature(batch), trace_time_s=trace_time, guard=guard)
 
 
@@ -143,7 +144,10 @@ class GraphEvalStep:
         if self.traced is not None:
             signature = batch_signature(batch)
             changed = self.traced.signature != signature
-            reason = describe_change(self.traced.signature, signature) if changed else self.traced.guard.stale(None)
+            live = tensor_meta((*self.model.named_parameters(), *self.model.named_buffers()))
+            reason = (
+                describe_change(self.traced.signature, signature) if changed else self.traced.guard.stale(None, live)
+            )
             if reason is not None:
                 logger.info(f"retracing the evaluation step: {reason}")
         if self.traced is None or reason is not None:

@@ -48,8 +48,8 @@ from graph_trainer.tracer.capture import (
     batch_tensors,
     describe_change,
     trace_step,
-    trainable_parameter_names,
 )
+from graph_trainer.tracer.guards import TensorMeta, tensor_meta
 
 if TYPE_CHECKING:
     from graph_trainer.passes.memory_estimate import MemoryEstimate
@@ -85,13 +85,19 @@ class TraceStats:
 _PART_NAMES = {"step": "step", "micro": "micro-batch graph", "update": "update graph"}
 
 
-def stale_reason(traced: TracedStep, signature: tuple, trainable: tuple[str, ...], batch: bool = True) -> str | None:
+def stale_reason(
+    traced: TracedStep,
+    signature: tuple,
+    trainable: tuple[str, ...],
+    batch: bool = True,
+    tensors: TensorMeta | None = None,
+) -> str | None:
     """Why `traced` does not compute this step as eager would (a new batch signature, when `batch`, or a value
-    its guard recorded), or None when it does."""
+    its guard recorded: `tensors` are the live parameters' and buffers' `tensor_meta`), or None when it does."""
     if batch and traced.signature != signature:
         return describe_change(traced.signature, signature)
     if traced.guard is not None:
-        return traced.guard.stale(trainable)
+        return traced.guard.stale(trainable, tensors)
     if traced.layout.grad_names != trainable:  # a trace made without a guard still returns one grad per name
         return "the set of parameters with requires_grad=True changed"
     return None
@@ -174,9 +180,44 @@ class GraphStep:
         self._warned_self_changing = False
         self.traced: TracedStep | None = None
         self.memory_estimate: MemoryEstimate | None = None  # of the current graph, when the transform made one
-        self._params = [p for _, p in model.named_parameters()]
-        self._params_by_name = dict(model.named_parameters())
-        self._buffers = [b for _, b in model.named_buffers()]
+        self._bind(dict(model.named_parameters()), dict(model.named_buffers()))
+
+    def _bind(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+        """Take `params` and `buffers` (the model's, by name) as the graph inputs each step reads and writes."""
+        self._params, self._params_by_name, self._buffers = list(params.values()), params, list(buffers.values())
+        self._bound = (*self._params, *self._buffers)
+
+    def live_tensors(self) -> tuple[tuple[str, ...], TensorMeta]:
+        """The model's trainable parameter names and its tensors' `tensor_meta` now, after rebinding the tensors
+        the model holds now when some were replaced since the last step (a state dict loaded with `assign=True`,
+        a new `nn.Parameter`): the graph reads and writes the model's tensors, never stale ones.
+
+        Raises:
+            UserError: a replaced parameter that an optimizer of this step still holds (it would update the old
+                tensor while the model reads the new one).
+        """
+        params, buffers = dict(self.model.named_parameters()), dict(self.model.named_buffers())
+        live = (*params.values(), *buffers.values())
+        if len(live) != len(self._bound) or any(a is not b for a, b in zip(live, self._bound, strict=False)):
+            kept = {id(t) for t in live}
+            held = {id(p) for opt in self._optimizers() for g in opt.param_groups for p in g["params"]}
+            names = {id(p): n for n, p in self._params_by_name.items()}
+            orphaned = [names[id(t)] for t in self._params if id(t) not in kept and id(t) in held]
+            if orphaned:
+                raise UserError(
+                    f"parameter {orphaned[0]} was replaced after the step and its optimizer were built (a state dict "
+                    "loaded with assign=True, or a new nn.Parameter): the optimizer would update the old tensor "
+                    "while the model reads the new one; load the weights first, then build the optimizer and the step"
+                )
+            logger.info("the model's tensors were replaced since the last step: the step reads the new ones")
+            self._bind(params, buffers)
+        trainable = tuple(name for name, p in params.items() if p.requires_grad)
+        return trainable, tensor_meta((*params.items(), *buffers.items()))
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers this step updates parameters with (traced or run after the graph)."""
+        traced = [self.optimizer.optimizer] if self.optimizer is not None else []
+        return traced + ([self.eager_optimizer] if self.eager_optimizer is not None else [])
 
     def reuse_trace(self, result: Transformed, source: str) -> None:
         """Run the first batch on `result` instead of tracing, if its signature matches.
@@ -199,20 +240,20 @@ class GraphStep:
 
         With accumulation, `batch` is a micro-batch (`step.micro_batches`); the update part is traced too."""
         signature = batch_signature(batch)
-        trainable = trainable_parameter_names(self.model)
+        trainable, tensors = self.live_tensors()
         if self.accumulation_steps > 1:
-            reason = stale_reason(self.update.traced, signature, trainable, batch=False) if self.update else None
+            reason = stale_reason(self.update.traced, signature, trainable, False, tensors) if self.update else None
             if self.update is None or reason is not None:
                 self._before_retrace(reason, "update")
                 self.update = self._transform(self._trace(batch, "update"))
-        reason = stale_reason(self.traced, signature, trainable) if self.traced is not None else None
+        reason = stale_reason(self.traced, signature, trainable, tensors=tensors) if self.traced is not None else None
         if self.traced is not None and reason is None:
             return self.traced
         if self._reusable is not None:
             (result, source), self._reusable = self._reusable, None
             guard = result.traced.guard.rebound(self.model) if result.traced.guard is not None else None
             result.traced = dataclasses.replace(result.traced, guard=guard)
-            misfit = stale_reason(result.traced, signature, trainable)
+            misfit = stale_reason(result.traced, signature, trainable, tensors=tensors)
             if misfit is None:
                 logger.info(f"the step reuses the trace made by {source} (same batch signature): no new trace")
                 self._count_trace(result.traced)

@@ -15,6 +15,9 @@ What is recorded, and why:
   guarded; other objects (a config object, a tensor, a function) are references, not values, and
   nn.Module's own bookkeeping (hooks dicts, `_parameters`, ...) is not the model's state.
 - The names of the trainable parameters (`requires_grad=True`): the graph returns one gradient for each.
+- Each parameter's and buffer's name, dtype and shape (`tensor_meta`): the graph's inputs were traced with
+  them. `model.double()` keeps the tensors and swaps their data; a state dict loaded with `assign=True`
+  replaces them (the step then reads the new ones, `GraphStep` rebinds: docs/tracer_api.md).
 - Global state a trace specializes on (`global_state`).
 
 Not guarded: a value read from some other object (`self.config.eps` reads `eps` from a config, not from
@@ -28,7 +31,7 @@ import contextlib
 import copy
 import dataclasses
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -41,6 +44,7 @@ VALUE_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device, enu
 _BOOKKEEPING = (frozenset(vars(nn.Module())) | frozenset(dir(nn.Module))) - {"training"}
 # How many changed attributes a reason names before "and N more" (train()/eval() flips every module).
 _NAMED = 3
+TensorMeta = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
 
 
 def _is_value(value: Any) -> bool:
@@ -155,9 +159,12 @@ class TraceGuard:
     device_type: str
     state: tuple[tuple[str, Any], ...]
     trainable: tuple[str, ...] | None  # None: the graph returns no gradient (an evaluation graph)
+    tensors: TensorMeta = ()  # the parameters' and buffers' (name, dtype, shape) the graph was traced with
 
     @classmethod
-    def capture(cls, reads: ModuleReads, device_type: str, trainable: tuple[str, ...] | None) -> TraceGuard:
+    def capture(
+        cls, reads: ModuleReads, device_type: str, trainable: tuple[str, ...] | None, tensors: TensorMeta = ()
+    ) -> TraceGuard:
         """The guard of a trace that read `reads`, made now (the global state is read at the trace's end)."""
         entries = list(reads.values.values())
         return cls(
@@ -169,6 +176,7 @@ class TraceGuard:
             device_type=device_type,
             state=global_state(device_type),
             trainable=trainable,
+            tensors=tensors,
         )
 
     def rebound(self, model: nn.Module) -> TraceGuard | None:
@@ -179,8 +187,9 @@ class TraceGuard:
             return None
         return dataclasses.replace(self, modules=tuple(modules[fqn] for fqn in self.fqns))
 
-    def stale(self, trainable: tuple[str, ...] | None) -> str | None:
-        """Why the graph no longer computes what eager would, given the live trainable names; None if it does."""
+    def stale(self, trainable: tuple[str, ...] | None, tensors: TensorMeta | None = None) -> str | None:
+        """Why the graph no longer computes what eager would, given the live trainable names and, when given, the
+        live parameters' and buffers' `tensor_meta`; None if it does."""
         try:
             current = tuple(map(getattr, self.modules, self.names))
         except AttributeError:
@@ -196,6 +205,8 @@ class TraceGuard:
             )
         if self.trainable is not None and trainable != self.trainable:
             return _trainable_changed(self.trainable, trainable)
+        if tensors is not None and self.tensors and tensors != self.tensors:
+            return _tensors_changed(self.tensors, tensors)
         return None
 
     def _attributes_changed(self, current: tuple[Any, ...]) -> str:
@@ -218,6 +229,30 @@ def _path(fqn: str, name: str) -> str:
     return f"{fqn}.{name}" if fqn else name
 
 
+def tensor_meta(named: Iterable[tuple[str, torch.Tensor]]) -> TensorMeta:
+    """(name, dtype, shape) of each named tensor: what a graph input was traced as (its device is the trace's)."""
+    return tuple((name, t.dtype, tuple(t.shape)) for name, t in named)
+
+
+def _tensors_changed(old: TensorMeta, new: TensorMeta) -> str:
+    if [n for n, _, _ in old] != [n for n, _, _ in new]:
+        gone = [n for n, _, _ in old if n not in {m for m, _, _ in new}]
+        added = [n for n, _, _ in new if n not in {m for m, _, _ in old}]
+        what = [f"new: {', '.join(added[:_NAMED])}"] * bool(added) + [f"gone: {', '.join(gone[:_NAMED])}"] * bool(gone)
+        return "the model's parameters or buffers changed (" + "; ".join(what or ["order"]) + ")"
+    changed = [
+        f"{name} {_dtype(a)} {list(sa)} -> {_dtype(b)} {list(sb)}"
+        for (name, a, sa), (_, b, sb) in zip(old, new, strict=True)
+        if (a, sa) != (b, sb)
+    ]
+    more = f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""
+    return "tensor " + "; ".join(changed[:_NAMED]) + more
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _trainable_changed(old: tuple[str, ...], new: tuple[str, ...] | None) -> str:
     gained = [n for n in new or () if n not in old]
     lost = [n for n in old if n not in (new or ())]
@@ -225,4 +260,4 @@ def _trainable_changed(old: tuple[str, ...], new: tuple[str, ...] | None) -> str
     return "the set of parameters with requires_grad=True changed (" + "; ".join(parts or ["order"]) + ")"
 
 
-__all__ = ["ModuleReads", "TraceGuard", "VALUE_TYPES", "global_state", "recording_reads"]
+__all__ = ["ModuleReads", "TensorMeta", "TraceGuard", "VALUE_TYPES", "global_state", "recording_reads", "tensor_meta"]

@@ -201,3 +201,52 @@ def test_the_evaluation_step_follows_a_changed_attribute_but_not_the_training_fl
     with torch.no_grad():
         expected = _loss(model, _batch())
     assert torch.equal(evaluate(_batch()), expected) and evaluate.trace_count == 2
+
+
+# --------------------------------------------------------------------------- the model's tensors
+
+
+def test_a_state_dict_loaded_with_assign_is_what_the_step_trains(caplog):
+    """`load_state_dict(assign=True)` (how pretrained weights are often loaded) replaces every parameter and buffer
+    object: the step reads the new ones, bitwise as eager does, and their gradients land on them. It once kept
+    training the tensors it was built with, silently."""
+    caplog.set_level(logging.INFO, logger="graph_trainer")
+    model_e, eager, model_t, graph = _steps()
+    _assert_step_bitwise(model_e, eager, model_t, graph, seed=0)
+    new = {k: v * 2 for k, v in model_t.state_dict().items()}
+    model_e.load_state_dict(new, assign=True), model_t.load_state_dict(new, assign=True)
+    _assert_step_bitwise(model_e, eager, model_t, graph, seed=1)
+    assert graph.stats.count == 1  # the same shapes and dtypes: the graph still fits, only its inputs moved
+    assert all(p.grad is not None for p in model_t.parameters())
+    assert any("the model's tensors were replaced since the last step" in m for m in caplog.messages)
+
+
+def test_a_cast_model_retraces_naming_the_tensors_and_matches_eager():
+    """`model.double()` swaps each parameter's data in place (the same objects): the graph was traced for
+    float32 inputs, so it no longer fits, and the reason names the first tensors and counts the rest."""
+    from graph_trainer.tracer.guards import tensor_meta
+
+    model_e, eager, model_t, graph = _steps()
+    _assert_step_bitwise(model_e, eager, model_t, graph, seed=0)
+    before = graph.traced
+    model_e.double(), model_t.double()
+    live = tensor_meta((*model_t.named_parameters(), *model_t.named_buffers()))
+    why = before.guard.stale(before.layout.grad_names, live)
+    assert why == "tensor blocks.0.lin.weight float32 [8, 8] -> float64 [8, 8]; blocks.0.lin.bias float32 [8] -> " \
+        "float64 [8]; blocks.1.lin.weight float32 [8, 8] -> float64 [8, 8] and 1 more"  # fmt: skip
+    double = {"x": _batch(1)["x"].double()}
+    loss_e, loss_t = eager(double).loss, graph(double).loss
+    assert loss_t.dtype == torch.float64 and torch.equal(loss_e, loss_t) and graph.stats.count == 2
+
+
+def test_a_parameter_replaced_under_its_optimizer_stops_in_one_line():
+    """The optimizer holds the old tensor: stepping it while the model reads the new one would train nothing the
+    model uses. Refused, with the order that works."""
+    torch.manual_seed(0)
+    model = Stack().eval()
+    graph = GraphStep(model, loss_fn=_loss, eager_optimizer=torch.optim.AdamW(model.parameters()))
+    graph(_batch())
+    model.blocks[0].lin.weight = nn.Parameter(model.blocks[0].lin.weight.detach().clone())
+    with pytest.raises(UserError, match=r"parameter blocks\.0\.lin\.weight was replaced .* build the optimizer") as e:
+        graph(_batch())
+    assert "\n" not in str(e.value)
