@@ -57,7 +57,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -67,7 +67,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from graph_trainer.distributed.mesh import Mesh
-from graph_trainer.distributed.parallelism import Parallelism, mean_count_over
+from graph_trainer.distributed.parallelism import MicroSteps, Parallelism, mean_count_over
 from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.runtime.device import DTYPES
 from graph_trainer.tracer import node_meta
@@ -250,6 +250,20 @@ class FSDP(Parallelism):
         if cfg.parallelism.fsdp_grad_sync == "step" and accumulation_steps(cfg) > 1:
             fsdp.defer_grad_sync()
         return fsdp
+
+    @classmethod
+    def across_micro_steps(cls, degrees: Mapping[str, int], grad_sync: str, parameter_bytes: int) -> MicroSteps:
+        """The clip norm's all-reduce runs once a step, on the accumulated gradient shards. With
+        `fsdp_grad_sync = "step"` so does each unit's reduce-scatter, and each unit's whole gradient sum (dp_shard
+        times the rank's shards) is held across the micro-batches; the micro-batch's graph then lacks the
+        reduce-scatters that would have made shards before the peak, so the plan is an upper bound. Reducing every
+        micro-batch, it is the accumulating step's peak to the byte (tests/plan/test_plan_search.py)."""
+        shard = degrees.get(MESH_DIM, 1)
+        if shard == 1:
+            return MicroSteps()
+        deferred = grad_sync == "step"
+        once = (f"{KIND} all_reduce", *((f"{KIND} reduce_scatter",) if deferred else ()))
+        return MicroSteps(held=shard * parameter_bytes if deferred else 0, once_per_step=once, exact=not deferred)
 
     def defer_grad_sync(self) -> None:
         """Reduce-scatter once per step (fsdp_grad_sync = "step"): give each unit a whole gradient sum, a zeroed

@@ -10,6 +10,7 @@ then answers the few questions the step, the clip, the divergence guard and the 
   the gradients; sharded gradients make the clip norm a sum over the ranks); `makes_grads`: whose gradient hook
   makes the gradients (FSDP's once-per-step sync) and so runs before the others';
 - `allows`: whether it can split a model at given degrees (the trainer, the dry run and the search ask it);
+- `across_micro_steps`: what it holds, and which collectives it runs once, in a step of several micro-batches;
 - `check_traced`: refuse a traced step that the parallelism cannot run right;
 - `step_metrics`: its own figures for each step's record (expert parallelism's dropped rows);
 - `shard_sum`, `full_shapes`, `full_state`, `local_slices`: what the divergence guard, the checkpoint, exports
@@ -25,6 +26,7 @@ do", so the trainer, the builder and the planner never ask whether a model is sh
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -77,6 +79,19 @@ def owned_by(owner: Owner) -> dict[str, Any]:
     return tags
 
 
+@dataclasses.dataclass(frozen=True)
+class MicroSteps:
+    """A parallelism's part in a step of several micro-batches beyond one micro-batch's graph: the bytes it holds
+    alive across them (`held`), and its collectives, named as a plan counts them ('<kind> <op>'), that run once a
+    step instead of once a micro-batch (`once_per_step`)."""
+
+    held: int = 0
+    once_per_step: tuple[str, ...] = ()
+    # Whether one micro-batch's plan plus these is the accumulating step's peak to the byte (tested so), an upper
+    # bound (False), or this parallelism has no say (None).
+    exact: bool | None = None
+
+
 class Parallelism:
     """One way of splitting the work over a mesh dimension. Every method's default does nothing."""
 
@@ -97,6 +112,13 @@ class Parallelism:
         holds the family's arguments); `plan` its family's `ParallelPlan`. The one check: `apply` refuses with it
         (the trainer and the dry run), the search skips layouts with it (`parallelize.refusal`)."""
         return None
+
+    @classmethod
+    def across_micro_steps(cls, degrees: Mapping[str, int], grad_sync: str, parameter_bytes: int) -> MicroSteps:
+        """What this parallelism changes in a step of several micro-batches, planned from one micro-batch's plan
+        (`plan/accumulate.py`) in a layout of `degrees` with `parallelism.fsdp_grad_sync = grad_sync`, for a rank
+        holding `parameter_bytes` of parameters."""
+        return MicroSteps()
 
     @classmethod
     def ring(cls, degrees: Mapping[str, int]) -> tuple[int, int]:
@@ -262,4 +284,13 @@ def parallelize(
     return ParallelModel(model, mesh, parts)
 
 
-__all__ = ["Owner", "ParallelModel", "Parallelism", "gradient_owners", "mean_count_over", "owned_by", "parallelize"]
+__all__ = [
+    "MicroSteps",
+    "Owner",
+    "ParallelModel",
+    "Parallelism",
+    "gradient_owners",
+    "mean_count_over",
+    "owned_by",
+    "parallelize",
+]

@@ -15,6 +15,7 @@ replicas, each element once.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,7 +23,14 @@ import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 
 from graph_trainer.distributed.mesh import Mesh
-from graph_trainer.distributed.parallelism import Owner, Parallelism, gradient_owners, mean_count_over, owned_by
+from graph_trainer.distributed.parallelism import (
+    MicroSteps,
+    Owner,
+    Parallelism,
+    gradient_owners,
+    mean_count_over,
+    owned_by,
+)
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import GradReduce
 
@@ -72,6 +80,11 @@ class Replicate(Parallelism):
         if mesh.size(KIND) == 1:
             return None
         return cls(mesh.group(KIND), mesh.size(KIND), gradient_owners(model, plan.layers))
+
+    @classmethod
+    def across_micro_steps(cls, degrees: Mapping[str, int], grad_sync: str, parameter_bytes: int) -> MicroSteps:
+        """The replicas average the accumulated gradients once a step."""
+        return MicroSteps(once_per_step=(f"{KIND} all_reduce",)) if degrees.get(KIND, 1) > 1 else MicroSteps()
 
     def grad_reduce(self) -> GradReduce:
         return self.averager

@@ -23,55 +23,58 @@ approximate (measured +0% and +4.5% on the debug model, AC none and full). Witho
 are added and the plan is marked approximate: the gradient reduction and update graph can hold the peak
 (dp_replicate 2, debug model, 16 micro-steps: planned 39,253,088 bytes, the run's measured peak 37,415,064).
 
-Per step, FLOPs and every collective run k times, except the gradient norm's all-reduce, replication's all-reduce of the
-accumulated gradients (once a step) and, with
-`"step"`, FSDP's one reduce-scatter per unit.
+Per step, FLOPs run k times and so does every collective, except those a parallelism runs once a step (its
+`Parallelism.across_micro_steps`: the gradient norm's all-reduce, replication's all-reduce of the accumulated
+gradients and, with `"step"`, FSDP's one reduce-scatter per unit); what each parallelism holds across the
+micro-steps, and whether the result is exact, come from the same place.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
+from graph_trainer.distributed.parallelize import PARALLELISMS
 from graph_trainer.observability.memory import allocated_bytes
 from graph_trainer.plan.step_plan import StepPlan
 
 SCALAR_BYTES = 4  # a float32 scalar: the step's valid-token count, or one micro-step's loss
-ONCE_PER_STEP = ("fsdp all_reduce", "dp_replicate all_reduce")  # the norm; replication averages accumulated grads
 
 
-def accumulated(plan: StepPlan, steps: int, grad_sync: str, dp_shard: int, device_type: str = "cpu") -> StepPlan:
-    """The plan of a step of `steps` micro-batches whose one micro-batch's plan (no accumulation) is `plan`, on a
-    device of `device_type` (CUDA's allocator rounds each scalar up to a block)."""
+def accumulated(
+    plan: StepPlan, steps: int, grad_sync: str, degrees: Mapping[str, int], device_type: str = "cpu"
+) -> StepPlan:
+    """The plan of a step of `steps` micro-batches whose one micro-batch's plan (no accumulation) is `plan`, in a
+    layout of `degrees` (the mesh's), on a device of `device_type` (CUDA's allocator rounds each scalar up to a
+    block)."""
     if steps == 1:
         return plan
     cats = plan.peak_by_category
+    parts = [p.across_micro_steps(degrees, grad_sync, cats.get("parameter", 0)) for p in PARALLELISMS]
     scalar = allocated_bytes(SCALAR_BYTES, device_type)
     extra = {
         "other_inputs": (steps - 1) * cats.get("batch", 0),
         "batch": scalar,
         "output": (steps - 1) * scalar,
         "gradient": cats.get("parameter", 0),
+        "buffer": sum(part.held for part in parts),
     }
-    if grad_sync == "step" and dp_shard > 1:
-        extra["buffer"] = dp_shard * cats.get("parameter", 0)
     by_category = {k: cats.get(k, 0) + extra.get(k, 0) for k in {*cats, *extra}}
+    once = {name for part in parts for name in part.once_per_step}
     return dataclasses.replace(
         plan,
         peak_bytes=plan.peak_bytes + sum(extra.values()),
         peak_by_category={k: v for k, v in by_category.items() if v},
         flops=plan.flops * steps,
-        comm_bytes=per_step_comm(plan.comm_bytes, steps, grad_sync),
+        comm_bytes={k: v if k in once else v * steps for k, v in plan.comm_bytes.items()},
         step_graph=None,
-        # Exact only where tested so: FSDP reducing every micro-batch. Without FSDP the update graph (whole
-        # gradients, replication's all-reduce) can hold the peak: measured +4.9% over the run's peak, dp_replicate 2.
-        approximate=plan.approximate or grad_sync == "step" or dp_shard == 1,
+        # Exact only where tested so (FSDP reducing every micro-batch). Without sharded gradients the update graph
+        # (whole gradients, replication's all-reduce) can hold the peak: measured +4.9% over the run's peak,
+        # dp_replicate 2.
+        approximate=plan.approximate
+        or not any(part.exact for part in parts)
+        or any(part.exact is False for part in parts),
     )
 
 
-def per_step_comm(comm: dict[str, int], steps: int, grad_sync: str) -> dict[str, int]:
-    """The bytes per '<parallelism> <collective>' of a step of `steps` micro-batches, from one micro-batch's."""
-    once = ONCE_PER_STEP + (("fsdp reduce_scatter",) if grad_sync == "step" else ())
-    return {k: v if k in once else v * steps for k, v in comm.items()}
-
-
-__all__ = ["accumulated", "per_step_comm"]
+__all__ = ["accumulated"]

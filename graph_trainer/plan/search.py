@@ -413,7 +413,7 @@ def _screened(cluster, cand: Candidate, ref: Candidate, p: StepPlan, efficiency,
     sharded = sum(p.peak_by_category.get(k, 0) for k in SHARDED)
     cats = {**p.peak_by_category, **{k: int(p.peak_by_category[k] * scale) for k in SHARDED if k in p.peak_by_category}}
     micro = dataclasses.replace(p, peak_bytes=p.peak_bytes + int(sharded * scale) - sharded, peak_by_category=cats)
-    plan = accumulated(micro, cand.accumulation, cand.grad_sync, d.get("dp_shard", 1), device_type)
+    plan = accumulated(micro, cand.accumulation, cand.grad_sync, {**d, "ep": cand.ep}, device_type)
     comm = dict(plan.comm_bytes)
     if d.get("dp_replicate", 1) > 1:  # the references replicate nothing: the gradients' all-reduce, once a step
         comm["dp_replicate all_reduce"] = p.num_params * 4 // (d.get("dp_shard", 1) * d.get("tp", 1))
@@ -432,7 +432,7 @@ def plan_exactly(cfg: JobConfig, cluster: Cluster, rows: list[Screened], efficie
             plans.fail(c, "exact", plan)
             continue
         d = dict(c.degrees)
-        row.exact = accumulated(plan, c.accumulation, c.grad_sync, d.get("dp_shard", 1), plans.device.type)
+        row.exact = accumulated(plan, c.accumulation, c.grad_sync, {**d, "ep": c.ep}, plans.device.type)
         row.exact_time = step_time(
             cluster, row.exact.flops, row.exact.comm_bytes, {**d, "ep": c.ep}, efficiency, c.prefetch
         )

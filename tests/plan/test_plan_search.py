@@ -125,7 +125,7 @@ def test_the_accumulated_plan_equals_the_whole_accumulating_plan(sync, tp, repli
         with planning_mesh(ParallelDims.from_config(acc_cfg.parallelism), torch.device("cpu")) as mesh:
             whole = plan_modes(acc_cfg, mesh, ["none", "full"])
         for mode in ("none", "full"):
-            got = accumulated(plans.get(cand, ["none", "full"])[mode], steps, sync, 2)
+            got = accumulated(plans.get(cand, ["none", "full"])[mode], steps, sync, dict(cand.degrees))
             assert got.flops == whole[mode].flops
             if sync == "micro_batch":  # exact: the micro-step's graph is the planned one
                 assert (got.peak_bytes, got.peak_location) == (whole[mode].peak_bytes, whole[mode].peak_location)
