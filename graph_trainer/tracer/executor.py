@@ -216,8 +216,8 @@ class GraphStep:
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers this step updates parameters with (traced or run after the graph)."""
-        traced = [self.optimizer.optimizer] if self.optimizer is not None else []
-        return traced + ([self.eager_optimizer] if self.eager_optimizer is not None else [])
+        traced = getattr(self.optimizer, "optimizer", None)  # GraphAdamW wraps the torch optimizer it traces
+        return [opt for opt in (traced, self.eager_optimizer) if opt is not None]
 
     def reuse_trace(self, result: Transformed, source: str) -> None:
         """Run the first batch on `result` instead of tracing, if its signature matches.
