@@ -4,14 +4,15 @@ Rank r is replica r // 2, shard r % 2. The backward's reduce-scatters average ea
 shards; the replicas then average the shards over dp_replicate (`distributed/replicate.py`).
 
 Claims tested, on a 6-block Llama so that the preflight plans depth-free:
-- traced == our eager HSDP bitwise on every rank (losses and final shards), one trace;
+- traced == our eager HSDP bitwise on every rank (losses and final shards), one trace, the traced run resumed
+  from its own HSDP checkpoint half-way;
 - the replicas hold the same shards, the shards of one replica differ, every rank logs the same loss;
 - within FSDP's tolerance of one process on the same global batch;
 - every rank's measured step peak equals the preflight's depth-free estimate to the byte;
 - the graph holds one reduce-scatter per FSDP unit and one replica all-reduce per gradient shard, each tagged
   with its parameter's block;
-- a checkpoint saved by HSDP resumes bitwise on HSDP, and resumes as dp_shard 4 (the same data ranks and global
-  batch) within FSDP's tolerance;
+- the HSDP checkpoint also resumes as dp_shard 4 (the same data ranks and global batch) within FSDP's
+  tolerance, and holds each replicated chunk once;
 - DeepSeek-V3 with HSDP and ep 2: the balancing counts are summed over both data-parallel dimensions (every
   rank's tokens counted once, the bias equal on every rank) and traced == eager bitwise.
 """
@@ -44,7 +45,7 @@ from tests.tiny import DETERMINISTIC, TINY_BATCH, tiny_model
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.integration,  # 4 ranks train 7 short runs: about 2 minutes on 2 cores
+    pytest.mark.integration,  # 4 ranks train 6 short runs: about 2 minutes on 2 cores
     pytest.mark.skipif(
         not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with the gloo backend"
     ),
@@ -75,7 +76,7 @@ REDUCE_SCATTER, ALL_REDUCE = "_c10d_functional.reduce_scatter_tensor.default", "
 def _runs(half: str, four: str) -> dict[str, list[str]]:
     return {
         "eager": ["--compile.mode", "eager"],
-        "trace": [*TRACE, *CHECKPOINT],
+        # the traced run, in two parts: steps 1-2, then resumed from its step-2 checkpoint for step 3
         "first": [*TRACE, *CHECKPOINT, "--training.steps", "2", "--job.dump_folder", half],
         "resumed": [*TRACE, *CHECKPOINT, "--checkpoint.resume", "true", "--job.dump_folder", half],
         # the step-2 checkpoint, copied after `first`, resumed as FSDP over all 4 ranks
@@ -141,14 +142,23 @@ def _params(out: Path, name: str) -> dict[str, torch.Tensor]:
     return torch.load(out / f"{name}.params.pt")
 
 
-@pytest.mark.parametrize("traced,eager", [("trace", "eager"), ("moe_trace", "moe_eager")])
-def test_traced_equals_eager_hsdp_bitwise_on_every_rank(out, traced, eager):
+def test_traced_equals_eager_hsdp_bitwise_on_every_rank_through_a_checkpoint(out):
+    """The traced run is steps 1-2, then a resume from its step-2 checkpoint on HSDP: together bitwise the eager
+    run (losses, every rank's final shards), one trace each."""
     for rank in range(WORLD):
-        assert_bitwise_equal_runs(_record(out, eager, rank), _record(out, traced, rank), STEPS, traced)
+        eager, first, resumed = (_record(out, name, rank) for name in ("eager", "first", "resumed"))
+        assert first["losses"] == eager["losses"][:2] and resumed["losses"] == eager["losses"][2:]
+        assert resumed["params"] == eager["params"]  # this rank's final shards
+        assert first["trace_count"] == resumed["trace_count"] == 1
+
+
+def test_traced_equals_eager_hsdp_bitwise_with_experts_on_every_rank(out):
+    for rank in range(WORLD):
+        assert_bitwise_equal_runs(_record(out, "moe_eager", rank), _record(out, "moe_trace", rank), STEPS, "trace")
 
 
 def test_replicas_hold_the_same_shards_and_every_rank_logs_the_same_loss(out):
-    records = [_record(out, "trace", rank) for rank in range(WORLD)]
+    records = [_record(out, "eager", rank) for rank in range(WORLD)]
     shards = [r["params"] for r in records]
     for rank in range(WORLD):
         replica, shard = divmod(rank, SHARDS)
@@ -159,8 +169,8 @@ def test_replicas_hold_the_same_shards_and_every_rank_logs_the_same_loss(out):
 
 def test_hsdp_is_one_process_on_the_same_global_batch(out, tmp_path):
     trainer, one = train_one_process([*ONE_PROCESS, "--training.local_batch_size", str(2 * WORLD)], str(tmp_path))
-    ours = _record(out, "trace")["losses"]
-    diff = max_param_diff(_params(out, "trace"), {n: p.detach() for n, p in trainer.model.named_parameters()})
+    ours = _record(out, "eager")["losses"]  # bitwise the traced run's (above)
+    diff = max_param_diff(_params(out, "eager"), {n: p.detach() for n, p in trainer.model.named_parameters()})
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(ours, one.losses, strict=True))
     print(f"\nHSDP 2 x 2 vs one process (batch 8): max |param diff| {diff:.3g}, max loss rel diff {loss_rel:.3g}")
     assert diff < PARAMS_ATOL
@@ -170,31 +180,27 @@ def test_hsdp_is_one_process_on_the_same_global_batch(out, tmp_path):
 def test_every_rank_peak_equals_its_depth_free_estimate(out):
     assert (
         f"preflight: depth-free plan, models of 3 + 4 blocks traced for a model of {LAYERS}"
-        in _record(out, "trace")["lines"]
+        in _record(out, "first")["lines"]
     )
-    for name in ("trace", "resumed", "as_dp_shard_4", "moe_trace"):
+    for name in ("first", "resumed", "as_dp_shard_4", "moe_trace"):
         for rank in range(WORLD):
             assert_peaks_match(_record(out, name, rank)["peaks"], (name, rank))
 
 
 def test_each_gradient_shard_is_averaged_over_the_replicas_inside_its_block(out):
-    collectives = _record(out, "trace")["collectives"]
-    trainable = len(_params(out, "trace"))  # the tiny Llama ties no weights: one gradient per parameter
+    collectives = _record(out, "first")["collectives"]
+    trainable = len(_params(out, "eager"))  # the tiny Llama ties no weights: one gradient per parameter
     replica_means = [layer for target, kind, layer in collectives if kind == "dp_replicate" and target == ALL_REDUCE]
     assert len(replica_means) == trainable
     assert {layer for layer in replica_means if layer is not None} == set(range(LAYERS))
     assert sum(1 for target, kind, _ in collectives if kind == "fsdp" and target == REDUCE_SCATTER) == UNITS
 
 
-def test_an_hsdp_checkpoint_resumes_bitwise_and_as_dp_shard_4(out):
-    for rank in range(WORLD):
-        straight, resumed = _record(out, "trace", rank), _record(out, "resumed", rank)
-        assert _record(out, "first", rank)["losses"] == straight["losses"][:2]
-        assert resumed["losses"] == straight["losses"][2:] and resumed["params"] == straight["params"]
+def test_an_hsdp_checkpoint_resumes_as_dp_shard_4(out):
     # dp_shard 4 reads as data ranks 0..3 what HSDP's replica x shard ranks read: the same global batch
     resharded = _record(out, "as_dp_shard_4")["losses"]
-    assert resharded == pytest.approx(_record(out, "trace")["losses"][2:], rel=LOSS_RTOL)
-    diff = max_param_diff(_params(out, "as_dp_shard_4"), _params(out, "trace"))
+    assert resharded == pytest.approx(_record(out, "eager")["losses"][2:], rel=LOSS_RTOL)
+    diff = max_param_diff(_params(out, "as_dp_shard_4"), _params(out, "eager"))
     print(f"\nHSDP step-2 checkpoint resumed as dp_shard 4: max |param diff| at step {STEPS} {diff:.3g}")
     assert diff < PARAMS_ATOL
 

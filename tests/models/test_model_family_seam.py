@@ -9,8 +9,8 @@ Nothing here imports `graph_trainer` at module level: like a family under `model
 
 Claims tested (6 and 8 blocks: the preflight and the dry run plan depth-free):
 - `--help --model.name tiny_gpt` lists the family's own option; an out-of-range value is one line, exit 2;
-- traced == eager bitwise (losses over 3 steps), with the step's measured peak equal to the depth-free estimate;
-- a checkpoint at step 2 resumed to step 3 equals the uninterrupted run bitwise;
+- traced == eager bitwise (losses over 3 steps, final weights), the traced run resumed from its own step-2
+  checkpoint for step 3, with the step's measured peak equal to the depth-free estimate;
 - `--dry-run` at 8 blocks plans from 3 + 4 blocks.
 """
 
@@ -170,28 +170,28 @@ def test_its_own_args_are_options_with_help_and_limits(tmp_path):
 
 @pytest.mark.integration
 def test_it_trains_traced_as_eager_plans_depth_free_and_resumes_bitwise(tmp_path):
-    """About 40 s on 2 cores: four short runs and a dry run, each its own process."""
+    """About 40 s on 2 cores: three short runs and a dry run, each its own process."""
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1"]
+    # The traced run in two parts: steps 1-2, then resumed from its step-2 checkpoint for step 3.
     runs = {
         "eager": [*RUN, "--compile.mode", "eager"],
-        "trace": [*RUN, "--compile.mode", "trace", *ckpt],
         "first": [*RUN, "--compile.mode", "trace", *ckpt, "--training.steps", "2"],
     }
     for name, argv in runs.items():
         done = _trainer(*argv, "--job.dump_folder", str(tmp_path / name), cwd=tmp_path)
         assert done.returncode == 0, (name, done.stderr[-3000:])
-    resumed = _trainer(*runs["trace"], "--checkpoint.resume", "true", "--job.dump_folder", str(tmp_path / "first"),
-                       cwd=tmp_path)  # fmt: skip
+    first = _losses(tmp_path / "first")
+    resumed = _trainer(*RUN, "--compile.mode", "trace", *ckpt, "--checkpoint.resume", "true", "--job.dump_folder",
+                       str(tmp_path / "first"), cwd=tmp_path)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    trace = _losses(tmp_path / "trace")
-    assert len(trace) == 3 and trace == _losses(tmp_path / "eager")
-    assert _losses(tmp_path / "first")[-1] == trace[-1]  # the resumed run's step 3
-    final = [_summary(tmp_path / name)["final"] for name in ("trace", "eager", "first")]
-    assert len({f["params_sha256"] for f in final}) == 1  # the same weights after step 3, all three
+    eager = _losses(tmp_path / "eager")
+    assert len(eager) == 3 and first == eager[:2] and _losses(tmp_path / "first")[-1:] == eager[2:]
+    final = [_summary(tmp_path / name)["final"] for name in ("eager", "first")]
+    assert final[0]["params_sha256"] == final[1]["params_sha256"]  # the same weights after step 3
     assert (
         "preflight: depth-free plan, models of 3 + 4 blocks traced for a model of 6" in resumed.stdout + resumed.stderr
     )
-    steps = _summary(tmp_path / "trace")["steps"]
+    steps = _summary(tmp_path / "first")["steps"]
     assert all(r["peak_active_bytes"] == r["estimated_peak_bytes"] for r in steps), steps
     dry = _trainer(*RUN, "--model.n_layers", "8", "--dry-run", "--job.dump_folder", str(tmp_path / "dry"),
                    cwd=tmp_path)  # fmt: skip

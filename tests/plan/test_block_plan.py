@@ -151,14 +151,6 @@ def test_depth_free_plan_equals_the_full_trace_tp2_dp_shard2_one_rank_of_4():
     _check([*DEBUG, "--parallelism.tp", "2", "--parallelism.dp_shard", "2"], 8)
 
 
-@pytest.mark.integration
-def test_depth_free_plan_equals_the_full_trace_hsdp_one_rank_of_4():
-    """HSDP (dp_replicate 2 x dp_shard 2): the replicas' average of each gradient shard is tagged with its
-    parameter's block, so the blocks stay identical and the plan extends; untagged, every block would add its
-    all-reduces outside the blocks and the plan would fall back to the full trace."""
-    _check([*DEBUG, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"], 8)
-
-
 MOE = ["--config", "deepseek_v3_debug", "--training.seq_len", "64", "--training.local_batch_size", "2"]
 
 
