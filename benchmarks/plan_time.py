@@ -60,6 +60,8 @@ def _one(args: list[str], method: str) -> dict:
         "cpu_seconds": time.process_time() - cpu,  # on a shared machine, wall time waits for the CPU
         "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
         "none_peak": getattr(none, "peak_bytes", None),
+        # the exact modes' peaks, which the depth-free plan must equal to the byte (budget's is a bound)
+        "exact_peaks": {m: getattr(p, "peak_bytes", None) for m, p in plans.items() if m != "budget"},
         "blocks_traced": getattr(none, "blocks_traced", None),
     }
 
@@ -142,8 +144,28 @@ def main() -> None:
     else:
         for depth in opts.depths:
             runs += [(depth, "", m, []) for m in ("fast", "full") if m == "fast" or depth <= opts.full_up_to]
+    by_depth: dict[int, dict[str, dict | str]] = {}
     for depth, batch, method, more in runs:
-        _print(depth, batch, method, _run(depth, method, opts.config, opts.dp_shard, opts.tp, [*opts.extra, *more]))
+        r = _run(depth, method, opts.config, opts.dp_shard, opts.tp, [*opts.extra, *more])
+        _print(depth, batch, method, r)
+        by_depth.setdefault(depth, {})[method] = r
+    _check_depth_free_equals_full(by_depth)
+
+
+def _check_depth_free_equals_full(by_depth: dict[int, dict[str, dict | str]]) -> None:
+    """Exit 1 unless, at every depth planned both ways, the depth-free plan's none, selective and full peaks equal
+    the full trace's to the byte (the claim docs/planner.md makes; CI checks it at 8 blocks)."""
+    differ = [
+        f"{depth} blocks: depth-free {r['fast']['exact_peaks']} != full {r['full']['exact_peaks']}"
+        for depth, r in by_depth.items()
+        if isinstance(r.get("fast"), dict) and isinstance(r.get("full"), dict)
+        and r["fast"]["exact_peaks"] != r["full"]["exact_peaks"]
+    ]  # fmt: skip
+    compared = [d for d, r in by_depth.items() if isinstance(r.get("full"), dict)]
+    if differ:
+        sys.exit("the depth-free plan differs from the full trace at " + "; ".join(differ))
+    if compared:
+        print(f"depth-free peaks == full trace's to the byte (none, selective, full) at {compared} blocks")
 
 
 if __name__ == "__main__":
