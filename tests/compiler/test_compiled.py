@@ -160,16 +160,16 @@ SCALAR_SLACK_BYTES = 64
 
 
 @pytest.mark.integration
-# Every AC mode, and each compile shape twice (not all eight pairs: each id compiles the step cold).
+# Each compile shape, and every AC mode but `full` (not all eight pairs: each id compiles the step cold). `full`
+# whole is the debug-model test below, at the dims where its peak once slipped.
 @pytest.mark.parametrize(
     ("ac", "regional"),
     [
         (["none"], "false"),
         (["selective"], "true"),
-        (["full"], "false"),
         (["budget", "--activation_checkpoint.memory_budget", "0.8"], "true"),
     ],
-    ids=["none-whole", "selective-regional", "full-whole", "budget-regional"],
+    ids=["none-whole", "selective-regional", "budget-regional"],
 )
 def test_compiled_peak_is_no_higher_than_the_traced_step(tmp_path, ac, regional):
     """The memory plan survives compilation; the CPU tracker sees Inductor's buffers (they are routed
@@ -279,8 +279,11 @@ def test_debug_model_compiled_peak_is_no_higher_than_the_traced_step(tmp_path, a
         )
         t = Trainer(cfg)
         data = iter(t.dataloader)
-        peaks[backend] = [t.train_step(dict(next(data))) for _ in range(2)][-1]["peak_active_bytes"]
+        record = [t.train_step(dict(next(data))) for _ in range(2)][-1]
+        peaks[backend], estimate = record["peak_active_bytes"], record["estimated_peak_bytes"]
     assert peaks["inductor"] <= peaks["none"] + SCALAR_SLACK_BYTES, peaks
+    assert peaks["inductor"] <= estimate + SCALAR_SLACK_BYTES  # the uncompiled estimate bounds it (as above)
+    assert peaks["inductor"] >= 0.8 * peaks["none"], peaks  # the tracker sees Inductor's buffers (as above)
 
 
 def _product_of_inputs(a, b, x, w2t):

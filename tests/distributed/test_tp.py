@@ -95,7 +95,8 @@ def _collectives(trainer: Trainer) -> list[dict]:
 # vocabulary 259 in blocks of 65 rows, the last holding 64) and dp_replicate 2 x tp 2.
 RUNS_2D = {name: RUNS[name] for name in ("eager", "trace", "trace_full")}
 TP4 = ["--parallelism.tp", "4", "--parallelism.dp_shard", "1", "--model.n_kv_heads", "4"]
-RUNS_TP4 = {f"tp4_{name}": [*RUNS[name], *TP4] for name in ("eager", "trace", "trace_selective", "trace_full")}
+# selective at tp 2 is RUNS' (the 2-rank layout); at tp 4 the two ends of AC
+RUNS_TP4 = {f"tp4_{name}": [*RUNS[name], *TP4] for name in ("eager", "trace", "trace_full")}
 REPLICATE = ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"]  # x tp 2
 RUNS_REPLICATE = {f"replicate_{name}": [*RUNS[name], *REPLICATE] for name in ("eager", "trace")}
 DIMS = {TP: ["--parallelism.tp", str(TP)], 4: ["--parallelism.tp", str(TP), "--parallelism.dp_shard", "2"]}
