@@ -69,7 +69,7 @@ LABELS = {
     "ds_16b_ep8": "16B, rank 0 of dp_shard 8, ep 8",
 }
 
-# The estimate's categories of what a step holds whatever it saves (graph_trainer.passes.memory_estimate).
+# The estimate's categories of what a step holds whatever it saves (graph_trainer.tracer.memory_estimate).
 NOT_ACTIVATIONS = {"parameter", "buffer", "batch", "gradient", "optimizer_state"}
 
 

@@ -323,8 +323,8 @@ class Job:
             from graph_trainer.eager.eval_step import EagerEvalStep
 
             return EagerEvalStep(self.model, loss_fn=self.loss_fn)
-        from graph_trainer.passes.memory_estimate import estimate_peak_memory
         from graph_trainer.tracer.eval_step import GraphEvalStep
+        from graph_trainer.tracer.memory_estimate import estimate_peak_memory
 
         return GraphEvalStep(
             self.model,

@@ -27,7 +27,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from graph_trainer.distributed.fsdp import layer_forward
 from graph_trainer.errors import ConfigError
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
-from graph_trainer.passes.graph_utils import (
+from graph_trainer.passes.op_patterns import OpPattern, parse_overrides
+from graph_trainer.tracer.graph_utils import (
     ALL_TO_ALL_OPS,
     is_attention,
     is_matmul,
@@ -35,7 +36,6 @@ from graph_trainer.passes.graph_utils import (
     is_routing,
     packet,
 )
-from graph_trainer.passes.op_patterns import OpPattern, parse_overrides
 from graph_trainer.tracer.layers import transformer_layers
 
 

@@ -5,7 +5,7 @@ Three sources, one front (`MemoryMonitor`):
   touches CUDA unless the device is a CUDA device and CUDA is available.
 - CPU: `LiveTensorTracker`, a dispatch mode that counts live tensor storage bytes
   exactly (CPU has no allocator statistics). Its figure is what
-  `graph_trainer.passes.memory_estimate` predicts statically, to the byte.
+  `graph_trainer.tracer.memory_estimate` predicts statically, to the byte.
 - Any device: the process RSS high-water mark (`rss_peak_bytes`).
 """
 

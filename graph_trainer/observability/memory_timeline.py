@@ -1,7 +1,7 @@
 """The memory timeline of one step: live bytes at every node of the step's graph, estimate against measurement.
 
 On CPU there is no allocator history to snapshot; what this project can show instead is its own two
-figures side by side: the static estimate of the step graph (`passes.memory_estimate`, live bytes at
+figures side by side: the static estimate of the step graph (`tracer.memory_estimate`, live bytes at
 each node) and the bytes `LiveTensorTracker` measured after each op while the same graph ran. They
 agree to the byte on CPU, so the picture shows where memory goes (forward activations piling up, the
 peak in the backward, the optimizer's scratch) and that the plan the memory passes acted on was right.

@@ -156,7 +156,7 @@ def accumulated_estimate(micro: Any, update: Any, *, micro_extra: int, update_ex
 def whole_step_peak(estimate: Any, update: EagerUpdate | None) -> tuple[int, dict[str, int], bool]:
     """(peak bytes, bytes by category at the peak, whether the peak is in the eager update) of a step.
 
-    `estimate` is the graph's `MemoryEstimate` (`graph_trainer.passes.memory_estimate`);
+    `estimate` is the graph's `MemoryEstimate` (`graph_trainer.tracer.memory_estimate`);
     with `update` None the update is in the graph. Otherwise the optimizer state
     is alive throughout, and the update runs after the graph on what the graph
     leaves alive (params, batch, grads) plus its scratch.

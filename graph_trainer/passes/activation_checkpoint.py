@@ -43,7 +43,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 from graph_trainer.errors import ConfigError
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.observability.log import get_logger
-from graph_trainer.passes.graph_utils import (
+from graph_trainer.passes.op_patterns import OpPattern, parse_overrides
+from graph_trainer.passes.remat import peak_after_remat
+from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.graph_utils import (
     is_all_to_all_or_its_wait,
     is_attention,
     is_matmul,
@@ -53,9 +56,6 @@ from graph_trainer.passes.graph_utils import (
     mutated_args,
     storage_keys,
 )
-from graph_trainer.passes.op_patterns import OpPattern, parse_overrides
-from graph_trainer.passes.remat import peak_after_remat
-from graph_trainer.tracer import node_meta
 
 logger = get_logger(__name__)
 

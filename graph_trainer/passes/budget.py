@@ -56,11 +56,11 @@ from graph_trainer.passes.activation_checkpoint import (
     finalize,
     write_tags,
 )
-from graph_trainer.passes.graph_utils import is_view, node_flops, storage_key, storage_keys, tensors
-from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.passes.op_patterns import parse_overrides
 from graph_trainer.passes.remat import peak_after_remat
 from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.graph_utils import is_view, node_flops, storage_key, storage_keys, tensors
+from graph_trainer.tracer.memory_estimate import estimate_peak_memory
 
 MAX_PROBES = 48
 

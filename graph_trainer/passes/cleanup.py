@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.passes.graph_utils import eliminate_dead_code, storage_key
+from graph_trainer.tracer.graph_utils import eliminate_dead_code, storage_key
 
 aten = torch.ops.aten
 

@@ -16,8 +16,8 @@ import collections
 
 import torch.fx
 
-from graph_trainer.passes.graph_utils import is_collective, traffic_kind
 from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.graph_utils import is_collective, traffic_kind
 
 
 def _payload(node: torch.fx.Node) -> int:

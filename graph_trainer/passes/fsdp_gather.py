@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from graph_trainer.passes.graph_utils import is_view
 from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.graph_utils import is_view
 
 POLICIES = ("default", "always", "never")
 ROOT = ""  # graph_trainer.distributed.fsdp.ROOT (not imported: passes read metadata, not the FSDP machinery)

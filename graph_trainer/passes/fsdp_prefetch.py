@@ -23,8 +23,8 @@ from itertools import pairwise
 
 import torch.fx
 
-from graph_trainer.passes.graph_utils import is_all_gather, is_wait
 from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.graph_utils import is_all_gather, is_wait
 
 
 def _issue_chain(gather: torch.fx.Node) -> list[torch.fx.Node]:

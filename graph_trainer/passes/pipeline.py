@@ -24,11 +24,11 @@ from graph_trainer.job_config.schema import ActivationCheckpointConfig, Parallel
 from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.units import MIB
 from graph_trainer.passes.activation_checkpoint import policy_name
-from graph_trainer.passes.graph_utils import count_nodes, mutated_args, node_by_name
-from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_tensors
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep
 from graph_trainer.tracer.executor import Transformed
+from graph_trainer.tracer.graph_utils import count_nodes, mutated_args, node_by_name
+from graph_trainer.tracer.memory_estimate import estimate_peak_memory, saved_tensors
 from graph_trainer.tracer.summary import graph_summary
 
 logger = get_logger(__name__)

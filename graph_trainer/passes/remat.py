@@ -33,9 +33,9 @@ from torch.fx.graph import _Namespace
 from torch.fx.node import map_arg
 from torch.utils.checkpoint import CheckpointPolicy
 
-from graph_trainer.passes.graph_utils import eliminate_dead_code, refresh_duplicated_values
-from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.graph_utils import eliminate_dead_code, refresh_duplicated_values
+from graph_trainer.tracer.memory_estimate import estimate_peak_memory
 
 _RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 

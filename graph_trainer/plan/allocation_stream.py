@@ -1,7 +1,7 @@
 """The traced step's allocations and frees in order, as a caching allocator sees them (`caching_allocator.replay`).
 
 The eager step's stream comes from a run on fake tensors (`eager_baseline.eager_whole_step_peak` with
-`record_events`); the traced step's comes from its graph (`passes.memory_estimate.allocation_events`), which
+`record_events`); the traced step's comes from its graph (`tracer.memory_estimate.allocation_events`), which
 needs the whole graph: a full-depth trace, not the depth-free plan (which extends counts, not sequences).
 """
 
@@ -14,9 +14,9 @@ from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.memory import MemoryEvent
 from graph_trainer.optimizer.update_memory import adamw_update_events
-from graph_trainer.passes.memory_estimate import allocation_events
 from graph_trainer.plan.eager_baseline import repeated_steps
 from graph_trainer.plan.step_plan import StepPlan, eager_update_of, plan_step
+from graph_trainer.tracer.memory_estimate import allocation_events
 
 
 def graph_step_stream(cfg: JobConfig, device: torch.device, steps: int = 2) -> tuple[StepPlan, list[MemoryEvent]]:

@@ -1,7 +1,7 @@
 """What one layer's attention holds for its backward, against the sequence length, and the document mask's share.
 
 Read from the attention op itself: the job's model runs forward on fake tensors (no memory, no FLOPs) and the first
-attention op that dispatches (`passes.graph_utils.is_attention`: the SDPA kernel the device picks) is recorded. Its
+attention op that dispatches (`tracer.graph_utils.is_attention`: the SDPA kernel the device picks) is recorded. Its
 backward keeps its query, key and value inputs and its outputs (the output and the log-sum-exp): all linear in
 the sequence length. With `data.document_masking` the op also takes the additive [B, 1, S, S] document mask, built
 once per step and shared by every layer and head: quadratic in the sequence length, but held once, not per layer.
@@ -18,9 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter
 
 from graph_trainer.builder import Job
-from graph_trainer.passes.graph_utils import is_attention
 from graph_trainer.plan.eager_baseline import _materialize_fake
 from graph_trainer.plan.step_plan import batch_names
+from graph_trainer.tracer.graph_utils import is_attention
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,8 +60,6 @@ from graph_trainer.observability.units import GIB
 from graph_trainer.optimizer.update_memory import EagerUpdate
 from graph_trainer.passes import build_pipeline
 from graph_trainer.passes.communication import communication_bytes
-from graph_trainer.passes.graph_utils import ATTENTION_OPS, graph_module, lazy_codegen, node_flops, tensors
-from graph_trainer.passes.memory_estimate import MemoryEstimate, estimate_peak_memory, live_by_category
 from graph_trainer.passes.pipeline import GraphPass, Pipeline
 from graph_trainer.passes.remat import remat_graph
 from graph_trainer.plan.step_plan import (
@@ -81,6 +79,8 @@ from graph_trainer.runtime.gc_pause import gc_paused
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep
 from graph_trainer.tracer.executor import Transformed
+from graph_trainer.tracer.graph_utils import ATTENTION_OPS, graph_module, lazy_codegen, node_flops, tensors
+from graph_trainer.tracer.memory_estimate import MemoryEstimate, estimate_peak_memory, live_by_category
 
 logger = get_logger(__name__)
 

@@ -30,11 +30,11 @@ from graph_trainer.loss import DOCUMENT_IDS
 from graph_trainer.observability.log import quiet
 from graph_trainer.optimizer.update_memory import EagerUpdate, whole_step_peak
 from graph_trainer.passes.communication import communication_bytes
-from graph_trainer.passes.graph_utils import node_flops
-from graph_trainer.passes.memory_estimate import MemoryEstimate, op_name
 from graph_trainer.runtime.device import resolve_device
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.executor import Transformed
+from graph_trainer.tracer.graph_utils import node_flops
+from graph_trainer.tracer.memory_estimate import MemoryEstimate, op_name
 
 AC_MODES = ("none", "selective", "full", "budget")
 

@@ -7,7 +7,7 @@ each is freed after its last use in the forward. Ops are tagged with their modul
 training step's graph, so its memory estimate names where the peak is.
 
 `GraphEvalStep` traces once per batch signature and runs the graph under `no_grad`; `estimate`, when given
-(the builder passes `graph_trainer.passes.memory_estimate.estimate_peak_memory`), gives its static peak.
+(the builder passes `graph_trainer.tracer.memory_estimate.estimate_peak_memory`), gives its static peak.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -50,9 +50,7 @@ from graph_trainer.tracer.capture import (
     trace_step,
 )
 from graph_trainer.tracer.guards import TensorMeta, tensor_meta
-
-if TYPE_CHECKING:
-    from graph_trainer.passes.memory_estimate import MemoryEstimate
+from graph_trainer.tracer.memory_estimate import MemoryEstimate
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ from graph_trainer.observability.memory import (
     allocated_bytes,
     cublas_workspace_bytes,
 )
-from graph_trainer.passes.memory_estimate import WORKSPACE, estimate_peak_memory
+from graph_trainer.tracer.memory_estimate import WORKSPACE, estimate_peak_memory
 
 
 def test_cuda_allocations_round_up_to_512_bytes_and_cpu_ones_do_not():

@@ -1,5 +1,5 @@
 """Run-time memory measurement (`graph_trainer.observability.memory`) and the static estimate
-(`graph_trainer.passes.memory_estimate`): the estimate equals the measured peak to the byte."""
+(`graph_trainer.tracer.memory_estimate`): the estimate equals the measured peak to the byte."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from graph_trainer.observability.memory import (
     rss_peak_bytes,
 )
 from graph_trainer.observability.units import GIB, to_gib
-from graph_trainer.passes.memory_estimate import estimate_peak_memory, saved_tensors
+from graph_trainer.tracer.memory_estimate import estimate_peak_memory, saved_tensors
 
 VOCAB, DIM, HEADS = 64, 32, 4
 

@@ -18,12 +18,12 @@ from graph_trainer.optimizer.adamw import GraphAdamW, build_optimizer
 from graph_trainer.passes import available_passes, build_pipeline, memory_policy_transform
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
-from graph_trainer.passes.graph_utils import graph_module, is_attention, is_mutating, node_flops, packet
-from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.passes.op_patterns import parse_op_pattern
 from graph_trainer.passes.remat import remat_graph, rematerialize
 from graph_trainer.tracer import GraphStep, node_meta
 from graph_trainer.tracer.capture import trace_step
+from graph_trainer.tracer.graph_utils import graph_module, is_attention, is_mutating, node_flops, packet
+from graph_trainer.tracer.memory_estimate import estimate_peak_memory
 from models.llama3.model import ModelArgs, Transformer
 
 
@@ -283,7 +283,7 @@ def test_a_pass_that_writes_a_graph_input_is_refused():
 
 
 def test_collective_ops_are_recognised_as_op_objects():
-    from graph_trainer.passes import graph_utils
+    from graph_trainer.tracer import graph_utils
 
     c10d = torch.ops._c10d_functional
     assert c10d.all_gather_into_tensor_out in graph_utils.ALL_GATHER_OPS

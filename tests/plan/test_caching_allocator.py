@@ -9,10 +9,10 @@ from graph_trainer.job_config.cli import load_config
 from graph_trainer.observability.memory import ALLOC, FREE, AllocationRecorder, LiveTensorTracker
 from graph_trainer.observability.units import MIB
 from graph_trainer.optimizer.update_memory import adamw_update_events, eager_step_scratch_bytes
-from graph_trainer.passes.memory_estimate import allocation_events, estimate_peak_memory
 from graph_trainer.plan.allocation_stream import graph_step_stream
 from graph_trainer.plan.caching_allocator import replay
 from graph_trainer.plan.eager_baseline import eager_whole_step_peak, repeated_steps
+from graph_trainer.tracer.memory_estimate import allocation_events, estimate_peak_memory
 from tests.passes.test_memory import _fwd_bwd_graph
 
 

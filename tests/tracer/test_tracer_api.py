@@ -13,11 +13,11 @@ from graph_trainer.errors import UserError
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.optimizer.adamw import GraphAdamW
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
-from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TraceError, trace_step
 from graph_trainer.tracer.executor import GraphStep
+from graph_trainer.tracer.memory_estimate import estimate_peak_memory
 from tests.tracer.test_tracer import (
     assert_bitwise,
     eager_and_graph_adamw,

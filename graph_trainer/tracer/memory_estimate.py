@@ -51,8 +51,8 @@ from graph_trainer.observability.memory import (
     process_cublas_workspace_bytes,
 )
 from graph_trainer.observability.units import to_gib
-from graph_trainer.passes.graph_utils import is_collective, is_matmul, is_wait, storage_key, tensors
 from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.graph_utils import is_collective, is_matmul, is_wait, storage_key, tensors
 
 INPUT = "input"
 CONSTANT = "constant"
