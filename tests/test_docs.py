@@ -63,7 +63,7 @@ RUN_ELSEWHERE = {
     "python -m graph_trainer --config llama3_8b.toml --dry-run": "tests/plan/test_planner.py",
     "python examples/bring_your_own_model.py": "tests/test_examples.py",
     "python examples/make_dataset.py outputs/data": "tests/data/test_hf_datasets.py",
-    "python run_tests.py out/ --suite quick --collect-peak-memory": ".ci/run",
+    "python run_tests.py out/ --suite quick --collect-peak-memory --parallel 2": ".ci/run",
     REFERENCE_COMMAND: "tests/job_config/test_reference.py",
 }
 RUN_HERE = [
