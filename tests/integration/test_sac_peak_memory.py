@@ -43,7 +43,7 @@ RATIO_LIMIT = 1.00
 
 
 @pytest.fixture(scope="module")
-def no_checkpoint_runs(tmp_path_factory) -> dict:
+def no_checkpoint_runs() -> dict:
     """Each shape trained without checkpointing, once for both modes (they compare with the same run)."""
     return {}
 
