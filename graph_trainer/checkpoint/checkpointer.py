@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from graph_trainer.checkpoint.sharded import ShardedCheckpointManager
 from graph_trainer.checkpoint.single_file import CheckpointManager
 from graph_trainer.distributed.parallelism import ParallelModel
 
@@ -23,6 +22,10 @@ def build_checkpointer(
     """Sharded state: a DCP folder every rank writes its parts to. Whole state: one file, written by rank 0 (the
     weights are the same on every rank)."""
     if parallel.shards_state:
+        # Imported here: torch.distributed.checkpoint (and DTensor with it) is about 1.2 s of import, which every
+        # launch of a job that keeps whole state (one process, TP-free data parallel) would otherwise pay.
+        from graph_trainer.checkpoint.sharded import ShardedCheckpointManager
+
         return ShardedCheckpointManager(
             folder,
             parallel=parallel,
