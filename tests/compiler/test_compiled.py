@@ -1,9 +1,8 @@
 """`compile.backend = "inductor"`: the traced step compiled by Inductor keeps numerics within a declared
 tolerance, is deterministic run to run, keeps the memory plan, and CUDA graphs are refused off CUDA.
 
-Inductor's C++ compile is slow on 2 cores (~15-25 s per graph of the tiny model below, cold); the
-FX graph cache makes repeats ~1 s, so the tests reuse one shape and the expensive ones are
-`integration`.
+Inductor's C++ compile is slow on 2 cores: the tiny model's step (27 kernels) took 64 s cold and 5 s with
+Inductor's caches warm, so the tests reuse the tiny model's shapes and the expensive ones are `integration`.
 
 Tolerances (measured on this tiny model, fp32 on CPU): compiled vs eager loss per step ~1e-6
 relative over 20 steps, step-1 gradients ~1e-6 relative to each tensor's largest value. The
@@ -159,9 +158,17 @@ def test_two_deterministic_compiled_runs_give_identical_digests(tmp_path):
 SCALAR_SLACK_BYTES = 64
 
 
+def _state_bytes(t: Trainer) -> int:
+    """What the step starts with beside its batch: the parameters and the optimizer's state."""
+    state = [v for s in t.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return sum(x.numel() * x.element_size() for x in [*t.model.parameters(), *state])
+
+
 @pytest.mark.integration
-# Each compile shape, and every AC mode but `full` (not all eight pairs: each id compiles the step cold). `full`
-# whole is the debug-model test below, at the dims where its peak once slipped.
+# Each compile shape, and every AC mode but `full` (not all eight pairs: each compiles the step). At the tiny
+# model's own dims, so that Inductor's cache already holds most kernels from the tests above (cold, the three took
+# 130 s at dim 128 x seq 64 and 59 s here). `full` whole is the debug-model test below, at the dims where its peak
+# once slipped.
 @pytest.mark.parametrize(
     ("ac", "regional"),
     [
@@ -179,10 +186,6 @@ def test_compiled_peak_is_no_higher_than_the_traced_step(tmp_path, ac, regional)
         *ac,
         "--compile.trace_optimizer",
         "true",
-        "--model.dim",
-        "128",
-        "--training.seq_len",
-        "64",
         "--compile.regional",
         regional,
     ]
@@ -196,9 +199,12 @@ def test_compiled_peak_is_no_higher_than_the_traced_step(tmp_path, ac, regional)
     assert peaks["inductor"] <= peaks["none"] + SCALAR_SLACK_BYTES, peaks
     # The uncompiled estimate stays a safe upper bound for the preflight.
     assert peaks["inductor"] <= estimate + SCALAR_SLACK_BYTES
-    # ...and the tracker does see Inductor's intermediate buffers: without them the compiled figure
-    # would be little more than the parameters, state and batch the step starts with.
-    assert peaks["inductor"] >= 0.8 * peaks["none"], peaks
+    # ...and the tracker does see Inductor's intermediate buffers: without them the compiled figure would be
+    # little more than the parameters and optimizer state the step starts with. At these dims that state is 60-66%
+    # of the peak, so the comparison is of what the step adds above it: measured 0.91-0.93 of the uncompiled step's
+    # (Inductor frees some buffers sooner); a tracker blind to Inductor's buffers gives about 0.
+    held = _state_bytes(t)
+    assert peaks["inductor"] - held >= 0.8 * (peaks["none"] - held), (peaks, held)
 
 
 def _swiglu_backward_shape(x, w1, w3, w2t):
