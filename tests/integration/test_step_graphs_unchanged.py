@@ -5,6 +5,9 @@
 final graph (every node's op, the indices of its inputs, and its output shapes and dtypes, in graph order) and
 the planned peak, saved bytes, FLOPs, parameter count and peak location. The same plans made by today's code must
 give the same digests and numbers, to the byte.
+
+Each case adds features to a plain one, and every feature of the cases dropped for CI time (traced optimizer alone,
+plain FSDP, the 8B dims alone: 76 s of 228) is in a kept case.
 """
 
 from __future__ import annotations
@@ -28,9 +31,7 @@ GOLDEN_FILE = Path(__file__).resolve().parents[1] / "golden" / "step_graphs_befo
 GOLDEN = json.loads(GOLDEN_FILE.read_text())
 CASES = {
     "debug": ["--config", "llama3_debug.toml"],
-    "debug_trace_opt": ["--config", "llama3_debug.toml", "--compile.trace_optimizer", "true"],
     "debug_chunked": ["--config", "llama3_debug.toml", "--training.loss_chunk_size", "1024"],
-    "debug_fsdp2": ["--config", "llama3_debug.toml", "--parallelism.dp_shard", "2"],
     "debug_fsdp2_prefetch_opt": [
         "--config", "llama3_debug.toml", "--parallelism.dp_shard", "2",
         "--parallelism.fsdp_prefetch", "true", "--compile.trace_optimizer", "true",
@@ -39,7 +40,6 @@ CASES = {
         "--config", "llama3_debug.toml", "--parallelism.dp_shard", "2",
         "--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "bfloat16",
     ],
-    "8b_2layers": ["--config", "llama3_8b.toml", "--model.n_layers", "2"],
     "8b_2layers_fsdp8": [
         "--config", "llama3_8b.toml", "--model.n_layers", "2", "--parallelism.dp_shard", "8",
         "--compile.trace_optimizer", "true",
