@@ -6,7 +6,7 @@ Rows (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md and docs/performa
 Float8; H100 96 GB at 500 W): each is planned pinned to its layout (`--cluster.device h100-96gb`). The
 "torch.compile" rows correspond to our traced step compiled by Inductor (`--compile.backend inductor`); the
 cost model has no compile term (each such line says so), so both published rows of a layout meet the same
-prediction. The cost model's parts (graph_trainer.plan.cost_model, the device table) each come from a public
+prediction. The cost model's parts (graph_trainer.layouts.cost_model, the device table) each come from a public
 source that is none of these rows (docs/planner.md). Every published row gets one line of predicted / published
 (table `throughput`). `--best` also runs the search at the row's GPU count and global batch and prints
 predicted(best) / predicted(pinned) (below 1: the pinned layout is faster than anything the search found that
@@ -46,11 +46,11 @@ from benchmarks import results
 from benchmarks.results import markdown_table
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.layouts import search
+from graph_trainer.layouts.cluster import DEVICES, Cluster, Device
 from graph_trainer.observability.units import to_gib
-from graph_trainer.plan import search
 from graph_trainer.plan.allocation_stream import graph_step_stream
 from graph_trainer.plan.caching_allocator import AllocatorPeaks, replay
-from graph_trainer.plan.cluster import DEVICES, Cluster, Device
 from graph_trainer.plan.eager_baseline import eager_whole_step_peak
 
 SEQ = 8192

@@ -324,13 +324,11 @@ class Job:
 
             return EagerEvalStep(self.model, loss_fn=self.loss_fn)
         from graph_trainer.tracer.eval_step import GraphEvalStep
-        from graph_trainer.tracer.memory_estimate import estimate_peak_memory
 
         return GraphEvalStep(
             self.model,
             loss_fn=self.loss_fn,
             device=self.device,
-            estimate=lambda gm, categories: estimate_peak_memory(gm, input_categories=categories).peak_bytes,
             failure_dir=failure_dir,
             layers=self.spec.parallel_plan.layers,
         )

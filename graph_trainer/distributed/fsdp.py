@@ -257,7 +257,7 @@ class FSDP(Parallelism):
         `fsdp_grad_sync = "step"` so does each unit's reduce-scatter, and each unit's whole gradient sum (dp_shard
         times the rank's shards) is held across the micro-batches; the micro-batch's graph then lacks the
         reduce-scatters that would have made shards before the peak, so the plan is an upper bound. Reducing every
-        micro-batch, it is the accumulating step's peak to the byte (tests/plan/test_plan_search.py)."""
+        micro-batch, it is the accumulating step's peak to the byte (tests/layouts/test_search.py)."""
         shard = degrees.get(MESH_DIM, 1)
         if shard == 1:
             return MicroSteps()

@@ -33,7 +33,7 @@ Exit codes: 0 a plan fits (table, plan.json, plan.png and the command line of th
 
 def _parser() -> argparse.ArgumentParser:
     from graph_trainer.job_config.load import shipped_configs
-    from graph_trainer.plan.cluster import DEVICES
+    from graph_trainer.layouts.cluster import DEVICES
 
     p = argparse.ArgumentParser(
         prog="python -m graph_trainer.plan",
@@ -127,11 +127,11 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     from graph_trainer.errors import UserError
     from graph_trainer.job_config.cli import load_config
     from graph_trainer.job_config.pretrained import model_name
+    from graph_trainer.layouts import search
+    from graph_trainer.layouts.cluster import build_cluster
+    from graph_trainer.layouts.progress import Progress
+    from graph_trainer.layouts.report import nothing_fits, print_table, write_json, write_picture
     from graph_trainer.observability.units import to_gib
-    from graph_trainer.plan import search
-    from graph_trainer.plan.cluster import build_cluster
-    from graph_trainer.plan.progress import Progress
-    from graph_trainer.plan.report import nothing_fits, print_table, write_json, write_picture
 
     start, cpu_start = time.perf_counter(), time.process_time()
     overrides = {k: getattr(opts, k) for k in ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "efficiency")}

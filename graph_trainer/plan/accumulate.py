@@ -14,7 +14,7 @@ point of the graph and leaves the peak where it was:
 - with `parallelism.fsdp_grad_sync = "step"`, each FSDP unit's whole gradient sum as well (dp_shard times the
   shards, `distributed.fsdp.FSDP.defer_grad_sync`).
 With "micro_batch" the micro-step's graph is the planned one, and the peak equals the whole accumulating plan's
-to the byte (tests/plan/test_plan_search.py: debug model, AC none and full, 3 micro-steps, dp_shard 2
+to the byte (tests/layouts/test_search.py: debug model, AC none and full, 3 micro-steps, dp_shard 2
 and tp 2 x dp_shard 2; 2 micro-steps as well when written). The bytes are the same, their categories
 differ: the plan calls the accumulator's share of a new gradient an activation.
 With "step" the micro-step's graph lacks FSDP's reduce-scatters, so the sharded gradients they would have made

@@ -6,14 +6,14 @@ and returns `[loss]`. Nothing in it records or computes a gradient, so no activa
 each is freed after its last use in the forward. Ops are tagged with their module and layer as in the
 training step's graph, so its memory estimate names where the peak is.
 
-`GraphEvalStep` traces once per batch signature and runs the graph under `no_grad`; `estimate`, when given
-(the builder passes `graph_trainer.tracer.memory_estimate.estimate_peak_memory`), gives its static peak.
+`GraphEvalStep` traces once per batch signature and runs the graph under `no_grad`; the static memory estimate
+(`graph_trainer.tracer.memory_estimate`) gives its peak.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +42,9 @@ from graph_trainer.tracer.capture import (
     device_type,
 )
 from graph_trainer.tracer.guards import TraceGuard, recording_reads, tensor_meta
+from graph_trainer.tracer.memory_estimate import estimate_peak_memory
 
 logger = get_logger(__name__)
-
-# (graph, one memory category per input) -> the graph's estimated peak bytes.
-Estimate = Callable[[torch.fx.GraphModule, list[str]], int]
 
 
 @contextlib.contextmanager
@@ -118,8 +116,8 @@ def trace_eval(
 class GraphEvalStep:
     """The evaluation loss of `model` on a batch, as a traced graph; traced again only for a new batch signature.
 
-    `step(batch)` returns the loss (a 0-d tensor); `report()` the trace count and time and, with `estimate`,
-    the graph's estimated peak bytes.
+    `step(batch)` returns the loss (a 0-d tensor); `report()` the trace count and time and the graph's estimated
+    peak bytes.
     """
 
     def __init__(
@@ -128,11 +126,10 @@ class GraphEvalStep:
         *,
         loss_fn: LossFn = lm_loss,
         device: torch.device | None = None,
-        estimate: Estimate | None = None,
         failure_dir: Path | None = None,
         layers: str | None = None,
     ) -> None:
-        self.model, self.loss_fn, self.device, self.estimate = model, loss_fn, device, estimate
+        self.model, self.loss_fn, self.device = model, loss_fn, device
         self.failure_dir, self.layers = failure_dir, layers
         self.traced: TracedStep | None = None
         self.trace_count, self.trace_time_s = 0, 0.0
@@ -161,8 +158,8 @@ class GraphEvalStep:
             )
             self.trace_count += 1
             self.trace_time_s += self.traced.trace_time_s
-            if self.estimate is not None:
-                self.estimated_peak_bytes = self.estimate(self.traced.gm, self.traced.layout.categories)
+            estimate = estimate_peak_memory(self.traced.gm, input_categories=self.traced.layout.categories)
+            self.estimated_peak_bytes = estimate.peak_bytes
         return self.traced
 
     def __call__(self, batch: Any) -> torch.Tensor:
@@ -173,7 +170,7 @@ class GraphEvalStep:
             return traced.gm(*inputs, *batch_tensors(batch))[0]
 
     def report(self) -> StepReport:
-        """Trace count and time, and the estimated peak of the current graph (None without `estimate`)."""
+        """Trace count and time, and the estimated peak of the current graph (None before the first trace)."""
         return StepReport(
             updates_inside=False,
             trace_count=self.trace_count,

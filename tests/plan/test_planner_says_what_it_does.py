@@ -12,12 +12,12 @@ import torch
 
 from graph_trainer.distributed.mesh import Mesh, ParallelDims
 from graph_trainer.job_config.cli import load_config
+from graph_trainer.layouts.cluster import DEVICES
+from graph_trainer.layouts.progress import Progress
 from graph_trainer.plan import dry_run as dry_run_module
 from graph_trainer.plan.__main__ import main
-from graph_trainer.plan.cluster import DEVICES
 from graph_trainer.plan.dry_run import dry_run
 from graph_trainer.plan.preflight import preflight
-from graph_trainer.plan.progress import Progress
 from models.llama3.model import TransformerBlock
 
 # 6 blocks: deep enough for the depth-free plan (traced at 3 and 4), the smallest model that takes it (DECISIONS.md).
@@ -116,7 +116,7 @@ def test_skipped_layouts_and_refused_candidates_are_one_counted_line_each_listed
     capsys, tmp_path, monkeypatch
 ):
     from graph_trainer.errors import ConfigError
-    from graph_trainer.plan import search
+    from graph_trainer.layouts import search
 
     def refuse_accumulation(trial):  # so that some candidates are refused by the trainer
         if trial.training.global_batch_size != -1:
@@ -181,7 +181,7 @@ def test_help_has_a_description_defaults_config_and_the_device_names(capsys):
 
 def test_the_search_says_the_first_fallback_and_counts_the_rest():
     """One line however many shapes fall back (each is listed in plan.json), and the counts add up."""
-    from graph_trainer.plan import search
+    from graph_trainer.layouts import search
 
     cfg, _ = load_config(SIX)
     said: list[str] = []

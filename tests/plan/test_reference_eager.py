@@ -10,8 +10,8 @@ from benchmarks.reference_table import eager_peak
 from graph_trainer.builder import build_job
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.job_config.cli import load_config
+from graph_trainer.layouts import search
 from graph_trainer.optimizer.update_memory import EagerUpdate
-from graph_trainer.plan import search
 from graph_trainer.plan.eager_baseline import eager_step_peak
 
 ARGS = ["--config", "llama3_debug", "--model.n_layers", "2", "--training.seq_len", "64", "--training.dtype", "bfloat16"]

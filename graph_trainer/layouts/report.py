@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from graph_trainer.job_config.schema import JobConfig
+from graph_trainer.layouts import search
+from graph_trainer.layouts.cluster import Cluster
 from graph_trainer.observability.units import to_gib
-from graph_trainer.plan import search
-from graph_trainer.plan.cluster import Cluster
 
 # The table's communication columns: (heading, does a '<parallelism> <collective>' key count here).
 COLUMNS = (

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from graph_trainer.plan.cluster import DEVICES, Cluster, power_capped_clock
-from graph_trainer.plan.cost_model import group_link_gbps, step_time
+from graph_trainer.layouts.cluster import DEVICES, Cluster, power_capped_clock
+from graph_trainer.layouts.cost_model import group_link_gbps, step_time
 
 H100 = DEVICES["h100-80gb"]
 FLOPS = 10**15

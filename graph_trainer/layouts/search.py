@@ -25,12 +25,12 @@ from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args, validate
 from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.schema import JobConfig, ParallelismConfig
+from graph_trainer.layouts.cluster import Cluster
+from graph_trainer.layouts.cost_model import StepTime, step_time
+from graph_trainer.layouts.progress import silent
 from graph_trainer.observability.log import get_logger
 from graph_trainer.plan.accumulate import accumulated
 from graph_trainer.plan.block_plan import APPROXIMATE_MODES, plan_batches, short_depths
-from graph_trainer.plan.cluster import Cluster
-from graph_trainer.plan.cost_model import StepTime, step_time
-from graph_trainer.plan.progress import silent
 from graph_trainer.plan.step_plan import StepPlan
 
 logger = get_logger(__name__)

@@ -22,7 +22,7 @@ import dataclasses
 
 from graph_trainer.distributed.mesh import ring
 from graph_trainer.distributed.parallelize import collective_rings
-from graph_trainer.plan.cluster import Cluster
+from graph_trainer.layouts.cluster import Cluster
 
 # Bytes over the bus per byte of buffer, times (n-1)/n: nccl-tests' busbw factors (doc/PERFORMANCE.md).
 BUS_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "all_to_all": 1.0}

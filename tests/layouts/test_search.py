@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from graph_trainer.job_config.cli import load_config
-from graph_trainer.plan import search
+from graph_trainer.layouts import search
+from graph_trainer.layouts.cluster import DEVICES, Cluster
 from graph_trainer.plan.__main__ import main
-from graph_trainer.plan.cluster import DEVICES, Cluster
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG = ["--config", "llama3_debug", "--model.n_layers", "2", "--training.seq_len", "64"]
@@ -194,8 +194,8 @@ def test_the_search_skips_with_the_words_each_parallelism_refuses_with(tmp_path)
 def test_nothing_fits_names_the_activations_when_the_state_fits():
     """The line blames what does not fit: with the state under the memory but the smallest local batch's
     activations over it, it names the activations, and more GPUs cannot help when they alone exceed it."""
-    from graph_trainer.plan.cluster import Cluster, Device
-    from graph_trainer.plan.report import nothing_fits
+    from graph_trainer.layouts.cluster import Cluster, Device
+    from graph_trainer.layouts.report import nothing_fits
 
     cfg, _ = load_config(DEBUG)
     cand = search.Candidate((("dp_replicate", 1), ("dp_shard", 4), ("tp", 1)), "full", 1, 0, False)
