@@ -34,7 +34,8 @@ def spawn_ranks(worker: Callable[..., None], world: int, args: tuple, timeout_s:
 
     The processes fork from a server that imported torch, the trainer and DCP once (`forkserver`, those modules
     preloaded): a spawned rank spent about 5 s of CPU importing them, a forked one none. The server is
-    single-threaded, so forking it is safe, unlike forking the pytest worker and its threads."""
+    single-threaded, so forking it is safe, unlike forking the pytest worker and its threads. A rank sees the
+    environment the server started with, not a test's later changes to `os.environ`: pass what ranks need in `args`."""
     import multiprocessing
 
     import torch.multiprocessing as mp
