@@ -159,8 +159,8 @@ SCALAR_SLACK_BYTES = 64
 
 
 def _state_bytes(t: Trainer) -> int:
-    """The parameters and the optimizer's state (not the gradients the previous step left on the parameters, which
-    `tests.multiprocess.state_bytes` adds: held before the step, they are freed and made again inside it)."""
+    """The parameters and the optimizer's state: not the gradients the previous step left on the parameters, which
+    `tests.multiprocess.state_bytes` adds (the comment in the test below says what they weigh)."""
     state = [v for s in t.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return sum(x.numel() * x.element_size() for x in [*t.model.parameters(), *state])
 
