@@ -35,6 +35,7 @@ from graph_trainer.loss import build_lm_loss
 from graph_trainer.optimizer.adamw import GraphAdamW, build_optimizer, choose_adamw_implementation, init_adamw_state
 from graph_trainer.optimizer.lr_schedule import build_lr_scheduler
 from graph_trainer.runtime.device import resolve_dtype
+from graph_trainer.stages import COMPILE, step_transform
 from graph_trainer.step import EvalStep, TrainStep
 from graph_trainer.tracer.capture import LossFn, TraceError
 from models.common.spec import ModelSpec
@@ -350,23 +351,14 @@ class Job:
         dump_dir: Path | None = None,
         failure_dir: Path | None = None,
         optimizer_update: bool = True,
-        compile_stage: bool = True,
+        until: str = COMPILE,
     ) -> Any:
-        """The traced step (`graph_trainer.tracer.GraphStep`) with the pass pipeline, and the compile stage when
-        `compile.backend` asks for it and `compile_stage` is True (the planner plans the graph it compiles)."""
-        from graph_trainer.passes import build_pipeline
+        """The traced step (`graph_trainer.tracer.GraphStep`), each of whose traces goes through the stages of
+        `graph_trainer.stages` up to `until`: the checks and pass pipeline (TRANSFORM: the graph the planner plans),
+        then the compile stage `compile.backend` asks for (COMPILE). TRACE: the trace as it is."""
         from graph_trainer.tracer.executor import GraphStep
 
         cfg = self.cfg
-        passes = build_pipeline(cfg, dump_dir=dump_dir)
-        # The graph as traced is checked first (e.g. with FSDP: every parameter read goes through its gather).
-        pipeline = lambda traced: passes(self.parallel.check_traced(traced))  # noqa: E731
-        transform = pipeline
-        if compile_stage and cfg.compile.backend == "inductor":
-            from graph_trainer.compiler.inductor import InductorStage
-
-            stage = InductorStage(cudagraphs=cfg.compile.cudagraphs, regional=cfg.compile.regional)
-            transform = lambda traced: stage(pipeline(traced))  # noqa: E731 (the pipeline, then the compile stage)
         optimizer = self.optimizer if optimizer_update else None
         in_graph = optimizer is not None and optimizer_in_graph(cfg)
         return GraphStep(
@@ -376,7 +368,7 @@ class Job:
             optimizer=GraphAdamW(optimizer) if in_graph else None,
             eager_optimizer=None if in_graph else optimizer,
             on_shape_change=cfg.compile.on_shape_change,
-            transform=transform,
+            transform=step_transform(self, until=until, dump_dir=dump_dir),
             device=self.device,
             failure_dir=failure_dir,
             grad_reduce=self.parallel.grad_reduce(),

@@ -138,3 +138,34 @@ def test_no_module_imports_itself_through_others():
     except graphlib.CycleError as e:
         # graphlib lists the cycle along its predecessor edges: reversed, each module imports the next
         pytest.fail(f"import cycle: {' imports '.join(reversed(e.args[1]))}")
+
+
+def _step_fields() -> set[str]:
+    """The attributes the executor's step (`tracer/executor.py`'s `GraphStep`) sets on itself."""
+    tree = ast.parse((REPO / "graph_trainer" / "tracer" / "executor.py").read_text())
+    step = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "GraphStep")
+    return {
+        t.attr
+        for n in ast.walk(step)
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else [])
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+
+
+def test_the_planner_names_no_pass_and_sets_no_field_of_a_step():
+    """The planner reaches the graph through the stage API (`graph_trainer.stages`): nothing in plan/ names a
+    registered pass (their order and names are the pipeline's) or sets a field of the executor's step (it once set
+    `step.transform = None` to get a raw trace)."""
+    from graph_trainer.passes import available_passes
+
+    names, fields = set(available_passes()), _step_fields()
+    assert "transform" in fields
+    for path in (REPO / "graph_trainer" / "plan").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Constant) and node.value in names:
+                pytest.fail(f"{where} names the pass {node.value!r}")
+            for target in node.targets if isinstance(node, ast.Assign) else []:
+                if isinstance(target, ast.Attribute) and target.attr in fields:
+                    if not (isinstance(target.value, ast.Name) and target.value.id == "self"):
+                        pytest.fail(f"{where} sets the step's field: {ast.unparse(target)}")

@@ -12,7 +12,9 @@ config sections it reads), which facts it needs from earlier passes and which it
 | 5 | `remat`         | a policy tags anything to recompute        | recompute tags | rematerialized | bitwise  |
 | 6 | `fsdp_prefetch` | parallelism.dp_shard > 1 and fsdp_prefetch |                |                | bitwise  |
 
-The pipeline returns the final graph with its memory estimate (`Transformed`).
+The pipeline returns the final graph with its memory estimate (`Transformed`). Its stages (`GraphPass.stage`):
+1-2 clean up, 3-4 decide, 5-6 apply the decisions. The clean-up passes read no option, so every AC mode's
+pipeline starts with them: the planner runs them once and plans each mode from there.
 Save/recompute is decided once (3, and 4 for gathered parameters, which 3 never
 tags) and made final by 5; nothing after `remat` re-decides it. With a mode
 other than `none`, 3 and 5 cannot be disabled: the step would silently run
@@ -38,7 +40,17 @@ from graph_trainer.passes.fsdp_gather import tag_fsdp_gathers
 from graph_trainer.passes.fsdp_prefetch import prefetch_fsdp_gathers
 from graph_trainer.passes.memory_policy import MODES, memory_policy
 from graph_trainer.passes.op_patterns import parse_overrides
-from graph_trainer.passes.pipeline import GraphPass, PassConfig, PassContext, Pipeline, check_disabled, check_needs
+from graph_trainer.passes.pipeline import (
+    APPLY,
+    CLEAN_UP,
+    STAGES,
+    GraphPass,
+    PassConfig,
+    PassContext,
+    Pipeline,
+    check_disabled,
+    check_needs,
+)
 from graph_trainer.passes.remat import rematerialize
 from graph_trainer.tracer.capture import TracedStep
 from graph_trainer.tracer.executor import Transformed
@@ -77,6 +89,7 @@ REGISTRY: tuple[GraphPass, ...] = (
         True,
         _always,
         "dead-code elimination; in-place and random ops survive",
+        stage=CLEAN_UP,
     ),
     GraphPass(
         "remove_noops",
@@ -84,6 +97,7 @@ REGISTRY: tuple[GraphPass, ...] = (
         True,
         _always,
         "remove detach/alias, same-shape views and t(t(x))",
+        stage=CLEAN_UP,
     ),
     GraphPass(
         "memory_policy",
@@ -112,6 +126,7 @@ REGISTRY: tuple[GraphPass, ...] = (
         reads=("activation_checkpoint.mode", "parallelism.fsdp_reshard_after_forward"),
         needs=(RECOMPUTE_TAGS,),
         gives=(REMATERIALIZED,),
+        stage=APPLY,
     ),
     GraphPass(
         "fsdp_prefetch",
@@ -120,6 +135,7 @@ REGISTRY: tuple[GraphPass, ...] = (
         _prefetching,
         "issue each parameter all-gather right after the previous one's wait (overlaps communication)",
         reads=("parallelism.dp_shard", "parallelism.fsdp_prefetch"),
+        stage=APPLY,
     ),
 )
 
@@ -229,7 +245,9 @@ def memory_policy_transform(
 
 
 __all__ = [
+    "CLEAN_UP",
     "REGISTRY",
+    "STAGES",
     "GraphPass",
     "PassConfig",
     "PassContext",

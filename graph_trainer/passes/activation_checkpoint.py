@@ -32,6 +32,7 @@ Rules every policy obeys (`StepStructure`):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 from collections.abc import Callable
@@ -44,9 +45,11 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.observability.log import get_logger
 from graph_trainer.passes.op_patterns import OpPattern, parse_overrides
-from graph_trainer.passes.remat import peak_after_remat
+from graph_trainer.passes.remat import peak_after_remat, remat_graph
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.graph_utils import (
+    ATTENTION_OPS,
+    copy_graph,
     is_all_to_all_or_its_wait,
     is_attention,
     is_matmul,
@@ -216,6 +219,65 @@ def policy_for(ac: ActivationCheckpointConfig) -> Callable[[StepStructure], Deci
     raise ValueError(f"no tagging policy for activation_checkpoint.mode {ac.mode!r}")
 
 
+# The `full` pass's choices for attention's outputs, in the order a tie is broken: saving costs no FLOPs.
+ATTENTION_CHOICES = ("save", "recompute")
+
+
+def attention_choices(ac: ActivationCheckpointConfig) -> tuple[str, ...]:
+    """The choices the pass compares for attention's outputs under `ac` (`ATTENTION_CHOICES`), or none: another
+    mode than `full`, or a recompute_list that pins attention already. The planner plans each choice pinned
+    (`pin_attention`) and chooses at the model's depth as the pass would (`choose_attention`)."""
+    pinned = any("attention" in p for p in ac.recompute_list)
+    return ATTENTION_CHOICES if ac.mode == "full" and not pinned else ()
+
+
+def pin_attention(ac: ActivationCheckpointConfig, choice: str) -> ActivationCheckpointConfig:
+    """`ac` (a copy) with attention's outputs pinned to `choice`: the pass then makes that choice without comparing."""
+    ac = copy.deepcopy(ac)
+    pins = ac.save_list if choice == "save" else ac.recompute_list
+    pins.extend(f"aten.{packet.__name__}" for packet in sorted(ATTENTION_OPS, key=str))
+    return ac
+
+
+def choose_attention(peaks: dict[str, int]) -> str:
+    """The choice (of `ATTENTION_CHOICES`) whose graph peaks lower; saving on a tie."""
+    return min(ATTENTION_CHOICES, key=lambda choice: (peaks[choice], ATTENTION_CHOICES.index(choice)))
+
+
+def _attention_options(structure: StepStructure, decisions: Decisions, recompute: list[OpPattern]) -> dict:
+    """The tags of each attention choice (`ATTENTION_CHOICES`) the `full` pass compares, or {} when it has none:
+    no (non-random) attention op to recompute that the user did not pin."""
+    attention = [
+        n
+        for n in structure.layer_nodes
+        if is_attention(n.target) and decisions[n] == RECOMPUTE and not any(p.matches(n) for p in recompute)
+    ]
+    if not attention:
+        return {}
+    return {"save": finalize(structure, {**decisions, **{n: SAVE for n in attention}}), "recompute": decisions}
+
+
+def _decisions(structure: StepStructure, ac: ActivationCheckpointConfig) -> Decisions:
+    """The policy of `ac`'s mode with its overrides, made final (before any choice the pass compares)."""
+    save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
+    return finalize(structure, apply_overrides(structure, policy_for(ac)(structure), save, recompute))
+
+
+def compared_graphs(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig) -> dict[str, torch.fx.Graph]:
+    """The graphs the `full` pass compares for attention, by choice: `gm` (as the pass receives it) tagged with
+    each choice and rematerialized, whose estimated peaks decide (`choose_attention`); {} when it compares none.
+    `gm`'s tags are cleared afterwards. The planner reads these at its short depths and extends their peaks."""
+    structure = analyze(gm)
+    _, recompute = parse_overrides(ac.save_list, ac.recompute_list)
+    options = _attention_options(structure, _decisions(structure, ac), recompute) if ac.mode == "full" else {}
+    graphs = {}
+    for choice, option in options.items():
+        write_tags(gm, structure, option)
+        graphs[choice] = remat_graph(gm.graph) or copy_graph(gm.graph)
+    write_tags(gm, structure, {})
+    return graphs
+
+
 def tag_activation_checkpoint(
     gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, *, input_categories: list[str] | None = None
 ) -> torch.fx.GraphModule:
@@ -228,23 +290,18 @@ def tag_activation_checkpoint(
     numerics bitwise (metadata only).
     """
     structure = analyze(gm)
-    save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
-    decisions = finalize(structure, apply_overrides(structure, policy_for(ac)(structure), save, recompute))
+    decisions = _decisions(structure, ac)
     if ac.mode == "full":
         # An attention op the user pinned (save_list / recompute_list) keeps its pin: the planner pins each
-        # choice to plan it at any depth (graph_trainer.plan.block_plan).
-        attention = [
-            n
-            for n in structure.layer_nodes
-            if is_attention(n.target) and decisions[n] == RECOMPUTE and not any(p.matches(n) for p in recompute)
-        ]
-        if attention:
-            saved = finalize(structure, {**decisions, **{n: SAVE for n in attention}})
-            peaks = []
-            for option in (saved, decisions):
+        # choice to plan it at any depth (`pin_attention`).
+        _, recompute = parse_overrides(ac.save_list, ac.recompute_list)
+        options = _attention_options(structure, decisions, recompute)
+        if options:
+            peaks = {}
+            for choice, option in options.items():
                 write_tags(gm, structure, option)
-                peaks.append(peak_after_remat(gm, input_categories))
-            decisions = saved if peaks[0] <= peaks[1] else decisions
+                peaks[choice] = peak_after_remat(gm, input_categories)
+            decisions = options[choose_attention(peaks)]
     write_tags(gm, structure, decisions)
     warn_if_nothing_recomputed(gm, ac.mode, structure, decisions)
     return gm

@@ -50,13 +50,21 @@ class PassContext:
     input_categories: list[str]
 
 
+# The pipeline's stages, in order; each pass belongs to one. The clean-up passes read no option, so the pipeline of
+# every AC mode starts with the same ones: the planner cleans a trace once and plans each mode from there
+# (`graph_trainer.stages.transform(..., until=CLEAN_UP)`, then `after=CLEAN_UP`).
+CLEAN_UP, DECIDE, APPLY = "clean-up", "decide", "apply"  # tidy the graph; tag save/recompute; act on the tags
+STAGES = (CLEAN_UP, DECIDE, APPLY)
+
+
 @dataclasses.dataclass(frozen=True)
 class GraphPass:
     """A registered pass: `run(gm, ctx) -> gm`, its name, numerics promise, when it is on, and its contract.
 
     `enabled(config)` decides from the configuration alone whether the pass runs; `reads` names the config
     keys it reads. `needs` are facts an earlier pass of the pipeline must give (`gives`), e.g. the recompute
-    tags `remat` acts on: a pipeline where none does is refused before anything is traced.
+    tags `remat` acts on: a pipeline where none does is refused before anything is traced. `stage` is the part
+    of the pipeline it runs in (`STAGES`).
     """
 
     name: str
@@ -67,6 +75,7 @@ class GraphPass:
     reads: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()
     gives: tuple[str, ...] = ()
+    stage: str = DECIDE
 
 
 class PassError(RuntimeError):
@@ -132,6 +141,14 @@ class Pipeline:
         self.dump_dir = dump_dir
         self.log_saved_activations = log_saved_activations
         self.runs = 0  # traces transformed so far; names the dump subfolder
+
+    def part(self, *, until: str | None = None, after: str | None = None) -> Pipeline:
+        """The passes of the stages after `after` up to `until` included (None: from the first, to the last), as a
+        pipeline of their own (same config, saved-activations log; no dumps: those number whole runs)."""
+        first = STAGES.index(after) + 1 if after is not None else 0
+        last = STAGES.index(until) if until is not None else len(STAGES) - 1
+        passes = [p for p in self.passes if first <= STAGES.index(p.stage) <= last]
+        return Pipeline(passes, self.config, log_saved_activations=self.log_saved_activations)
 
     def __call__(self, traced: TracedStep) -> Transformed:
         self.runs += 1

@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.fx
 
+from graph_trainer import stages
 from graph_trainer.builder import Job, build_job
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.errors import ConfigError, UserError
@@ -58,10 +59,14 @@ from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger, quiet
 from graph_trainer.observability.units import GIB
 from graph_trainer.optimizer.update_memory import EagerUpdate
-from graph_trainer.passes import build_pipeline
+from graph_trainer.passes import CLEAN_UP
+from graph_trainer.passes.activation_checkpoint import (
+    attention_choices,
+    choose_attention,
+    compared_graphs,
+    pin_attention,
+)
 from graph_trainer.passes.communication import communication_bytes
-from graph_trainer.passes.pipeline import GraphPass, Pipeline
-from graph_trainer.passes.remat import remat_graph
 from graph_trainer.plan.step_plan import (
     AC_MODES,
     StepPlan,
@@ -79,7 +84,7 @@ from graph_trainer.runtime.gc_pause import gc_paused
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep
 from graph_trainer.tracer.executor import Transformed
-from graph_trainer.tracer.graph_utils import ATTENTION_OPS, graph_module, lazy_codegen, node_flops, tensors
+from graph_trainer.tracer.graph_utils import copy_graph, graph_module, lazy_codegen, node_flops, tensors
 from graph_trainer.tracer.memory_estimate import MemoryEstimate, estimate_peak_memory, live_by_category
 
 logger = get_logger(__name__)
@@ -238,34 +243,23 @@ def _planned_per_mode(
 
 
 def _trace(job: Job) -> tuple[TracedStep, float]:
-    """The job's step traced once, before any pass: what every AC mode's pipeline starts from."""
-    step = job.graph_step(compile_stage=False)
-    step.transform = None
+    """The job's step traced once, before any check or pass: what every AC mode's pipeline starts from."""
     start = time.perf_counter()
     with quiet():
-        traced = step.ensure_traced(meta_batch(job.cfg))
+        traced = stages.trace(job, meta_batch(job.cfg))
     return traced, time.perf_counter() - start
 
 
 def _transform(job: Job, traced: TracedStep, log_passes: bool) -> Transformed:
-    """`job`'s pass pipeline (its AC mode) run on a copy of `traced`, which stays as it was."""
-    transform = job.graph_step(compile_stage=False).transform
-    with contextlib.nullcontext() if log_passes else quiet():
-        return transform(copy_traced(traced))
+    """`job`'s checks and pass pipeline (its AC mode) run on a copy of `traced`, which stays as it was."""
+    with _logged(log_passes):
+        return stages.transform(job, copy_traced(traced))
 
 
 def copy_traced(traced: TracedStep) -> TracedStep:
-    """A copy of a traced step whose graph the passes may rewrite: new nodes, the same fake values (so storage
-    identity, which the memory estimate reads, is kept), and node metadata dicts of its own."""
-    graph = torch.fx.Graph()
-    value_map: dict[torch.fx.Node, torch.fx.Node] = {}
-    out = graph.graph_copy(traced.gm.graph, value_map)
-    graph.output(out)
-    for node in graph.nodes:
-        for key in (node_meta.CUSTOM, node_meta.COLLECTIVE):
-            if isinstance(node.meta.get(key), dict):
-                node.meta[key] = dict(node.meta[key])
-    return dataclasses.replace(traced, gm=graph_module(traced.gm, graph))
+    """A copy of a traced step whose graph the passes may rewrite (`graph_utils.copy_graph`): `traced` stays as it
+    was."""
+    return dataclasses.replace(traced, gm=graph_module(traced.gm, copy_graph(traced.gm.graph)))
 
 
 # The extension from short steps: two depths, at one local batch or two.
@@ -290,40 +284,35 @@ def _extended(
     exact = [m for m in modes if m not in APPROXIMATE_MODES]
     if any(m in APPROXIMATE_MODES for m in modes):  # the budget is read off these two
         exact += [m for m in ("none", "full") if m not in exact]
-    variants = [(mode, pin) for mode in exact for pin in _attention_pins(cfg, mode)]
-    shorts: dict[_Point, dict[tuple[str, str], _Short | _Deferred | UserError]] = {}
-    decisions: dict[_Point, dict[tuple[str, str], _Short]] = {}
+    choices = {mode: attention_choices(with_ac_mode(cfg, mode).activation_checkpoint) or ("",) for mode in exact}
+    shorts: dict[_Point, dict[tuple[str, str], _Variant | UserError]] = {}
+    compared: dict[_Point, dict[str, dict[str, _Short] | UserError]] = {}
     start = time.perf_counter()
     for point in grid.points:
         job = build_job(_short_config(cfg, *point), mesh, materialize=False)
-        shorts[point], decisions[point] = _plan_short(job, variants, log_passes and point == grid.reference)
-    finished: dict[tuple[_Point, tuple[str, str]], _Short] = {}
-
-    def finish(point: _Point, variant: tuple[str, str]) -> _Short:  # a deferred short is finished once
-        if (point, variant) not in finished:
-            finished[(point, variant)] = _finished(shorts[point][variant])
-        return finished[(point, variant)]
+        shorts[point], compared[point] = _plan_short(job, choices, log_passes and point == grid.reference)
 
     parts: dict[int, dict[str, _Parts | UserError]] = {b: {} for b in targets}
     for mode in exact:
-        pins = _attention_pins(cfg, mode)
-        failed = next(
-            (s[(mode, pin)] for s in shorts.values() for pin in pins if isinstance(s[(mode, pin)], UserError)), None
+        failed = next((c[mode] for c in compared.values() if isinstance(c.get(mode), UserError)), None)
+        failed = failed or next(
+            (s[(mode, c)] for s in shorts.values() for c in choices[mode] if isinstance(s[(mode, c)], UserError)),
+            None,
         )
         for batch in targets:
             if failed is not None:
                 parts[batch][mode] = failed
                 continue
-            # As the pass decides at depth L: the lower peak of the graph it compares (rematerialized right after
-            # the memory policy, before the passes that follow), saving attention on a tie (listed first).
-            decisive = (
-                [grid.peak({p: decisions[p][(mode, pin)] for p in grid.points}, depth, batch)[1] for pin in pins]
-                if len(pins) > 1
-                else [0]
-            )
-            pin = pins[decisive.index(min(decisive))]
+            choice = choices[mode][0]
+            if all(compared[p].get(mode) for p in grid.points):  # as the pass chooses at depth L (`compared_graphs`)
+                peaks = {
+                    c: grid.peak({p: compared[p][mode][c] for p in grid.points}, depth, batch)[1] for c in choices[mode]
+                }
+                choice = choose_attention(peaks)
             try:
-                parts[batch][mode] = _extend(grid, {p: finish(p, (mode, pin)) for p in grid.points}, depth, batch)
+                parts[batch][mode] = _extend(
+                    grid, {p: shorts[p][(mode, choice)].finished() for p in grid.points}, depth, batch
+                )
             except UserError as e:
                 parts[batch][mode] = e
     elapsed = time.perf_counter() - start  # the whole plan, all modes and batches together (they share the traces)
@@ -350,55 +339,47 @@ def _short_config(cfg: JobConfig, blocks: int, batch: int) -> JobConfig:
 
 
 def _plan_short(
-    job: Job, variants: list[tuple[str, str]], log_passes: bool
-) -> tuple[dict[tuple[str, str], _Short | _Deferred | UserError], dict[tuple[str, str], _Short]]:
-    """One short depth: traced once, then planned for each (AC mode, attention pin) of `variants` (see
-    `_attention_pins`), with its blocks checked identical as traced and after each variant's passes.
+    job: Job, choices: dict[str, tuple[str, ...]], log_passes: bool
+) -> tuple[dict[tuple[str, str], _Variant | UserError], dict[str, dict[str, _Short] | UserError]]:
+    """One short depth, traced once and checked, its clean-up passes run once (`passes.CLEAN_UP`: no option
+    changes them), with its blocks checked identical as traced.
 
-    The passes that do not depend on the mode (the leading ones: dead code, no-ops) run once on the trace; each
-    variant runs the rest on a copy (the last on the trace itself). A variant with a pin also gives the graph
-    the `full` pass compares its two choices on (`_decision_short`), and with FSDP its passes after the memory
-    policy are deferred until the choice is made at depth L (`_Deferred`). Returns the variants' shorts (or the
-    UserError a variant's config raised) and the decision shorts.
+    Returns each (AC mode, attention choice) of `choices` as a `_Variant` that runs its mode's other passes when
+    the plan needs it (only the choice made at depth L is), or the UserError its config raised; and for each mode
+    whose `full` pass compares attention choices, the graphs it compares (`compared_graphs`) as shorts, by choice
+    ({} when it compares none).
     """
     k, layers = job.model.args.n_layers, job.spec.parallel_plan.layers
-    pipelines: dict[tuple[str, str], Pipeline | UserError] = {}
-    for variant in variants:
-        try:
-            pipelines[variant] = build_pipeline(_pinned(job.cfg, *variant), dump_dir=None)
-        except UserError as e:
-            pipelines[variant] = e
+    variants: dict[tuple[str, str], Job | UserError] = {}
+    for mode, mode_choices in choices.items():
+        for choice in mode_choices:
+            try:
+                variant = job.with_config(_pinned(job.cfg, mode, choice))
+                stages.step_transform(variant, until=stages.TRANSFORM)  # refused before the trace
+                variants[(mode, choice)] = variant
+            except UserError as e:
+                variants[(mode, choice)] = e
     traced, _ = _trace(job)
     _check_blocks(traced.gm, k, layers, leading_blocks(job.cfg), "as traced")
+    runnable = [v for v in variants.values() if not isinstance(v, UserError)]
+    if not runnable:
+        return variants, {}
     try:
-        traced = job.parallel.check_traced(traced)
+        with _logged(log_passes):
+            clean = stages.transform(runnable[0], traced, until=CLEAN_UP).traced
     except UserError as e:  # what the parallelism cannot run, whatever the mode
         return dict.fromkeys(variants, e), {}
-    planned = [p for p in pipelines.values() if isinstance(p, Pipeline)]
-    shared = _mode_independent(planned)
-    with _logged(log_passes):
-        if shared:
-            gm = Pipeline(shared, planned[0].config).run_passes(traced.gm, traced.layout.categories)
-            traced = dataclasses.replace(traced, gm=gm)
-        shorts: dict[tuple[str, str], _Short | _Deferred | UserError] = {}
-        decisions: dict[tuple[str, str], _Short] = {}
-        last = max((i for i, v in enumerate(variants) if isinstance(pipelines[v], Pipeline)), default=-1)
-        for i, variant in enumerate(variants):
-            pipeline = pipelines[variant]
-            if isinstance(pipeline, UserError):
-                shorts[variant] = pipeline
-                continue
-            rest = pipeline.passes[len(shared) :]
-            mine = traced if i == last else copy_traced(traced)  # the trace itself is not needed after
-            mode_job = job.with_config(_pinned(job.cfg, *variant))
+    shorts = {v: j if isinstance(j, UserError) else _Variant(j, clean, log_passes) for v, j in variants.items()}
+    compared: dict[str, dict[str, _Short] | UserError] = {}
+    for mode, mode_choices in choices.items():
+        if len(mode_choices) > 1:
             try:
-                shorts[variant], decision = _short(mode_job, mine, rest, pipeline, bool(variant[1]), log_passes)
+                graphs = compared_graphs(clean.gm, with_ac_mode(job.cfg, mode).activation_checkpoint)
             except UserError as e:
-                shorts[variant] = e
+                compared[mode] = e
                 continue
-            if decision is not None:
-                decisions[variant] = decision
-    return shorts, decisions
+            compared[mode] = {c: _compared_short(job, clean.gm, g, clean.layout.categories) for c, g in graphs.items()}
+    return shorts, compared
 
 
 def _logged(log_passes: bool) -> contextlib.AbstractContextManager:
@@ -406,96 +387,44 @@ def _logged(log_passes: bool) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if log_passes else quiet()
 
 
-def _mode_independent(pipelines: list[Pipeline]) -> list[GraphPass]:
-    """The leading passes every pipeline of `pipelines` runs alike whatever its AC mode: the same passes, none
-    of which reads `activation_checkpoint`."""
-    shared: list[GraphPass] = []
-    # The pipelines may differ in length (each AC mode has its own passes): the shared prefix ends at the shortest.
-    for passes in zip(*(p.passes for p in pipelines), strict=False):
-        first = passes[0]
-        if any(p is not first for p in passes) or any(r.startswith("activation_checkpoint") for r in first.reads):
-            break
-        shared.append(first)
-    return shared if pipelines else []
-
-
-def _short(
-    job: Job, traced: TracedStep, passes: list[GraphPass], pipeline: Pipeline, decide: bool, log_passes: bool
-) -> tuple[_Short | _Deferred, _Short | None]:
-    """`traced` (one short depth, its mode-independent passes run) planned under `job`'s AC mode: `passes` run on
-    it, its blocks checked identical after them. With `decide`, also the graph the `full` pass compares
-    (`_decision_short`), taken right after the memory policy; where passes follow the policy before remat
-    (FSDP's), the rest is deferred: only the variant chosen at depth L needs it."""
-    names = [p.name for p in passes]
-    split = names.index("memory_policy") + 1 if decide else 0
-    if decide and names[split:] != ["remat"]:
-        gm = Pipeline(passes[:split], pipeline.config).run_passes(traced.gm, traced.layout.categories)
-        decision = _decision_short(job, gm, traced.layout.categories)
-        return _Deferred(job, dataclasses.replace(traced, gm=gm), passes[split:], pipeline, log_passes), decision
-    short = _finish(job, traced, passes, pipeline)
-    # Nothing but remat after the policy (no FSDP): the graph the pass compares is the final one.
-    return short, short if decide else None
-
-
-def _finish(job: Job, traced: TracedStep, passes: list[GraphPass], pipeline: Pipeline) -> _Short:
-    """`passes` (the rest of `pipeline`) run on `traced`, its blocks checked identical after them."""
-    k, layers = job.model.args.n_layers, job.spec.parallel_plan.layers
-    rest = Pipeline(passes, pipeline.config, log_saved_activations=pipeline.log_saved_activations)
-    result = rest(traced)
-    gm = result.traced.gm
-    lead = leading_blocks(job.cfg)
-    _check_blocks(gm, k, layers, lead, f"after the passes of AC mode {job.cfg.activation_checkpoint.mode}")
-    categories = traced.layout.categories
-    return _Short(job, gm, result.memory_estimate, eager_update_of(job), _keys(gm, k, layers, lead), categories)
-
-
 @dataclasses.dataclass
-class _Deferred:
-    """A variant's short graph with its passes up to the memory policy run; the rest run if it is chosen."""
+class _Variant:
+    """One AC mode (with its attention choice pinned) of a short step: the rest of its passes, run on a copy of
+    the cleaned trace when the plan first needs it, with its blocks checked identical after them."""
 
     job: Job
-    traced: TracedStep
-    passes: list[GraphPass]
-    pipeline: Pipeline
+    clean: TracedStep
     log_passes: bool
+    _short: _Short | None = None
 
-    def finish(self) -> _Short:
-        with _logged(self.log_passes):
-            return _finish(self.job, self.traced, self.passes, self.pipeline)
+    def finished(self) -> _Short:
+        if self._short is None:
+            with _logged(self.log_passes):
+                result = stages.transform(self.job, copy_traced(self.clean), after=CLEAN_UP)
+            job, gm = self.job, result.traced.gm
+            k, layers, lead = job.model.args.n_layers, job.spec.parallel_plan.layers, leading_blocks(job.cfg)
+            _check_blocks(gm, k, layers, lead, f"after the passes of AC mode {job.cfg.activation_checkpoint.mode}")
+            categories = self.clean.layout.categories
+            self._short = _Short(
+                job, gm, result.memory_estimate, eager_update_of(job), _keys(gm, k, layers, lead), categories
+            )
+        return self._short
 
 
-def _finished(short: _Short | _Deferred) -> _Short:
-    return short.finish() if isinstance(short, _Deferred) else short
-
-
-def _pinned(cfg: JobConfig, mode: str, pin: str) -> JobConfig:
-    """`cfg` in AC mode `mode` with attention pinned saved ("save") or recomputed ("recompute"), or not ("")."""
+def _pinned(cfg: JobConfig, mode: str, choice: str) -> JobConfig:
+    """`cfg` in AC mode `mode`, with attention's outputs pinned to `choice` (`pin_attention`) unless it is ""."""
     cfg = with_ac_mode(cfg, mode)
-    if pin:
-        ac = cfg.activation_checkpoint
-        listed = ac.save_list if pin == "save" else ac.recompute_list
-        listed.extend(f"aten.{packet.__name__}" for packet in sorted(ATTENTION_OPS, key=str))
+    if choice:
+        cfg.activation_checkpoint = pin_attention(cfg.activation_checkpoint, choice)
     return cfg
 
 
-def _decision_short(job: Job, gm: torch.fx.GraphModule, categories: list[str]) -> _Short:
-    """The short graph as the `full` pass compares its two choices: `gm` (the passes up to the memory policy
-    run) rematerialized (`passes.remat.peak_after_remat`'s graph, `gm` itself unchanged), with its keys and
-    estimate."""
-    graph = remat_graph(gm.graph)
-    if graph is not None:
-        gm = graph_module(gm, graph)
+def _compared_short(job: Job, root: torch.fx.GraphModule, graph: torch.fx.Graph, categories: list[str]) -> _Short:
+    """A graph the `full` pass compares (`compared_graphs`) as a short, with its keys and estimate."""
+    gm = graph_module(root, graph)
     est = estimate_peak_memory(gm, input_categories=categories)
     k, layers = job.model.args.n_layers, job.spec.parallel_plan.layers
     return _Short(job, gm, est, None, _keys(gm, k, layers, leading_blocks(job.cfg)), categories)
-
-
-def _attention_pins(cfg: JobConfig, mode: str) -> list[str]:
-    """The `full` pass saves or recomputes attention, whichever peaks lower at the model's depth (shallow
-    models save it): plan both, pinned, and choose at full depth. "" (no pin) for every other mode, and when
-    the user's recompute_list pins attention already (then the pass does not choose)."""
-    pinned = any("attention" in p for p in cfg.activation_checkpoint.recompute_list)
-    return ["save", "recompute"] if mode == "full" and not pinned else [""]
 
 
 @dataclasses.dataclass

@@ -31,6 +31,7 @@ from graph_trainer.observability.log import quiet
 from graph_trainer.optimizer.update_memory import EagerUpdate, whole_step_peak
 from graph_trainer.passes.communication import communication_bytes
 from graph_trainer.runtime.device import resolve_device
+from graph_trainer.stages import TRANSFORM
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.executor import Transformed
 from graph_trainer.tracer.graph_utils import node_flops
@@ -82,7 +83,7 @@ def plan_step(job: Job, *, log_passes: bool = False) -> StepPlan:
     """Trace `job`'s step (its model on the meta device) for its device with its AC mode, apply the pipeline,
     and read the estimate. `log_passes`: log the pipeline's pass timings (the preflight of the step that runs).
     """
-    step = job.graph_step(compile_stage=False)  # also validates the passes before the (long) trace
+    step = job.graph_step(until=TRANSFORM)  # also validates the passes before the (long) trace
     start = time.perf_counter()
     with contextlib.nullcontext() if log_passes else quiet():  # other modes' plans would only add noise
         step.prepare(meta_batch(job.cfg))

@@ -273,6 +273,20 @@ def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.Graph
     return _make_graph_module(root, graph)
 
 
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of `graph` that a pass may rewrite: new nodes, the same fake values (so storage identity, which the
+    memory estimate reads, is kept), and node metadata dicts of their own. Its calling convention is the default:
+    wrap it with `graph_module` to analyse it, not to run it."""
+    out = torch.fx.Graph()
+    value_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    out.output(out.graph_copy(graph, value_map))
+    for node in out.nodes:
+        for key in (node_meta.CUSTOM, node_meta.COLLECTIVE):
+            if isinstance(node.meta.get(key), dict):
+                node.meta[key] = dict(node.meta[key])
+    return out
+
+
 def count_nodes(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
