@@ -259,7 +259,7 @@ class Trainer:
 
     def _state(self) -> dict[str, Any]:
         # Without FSDP, saved by rank 0 only: weights are replicated, and every rank has taken the same number
-        # of batches, so rank 0's data position is every rank's (each maps it to its own slice on load).
+        # of batches, so rank 0's data state is every rank's (it holds, or implies, each rank's position).
         # With FSDP every rank saves its own (see graph_trainer.checkpoint.sharded).
         return {
             "model": self.model.state_dict(),

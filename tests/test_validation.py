@@ -125,7 +125,9 @@ def test_resume_refuses_a_changed_validation_split_and_honours_the_rest(tmp_path
     ]
 
 
-def test_resume_refuses_to_reshard_a_datasets_run(tmp_path):
+def test_a_datasets_run_reshards_at_the_same_global_batch_and_not_at_another(tmp_path):
+    """Each sequence of the global batch reads its own rows (data/hf_datasets.py), so its positions carry over to
+    any data-parallel degree at the same global batch; another global batch is refused in one line."""
     from graph_trainer.errors import UserError
     from graph_trainer.job_config.resume import compare_on_resume, stored_config
     from graph_trainer.job_config.schema import JobConfig
@@ -136,5 +138,7 @@ def test_resume_refuses_to_reshard_a_datasets_run(tmp_path):
         cfg.parallelism.dp_shard, cfg.training.local_batch_size = dp_shard, batch
         return cfg
 
-    with pytest.raises(UserError, match=r"changed .*parallelism.dp_shard 4 \(checkpoint: 2\): the saved data position"):
-        compare_on_resume(stored_config(config(2, 4)), config(4, 2), tmp_path, reshardable=True)
+    lines = compare_on_resume(stored_config(config(2, 4)), config(4, 2), tmp_path, reshardable=True)
+    assert any("resharded: the global batch of 8" in line for line in lines), lines
+    with pytest.raises(UserError, match=r"the global batch .* would be 16 instead of 8"):
+        compare_on_resume(stored_config(config(2, 4)), config(4, 4), tmp_path, reshardable=True)

@@ -5,27 +5,33 @@ every file below it, sorted), or a folder written by `Dataset.save_to_disk`. The
 `data.text_column`. Loaded whole, the data is a memory-mapped Arrow table (`datasets` converts json and
 parquet into its cache once); with `data.streaming` it is an `IterableDataset` read file by file, never held.
 
-Rank r of N (the data-parallel rank and size: tensor-parallel peers read the same batches) reads its own slice:
-a loaded dataset is cut into N contiguous row ranges (`Dataset.shard(N, r, contiguous=True)`); a stream is split
-by `datasets.distributed.split_dataset_by_node` (whole files per rank when the number of files divides by N,
-else every N-th row). No rank tokenizes another rank's documents.
+A step's global batch is the same sequences whatever the layout. Its G rows (data-parallel ranks x local batch x
+micro-batches: fixed by `training.global_batch_size` when the layout changes) are G lanes: lane j packs its own
+part of the data, one window per step, so row j of every global batch continues row j of the one before. The
+data-parallel rank r of N holds rows r * G/N to (r + 1) * G/N - 1 and reads only their lanes: no rank tokenizes
+another rank's documents, and a run resumed on another number of data ranks at the same global batch reads on
+exactly the sequences it would have read (tensor-parallel peers read the same rows).
+A loaded dataset is cut into G contiguous row ranges, one a lane (`Dataset.shard(G, j, contiguous=True)`); a
+stream is split by `datasets.distributed.split_dataset_by_node` (whole files per lane when the number of files
+divides by G; else each lane reads the stream and keeps every G-th row, so a rank reads it once per lane it holds).
+Lanes are cut independently of the layout, so one process with local batch B reads B lanes, not one stream.
 
-Packing, as the other sources do: each document's ids are followed by EOS and the stream is cut into windows of
-seq_len + 1 tokens; a batch is `local_batch_size` consecutive windows. At the end of the slice a new pass (epoch)
-starts from its first row, and the stream runs on across the boundary. The rows come in the dataset's order, or
-with `data.shuffle` in an order drawn per pass from `(training.seed, epoch)`: a loaded slice is permuted whole
-(`Dataset.shuffle`, an index mapping kept in memory: nothing is written to the datasets cache); a stream is
-shuffled within a buffer of `data.shuffle_buffer` rows, its files' order drawn too (`IterableDataset.shuffle` and
-`set_epoch`; when the ranks read whole files, the files are dealt to them anew each pass). Every rank draws with
-the same seed, so the slices stay disjoint. Either order is a function of the seed and the pass alone, so a
-resume re-draws it and the position below still names the same rows.
+Packing, as the other sources do: each document's ids are followed by EOS and a lane's stream is cut into windows of
+seq_len + 1 tokens. At the end of a lane's rows a new pass (epoch) of that lane starts from its first row, and its
+stream runs on across the boundary. The rows come in the dataset's order, or with `data.shuffle` in an order drawn
+per pass from `(training.seed, epoch)`: a loaded lane is permuted whole (`Dataset.shuffle`, an index mapping kept
+in memory: nothing is written to the datasets cache); a stream is shuffled within a buffer of `data.shuffle_buffer`
+rows, its files' order drawn too (`IterableDataset.shuffle` and `set_epoch`; when the lanes read whole files, the
+files are dealt to them anew each pass). Every lane draws with the same seed, so the lanes stay disjoint. Either
+order is a function of the seed and the pass alone, so a resume re-draws it and the position below still names
+the same rows.
 
-Position: `(epoch, doc, token)`, the next window starts at token `token` of row `doc` of the rank's slice (in
-that pass's order) in pass `epoch`. Resuming re-opens the slice at row `doc` (`skip`: an index for a loaded
+Position: per lane `(epoch, doc, token)`, the lane's next window starts at token `token` of row `doc` of its part
+(in that pass's order) in pass `epoch`. Resuming re-opens the part at row `doc` (`skip`: an index for a loaded
 dataset; a re-read of the rows before it for a stream) and re-tokenizes that one row, so the batches after a
-resume are exactly those the run would have read. Every data-parallel rank has its own position; `state_dict`
-gathers all of them (through `gather`, a collective: every rank calls it), so a checkpoint written by one rank
-restores every rank.
+resume are exactly those the run would have read. `state_dict` gathers every lane's position from every rank
+(through `gather`, a collective: every rank calls it), so a checkpoint written by one rank restores every rank,
+at any data-parallel degree that divides the global batch.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ _READ_BATCH = 256  # rows fetched from Arrow at a time: far faster than row by r
 
 # Gathers one picklable value from every data-parallel rank, in data-rank order (None: one data rank).
 Gather = Callable[[Any], list[Any]]
-# rows(start, epoch): the texts of a rank's slice from row `start` on, in pass `epoch`'s order.
+# rows(start, epoch): the texts of a lane's part of the data from row `start` on, in pass `epoch`'s order.
 Rows = Callable[[int, int], Iterator[str]]
 
 
@@ -176,52 +182,35 @@ def holdout_split(ds: Any, every: int, held_out: bool) -> Any:
     return ds.select([i for i in range(len(ds)) if (i % every == every - 1) == held_out])
 
 
-def rank_slice(ds: Any, rank: int, world_size: int, where: str) -> Any:
-    """This data-parallel rank's part of `ds` (see the module docstring)."""
-    if world_size == 1:
+def lane_part(ds: Any, lane: int, lanes: int, where: str) -> Any:
+    """Lane `lane`'s part of `ds`, of `lanes` (see the module docstring)."""
+    if lanes == 1:
         return ds
     if _is_stream(ds):
         from datasets.distributed import split_dataset_by_node
 
-        return split_dataset_by_node(ds, rank=rank, world_size=world_size)
-    if len(ds) < world_size:
+        return split_dataset_by_node(ds, rank=lane, world_size=lanes)
+    if len(ds) < lanes:
         raise UserError(
-            f"{where} has {len(ds)} rows for {world_size} data-parallel ranks; every rank needs at least one row"
+            f"{where} has {len(ds)} rows for a global batch of {lanes} sequences; each sequence of the batch "
+            "reads its own rows, so every one needs at least one: use more rows or a smaller batch"
         )
-    return ds.shard(num_shards=world_size, index=rank, contiguous=True)
+    return ds.shard(num_shards=lanes, index=lane, contiguous=True)
 
 
-class SequentialPackedLoader:
-    """Endless iterator of `{"input": LongTensor[B, S], "labels": LongTensor[B, S]}`, packed in the rows' order, plus
-    their `document_ids` (graph_trainer.data.packing) with `document_ids`.
+class PackedLane:
+    """One row of the global batch: its part of the data (`rows`) packed in order, one window a step.
 
-    `rows(start, epoch)` yields the texts of this rank's slice from row `start` on, in pass `epoch`'s order. The
-    position and resume rules are the module docstring's. `epoch` is the pass the most recent batch ended in.
+    `rows(start, epoch)` yields the texts of the lane's part from row `start` on, in pass `epoch`'s order. The
+    position and resume rules are the module docstring's. `epoch` is the pass the most recent window ended in.
     """
 
-    def __init__(
-        self,
-        rows: Rows,
-        tokenizer: Tokenizer,
-        *,
-        batch_size: int,
-        seq_len: int,
-        data_rank: int = 0,
-        data_size: int = 1,
-        gather: Gather | None = None,
-        where: str = "data.path",
-        document_ids: bool = False,
-    ) -> None:
-        self.rows, self.tokenizer, self.document_ids = rows, tokenizer, document_ids
-        self.batch_size, self.seq_len = batch_size, seq_len
-        self.data_rank, self.data_size, self.gather, self.where = data_rank, data_size, gather, where
+    def __init__(self, rows: Rows, tokenizer: Tokenizer, *, seq_len: int, lane: int, where: str) -> None:
+        self.rows, self.tokenizer, self.seq_len, self.lane, self.where = rows, tokenizer, seq_len, lane, where
         self.epoch, self.doc, self.token = 0, 0, 0
         self._texts: Iterator[str] | None = None  # rows from `doc` on (from `doc + 1` once `_ids` holds `doc`)
         self._ids: torch.Tensor | None = None  # the ids of row `doc`, EOS included, while it is being read
         self._pass_from, self._pass_has_text = 0, False  # where the open pass started; whether it gave text
-
-    def __iter__(self) -> SequentialPackedLoader:
-        return self
 
     def _row_ids(self, text: str) -> torch.Tensor:
         ids = self.tokenizer.encode_to_tensor(text)
@@ -230,7 +219,7 @@ class SequentialPackedLoader:
         return ids
 
     def _current_row(self) -> torch.Tensor:
-        """The ids of row `doc` (moving to the next pass at the end of the slice)."""
+        """The ids of row `doc` (moving to the next pass at the end of the part)."""
         while self._ids is None:
             if self._texts is None:
                 self._texts, self._pass_from, self._pass_has_text = self.rows(self.doc, self.epoch), self.doc, False
@@ -238,8 +227,8 @@ class SequentialPackedLoader:
             if text is None:
                 if self._pass_from == 0 and not self._pass_has_text:  # a whole pass gave no token: never will
                     raise UserError(
-                        f"{self.where} has no text for data-parallel rank {self.data_rank} (0 tokens); "
-                        "check data.text_column, or use fewer ranks"
+                        f"{self.where} has no text for sequence {self.lane} of the global batch (0 tokens in its "
+                        "rows); check data.text_column, or use more rows or a smaller batch"
                     )
                 self.epoch, self.doc, self.token, self._texts = self.epoch + 1, 0, 0, None
                 continue
@@ -250,8 +239,9 @@ class SequentialPackedLoader:
             self._pass_has_text, self._ids = True, ids
         return self._ids
 
-    def __next__(self) -> dict[str, torch.Tensor]:
-        need = self.batch_size * (self.seq_len + 1)
+    def next_window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lane's next seq_len + 1 tokens, and the document index (0, 1, ...) of each."""
+        need = self.seq_len + 1
         pieces, have = [], 0  # each piece is (part of) one row: one document
         while have < need:
             ids = self._current_row()
@@ -261,39 +251,15 @@ class SequentialPackedLoader:
             self.token += take
             if self.token == ids.numel():
                 self.doc, self.token, self._ids = self.doc + 1, 0, None
-        windows = torch.cat(pieces).view(self.batch_size, self.seq_len + 1)
-        if not self.document_ids:
-            return packed_batch(windows)
         lengths = torch.tensor([p.numel() for p in pieces])
-        return packed_batch(windows, torch.arange(len(pieces)).repeat_interleave(lengths).view_as(windows))
+        return torch.cat(pieces), torch.arange(len(pieces)).repeat_interleave(lengths)
 
     def position(self) -> dict[str, int]:
-        """This rank's position: the pass, the row and the token in it where the next window starts."""
+        """The lane's position: the pass, the row and the token in it where the next window starts."""
         return {"epoch": self.epoch, "doc": self.doc, "token": self.token}
 
-    def state_dict(self) -> dict[str, Any]:
-        """Every data-parallel rank's position (a collective when there are several: every rank calls it)."""
-        positions = self.gather(self.position()) if self.gather is not None else [self.position()]
-        return {"data_ranks": self.data_size, "positions": positions}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a `state_dict()` of the same data on the same number of data-parallel ranks."""
-        positions = state.get("positions") if isinstance(state, dict) else None
-        if positions is None:
-            raise UserError(
-                f'the checkpoint\'s data position was not written by data.source = "{SOURCE}"; '
-                "resume with the data.source it was saved with"
-            )
-        if len(positions) != self.data_size:
-            raise UserError(
-                f"the checkpoint's data positions belong to {len(positions)} data-parallel ranks, this job has "
-                f"{self.data_size}: each rank reads its own slice of {self.where}, so resume on "
-                f"{len(positions)} data-parallel ranks"
-            )
-        self.seek(positions[self.data_rank])
-
     def seek(self, position: dict[str, int]) -> None:
-        """Make the next batch start at `position` (see `position()`)."""
+        """Make the next window start at `position` (see `position()`)."""
         epoch, doc, token = (int(position[k]) for k in ("epoch", "doc", "token"))
         if min(epoch, doc, token) < 0:
             raise UserError(f"data loader position {position} is invalid; resume from an intact checkpoint")
@@ -306,9 +272,65 @@ class SequentialPackedLoader:
                     "any more; resume with the data the checkpoint was saved with"
                 )
 
+
+class SequentialPackedLoader:
+    """Endless iterator of `{"input": LongTensor[B, S], "labels": LongTensor[B, S]}` whose row i is lane
+    `first_lane + i` of the global batch's `lanes` (`PackedLane`), plus their `document_ids`
+    (graph_trainer.data.packing) with `document_ids`."""
+
+    def __init__(
+        self,
+        lanes: list[PackedLane],
+        *,
+        num_lanes: int,
+        gather: Gather | None = None,
+        where: str = "data.path",
+        document_ids: bool = False,
+    ) -> None:
+        self.lanes, self.num_lanes, self.gather = lanes, num_lanes, gather
+        self.where, self.document_ids = where, document_ids
+
+    def __iter__(self) -> SequentialPackedLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        windows, ids = zip(*(lane.next_window() for lane in self.lanes), strict=True)
+        return packed_batch(torch.stack(windows), torch.stack(ids) if self.document_ids else None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every lane's position, from every data-parallel rank (a collective when there are several: every rank
+        calls it)."""
+        mine = [lane.position() for lane in self.lanes]
+        positions = [p for rank in self.gather(mine) for p in rank] if self.gather is not None else mine
+        return {"lanes": self.num_lanes, "positions": positions}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict()` of the same data and global batch, on any number of data ranks."""
+        positions = state.get("positions") if isinstance(state, dict) else None
+        if positions is None:
+            raise UserError(
+                f'the checkpoint\'s data position was not written by data.source = "{SOURCE}"; '
+                "resume with the data.source it was saved with"
+            )
+        if "lanes" not in state:
+            raise UserError(
+                "the checkpoint's data positions were written per data-parallel rank, before each sequence of the "
+                "global batch read its own rows; finish that run with the version that wrote it, or start a new "
+                "job.dump_folder"
+            )
+        if state["lanes"] != self.num_lanes or len(positions) != self.num_lanes:
+            raise UserError(
+                f"the checkpoint's data positions belong to a global batch of {state['lanes']} sequences, this job's "
+                f"is {self.num_lanes}: each sequence of the batch reads its own rows of {self.where}, so resume with "
+                f"the global batch it was saved with"
+            )
+        for lane in self.lanes:
+            lane.seek(positions[lane.lane])
+
     def rewind(self) -> None:
-        """Back to the first row of the slice (validation reads the same batches every time)."""
-        self.seek({"epoch": 0, "doc": 0, "token": 0})
+        """Back to the first row of every lane (validation reads the same batches every time)."""
+        for lane in self.lanes:
+            lane.seek({"epoch": 0, "doc": 0, "token": 0})
 
 
 def _in_order(ds: Any, shuffle: Shuffle | None, epoch: int) -> Any:
@@ -357,27 +379,22 @@ def build_hf_loader(
     option: str = "data.path",
     document_ids: bool = False,
 ) -> SequentialPackedLoader:
-    """This data-parallel rank's loader over the dataset at `path`.
+    """This data-parallel rank's loader over the dataset at `path`: rows `data_rank * batch_size` on of a global
+    batch of `batch_size * data_size` lanes (module docstring).
 
     `holdout` = (every, held_out) keeps only the held-out rows (True) or only the others (False) of the
-    validation split rule (`holdout_split`), applied before the ranks' slices are cut. `shuffle` draws each pass's
-    order of the rank's slice (None: the dataset's order). `document_ids` adds each row's document ids to the
+    validation split rule (`holdout_split`), applied before the lanes are cut. `shuffle` draws each pass's
+    order of a lane's rows (None: the dataset's order). `document_ids` adds each row's document ids to the
     batches (graph_trainer.data.packing).
     """
     where = f"{option} '{path}'"
     ds = column_checked(open_dataset(path, streaming=streaming, option=option), text_column, where)
     if holdout is not None:
         ds = holdout_split(ds, *holdout)
-    ds = rank_slice(ds, data_rank, data_size, where)
-    loader = SequentialPackedLoader(
-        text_rows(ds, text_column, shuffle),
-        tokenizer,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        data_rank=data_rank,
-        data_size=data_size,
-        gather=gather,
-        where=where,
-        document_ids=document_ids,
-    )
-    return loader
+    num_lanes = batch_size * data_size
+    lanes = [
+        PackedLane(text_rows(lane_part(ds, j, num_lanes, where), text_column, shuffle), tokenizer, seq_len=seq_len,
+                   lane=j, where=where)
+        for j in range(data_rank * batch_size, (data_rank + 1) * batch_size)
+    ]  # fmt: skip
+    return SequentialPackedLoader(lanes, num_lanes=num_lanes, gather=gather, where=where, document_ids=document_ids)

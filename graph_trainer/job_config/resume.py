@@ -17,10 +17,10 @@ On resume, `compare_on_resume` holds it against the current config, option by op
 A sharded checkpoint (`parallelism.dp_shard`, see `graph_trainer.checkpoint.sharded`)
 can be resumed on another layout of its data-parallel ranks (dp_shard, and dp_replicate with it: HSDP), but
 only with the same global batch (`dp_replicate x dp_shard x local_batch_size`): then every step reads the very
-windows the saved run would have read (data rank r of N takes the r-th slice of each global batch), so the data
-position carries over exactly and only the summation order changes. A different global batch would be a
-different run from that step on, and is refused. So is any such change with `data.source = "hf_datasets"`,
-whose ranks each read their own slice.
+windows the saved run would have read (data rank r of N takes the r-th slice of each global batch; with
+`data.source = "hf_datasets"`, each sequence of the global batch reads its own rows whatever the degree), so the
+data position carries over exactly and only the summation order changes. A different global batch would be a
+different run from that step on, and is refused.
 
 Gradient accumulation (`training.global_batch_size`): the data position counts whole steps' batches of
 `accumulation steps x local_batch_size` sequences, so a resume that changes the number of accumulation steps
@@ -53,7 +53,7 @@ REFUSED: dict[str, str] = {
     "data.path": _DATA,
     "data.tokenizer": _DATA,
     "data.text_column": _DATA,
-    "data.streaming": _DATA,  # a stream is cut into the ranks' slices another way than a loaded dataset
+    "data.streaming": _DATA,  # a stream is cut into lanes another way than a loaded dataset
     "data.shuffle": _DATA,
     "data.shuffle_buffer": _DATA,
     "parallelism.dp_shard": _DATA,
@@ -186,8 +186,7 @@ def compare_on_resume(
     new_layout = any(k in changed for k in _DATA_PARALLEL)
     if _accumulation_steps(before) != _accumulation_steps(now) and not (reshardable and new_layout):
         raise _accumulation_refusal(before, now, checkpoint)
-    # hf_datasets positions are per data-parallel rank (each reads its own slice): they cannot be resharded.
-    resharded = reshardable and new_layout and before["data.source"] != "hf_datasets"
+    resharded = reshardable and new_layout
     if resharded and _global_batch(before) != _global_batch(now):
         raise _reshard_refusal(before, now, checkpoint)
     refused = [k for k in changed if k in REFUSED and not (resharded and k in _RESHARD)]

@@ -3,7 +3,9 @@
 Claims tested:
 - save on 2 ranks, resume on 2: losses and every rank's final shards equal to an uninterrupted run (bitwise);
 - save on 2 ranks, resume on 4 with the same global batch (and back to 2): the loss continues within
-  rel 1e-5 of the uninterrupted 2-rank run and the full parameters within 1e-6 (summation order only);
+  rel 1e-5 of the uninterrupted 2-rank run and the full parameters within 1e-6 (summation order only). The runs read
+  a parquet dataset (`data.source = "hf_datasets"`, the embedded corpus's lines): each sequence of the global
+  batch reads its own rows whatever the data-parallel degree, so the resharded run reads on the same sequences;
 - a different global batch, or a different model shape, is refused with one line (UserError);
 - pruning (keep_latest_k) and --job.overwrite remove exactly the checkpoint folders the run recorded;
 - `python -m graph_trainer.export` writes the full (unpadded) weights, equal to the gathered shards.
@@ -81,9 +83,9 @@ def _refused(cfg_args: list[str], info_args, out: str, name: str, rank: int) -> 
 
 
 def _worker(
-    rank: int, world: int, port: int, out: str, runs: dict[str, list[str]], refusals: dict[str, list[str]]
+    rank: int, world: int, port: int, out: str, runs: dict[str, list[str]], refusals: dict[str, list[str]], data: str
 ) -> None:
-    args = [*ARGS, "--parallelism.dp_shard", str(world)]
+    args = [*ARGS, "--parallelism.dp_shard", str(world), "--data.source", "hf_datasets", "--data.path", data]
 
     def refuse(cfg) -> None:
         from graph_trainer.distributed.launch import init_distributed
@@ -96,8 +98,24 @@ def _worker(
         _save(out, name, trainer, result, rank)
 
 
-def _spawn(world: int, out: Path, runs: dict[str, list[str]], refusals: dict[str, list[str]] | None = None):
-    spawn_ranks(_worker, world, (world, free_port(), str(out), runs, refusals or {}), TIMEOUT_S)
+def _spawn(
+    world: int, out: Path, runs: dict[str, list[str]], data: Path, refusals: dict[str, list[str]] | None = None
+) -> None:
+    spawn_ranks(_worker, world, (world, free_port(), str(out), runs, refusals or {}, str(data)), TIMEOUT_S)
+
+
+def _documents(folder: Path) -> Path:
+    """The embedded corpus's lines, one a row (uneven: 1 to a few hundred bytes), as a parquet dataset in `folder`:
+    what the runs train on. After 2 steps each sequence of the batch stands at its own row and token, so a resume
+    that gave a sequence another's position would read other tokens."""
+    import datasets
+
+    from graph_trainer.data.loader import embedded_documents
+
+    path = folder / "documents.parquet"
+    lines = [line for document in embedded_documents() for line in document.splitlines() if line.strip()]
+    datasets.Dataset.from_dict({"text": lines}).to_parquet(str(path))
+    return path
 
 
 def _record(out: Path, name: str, rank: int = 0) -> dict:
@@ -131,6 +149,7 @@ def two(tmp_path_factory) -> Path:
             # the optimizer in the graph is bitwise equal to the eager one: its state must load as well
             "resumed": ["--checkpoint.resume", "true", "--compile.trace_optimizer", "true", *keep, *_dump(half)],
         },
+        _documents(out),
         refusals={"other_shape": ["--model.dim", "32", "--checkpoint.resume", "true", *_dump(half)]},
     )
     return out
@@ -150,10 +169,11 @@ def resharded(two, tmp_path_factory) -> Path:
         4,
         out,
         {"four": [*resume4, "--training.steps", "3"]},
+        two / "documents.parquet",
         # 4 ranks x the 2-rank run's local batch of 2: refused before anything is written
         refusals={"other_batch": ["--checkpoint.resume", "true", *_dump(half)]},
     )
-    _spawn(2, out, {"back": ["--checkpoint.resume", "true", *_dump(four)]})
+    _spawn(2, out, {"back": ["--checkpoint.resume", "true", *_dump(four)]}, two / "documents.parquet")
     return out
 
 

@@ -1,4 +1,5 @@
-"""data.source = "hf_datasets": formats, rank slices, in-order packing, exact resume, and its one-line errors."""
+"""data.source = "hf_datasets": formats, lanes (one a row of the global batch) packed in order, the same global
+batch at any data-parallel degree, exact resume (on other ranks too), and its one-line errors."""
 
 from __future__ import annotations
 
@@ -52,11 +53,13 @@ def loader(path: Path, streaming: bool, **kw):
     return build_hf_loader(str(path), BYTE, **(args | kw))
 
 
-def expected_batches(rows: list[str], n: int, batch: int = 2, seq_len: int = 16) -> list[torch.Tensor]:
-    """The first n batches of `rows` packed in order, the stream running on into the next pass."""
-    stream = tokenize_documents(iter(rows), BYTE)
-    windows = pack_windows(stream.repeat(n * batch * (seq_len + 1) // stream.numel() + 1), seq_len)
-    return [windows[i * batch : (i + 1) * batch].long() for i in range(n)]
+def expected_batches(lanes: list[list[str]], n: int, seq_len: int = 16) -> list[torch.Tensor]:
+    """The first n batches whose row j is lane j's rows packed in order, each lane running on into its next pass."""
+    per_lane = []
+    for rows in lanes:
+        stream = tokenize_documents(iter(rows), BYTE)
+        per_lane.append(pack_windows(stream.repeat(n * (seq_len + 1) // stream.numel() + 1), seq_len)[:n])
+    return [torch.stack([w[i] for w in per_lane]).long() for i in range(n)]
 
 
 def assert_batches(got, expected):
@@ -64,36 +67,69 @@ def assert_batches(got, expected):
         assert torch.equal(g["input"], w[:, :-1]) and torch.equal(g["labels"], w[:, 1:])
 
 
+HALVES = [ROWS[:20], ROWS[20:]]  # two lanes of a loaded dataset, or of a stream of two files: contiguous parts
+ALTERNATE = [ROWS[0::2], ROWS[1::2]]  # two lanes of a one-file stream: every second row
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl", "arrow"])
 @pytest.mark.parametrize("streaming", [False, True])
 def test_every_format_loaded_or_streamed_packs_the_rows_in_order_across_passes(tmp_path, fmt, streaming):
     path = write(tmp_path / fmt, fmt, files=2 if fmt == "jsonl" else 1)  # a folder of 2 jsonl files too
-    n = 40  # 40 x 34 tokens: more than the ~1,150 of one pass, so the stream wraps into the next
-    assert_batches(list(islice(loader(path, streaming), n)), expected_batches(ROWS, n))
+    n = 40  # 40 x 17 tokens a lane: more than the ~575 of its rows, so each lane wraps into its next pass
+    lanes = ALTERNATE if streaming and fmt != "jsonl" else HALVES
+    assert_batches(list(islice(loader(path, streaming), n)), expected_batches(lanes, n))
 
 
 def test_a_null_text_is_an_empty_row(tmp_path):
     rows = ["first row " * 4, None, "third row " * 4]
     datasets.Dataset.from_dict({"text": rows}).to_parquet(str(tmp_path / "nulls.parquet"))
-    got = list(islice(loader(tmp_path / "nulls.parquet", True), 4))
-    assert_batches(got, expected_batches([r or "" for r in rows], 4))
+    got = list(islice(loader(tmp_path / "nulls.parquet", True, batch_size=1), 4))
+    assert_batches(got, expected_batches([[r or "" for r in rows]], 4))
 
 
 def test_a_save_to_disk_folder_is_read(tmp_path):
     datasets.Dataset.from_dict({"text": ROWS}).save_to_disk(str(tmp_path / "saved"))
-    assert_batches(list(islice(loader(tmp_path / "saved", False), 5)), expected_batches(ROWS, 5))
+    assert_batches(list(islice(loader(tmp_path / "saved", False), 5)), expected_batches(HALVES, 5))
+
+
+def _lane_rows(loader_, epoch: int = 0) -> list[list[str]]:
+    return [list(lane.rows(0, epoch)) for lane in loader_.lanes]
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-def test_data_parallel_ranks_read_disjoint_slices_that_cover_the_rows(tmp_path, streaming):
+def test_data_parallel_ranks_read_disjoint_lanes_that_cover_the_rows(tmp_path, streaming):
     path = write(tmp_path, "parquet", files=2)
-    texts = []
-    for rank in range(2):
-        rows = loader(path, streaming, data_rank=rank, data_size=2).rows
-        texts.append(list(rows(0, 0)))
-    assert texts[0] and texts[1]
-    assert set(texts[0]).isdisjoint(texts[1])
-    assert sorted(texts[0] + texts[1]) == sorted(ROWS)
+    lanes = [rows for rank in range(2) for rows in _lane_rows(loader(path, streaming, data_rank=rank, data_size=2))]
+    assert len(lanes) == 4 and all(lanes)
+    assert sum(len(rows) for rows in lanes) == len(ROWS) and sorted(r for rows in lanes for r in rows) == sorted(ROWS)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_global_batch_is_the_same_sequences_at_any_data_parallel_degree_and_resumes_across_them(
+    tmp_path, streaming
+):
+    """A global batch of 4 sequences read by 1 rank x 4, 2 ranks x 2 or 4 ranks x 1: the same rows every step, and a
+    position saved at one degree resumes at another onto exactly the batches the run would have read. 38 rows: 4
+    lanes do not divide them (lanes cut from each rank's rows would then differ from lanes cut from all rows)."""
+    path = write(tmp_path, "jsonl", rows=ROWS[:38], files=2)
+
+    def ranks(n: int, **kw) -> list:
+        return [loader(path, streaming, batch_size=4 // n, data_rank=r, data_size=n, **kw) for r in range(n)]
+
+    def global_batches(loaders: list, steps: int) -> list[torch.Tensor]:
+        return [torch.cat([next(it)["input"] for it in loaders]) for _ in range(steps)]
+
+    whole = global_batches(ranks(1), 12)
+    assert all(torch.equal(a, b) for a, b in zip(global_batches(ranks(2), 12), whole, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(global_batches(ranks(4), 12), whole, strict=True))
+    two = ranks(2)
+    global_batches(two, 5)
+    positions = [lane.position() for it in two for lane in it.lanes]  # what `gather` collects, in rank order
+    state = json.loads(json.dumps({"lanes": 4, "positions": positions}))
+    four = ranks(4)
+    for it in four:
+        it.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(global_batches(four, 7), whole[5:], strict=True))
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -104,7 +140,7 @@ def test_resume_at_any_batch_yields_exactly_the_batches_the_run_would_have_read(
         first = loader(path, streaming)
         list(islice(first, k))
         state = first.state_dict()
-        assert state["data_ranks"] == 1 and len(state["positions"]) == 1
+        assert state["lanes"] == 2 and len(state["positions"]) == 2
         resumed = loader(path, streaming)
         resumed.load_state_dict(json.loads(json.dumps(state)))  # plain values only (weights_only-safe)
         for got, want in zip(islice(resumed, 5), whole[k : k + 5], strict=True):
@@ -119,14 +155,14 @@ SHUFFLED = dict(shuffle=Shuffle(seed=3, buffer=8))  # a buffer smaller than a sl
 @pytest.mark.parametrize("streaming", [False, True])
 def test_shuffled_passes_deal_every_row_once_each_in_its_own_order(tmp_path, streaming):
     path = write(tmp_path, "jsonl", files=2)
-    ranks = [loader(path, streaming, data_rank=r, data_size=2, **SHUFFLED).rows for r in range(2)]
-    passes = [[list(rows(0, epoch)) for rows in ranks] for epoch in range(3)]
-    for two in passes:  # every row once per pass, on one rank: the slices stay disjoint
+    lanes = [lane.rows for lane in loader(path, streaming, batch_size=2, **SHUFFLED).lanes]
+    passes = [[list(rows(0, epoch)) for rows in lanes] for epoch in range(3)]
+    for two in passes:  # every row once per pass, in one lane: the lanes stay disjoint
         assert two[0] and two[1] and sorted(two[0] + two[1]) == sorted(ROWS)
-    in_order = list(loader(path, streaming, data_rank=0, data_size=2).rows(0, 0))
+    in_order = list(loader(path, streaming).lanes[0].rows(0, 0))
     assert passes[0][0] != in_order and passes[1][0] != passes[0][0]  # shuffled, and anew each pass
-    assert passes[0][0] == list(ranks[0](0, 0))  # the order is the seed's and the pass's alone
-    assert list(ranks[0](5, 1)) == passes[1][0][5:]  # so a resume at row 5 of pass 1 reads what the pass would have
+    assert passes[0][0] == list(lanes[0](0, 0))  # the order is the seed's and the pass's alone
+    assert list(lanes[0](5, 1)) == passes[1][0][5:]  # so a resume at row 5 of pass 1 reads what the pass would have
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -134,7 +170,8 @@ def test_a_shuffled_run_resumes_at_any_batch_exactly(tmp_path, streaming):
     path = write(tmp_path, "jsonl", files=2)
     whole = list(islice(loader(path, streaming, **SHUFFLED), 45))
     assert not all(
-        torch.equal(g, w[:, :-1]) for g, w in zip((b["input"] for b in whole), expected_batches(ROWS, 45), strict=True)
+        torch.equal(g, w[:, :-1])
+        for g, w in zip((b["input"] for b in whole), expected_batches(HALVES, 45), strict=True)
     )
     for k in (1, 33, 40):  # inside the first pass, around its end, inside the second
         first = loader(path, streaming, **SHUFFLED)
@@ -150,17 +187,20 @@ def test_shuffle_on_a_source_that_always_shuffles_is_refused():
         load_config(["--config", "llama3_debug.toml", "--data.shuffle", "true"])
 
 
-def test_a_position_saved_by_other_data_parallel_ranks_is_refused(tmp_path):
+def test_a_position_saved_at_another_global_batch_or_per_rank_is_refused(tmp_path):
     path = write(tmp_path, "parquet")
-    state = {"data_ranks": 2, "positions": [{"epoch": 0, "doc": 3, "token": 0}] * 2}
-    with pytest.raises(UserError, match="belong to 2 data-parallel ranks, this job has 1"):
+    state = {"lanes": 4, "positions": [{"epoch": 0, "doc": 3, "token": 0}] * 4}
+    with pytest.raises(UserError, match="belong to a global batch of 4 sequences, this job's is 2"):
         loader(path, False).load_state_dict(state)
+    per_rank = {"data_ranks": 2, "positions": [{"epoch": 0, "doc": 3, "token": 0}] * 2}  # before lanes
+    with pytest.raises(UserError, match="written per data-parallel rank"):
+        loader(path, False).load_state_dict(per_rank)
 
 
 def test_the_holdout_rule_splits_rows_by_index(tmp_path):
     path = write(tmp_path, "parquet")
-    held = list(loader(path, True, holdout=(4, True)).rows(0, 0))
-    kept = list(loader(path, False, holdout=(4, False)).rows(0, 0))
+    held = list(loader(path, True, batch_size=1, holdout=(4, True)).lanes[0].rows(0, 0))
+    kept = list(loader(path, False, batch_size=1, holdout=(4, False)).lanes[0].rows(0, 0))
     assert held == [r for i, r in enumerate(ROWS) if i % 4 == 3]
     assert kept == [r for i, r in enumerate(ROWS) if i % 4 != 3]
 
@@ -278,7 +318,7 @@ def _two_rank_worker(rank: int, port: int, out: str, data: str, parallel: list[s
     ],
     ids=["dp_shard", "dp_replicate"],
 )
-def test_two_ranks_read_their_slices_validate_together_and_resume_bitwise(tmp_path, parallel):
+def test_two_ranks_read_their_lanes_validate_together_and_resume_bitwise(tmp_path, parallel):
     """2 data-parallel ranks on a parquet folder: 4 steps straight against 2 steps then a resume to 4, validated."""
     from tests.multiprocess import free_port, spawn_ranks
 
