@@ -103,3 +103,12 @@ def pytest_configure(config: pytest.Config) -> None:
     threads = max(1, len(os.sched_getaffinity(0)) // workers)
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # the processes a test starts inherit it
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The multi-rank test files first (a stable sort: the rest keep their order).
+
+    They are the longest units pytest-xdist hands out (`--dist loadfile`: a file is one unit; 1 to 4 minutes each on
+    2 cores), and a long unit handed out last keeps one worker busy while the others wait. `.ci/run` passes
+    `--no-loadscope-reorder` so that xdist keeps this order (its own puts the files with most tests first)."""
+    items.sort(key=lambda item: item.get_closest_marker("multiprocess") is None)
