@@ -93,6 +93,8 @@ def step_transform(job: StagedJob, *, until: str = COMPILE, dump_dir: Path | Non
     """What `Job.graph_step`'s executor runs on each fresh trace: `transform`, then `compile` when `until` is
     COMPILE, with one pipeline for every trace (built now, so that a bad pass configuration is refused before the
     first trace); None for TRACE (the trace as it is)."""
+    if until not in (TRACE, TRANSFORM, COMPILE):
+        raise ValueError(f"until must be one of {TRACE!r}, {TRANSFORM!r}, {COMPILE!r}; got {until!r}")
     if until == TRACE:
         return None
     pipeline = build_pipeline(job.cfg, dump_dir=dump_dir)

@@ -130,3 +130,13 @@ def test_the_documented_stage_example_runs_as_written(capsys):
     exec(compile(code, "docs/tracer_api.md", "exec"), {})
     # The last line: a trainer run earlier in this process may have sent the passes' log to stdout too.
     assert re.fullmatch(r"planned step peak: \d+\.\d MiB", capsys.readouterr().out.splitlines()[-1])
+
+
+def test_a_stage_that_does_not_exist_is_refused_by_name():
+    from graph_trainer.passes import build_pipeline
+
+    job = _job(2)
+    with pytest.raises(ValueError, match="no pipeline stage 'cleanup'; the stages are clean-up, decide, apply"):
+        build_pipeline(job.cfg, dump_dir=None).part(until="cleanup")
+    with pytest.raises(ValueError, match="until must be one of 'trace', 'transform', 'compile'; got 'compiled'"):
+        stages.step_transform(job, until="compiled")

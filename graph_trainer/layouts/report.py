@@ -24,8 +24,7 @@ COLUMNS = (
 def _row(r: search.Screened, cluster: Cluster, seq: int) -> dict:
     plan, t = r.exact, r.exact_time
     tokens = r.cand.local_batch * r.cand.accumulation * seq
-    d = dict(r.cand.degrees)
-    tokens_per_gpu = tokens / d.get("tp", 1) / t.total_s
+    tokens_per_gpu = tokens / r.cand.ranks_per_data_rank / t.total_s
     return {
         "layout": r.cand.layout(),
         "ac_mode": r.cand.ac_mode,
@@ -122,7 +121,7 @@ def write_picture(path: Path, screened, final, cluster: Cluster, seq: int) -> No
     import matplotlib.pyplot as plt
 
     def tokens(r) -> float:
-        return r.cand.global_batch * seq / r.cand.dp / dict(r.cand.degrees).get("tp", 1) / r.time.total_s
+        return r.cand.global_batch * seq / r.cand.dp / r.cand.ranks_per_data_rank / r.time.total_s
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.scatter([to_gib(r.peak) for r in screened], [tokens(r) for r in screened], s=12, c="0.6", label="screened")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -57,6 +58,11 @@ class Candidate:
     def dp(self) -> int:
         d = dict(self.degrees)
         return d.get("dp_replicate", 1) * d.get("dp_shard", 1)
+
+    @property
+    def ranks_per_data_rank(self) -> int:
+        """The ranks that share one data rank's batch (the model-parallel ones): the world over the dp degree."""
+        return math.prod(n for _, n in self.degrees) // self.dp
 
     @property
     def global_batch(self) -> int:

@@ -145,6 +145,9 @@ class Pipeline:
     def part(self, *, until: str | None = None, after: str | None = None) -> Pipeline:
         """The passes of the stages after `after` up to `until` included (None: from the first, to the last), as a
         pipeline of their own (same config, saved-activations log; no dumps: those number whole runs)."""
+        for stage in (until, after):
+            if stage is not None and stage not in STAGES:
+                raise ValueError(f"no pipeline stage {stage!r}; the stages are {', '.join(STAGES)}")
         first = STAGES.index(after) + 1 if after is not None else 0
         last = STAGES.index(until) if until is not None else len(STAGES) - 1
         passes = [p for p in self.passes if first <= STAGES.index(p.stage) <= last]

@@ -59,7 +59,7 @@ from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger, quiet
 from graph_trainer.observability.units import GIB
 from graph_trainer.optimizer.update_memory import EagerUpdate
-from graph_trainer.passes import CLEAN_UP
+from graph_trainer.passes import CLEAN_UP, build_pipeline
 from graph_trainer.passes.activation_checkpoint import (
     attention_choices,
     choose_attention,
@@ -355,7 +355,7 @@ def _plan_short(
         for choice in mode_choices:
             try:
                 variant = job.with_config(_pinned(job.cfg, mode, choice))
-                stages.step_transform(variant, until=stages.TRANSFORM)  # refused before the trace
+                build_pipeline(variant.cfg, dump_dir=None)  # a pass configuration it cannot run: refused untraced
                 variants[(mode, choice)] = variant
             except UserError as e:
                 variants[(mode, choice)] = e
