@@ -244,9 +244,14 @@ def choose_attention(peaks: dict[str, int]) -> str:
     return min(ATTENTION_CHOICES, key=lambda choice: (peaks[choice], ATTENTION_CHOICES.index(choice)))
 
 
-def _attention_options(structure: StepStructure, decisions: Decisions, recompute: list[OpPattern]) -> dict:
+def _attention_options(
+    structure: StepStructure, decisions: Decisions, ac: ActivationCheckpointConfig
+) -> dict[str, Decisions]:
     """The tags of each attention choice (`ATTENTION_CHOICES`) the `full` pass compares, or {} when it has none:
-    no (non-random) attention op to recompute that the user did not pin."""
+    another mode, or no (non-random) attention op to recompute that the user did not pin (`ac.recompute_list`)."""
+    if ac.mode != "full":
+        return {}
+    _, recompute = parse_overrides(ac.save_list, ac.recompute_list)
     attention = [
         n
         for n in structure.layer_nodes
@@ -268,9 +273,8 @@ def compared_graphs(gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig) ->
     each choice and rematerialized, whose estimated peaks decide (`choose_attention`); {} when it compares none.
     `gm`'s tags are cleared afterwards. The planner reads these at its short depths and extends their peaks."""
     structure = analyze(gm)
-    _, recompute = parse_overrides(ac.save_list, ac.recompute_list)
-    options = _attention_options(structure, _decisions(structure, ac), recompute) if ac.mode == "full" else {}
     graphs = {}
+    options = _attention_options(structure, _decisions(structure, ac), ac)
     for choice, option in options.items():
         write_tags(gm, structure, option)
         graphs[choice] = remat_graph(gm.graph) or copy_graph(gm.graph)
@@ -291,17 +295,15 @@ def tag_activation_checkpoint(
     """
     structure = analyze(gm)
     decisions = _decisions(structure, ac)
-    if ac.mode == "full":
-        # An attention op the user pinned (save_list / recompute_list) keeps its pin: the planner pins each
-        # choice to plan it at any depth (`pin_attention`).
-        _, recompute = parse_overrides(ac.save_list, ac.recompute_list)
-        options = _attention_options(structure, decisions, recompute)
-        if options:
-            peaks = {}
-            for choice, option in options.items():
-                write_tags(gm, structure, option)
-                peaks[choice] = peak_after_remat(gm, input_categories)
-            decisions = options[choose_attention(peaks)]
+    # An attention op the user pinned (save_list / recompute_list) keeps its pin: the planner pins each choice to
+    # plan it at any depth (`pin_attention`).
+    options = _attention_options(structure, decisions, ac)
+    if options:
+        peaks = {}
+        for choice, option in options.items():
+            write_tags(gm, structure, option)
+            peaks[choice] = peak_after_remat(gm, input_categories)
+        decisions = options[choose_attention(peaks)]
     write_tags(gm, structure, decisions)
     warn_if_nothing_recomputed(gm, ac.mode, structure, decisions)
     return gm
