@@ -392,6 +392,12 @@ def build_hf_loader(
     if holdout is not None:
         ds = holdout_split(ds, *holdout)
     num_lanes = batch_size * data_size
+    if _is_stream(ds) and num_lanes > 1 and ds.num_shards % num_lanes:
+        logger.warning(
+            f"{where} is a stream of {ds.num_shards} file(s), which the global batch's {num_lanes} sequences do not "
+            f"divide: each sequence reads the whole stream and keeps every {num_lanes}-th row, so this rank reads it "
+            f"{batch_size} times; give it a number of files that {num_lanes} divides"
+        )
     lanes = [
         PackedLane(text_rows(lane_part(ds, j, num_lanes, where), text_column, shuffle), tokenizer, seq_len=seq_len,
                    lane=j, where=where)

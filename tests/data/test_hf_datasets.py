@@ -345,3 +345,16 @@ def test_the_docs_commands_parse_and_the_example_dataset_is_written(tmp_path):
     assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
     rows = [json.loads(line) for line in (tmp_path / "val.jsonl").read_text().splitlines()]
     assert len(rows) == 15 and all(isinstance(r["text"], str) for r in rows)
+
+
+def test_a_stream_whose_files_the_lanes_do_not_divide_is_said_once(tmp_path, caplog):
+    """Each lane then reads the whole stream (`split_dataset_by_node` keeps every G-th row): the rank's reading grows
+    with its lanes, which the user must hear of, with the fix."""
+    caplog.set_level("WARNING", logger="graph_trainer")
+    loader(write(tmp_path / "one", "jsonl", files=1), True)  # 1 file, 2 lanes
+    said = [r.getMessage() for r in caplog.records if "do not divide" in r.getMessage()]
+    assert len(said) == 1 and "a stream of 1 file(s)" in said[0] and "reads it 2 times" in said[0], said
+    caplog.clear()
+    loader(write(tmp_path / "two", "jsonl", files=2), True)  # 2 files, 2 lanes: one file each
+    loader(write(tmp_path / "two", "jsonl", files=2), False)  # loaded: cut by rows, never re-read
+    assert not [r for r in caplog.records if "do not divide" in r.getMessage()]
