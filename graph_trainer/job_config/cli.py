@@ -56,6 +56,8 @@ def _metavar(f: dataclasses.Field) -> str:
     parts = type_parts(f.type)
     if parts == (str, int):
         return "op|INT"
+    if parts == (str, float):
+        return "SIZE|FRACTION"
     (tp,) = parts
     if typing.get_origin(tp) is list:
         return "LIST"

@@ -18,6 +18,7 @@ import tomli_w
 
 from graph_trainer.errors import ConfigError, did_you_mean
 from graph_trainer.job_config.batching import check_global_batch, check_grad_sync
+from graph_trainer.job_config.memory_budget import check_memory_budget, parse_memory_budget
 from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.job_config.schema import JobConfig, field_aliases, section_fields, sections
 from graph_trainer.job_config.values import check_limits, coerce, value_desc
@@ -119,6 +120,7 @@ def validate(cfg: JobConfig) -> None:
 
     ac = cfg.activation_checkpoint
     ac.selective_ac_option = parse_ac_option(ac.selective_ac_option)
+    parse_memory_budget(ac.memory_budget)
     for list_name in ("save_list", "recompute_list"):
         for i, pattern in enumerate(getattr(ac, list_name)):
             if not OP_PATTERN.match(pattern):
@@ -146,6 +148,7 @@ def validate(cfg: JobConfig) -> None:
     _check_mixed_precision(cfg)
     check_global_batch(cfg)
     check_grad_sync(cfg)
+    check_memory_budget(cfg)
 
     args = resolve_model_args(cfg)
     max_seq_len = getattr(args, "max_seq_len", None)

@@ -202,7 +202,11 @@ class ActivationCheckpointConfig:
     selective_ac_option: str | int = _opt(
         "op", "selective: 'op' = save compute-heavy ops, N = checkpoint every N-th layer"
     )
-    memory_budget: float = _opt(0.5, "budget: <= 1 = fraction of no-AC activation memory, > 1 = GiB", gt=0)
+    memory_budget: str | float = _opt(
+        0.5,
+        "budget: a fraction in (0, 1] of the no-AC activation memory, or the whole step's per-rank peak with its "
+        "unit, e.g. '40GiB' (graph_trainer/job_config/memory_budget.py)",
+    )
     save_list: list[str] = _opt([], "ops always saved, e.g. 'aten.mm' or 'layers.*.attention::aten.mm'")
     recompute_list: list[str] = _opt([], "ops always recomputed, same syntax as save_list")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from graph_trainer.errors import ConfigError
 
-# Fields annotated `str | int` (selective_ac_option) accept both; the rest are
+# Fields annotated `str | int` (selective_ac_option) or `str | float` (memory_budget) accept both; the rest are
 # `T`, `T | None` (model overrides) or `list[T]`.
 
 

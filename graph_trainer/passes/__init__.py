@@ -33,6 +33,7 @@ from pathlib import Path
 
 from graph_trainer.errors import ConfigError
 from graph_trainer.job_config.load import parse_ac_option
+from graph_trainer.job_config.memory_budget import parse_memory_budget
 from graph_trainer.job_config.schema import ActivationCheckpointConfig, JobConfig
 from graph_trainer.observability.log import get_logger
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
@@ -200,7 +201,7 @@ def memory_policy_transform(
     mode: str = "selective",
     *,
     selective_ac_option: str | int = "op",
-    memory_budget: float = 0.5,
+    memory_budget: str | float = 0.5,
     save_list: Sequence[str] = (),
     recompute_list: Sequence[str] = (),
     dump_dir: Path | None = None,
@@ -223,17 +224,16 @@ def memory_policy_transform(
         mode: "none" | "selective" | "full" | "budget" (as `activation_checkpoint.mode`).
         selective_ac_option: selective only: "op" (save matmul and attention outputs, recompute
             every second matmul and the rest) or N (checkpoint every N-th layer fully).
-        memory_budget: budget only: <= 1 is a fraction of the no-AC activation memory, > 1 GiB.
+        memory_budget: budget only: a fraction <= 1 of the no-AC activation memory, or the whole step's peak
+            with its unit ("40GiB"; `graph_trainer.job_config.memory_budget`).
         save_list / recompute_list: op patterns always saved / recomputed, e.g. "aten.mm" or
             "layers.*.attention::aten.mm" (see `graph_trainer.passes.op_patterns`).
         dump_dir: write each trace's graph before and after every pass there.
 
     Raises:
-        ConfigError: an unknown mode, selective option, a budget <= 0 or a bad op pattern (before anything
-            is traced).
+        ConfigError: an unknown mode, selective option, budget or op pattern (before anything is traced).
     """
-    if memory_budget <= 0:
-        raise ConfigError(f"memory_budget must be > 0 (a fraction <= 1 or GiB > 1), got {memory_budget}")
+    parse_memory_budget(memory_budget)
     ac = ActivationCheckpointConfig(
         mode=mode,
         selective_ac_option=parse_ac_option(selective_ac_option),

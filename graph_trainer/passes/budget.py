@@ -6,10 +6,10 @@ Reads and writes the same metadata as `activation_checkpoint` (whose structural
 rules it keeps: layer regions, saved boundaries, random and in-place ops never
 recomputed, per-op overrides pinned). Metadata only: preserves numerics bitwise.
 
-Budget: `memory_budget` <= 1 is a fraction of the no-AC activation memory,
-> 1 an absolute size in GiB of activation memory; activation memory is the
-estimated step peak minus the graph inputs (parameters, buffers, batch,
-optimizer state), which no checkpointing policy changes.
+Budget (`graph_trainer.job_config.memory_budget`): a fraction <= 1 of the no-AC
+activation memory (the estimated step peak minus the graph inputs: parameters,
+buffers, batch, optimizer state, which no checkpointing policy changes), or a
+size with its unit ("40GiB") for the whole step's peak, everything included.
 
 Algorithm (greedy order, first fitting prefix):
 1. Candidates are the layer ops that own a storage the backward reads in the
@@ -38,11 +38,10 @@ An infeasible budget is reported with the smallest probed peak.
 
 from __future__ import annotations
 
-import math
-
 import torch.fx
 
 from graph_trainer.errors import ConfigError
+from graph_trainer.job_config.memory_budget import parse_memory_budget
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.units import GIB
@@ -134,9 +133,8 @@ def tag_memory_budget(
     """
     structure = analyze(gm)
     no_ac = estimate_peak_memory(gm, input_categories=input_categories)
-    activations = no_ac.peak_bytes - no_ac.input_bytes
-    as_fraction = ac.memory_budget <= 1
-    target = no_ac.input_bytes + (ac.memory_budget * activations if as_fraction else ac.memory_budget * GIB)
+    budget = parse_memory_budget(ac.memory_budget)
+    target = budget.target(input_bytes=no_ac.input_bytes, no_ac_peak=no_ac.peak_bytes)
 
     save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
     pinned_decisions = apply_overrides(structure, {}, save, recompute)
@@ -165,14 +163,10 @@ def tag_memory_budget(
             break
     if chosen_k is None:
         write_tags(gm, structure, {})  # leave no half-made choice behind
-        smallest -= no_ac.input_bytes
-        needed = (
-            math.ceil(smallest / activations * 1000) / 1000 if as_fraction else math.ceil(smallest / GIB * 1000) / 1000
-        )
-        unit = "(fraction of the no-AC activation memory)" if as_fraction else "GiB"
+        needed = budget.smallest(smallest, input_bytes=no_ac.input_bytes, no_ac_peak=no_ac.peak_bytes)
         raise ConfigError(
-            f"activation_checkpoint.memory_budget {ac.memory_budget} is infeasible: the smallest "
-            f"reachable activation memory is {smallest / GIB:.4f} GiB, a budget of {needed} {unit}; "
+            f"activation_checkpoint.memory_budget {ac.memory_budget} is infeasible: the smallest reachable peak "
+            f"is {smallest / GIB:.4f} GiB ({(smallest - no_ac.input_bytes) / GIB:.4f} GiB of activations); "
             f"set --activation_checkpoint.memory_budget {needed} or more, or lower the batch size "
             "or sequence length"
         )

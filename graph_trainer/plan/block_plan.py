@@ -53,6 +53,7 @@ from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.load import resolve_model_args
+from graph_trainer.job_config.memory_budget import parse_memory_budget
 from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.job_config.schema import JobConfig
@@ -642,9 +643,9 @@ def _approximate_budget(cfg: JobConfig, none: _Parts | UserError, full: _Parts |
     """The `budget` mode's plan, approximated from the deep none and full plans (marked approximate).
 
     The pass recomputes until the graph's peak fits its target (inputs + `memory_budget` of the no-AC
-    activations, or that many GiB), so the peak is taken as the target (at most none's; below full's the
-    budget is reported infeasible, as the pass does for a target under its smallest probe); FLOPs and
-    saved bytes are interpolated between none and full in the same proportion. The error against full
+    activations, or the whole step's peak the budget names), so the peak is taken as the target (at most
+    none's; below full's the budget is reported infeasible, as the pass does for a target under its smallest
+    probe); FLOPs and saved bytes are interpolated between none and full in the same proportion. The error against full
     traces is measured in tests/plan/test_block_plan.py.
     """
     if isinstance(none, UserError):
@@ -652,13 +653,15 @@ def _approximate_budget(cfg: JobConfig, none: _Parts | UserError, full: _Parts |
     if isinstance(full, UserError):
         return full
     budget = cfg.activation_checkpoint.memory_budget
-    base = none.est.input_bytes
-    target = base + (budget * (none.est.peak_bytes - base) if budget <= 1 else budget * GIB)
+    read = parse_memory_budget(budget)
+    target = read.target(input_bytes=none.est.input_bytes, no_ac_peak=none.est.peak_bytes)
     if target < full.est.peak_bytes:  # the pass's smallest probe recomputes what full AC does
+        smallest = read.smallest(full.est.peak_bytes, input_bytes=none.est.input_bytes, no_ac_peak=none.est.peak_bytes)
         return ConfigError(
             f"activation_checkpoint.memory_budget {budget} is infeasible (approximate, from the depth-free plan): "
             f"full AC's graph peak {full.est.peak_bytes / GIB:.4f} GiB is above the target "
-            f"{target / GIB:.4f} GiB; raise the budget or lower the batch size"
+            f"{target / GIB:.4f} GiB; set --activation_checkpoint.memory_budget {smallest} or more, or lower the "
+            "batch size"
         )
     peak = int(min(target, none.est.peak_bytes))
     span = none.est.peak_bytes - full.est.peak_bytes

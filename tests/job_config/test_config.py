@@ -11,6 +11,7 @@ import torch
 from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.job_config.cli import build_config, help_text, load_config, parse_cli
 from graph_trainer.job_config.load import CONFIGS_DIR, config_to_toml, resolve_config_path, shipped_configs, validate
+from graph_trainer.job_config.memory_budget import MemoryBudget, parse_memory_budget
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.runtime.device import compute_dtype, resolve_dtype
 
@@ -126,6 +127,33 @@ def test_torchtitan_option_names_are_aliases_of_ours(tmp_path):
 def test_every_float_option_refuses_nan_and_inf(argv):
     message = _error(argv)
     assert "must be a finite number" in message and argv[0].split("=")[0].lstrip("-") in message
+
+
+@pytest.mark.parametrize(
+    ("value", "fraction", "peak_bytes"),
+    [("0.5", 0.5, None), ("1", 1.0, None), ("40GiB", None, 40 * 2**30), ("1.5 gib", None, 3 * 2**29),
+     ("800MB", None, 800 * 10**6), ("4096B", None, 4096)],
+)  # fmt: skip
+def test_memory_budget_is_a_fraction_or_a_size_with_its_unit(value, fraction, peak_bytes):
+    cfg, _ = load_config(["--activation_checkpoint.memory_budget", value, "--compile.trace_optimizer", "true"])
+    assert parse_memory_budget(cfg.activation_checkpoint.memory_budget) == MemoryBudget(fraction, peak_bytes)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--activation_checkpoint.memory_budget", "2"], "has no unit and is above 1"),  # once GiB of activations
+        (["--activation_checkpoint.memory_budget", "40G"], "unknown unit 'G'"),  # GiB or GB?
+        (["--activation_checkpoint.memory_budget", "lots"], "is not a size or a fraction"),
+        (["--activation_checkpoint.memory_budget", "0"], "must be > 0"),
+        (["--activation_checkpoint.memory_budget", "0GiB"], "must be > 0"),
+        # A size is the whole step's peak: the eager update's state lies outside the graph the policy plans.
+        (["--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", "40GiB"],
+         "--compile.trace_optimizer true"),
+    ],
+)  # fmt: skip
+def test_a_memory_budget_that_cannot_be_read_is_refused_with_the_fix(argv, says):
+    assert says in _error(argv)
 
 
 def test_bool_flag_without_value_means_true():

@@ -156,6 +156,36 @@ def test_infeasible_budget_names_the_smallest_feasible_one(tmp_path):
     assert est == meas
 
 
+@pytest.mark.integration  # plans and measures several budgets or modes
+def test_a_size_budget_bounds_the_whole_steps_measured_peak(tmp_path):
+    """A size with its unit is the whole step's peak (update traced in: the graph is the whole step): the measured
+    peak stays under it, and an infeasible one names, in GiB, a smallest budget that is then met."""
+    whole_step = ["--compile.trace_optimizer", "true"]
+
+    def measured_with(name: str, *ac: str) -> tuple[int, int]:
+        estimated, measured, _ = _measure(_trainer(tmp_path, name, *whole_step, *ac))
+        assert estimated == measured
+        return estimated, measured
+
+    none = measured_with("none")[1]
+    full = measured_with("full", "--activation_checkpoint.mode", "full")[1]
+    budget = (none + full) // 2
+    _, peak = measured_with(
+        "mid", "--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", f"{budget}B"
+    )
+    assert full <= peak <= budget < none
+
+    with pytest.raises(ConfigError, match="infeasible") as info:
+        measured_with(
+            "low", "--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", f"{full // 2}B"
+        )
+    smallest = re.search(r"memory_budget (\d+\.\d+GiB) or more", str(info.value)).group(1)
+    _, peak = measured_with(
+        "smallest", "--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", smallest
+    )
+    assert peak <= float(smallest.removesuffix("GiB")) * 2**30
+
+
 def test_recompute_override_of_a_random_op_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="never recomputed"):
         _measure(
