@@ -1,4 +1,4 @@
-"""Memory-budget activation checkpointing: save as much as fits, recompute the cheapest bytes first.
+"""Memory-budget activation checkpointing: the fewest recompute FLOPs whose whole-step peak fits the budget.
 
 The `budget` mode of the `memory_policy` pass (`passes/memory_policy.py`).
 
@@ -11,29 +11,22 @@ activation memory (the estimated step peak minus the graph inputs: parameters,
 buffers, batch, optimizer state, which no checkpointing policy changes), or a
 size with its unit ("40GiB") for the whole step's peak, everything included.
 
-Algorithm (greedy order, first fitting prefix):
-1. Candidates are the layer ops that own a storage the backward reads in the
-   no-AC graph (only those free memory when recomputed). Views always follow
-   their base, and ops whose output the backward does not read are tagged
-   recompute for free: they only run again if a recomputed op needs them.
-2. Candidates are ranked once by bytes freed per recompute FLOP (the op's own
-   FLOPs plus those of the free ops feeding it, as `torch.utils.flop_counter`
-   counts them: `graph_utils.node_flops`), ties by larger bytes, then graph
-   order. torch counts matmuls and attention only, so elementwise ops (cost
-   taken as 1 FLOP) come first, largest first, and matmuls last.
-3. Prefix k recomputes the first k candidates. A fixed set of prefixes (at most
-   `MAX_PROBES` + 1, evenly spaced, always including 0 and all) is
-   rematerialized and its peak estimated exactly (the same estimate that
-   equals the measured CPU peak); the no-AC graph is probed first.
-4. The first probed prefix whose estimated peak fits the budget is chosen.
+Method: an exact mixed-integer linear program (`passes/remat_model.py`, solved by
+scipy's HiGHS). The choices are the layer ops that own a storage the backward
+reads in the no-AC graph (only those free memory when recomputed); views follow
+their base, and ops whose output the backward does not read are tagged recompute
+for free (they only run again if a recomputed op needs them). The model's peak
+under any choice is the estimate of the graph remat makes from it, to the byte,
+so the solver's optimum is the choice with the fewest recompute FLOPs (torch's
+FLOP counter, every copy counted) among all that fit: not a heuristic's. Why an
+MILP: the peak is a maximum over the whole step of sums of lifetimes that depend
+on chains of choices (a copy is made where its first recomputed user needs it),
+which a greedy order or a per-op score cannot see; HiGHS proves optimality on
+these models in seconds at a few blocks (docs/passes_and_memory.md has the
+formulation and the measured times).
 
-Why: the order does not depend on the budget, and the first fitting prefix is
-monotone by construction: for budgets b' < b, every prefix fitting b' fits b,
-so the choice k' for b' is at or after the choice k for b; if prefix k fits b'
-then k' = k, otherwise peak(k') <= b' < peak(k). So the estimated (and on CPU
-the measured) peak never increases as the budget decreases, even where the
-peak is not monotone in k (it is not: recomputed copies can overlap badly).
-An infeasible budget is reported with the smallest probed peak.
+An infeasible budget is refused with the smallest peak any choice reaches (the
+same model, minimizing the peak).
 """
 
 from __future__ import annotations
@@ -56,14 +49,16 @@ from graph_trainer.passes.activation_checkpoint import (
     write_tags,
 )
 from graph_trainer.passes.op_patterns import parse_overrides
-from graph_trainer.passes.remat import peak_after_remat
+from graph_trainer.passes.remat_model import build_model, smallest_peak, solve
 from graph_trainer.tracer import node_meta
-from graph_trainer.tracer.graph_utils import is_view, node_flops, storage_key, storage_keys, tensors
+from graph_trainer.tracer.graph_utils import is_view, storage_keys
 from graph_trainer.tracer.memory_estimate import estimate_peak_memory
 
-MAX_PROBES = 48
-
 logger = get_logger(__name__)
+
+# Seconds the solver may take per trace. Past it, the best choice found is used and the log line says it is not
+# proven optimal, with HiGHS's gap (a few blocks solve in seconds; see docs/passes_and_memory.md).
+SOLVE_TIME_LIMIT_S = 10.0
 
 
 def _backward_storages(gm: torch.fx.GraphModule) -> set[int]:
@@ -77,14 +72,13 @@ def _backward_storages(gm: torch.fx.GraphModule) -> set[int]:
     return keys
 
 
-def rank_candidates(
+def choices(
     structure: StepStructure, pinned: set[torch.fx.Node], saved_storages: set[int]
 ) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
-    """(candidates in greedy order, free nodes tagged recompute regardless)."""
-    order = {n: i for i, n in enumerate(structure.layer_nodes)}
-    layer_set = set(structure.layer_nodes)
+    """(the candidates, in graph order: layer ops that own a storage the backward reads; the free ops, tagged
+    recompute whatever the choice: views, which follow their base, and ops whose output no backward op reads)."""
+    candidates: list[torch.fx.Node] = []
     free: set[torch.fx.Node] = set()
-    gains: dict[torch.fx.Node, int] = {}
     for n in structure.layer_nodes:
         if n in structure.forced or n in pinned:
             continue
@@ -93,31 +87,8 @@ def rank_candidates(
         if is_view(n) or not (owned & saved_storages):
             free.add(n)
         else:
-            gains[n] = sum(
-                int(t.untyped_storage().nbytes())
-                for t in tensors(n.meta.get("val"))
-                if storage_key(t) in owned & saved_storages
-            )
-
-    def cost(n: torch.fx.Node) -> int:
-        total, stack, seen = node_flops(n), [*n.all_input_nodes], set()
-        while stack:
-            a = stack.pop()
-            if a in seen or a not in free or a not in layer_set:
-                continue
-            seen.add(a)
-            total += node_flops(a)
-            stack.extend(a.all_input_nodes)
-        return max(total, 1)
-
-    ranked = sorted(gains, key=lambda n: (-gains[n] / cost(n), -gains[n], order[n]))
-    return ranked, free
-
-
-def probe_points(n: int) -> list[int]:
-    """Prefix lengths probed: 0, n and evenly spaced ones between, at most MAX_PROBES + 1."""
-    steps = min(n, MAX_PROBES)
-    return sorted({round(i * n / steps) for i in range(steps + 1)}) if n else [0]
+            candidates.append(n)
+    return candidates, free
 
 
 def tag_memory_budget(
@@ -128,24 +99,13 @@ def tag_memory_budget(
     In place; returns `gm`.
 
     Raises:
-        ConfigError: the budget is below the smallest peak any probed choice reaches
-            (the message gives the smallest feasible budget in the user's unit).
+        ConfigError: the budget is below the smallest peak any choice reaches (the message gives the smallest
+            feasible budget in the user's unit).
     """
     structure = analyze(gm)
     no_ac = estimate_peak_memory(gm, input_categories=input_categories)
     budget = parse_memory_budget(ac.memory_budget)
     target = budget.target(input_bytes=no_ac.input_bytes, no_ac_peak=no_ac.peak_bytes)
-
-    save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
-    pinned_decisions = apply_overrides(structure, {}, save, recompute)
-    candidates, free = rank_candidates(structure, set(pinned_decisions), _backward_storages(gm))
-
-    def decisions_for(k: int) -> Decisions:
-        chosen = set(candidates[:k])
-        d: Decisions = {n: RECOMPUTE if n in free or n in chosen else SAVE for n in structure.layer_nodes}
-        d.update(pinned_decisions)
-        return finalize(structure, d)
-
     if no_ac.peak_bytes <= target:
         write_tags(gm, structure, {})  # the no-AC graph fits: recompute nothing
         logger.info(
@@ -153,27 +113,33 @@ def tag_memory_budget(
             f"{target / GIB:.4f} GiB; nothing recomputed"
         )
         return gm
-    chosen_k, smallest = None, no_ac.peak_bytes
-    for k in probe_points(len(candidates)):
-        write_tags(gm, structure, decisions_for(k))
-        peak = peak_after_remat(gm, input_categories)
-        smallest = min(smallest, peak)
-        if peak <= target:
-            chosen_k = k
-            break
-    if chosen_k is None:
-        write_tags(gm, structure, {})  # leave no half-made choice behind
+
+    save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
+    pinned = apply_overrides(structure, {}, save, recompute)  # forced saves win over a pin (`finalize`)
+    candidates, free = choices(structure, set(pinned), _backward_storages(gm))
+    always = free | {n for n, d in pinned.items() if d == RECOMPUTE and n not in structure.forced}
+    model = build_model(gm, candidates, always, set(pinned) - always, input_categories)
+    solution = solve(model, target, time_limit_s=SOLVE_TIME_LIMIT_S)
+    if solution.recompute is None:
+        smallest, proven = smallest_peak(model, time_limit_s=SOLVE_TIME_LIMIT_S)
         needed = budget.smallest(smallest, input_bytes=no_ac.input_bytes, no_ac_peak=no_ac.peak_bytes)
+        which = "the smallest reachable peak" if proven else f"the lowest peak found in {SOLVE_TIME_LIMIT_S:g} s"
+        if not solution.status.startswith("Optimization terminated"):
+            which += f" (no fitting choice found: {solution.status})"
         raise ConfigError(
-            f"activation_checkpoint.memory_budget {ac.memory_budget} is infeasible: the smallest reachable peak "
+            f"activation_checkpoint.memory_budget {ac.memory_budget} is infeasible: {which} "
             f"is {smallest / GIB:.4f} GiB ({(smallest - no_ac.input_bytes) / GIB:.4f} GiB of activations); "
             f"set --activation_checkpoint.memory_budget {needed} or more, or lower the batch size "
             "or sequence length"
         )
-    write_tags(gm, structure, decisions_for(chosen_k))
-    flops = sum(node_flops(n) for n in candidates[:chosen_k])
+    chosen = set(solution.recompute)
+    decisions: Decisions = {n: RECOMPUTE if n in always or n in chosen else SAVE for n in structure.layer_nodes}
+    decisions.update(pinned)
+    write_tags(gm, structure, finalize(structure, decisions))
+    proof = "optimal" if solution.gap == 0 else f"not proven optimal ({solution.status}; gap {solution.gap})"
     logger.info(
-        f"memory_budget: target peak {target / GIB:.4f} GiB; recompute {chosen_k}/{len(candidates)} "
-        f"candidates (~{flops / 1e9:.3f} GFLOP of recompute, not counting free ops)"
+        f"memory_budget: target peak {target / GIB:.4f} GiB; recompute {len(chosen)}/{len(candidates)} candidates, "
+        f"{solution.recompute_flops / 1e9:.3f} GFLOP of recompute, peak {solution.peak_bytes / GIB:.4f} GiB "
+        f"({proof}, {solution.solve_s:.1f} s)"
     )
     return gm

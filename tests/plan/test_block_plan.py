@@ -19,10 +19,11 @@ from graph_trainer.plan.step_plan import AC_MODES, StepPlan
 
 EXACT = ("none", "selective", "full")
 # budget's plan is the pass's target clamped to at most none's peak (block_plan._approximate_budget): the
-# pass stops at the first probed prefix whose peak fits the target, so the real peak is at most the target:
-# an upper bound. How far below it lands depends on the probe spacing. Measured overestimates: +2.7% (debug,
-# 8 blocks, batch 4 x 256), +10.6% (debug, 8 blocks, one rank of 8, seq 128), +37.1% (the same at batch 2):
-# 40% bounds them.
+# pass's exact policy fits the target, so the real peak is at most it: an upper bound. Measured with the
+# greedy policy before the exact one: +2.7% (debug, 8 blocks, batch 4 x 256), +10.6% (debug, 8 blocks, one
+# rank of 8, seq 128), +37.1% (the same at batch 2); 40% bounded them, and the exact policy, which uses more
+# of the budget to spend fewer FLOPs, lands closer. The MoE and tensor-parallel cases leave budget out: their
+# whole-depth budget solve costs 20-40 s of CI each and checks nothing the dense cases do not.
 BUDGET_BOUND = 0.40
 DEBUG = ["--config", "llama3_debug", "--training.seq_len", "128", "--training.local_batch_size", "2"]
 # Llama-3 8B's dimensions (dim, heads, ffn, vocab) at a short sequence: the trace's cost is per op, not per byte.
@@ -41,17 +42,17 @@ def _numbers(plan: StepPlan) -> dict:
     }
 
 
-def _both(args: list[str], layers: int) -> tuple[dict, dict]:
+def _both(args: list[str], layers: int, modes: tuple[str, ...]) -> tuple[dict, dict]:
     cfg, _ = load_config([*args, "--model.n_layers", str(layers)])
     out = []
     for fast in (True, False):
         with planning_mesh(ParallelDims.from_config(cfg.parallelism), torch.device("cpu")) as mesh:
-            out.append(plan_modes(cfg, mesh, AC_MODES, fast=fast))
+            out.append(plan_modes(cfg, mesh, modes, fast=fast))
     return out[0], out[1]
 
 
-def _check(args: list[str], layers: int, traced: int = sum(SHORT)) -> None:
-    fast, full = _both(args, layers)
+def _check(args: list[str], layers: int, traced: int = sum(SHORT), *, budget: bool = True) -> None:
+    fast, full = _both(args, layers, AC_MODES if budget else EXACT)
     for mode in EXACT:
         assert fast[mode].blocks_traced == traced, mode  # extended, not a fallback to the full trace
         assert full[mode].blocks_traced == layers
@@ -59,8 +60,10 @@ def _check(args: list[str], layers: int, traced: int = sum(SHORT)) -> None:
         assert _numbers(fast[mode]) == _numbers(full[mode]), mode
         layer, module, op = fast[mode].peak_location
         assert isinstance(op, str) and op and (layer is None or f"layers.{layer}" in module or "AdamW" in op)
-    if isinstance(full["budget"], Exception):  # the budget is infeasible at this shape: both must say so
-        assert isinstance(fast["budget"], Exception), fast["budget"]
+    if not budget:
+        return
+    if isinstance(full["budget"], Exception):  # no choice reaches the budget: the pass says so at the trace
+        assert "is infeasible" in str(full["budget"]) and fast["budget"].approximate
         return
     assert fast["budget"].approximate
     error = fast["budget"].peak_bytes / full["budget"].peak_bytes - 1
@@ -133,7 +136,7 @@ def test_one_trace_shared_by_the_modes_plans_as_one_trace_per_mode():
 def test_depth_free_plan_equals_the_full_trace_tp2_dp_shard2_one_rank_of_4():
     """Tensor parallelism (sequence parallel between the blocks) with FSDP, one rank of 4 on the fake process
     group: the TP collectives and the vocabulary-parallel loss extend exactly too."""
-    _check([*DEBUG, "--parallelism.tp", "2", "--parallelism.dp_shard", "2"], 8)
+    _check([*DEBUG, "--parallelism.tp", "2", "--parallelism.dp_shard", "2"], 8, budget=False)
 
 
 MOE = ["--config", "deepseek_v3_debug", "--training.seq_len", "64", "--training.local_batch_size", "2"]
@@ -144,7 +147,7 @@ def test_depth_free_plan_equals_the_full_trace_moe_expert_parallel_one_rank_of_4
     """DeepSeek-V3: block 0 is dense, the others route to experts (all-to-alls at ep 4), and each router's balancing
     bias moves in the step's update (tagged with its layer): the first block differs from the middle ones, as
     prefetch's last does, and is proved the same at 3 and 4 blocks."""
-    _check([*MOE, "--parallelism.dp_shard", "4", "--parallelism.ep", "4"], 6)
+    _check([*MOE, "--parallelism.dp_shard", "4", "--parallelism.ep", "4"], 6, budget=False)
 
 
 @pytest.mark.integration
@@ -157,4 +160,4 @@ def test_depth_free_plan_equals_the_full_trace_moe_with_two_dense_blocks(monkeyp
 
     flavor = SPEC.flavors["debugmodel"]
     monkeypatch.setitem(SPEC.flavors, "debugmodel", dataclasses.replace(flavor, n_dense_layers=2))
-    _check(MOE, 8, traced=4 + 5)
+    _check(MOE, 8, traced=4 + 5, budget=False)

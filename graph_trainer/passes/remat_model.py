@@ -1,0 +1,542 @@
+"""The step's peak under any save-or-recompute choice, as a mixed-integer linear model: what the `budget` policy
+solves, and the exact optimum its tests compare against.
+
+One binary per candidate (`budget.choices`: layer ops that own a storage the backward reads) says
+recompute (1) or save (0). Every other quantity is a continuous variable that the constraints pin to the value
+`remat` and the memory estimate would give, so the model's peak at any choice is the estimate of the graph
+`remat` makes from it, to the byte (tests/passes/test_remat_model.py compares them on random choices). The rules
+are remat's (`passes/remat.py`) and the estimate's (`tracer/memory_estimate.py`), written as constraints:
+
+- **Copies.** `made[x, b]`: the copy of forward op x exists once the backward reaches op b. remat makes it just
+  before the first backward op that reads x, or that needs a copy of one of x's users which reads x; only for
+  ops tagged recompute. So made[x, b] = R_x AND (made[x, b-] OR b reads x OR made[u, b] for a user u of x), with
+  both bounds: exact.
+- **Positions.** The estimate's timeline, with a place for every copy that could be made: the forward ops, then
+  for each backward op the copies remat could insert before it (in forward order) and the op itself. A place
+  where no copy is made holds no more than the place before it, so the memory rows there are harmless.
+- **Lifetimes.** A storage lives from the op that makes it until the last use of any value that holds it (views
+  share their base's storage; a copy of a view shares the copy of its base, or the saved original). Each use is
+  an event (place, condition); "alive at p" is at least every event's condition at or after p (a suffix OR),
+  and at least "born by p". Conditions are products of binaries, linearized as lower bounds (x >= a + b - 1).
+  Dead-code elimination is a `kept` variable per original: a recomputed op that only the backward read is gone.
+- **Peak.** At every place, inputs + every storage alive there <= the budget.
+
+Only lower bounds move a variable upward, and every variable that a lower bound sets appears in the memory rows
+with a positive weight, so the solver gains nothing by raising one: the optimum of the model is the optimum over
+choices (docs/passes_and_memory.md has the formulation on one page).
+
+The objective is the recompute FLOPs (`graph_utils.node_flops`, torch's FLOP counter) of every copy made, copies
+of free ops included, with each copy's output elements as a tie-break one millionth as heavy (torch counts no
+FLOPs for elementwise ops: among plans of equal FLOPs, the one that re-runs fewer elements wins).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import torch.fx
+
+from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.graph_utils import layer_forward_nodes, node_flops, tensors
+from graph_trainer.tracer.memory_estimate import _analyze, _workspace_bytes
+
+TIE_BREAK = 1e-6  # weight of one recomputed output element against one FLOP
+
+Expr = tuple[dict[int, float], float]  # {variable: coefficient}, constant
+
+
+def _expr(*terms: tuple[int | None, float], const: float = 0.0) -> Expr:
+    coef: dict[int, float] = defaultdict(float)
+    for var, c in terms:
+        if var is None:
+            const += c
+        else:
+            coef[var] += c
+    return dict(coef), const
+
+
+@dataclasses.dataclass
+class RematModel:
+    """The model of one graph: variables, bounds and memory rows (see the module docstring)."""
+
+    candidates: list[torch.fx.Node]
+    n_vars: int
+    labels: list[str]  # what each variable means (for reading a solution)
+    places: list[str]  # each memory row's place: an op, or "copy of x before b"
+    lower: list[tuple[int, Expr]]  # x[v] >= expr
+    upper: list[tuple[int, Expr]]  # x[v] <= expr
+    copy_stage: int  # the first `lower` entry after the copy rules (evaluation settles those first)
+    memory: list[Expr]  # per place: bytes alive (inputs in the constant); <= budget
+    flops: np.ndarray  # per variable: FLOPs counted when it is 1 (a copy made)
+    elements: np.ndarray  # per variable: output elements re-run when it is 1
+
+    # ------------------------------------------------------------------ evaluation of one choice
+
+    def values(self, recompute: Iterable[torch.fx.Node]) -> np.ndarray:
+        """Every variable's value under a choice (the candidates in `recompute` recomputed, the rest saved)."""
+        chosen = set(recompute)
+        x = np.zeros(self.n_vars)
+        for i, c in enumerate(self.candidates):
+            x[i] = 1.0 if c in chosen else 0.0
+        for rules in (self.lower[: self.copy_stage], self.lower[self.copy_stage :]):
+            changed = True
+            while changed:
+                changed = False
+                for v, (coef, const) in rules:
+                    value = min(const + sum(c * x[u] for u, c in coef.items()), 1.0)
+                    if value > x[v] + 1e-9:
+                        x[v] = value
+                        changed = True
+        return x
+
+    def peak(self, recompute: Iterable[torch.fx.Node]) -> int:
+        """The peak the estimate gives the graph remat makes from this choice."""
+        x = self.values(recompute)
+        return int(round(max(const + sum(c * x[u] for u, c in coef.items()) for coef, const in self.memory)))
+
+    @property
+    def objective(self) -> np.ndarray:
+        """What the solver minimizes: recompute FLOPs, ties broken by fewer re-run elements."""
+        return self.flops + TIE_BREAK * self.elements
+
+    def recompute_flops(self, recompute: Iterable[torch.fx.Node]) -> int:
+        """The FLOPs of every copy remat makes under this choice (torch's FLOP counter)."""
+        return int(round(float(self.flops @ self.values(recompute))))
+
+
+def build_model(
+    gm: torch.fx.GraphModule,
+    candidates: list[torch.fx.Node],
+    recomputed: set[torch.fx.Node],
+    saved: set[torch.fx.Node],
+    input_categories: list[str] | None = None,
+) -> RematModel:
+    """The model of `gm` (untagged, after clean-up) where each of `candidates` is a choice, the layer ops in
+    `recomputed` are always tagged recompute (free ops, pins) and those in `saved` always saved.
+
+    A multi-output op's getitems follow their op, as `activation_checkpoint.finalize` makes them.
+    """
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    n_cand = len(candidates)
+    var_of_candidate = {c: i for i, c in enumerate(candidates)}
+    n_vars = n_cand
+    labels = [f"recompute {c.name}" for c in candidates]
+
+    def new_var(label: str = "") -> int:
+        nonlocal n_vars
+        n_vars += 1
+        labels.append(label)
+        return n_vars - 1
+
+    # R_x: (variable or None, constant) for every layer op; getitems follow their op.
+    def tag(n: torch.fx.Node) -> tuple[int | None, float]:
+        if n.target is operator.getitem:
+            parent = n.args[0]
+            if parent in var_of_candidate or parent in recomputed or parent in saved:
+                return tag(parent)
+        if n in var_of_candidate:
+            return var_of_candidate[n], 0.0
+        if n in recomputed:
+            return None, 1.0
+        return None, 0.0
+
+    layer = layer_forward_nodes(gm)
+    layer_set = set(layer)
+    eligible = [n for n in layer if tag(n) != (None, 0.0)]
+    eligible_set = set(eligible)
+
+    backward = [n for n in nodes if node_meta.is_backward(n)]
+    # Where a copy of x could be made: before a backward reader of x, or where a copy of a user of x is made.
+    slots: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for x in reversed(eligible):
+        found = {u for u in x.users if node_meta.is_backward(u)}
+        for u in x.users:
+            if u in eligible_set:
+                found |= set(slots[u])
+        slots[x] = sorted(found, key=index.__getitem__)
+
+    # Places: forward (and everything before the backward), then per backward op its possible copies and itself.
+    place_of: dict[object, int] = {}
+    order: list[object] = []
+    copies_at: dict[torch.fx.Node, list[torch.fx.Node]] = defaultdict(list)
+    for x in eligible:
+        for b in slots[x]:
+            copies_at[b].append(x)
+    first_bwd = index[backward[0]] if backward else len(nodes)
+    for n in nodes:
+        if n.op == "output":
+            continue
+        if index[n] >= first_bwd and node_meta.is_backward(n):
+            for x in copies_at[n]:
+                place_of[(n, x)] = len(order)
+                order.append((n, x))
+        place_of[n] = len(order)
+        order.append(n)
+    n_places = len(order)
+
+    def not_tag(x: torch.fx.Node) -> list[tuple[int | None, float]]:
+        rv, rc = tag(x)
+        return [(None, 1.0 - rc)] if rv is None else [(rv, -1.0), (None, 1.0)]
+
+    def is_tag(x: torch.fx.Node) -> list[tuple[int | None, float]]:
+        rv, rc = tag(x)
+        return [(None, rc)] if rv is None else [(rv, 1.0)]
+
+    lower: list[tuple[int, Expr]] = []
+    upper: list[tuple[int, Expr]] = []
+
+    # made[x, b]: copy of x exists by slot b (exact: both bounds).
+    made: dict[tuple[torch.fx.Node, torch.fx.Node], int] = {}
+    for x in eligible:
+        for b in slots[x]:
+            made[(x, b)] = new_var(f"made {x.name} by {b.name}")
+    for x in reversed(eligible):  # users first: their `made` feed x's
+        prev = None
+        for b in slots[x]:
+            v = made[(x, b)]
+            reasons: list[tuple[int | None, float]] = []
+            if prev is not None:
+                lower.append((v, _expr((made[(x, prev)], 1.0))))
+                reasons.append((made[(x, prev)], 1.0))
+            if b in x.users:
+                lower.append((v, _expr(*is_tag(x))))
+                reasons.append((None, 1.0))
+            for u in x.users:
+                if (u, b) in made:
+                    lower.append((v, _expr((made[(u, b)], 1.0), *is_tag(x), const=-1.0)))
+                    reasons.append((made[(u, b)], 1.0))
+            upper.append((v, _expr(*is_tag(x))))
+            upper.append((v, _expr(*reasons)))
+            prev = b
+    copy_stage = len(lower)
+
+    def made_expr(x: torch.fx.Node, b: torch.fx.Node) -> list[tuple[int | None, float]]:
+        """made_at(x, b) = made[x, b] - made[x, b-]: the copy is made right before b."""
+        terms = [(made[(x, b)], 1.0)]
+        i = slots[x].index(b)
+        if i > 0:
+            terms.append((made[(x, slots[x][i - 1])], -1.0))
+        return terms
+
+    def made_by(x: torch.fx.Node, place: int) -> list[tuple[int | None, float]]:
+        """made[x, .] at `place`: the copy exists there (made at a slot whose copy place is at or before it)."""
+        best = None
+        for b in slots[x]:
+            if place_of[(b, x)] <= place:
+                best = b
+        return [(made[(x, best)], 1.0)] if best is not None else [(None, 0.0)]
+
+    # kept[x]: the original of a layer op survives dead-code elimination.
+    kept: dict[torch.fx.Node, int] = {x: new_var(f"kept {x.name}") for x in eligible}
+    kept_rules: list[tuple[int, Expr]] = []
+    for x in reversed(eligible):
+        for u in x.users:
+            if u in kept:
+                kept_rules.append((kept[x], _expr((kept[u], 1.0))))
+            elif node_meta.is_backward(u):
+                kept_rules.append((kept[x], _expr(*not_tag(x))))
+            else:  # a forward op outside the choice, the optimizer, the output: always there
+                kept_rules.append((kept[x], _expr(const=1.0)))
+            if u in eligible_set:
+                for b in slots[u]:  # a copy of u reads the original x when x is saved
+                    kept_rules.append((kept[x], _expr(*made_expr(u, b), *not_tag(x), const=-1.0)))
+
+    def kept_term(n: torch.fx.Node) -> list[tuple[int | None, float]]:
+        return [(kept[n], 1.0)] if n in kept else [(None, 1.0)]
+
+    # An event: (place, terms, k): a value holding the storage is used at `place` when all k conditions hold
+    # (their terms summed: the conjunction is at least sum - (k - 1)).
+    Event = tuple[int, list[tuple[int | None, float]], int]
+
+    def original_events(h: torch.fx.Node) -> list[Event]:
+        """Uses of the original h (its own place included: a value nobody uses lives at its own op)."""
+        events: list[Event] = [(place_of[h], kept_term(h), 1)]
+        for u in h.users:
+            if u.op == "output":
+                events.append((n_places, [(None, 1.0)], 1))  # returned: alive to the end
+            elif u in layer_set:
+                events.append((place_of[u], kept_term(u), 1))
+            elif node_meta.is_backward(u) and h in eligible_set:
+                events.append((place_of[u], not_tag(h), 1))
+            else:
+                events.append((place_of[u], [(None, 1.0)], 1))
+            if u in eligible_set:
+                for b in slots[u]:
+                    if h in eligible_set:
+                        events.append((place_of[(b, u)], [*made_expr(u, b), *not_tag(h)], 2))
+                    else:
+                        events.append((place_of[(b, u)], made_expr(u, b), 1))
+        return events
+
+    def copy_events(h: torch.fx.Node) -> list[Event]:
+        """Uses of the copy of h: where it is made, the backward ops that read it, the copies of its users."""
+        events: list[Event] = [(place_of[(b, h)], made_expr(h, b), 1) for b in slots[h]]
+        for u in h.users:
+            if node_meta.is_backward(u):
+                events.append((place_of[u], is_tag(h), 1))
+            if u in eligible_set:
+                for b in slots[u]:
+                    events.append((place_of[(b, u)], [*made_expr(u, b), *is_tag(h)], 2))
+        return events
+
+    def backward_events(h: torch.fx.Node) -> list[Event]:
+        """Uses of a backward op's value (a backward view of a forward value): its place and its users'."""
+        events: list[Event] = [(place_of[h], [(None, 1.0)], 1)]
+        for u in h.users:
+            events.append((n_places if u.op == "output" else place_of[u], [(None, 1.0)], 1))
+        return events
+
+    def root(h: torch.fx.Node, holders: set[torch.fx.Node]) -> torch.fx.Node:
+        """The forward value a backward holder views (its nearest forward holder)."""
+        while node_meta.is_backward(h):
+            h = next((a for a in h.all_input_nodes if a in holders), None) or h
+            if node_meta.is_backward(h) and not any(a in holders for a in h.all_input_nodes):
+                return h  # made in the backward: never copied
+        return h
+
+    def conj(events: list[Event], *terms: tuple[int | None, float]) -> list[Event]:
+        return [(p, [*t, *terms], k + 1) for p, t, k in events]
+
+    _, storages = _analyze(gm, input_categories)
+    fixed = np.zeros(n_places + 2)
+    inputs = _workspace_bytes(gm)
+    memory_terms: list[dict[int, float]] = [defaultdict(float) for _ in range(n_places)]
+    alive_rules: list[tuple[int, Expr]] = []
+
+    def add_storage(events: list[Event], born: int, born_by, nbytes: int) -> None:
+        """Rows for one storage: born at place `born` for sure (`born_by` None) or where `born_by(place)` (terms)
+        says it exists; alive until its last event whose condition holds."""
+        sure, conditional = -1, []
+        for p, terms, k in events:
+            coef, const = _expr(*terms, const=-(k - 1.0))
+            if coef or born_by is not None:  # a storage that may not exist is alive only where it does
+                conditional.append((p, (coef, const)))
+            elif const >= 1.0 - 1e-9:
+                sure = max(sure, p)
+        if born_by is None and sure >= born:
+            fixed[born] += nbytes
+            fixed[min(sure, n_places) + 1] -= nbytes
+        later_places = sorted({p for p, _ in conditional if p > sure}, reverse=True)
+        if not later_places:
+            return
+        suffix: dict[int, int] = {}
+        later = None
+        for p in later_places:  # latest first: each place's OR includes every later one
+            v = suffix[p] = new_var()
+            if later is not None:
+                alive_rules.append((v, _expr((later, 1.0))))
+            later = v
+        for p, e in conditional:
+            if p in suffix:
+                alive_rules.append((suffix[p], e))
+        places = sorted(suffix)
+        segment: dict[tuple, int] = {}
+        j = 0
+        for q in range(max(born, sure + 1), min(places[-1], n_places - 1) + 1):
+            while places[j] < q:
+                j += 1
+            s = suffix[places[j]]
+            if born_by is None:
+                memory_terms[q][s] += nbytes
+                continue
+            by = born_by(q)
+            if by == [(None, 0.0)]:
+                continue
+            key = (s, tuple(by))  # alive = used at or after q AND made by q: one variable while neither changes
+            if key not in segment:
+                segment[key] = new_var()
+                alive_rules.append((segment[key], _expr((s, 1.0), *by, const=-1.0)))
+            memory_terms[q][segment[key]] += nbytes
+
+    for st in storages:
+        if st.born < 0:
+            inputs += st.nbytes
+            continue
+        producer = st.producer
+        holders = list(dict.fromkeys(st.holders))
+        holder_set = set(holders)
+        copied = producer in eligible_set
+        original: list[Event] = []
+        copy: list[Event] = []
+        for h in holders:
+            if node_meta.is_backward(h):
+                x = root(h, holder_set)
+                if x not in eligible_set:
+                    original += backward_events(h)
+                    continue
+                original += conj(backward_events(h), *not_tag(x))
+                if copied:
+                    both = conj(backward_events(h), *is_tag(x))
+                    copy += both if x is producer else conj(both, *is_tag(producer))
+                    if x is not producer:
+                        original += conj(conj(backward_events(h), *is_tag(x)), *not_tag(producer))
+                else:
+                    original += conj(backward_events(h), *is_tag(x))
+                continue
+            original += original_events(h)
+            if h in eligible_set and h is not producer:
+                original += conj(copy_events(h), *not_tag(producer)) if copied else copy_events(h)
+            if h in eligible_set and copied:
+                copy += copy_events(h)
+        add_storage(original, place_of[producer], None, st.nbytes)
+        if copied and slots[producer]:
+            first = place_of[(slots[producer][0], producer)]
+            add_storage(copy, first, lambda q, x=producer: made_by(x, q), st.nbytes)
+
+    lower += kept_rules + alive_rules
+    const = np.cumsum(fixed)[:n_places] + inputs
+    memory = [(dict(memory_terms[q]), float(const[q])) for q in range(n_places)]
+
+    flops, elements = np.zeros(n_vars), np.zeros(n_vars)
+    for x in eligible:
+        if slots[x]:
+            flops[made[(x, slots[x][-1])]] = node_flops(x)
+            elements[made[(x, slots[x][-1])]] = sum(t.numel() for t in tensors(x.meta.get("val")))
+    return RematModel(
+        candidates=list(candidates),
+        n_vars=n_vars,
+        labels=labels,
+        places=[p.name if isinstance(p, torch.fx.Node) else f"copy of {p[1].name} before {p[0].name}" for p in order],
+        lower=lower,
+        upper=upper,
+        copy_stage=copy_stage,
+        memory=memory,
+        flops=flops,
+        elements=elements,
+    )
+
+
+@contextlib.contextmanager
+def _solver_output_dropped() -> Iterator[None]:
+    """HiGHS's C++ code prints debugging lines to the process's stdout now and then (seen: "HighsMipSolverData::
+    transformNewIntegerFeasibleSolution tmpSolver.run();"), whatever `disp` says; they say nothing to a user, and
+    the solver's result carries its status. File descriptor 1 points at /dev/null while it runs."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _row(rows, cols, vals, lo, hi, coef: dict[int, float], pin: int | None, low: float, high: float) -> None:
+    """Append the constraint low <= x[pin] - coef.x <= high (pin None: low <= coef.x <= high)."""
+    r = len(lo)
+    if pin is not None:
+        rows.append(r), cols.append(pin), vals.append(1.0)
+    for u, c in coef.items():
+        rows.append(r), cols.append(u), vals.append(-c if pin is not None else c)
+    lo.append(low), hi.append(high)
+
+
+def _rule_rows(model: RematModel) -> tuple[list, list, list, list, list]:
+    """The model's bounds as sparse rows (row, column, value lists and each row's low and high)."""
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    for v, (coef, const) in model.lower:
+        _row(rows, cols, vals, lo, hi, coef, v, const, np.inf)
+    for v, (coef, const) in model.upper:
+        _row(rows, cols, vals, lo, hi, coef, v, -np.inf, const)
+    return rows, cols, vals, lo, hi
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+    """The solver's answer for one budget: the candidates to recompute, or None when no choice fits."""
+
+    recompute: list[torch.fx.Node] | None
+    peak_bytes: int | None  # the model's peak under that choice (== the estimate's, to the byte)
+    recompute_flops: int | None
+    solve_s: float
+    status: str
+    gap: float | None = None  # the solver's optimality gap: 0 when proven optimal
+
+
+def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 10.0) -> Solution:
+    """The choice with the fewest recompute FLOPs whose peak is at most `budget_bytes` (scipy's HiGHS MILP).
+
+    The solver works in floating point; its answer is re-evaluated exactly (`RematModel.peak`), and where that
+    is above the budget (a tolerance's worth), the budget is lowered by the excess and solved again.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    rows, cols, vals, lo, hi = _rule_rows(model)
+    memory_start = len(lo)
+    for coef, const in model.memory:
+        if coef:
+            _row(rows, cols, vals, lo, hi, coef, None, -np.inf, budget_bytes - const)
+    fixed_peak = max((const for coef, const in model.memory), default=0.0)
+    n_cand = len(model.candidates)
+    integrality = np.zeros(model.n_vars)
+    integrality[:n_cand] = 1
+    matrix = coo_matrix((vals, (rows, cols)), shape=(len(lo), model.n_vars)).tocsr()
+    start = time.perf_counter()
+    target = budget_bytes
+    for _ in range(3):
+        if fixed_peak > target:
+            break
+        hi_now = np.array(hi)
+        hi_now[memory_start:] -= budget_bytes - target
+        with _solver_output_dropped():
+            result = milp(
+                model.objective,
+                constraints=LinearConstraint(matrix, np.array(lo), hi_now),
+                integrality=integrality,
+                bounds=Bounds(0.0, 1.0),
+                options={"time_limit": time_limit_s, "mip_rel_gap": 0.0},
+            )
+        if result.x is None:
+            return Solution(None, None, None, time.perf_counter() - start, result.message)
+        chosen = [c for i, c in enumerate(model.candidates) if result.x[i] > 0.5]
+        peak = model.peak(chosen)
+        if peak <= budget_bytes:
+            flops = model.recompute_flops(chosen)
+            gap = getattr(result, "mip_gap", None)
+            return Solution(chosen, peak, flops, time.perf_counter() - start, result.message, gap)
+        target -= peak - budget_bytes
+    return Solution(None, None, None, time.perf_counter() - start, "no choice fits the budget")
+
+
+def smallest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> tuple[int, bool]:
+    """(the lowest peak a choice reaches, whether the solver proved it the lowest within `time_limit_s`): what an
+    infeasible budget is told to rise to. Recomputing every candidate is the fallback answer (unproven)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    n = model.n_vars + 1  # the last variable is the peak
+    rows, cols, vals, lo, hi = _rule_rows(model)
+    for coef, const in model.memory:
+        _row(rows, cols, vals, lo, hi, {**coef, n - 1: -1.0}, None, -np.inf, -const)
+    integrality = np.zeros(n)
+    integrality[: len(model.candidates)] = 1
+    objective = np.zeros(n)
+    objective[-1] = 1.0
+    upper = np.ones(n)
+    upper[-1] = np.inf
+    with _solver_output_dropped():
+        result = milp(
+            objective,
+            constraints=LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(len(lo), n)).tocsr(), lo, hi),
+            integrality=integrality,
+            bounds=Bounds(np.zeros(n), upper),
+            options={"time_limit": time_limit_s},
+        )
+    if result.x is None:
+        return min(model.peak(model.candidates), model.peak([])), False
+    chosen = [c for i, c in enumerate(model.candidates) if result.x[i] > 0.5]
+    return model.peak(chosen), result.status == 0
+
+
+__all__ = ["RematModel", "Solution", "build_model", "smallest_peak", "solve"]

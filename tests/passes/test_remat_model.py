@@ -1,0 +1,97 @@
+"""The save-or-recompute model (`passes/remat_model.py`) and the `budget` policy that solves it.
+
+Claims tested:
+- the model is exact: under any choice, its peak is the estimate of the graph remat makes (to the byte), and its
+  recompute FLOPs are the FLOPs of remat's copies (random choices on a real block: grouped-query attention, RoPE,
+  dropout's random ops that are never recomputed);
+- the solver's choice is optimal: on a block small enough to enumerate every choice with remat and the estimate
+  (no model involved), its FLOPs are the fewest that fit, at 10 budgets from the smallest reachable peak to the
+  no-AC peak, its peak fits each, and the smallest peak it reports is the enumeration's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import types
+
+import torch
+
+from graph_trainer import stages
+from graph_trainer.builder import build_job
+from graph_trainer.distributed.mesh import Mesh, ParallelDims
+from graph_trainer.job_config.cli import load_config
+from graph_trainer.passes import CLEAN_UP
+from graph_trainer.passes.activation_checkpoint import RECOMPUTE, SAVE, analyze, finalize, write_tags
+from graph_trainer.passes.budget import _backward_storages, choices
+from graph_trainer.passes.remat import remat_graph
+from graph_trainer.passes.remat_model import build_model, smallest_peak, solve
+from graph_trainer.plan.step_plan import meta_batch
+from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.graph_utils import node_flops
+from graph_trainer.tracer.memory_estimate import estimate_peak_memory
+from tests.tiny import TINY_BATCH, tiny_model
+
+
+def _clean_step(layers: int, *extra: str):
+    """(graph after clean-up, its input categories) of the tiny model's traced step, on the meta device."""
+    cfg, _ = load_config(["--config", "llama3_debug", *tiny_model(layers), *TINY_BATCH, *extra])
+    job = build_job(cfg, Mesh(ParallelDims(), 0, torch.device("cpu")), materialize=False)
+    traced = stages.trace(job, meta_batch(job.cfg))
+    return stages.transform(job, traced, until=CLEAN_UP).traced.gm, traced.layout.categories
+
+
+def _remat_truth(gm, structure, free, chosen, categories) -> tuple[int, int]:
+    """(estimated peak, recompute FLOPs) of the graph remat makes from a choice: no model involved."""
+    decisions = {n: RECOMPUTE if n in free or n in chosen else SAVE for n in structure.layer_nodes}
+    write_tags(gm, structure, finalize(structure, decisions))
+    graph = remat_graph(gm.graph)
+    target = gm if graph is None else types.SimpleNamespace(graph=graph)
+    flops = 0 if graph is None else sum(node_flops(n) for n in graph.nodes if node_meta.is_rematerialized(n))
+    return estimate_peak_memory(target, input_categories=categories).peak_bytes, flops
+
+
+def test_the_models_peak_and_flops_are_remats_under_any_choice():
+    gm, categories = _clean_step(2, "--model.dropout", "0.1")
+    structure = analyze(gm)
+    candidates, free = choices(structure, set(), _backward_storages(gm))
+    assert any(reason == "random op" for reason in structure.forced.values())  # dropout: never a choice
+    model = build_model(gm, candidates, free, set(), categories)
+    rng = random.Random(0)
+    for share in (0.0, 1.0, 0.2, 0.5, 0.8, 0.5, 0.3, 0.7):
+        chosen = {c for c in candidates if rng.random() < share}
+        assert (model.peak(chosen), model.recompute_flops(chosen)) == _remat_truth(
+            gm, structure, free, chosen, categories
+        ), f"{len(chosen)} of {len(candidates)} recomputed"
+
+
+def test_the_solvers_choice_is_the_enumerated_optimum_at_every_budget():
+    """10 of one block's candidates are the choice (the others saved): 1024 choices, each rematerialized and
+    estimated; the solver must find the fewest FLOPs that fit, at 10 budgets."""
+    gm, categories = _clean_step(1)
+    structure = analyze(gm)
+    candidates, free = choices(structure, set(), _backward_storages(gm))
+    chosen_from = candidates[-10:]  # the block's second half: attention's outputs and the MLP's matmuls
+    model = build_model(gm, chosen_from, free, set(candidates) - set(chosen_from), categories)
+    every = {}
+    for bits in itertools.product((0, 1), repeat=len(chosen_from)):
+        chosen = frozenset(c for c, bit in zip(chosen_from, bits, strict=True) if bit)
+        every[chosen] = _remat_truth(gm, structure, free, chosen, categories)
+    lowest = min(peak for peak, _ in every.values())
+    highest = every[frozenset()][0]
+    assert smallest_peak(model) == (lowest, True) and lowest < highest
+    for i in range(10):
+        budget = lowest + (highest - lowest) * i // 9
+        fewest = min(flops for peak, flops in every.values() if peak <= budget)
+        solution = solve(model, budget)
+        peak, flops = every[frozenset(solution.recompute)]
+        assert peak <= budget and flops == fewest == solution.recompute_flops, (i, budget)
+        assert solution.gap == 0
+
+
+def test_no_choice_fits_a_budget_below_the_smallest_peak():
+    gm, categories = _clean_step(1)
+    structure = analyze(gm)
+    candidates, free = choices(structure, set(), _backward_storages(gm))
+    model = build_model(gm, candidates, free, set(), categories)
+    assert solve(model, smallest_peak(model)[0] - 1).recompute is None
