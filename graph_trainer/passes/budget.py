@@ -49,7 +49,7 @@ from graph_trainer.passes.activation_checkpoint import (
     write_tags,
 )
 from graph_trainer.passes.op_patterns import parse_overrides
-from graph_trainer.passes.remat_model import build_model, smallest_peak, solve
+from graph_trainer.passes.remat_model import INFEASIBLE, build_model, smallest_peak, solve
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.graph_utils import is_view, storage_keys
 from graph_trainer.tracer.memory_estimate import estimate_peak_memory
@@ -124,7 +124,7 @@ def tag_memory_budget(
         smallest, proven = smallest_peak(model, time_limit_s=SOLVE_TIME_LIMIT_S)
         needed = budget.smallest(smallest, input_bytes=no_ac.input_bytes, no_ac_peak=no_ac.peak_bytes)
         which = "the smallest reachable peak" if proven else f"the lowest peak found in {SOLVE_TIME_LIMIT_S:g} s"
-        if not solution.status.startswith("Optimization terminated"):
+        if solution.status != INFEASIBLE:  # not proven: say what stopped the solver
             which += f" (no fitting choice found: {solution.status})"
         raise ConfigError(
             f"activation_checkpoint.memory_budget {ac.memory_budget} is infeasible: {which} "
@@ -136,7 +136,7 @@ def tag_memory_budget(
     decisions: Decisions = {n: RECOMPUTE if n in always or n in chosen else SAVE for n in structure.layer_nodes}
     decisions.update(pinned)
     write_tags(gm, structure, finalize(structure, decisions))
-    proof = "optimal" if solution.gap == 0 else f"not proven optimal ({solution.status}; gap {solution.gap})"
+    proof = "optimal" if solution.optimal else f"not proven optimal: {solution.status}, gap {solution.gap:.2%}"
     logger.info(
         f"memory_budget: target peak {target / GIB:.4f} GiB; recompute {len(chosen)}/{len(candidates)} candidates, "
         f"{solution.recompute_flops / 1e9:.3f} GFLOP of recompute, peak {solution.peak_bytes / GIB:.4f} GiB "

@@ -49,6 +49,7 @@ from graph_trainer.tracer.graph_utils import layer_forward_nodes, node_flops, te
 from graph_trainer.tracer.memory_estimate import _analyze, _workspace_bytes
 
 TIE_BREAK = 1e-6  # weight of one recomputed output element against one FLOP
+INFEASIBLE = "infeasible"  # `Solution.status` when the solver proved that no choice fits
 
 Expr = tuple[dict[int, float], float]  # {variable: coefficient}, constant
 
@@ -460,7 +461,8 @@ class Solution:
     recompute_flops: int | None
     solve_s: float
     status: str
-    gap: float | None = None  # the solver's optimality gap: 0 when proven optimal
+    optimal: bool = False  # HiGHS proved it optimal (else it stopped at its time limit with the best found)
+    gap: float | None = None  # the solver's relative optimality gap (0 up to rounding when optimal)
 
 
 def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 10.0) -> Solution:
@@ -486,7 +488,7 @@ def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 10.0)
     target = budget_bytes
     for _ in range(3):
         if fixed_peak > target:
-            break
+            return Solution(None, None, None, time.perf_counter() - start, INFEASIBLE)
         hi_now = np.array(hi)
         hi_now[memory_start:] -= budget_bytes - target
         with _solver_output_dropped():
@@ -498,15 +500,16 @@ def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 10.0)
                 options={"time_limit": time_limit_s, "mip_rel_gap": 0.0},
             )
         if result.x is None:
-            return Solution(None, None, None, time.perf_counter() - start, result.message)
+            status = INFEASIBLE if result.status == 2 else result.message
+            return Solution(None, None, None, time.perf_counter() - start, status)
         chosen = [c for i, c in enumerate(model.candidates) if result.x[i] > 0.5]
         peak = model.peak(chosen)
         if peak <= budget_bytes:
             flops = model.recompute_flops(chosen)
             gap = getattr(result, "mip_gap", None)
-            return Solution(chosen, peak, flops, time.perf_counter() - start, result.message, gap)
+            return Solution(chosen, peak, flops, time.perf_counter() - start, result.message, result.status == 0, gap)
         target -= peak - budget_bytes
-    return Solution(None, None, None, time.perf_counter() - start, "no choice fits the budget")
+    return Solution(None, None, None, time.perf_counter() - start, "the solver's choices kept landing above the budget")
 
 
 def smallest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> tuple[int, bool]:
