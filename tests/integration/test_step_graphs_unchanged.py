@@ -6,6 +6,10 @@ final graph (every node's op, the indices of its inputs, and its output shapes a
 the planned peak, saved bytes, FLOPs, parameter count and peak location. The same plans made by today's code must
 give the same digests and numbers, to the byte.
 
+The `budget` mode is left out: its policy was replaced after the restructure (issue 33: an exact solver in place of
+the greedy prefix whose plans the file holds), so its graphs differ by design; tests/passes/test_remat_model.py
+holds the new policy to remat and the estimate, and to an enumeration of every choice.
+
 Each case adds features to a plain one. The two dropped for CI time (the traced optimizer alone and plain FSDP, 66 s
 of 228 here) have every feature in a kept case; the plain debug and 8B cases stay, as issue 30's proof names them.
 """
@@ -24,6 +28,8 @@ from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.plan.step_plan import AC_MODES, plan_step, with_ac_mode
+
+MODES = [mode for mode in AC_MODES if mode != "budget"]  # see the module docstring
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +73,7 @@ def test_planned_step_graphs_and_numbers_equal_those_before_the_restructure(case
     device = torch.device("cpu")
     with planning_mesh(ParallelDims.from_config(cfg.parallelism), device) as mesh:
         job = build_job(cfg, mesh, materialize=False)
-        for mode in AC_MODES:
+        for mode in MODES:
             golden = GOLDEN[f"{case}/{mode}"]
             try:
                 plan = plan_step(job.with_config(with_ac_mode(cfg, mode)))

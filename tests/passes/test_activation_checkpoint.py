@@ -124,7 +124,7 @@ def test_a_smaller_budget_never_costs_fewer_flops_and_every_peak_fits(tmp_path):
 
     no_ac, _, _ = _measure(_trainer(tmp_path, "none"))
     flops, peaks = [], []
-    for budget in ("1.0", "0.9", "0.8", "0.75", "0.7", "0.67", "0.64"):  # 0.634 is the smallest feasible one
+    for budget in ("1.0", "0.8", "0.7", "0.67", "0.64"):  # 0.634 is the smallest feasible one; >= 0.75: 0 FLOPs
         trainer = _trainer(tmp_path, f"b{budget}", "--activation_checkpoint.mode", "budget",
                            "--activation_checkpoint.memory_budget", budget)  # fmt: skip
         estimated, measured, _ = _measure(trainer)
