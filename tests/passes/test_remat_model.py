@@ -104,3 +104,25 @@ def test_the_solve_time_benchmark_runs_on_one_block():
     result = measure("llama3_debug", 1)
     assert result["blocks"] == 1 and len(result["solves"]) == len(SHARES)
     assert all(s["optimal"] and s["peak_bytes"] <= s["budget_bytes"] for s in result["solves"])
+
+
+def test_the_pass_says_so_when_the_model_and_the_estimate_disagree(monkeypatch, caplog):
+    """The pass re-estimates the graph it tagged; a model that misread it is said in one warning line."""
+    import logging
+
+    from graph_trainer.job_config.schema import ActivationCheckpointConfig
+    from graph_trainer.passes import budget
+
+    gm, categories = _clean_step(1)
+    ac = ActivationCheckpointConfig(mode="budget", memory_budget=0.9)
+    with caplog.at_level(logging.INFO, logger="graph_trainer"):
+        budget.tag_memory_budget(gm, ac, input_categories=categories)
+    assert "modelling gap" not in caplog.text and "optimal" in caplog.text
+    real = budget.peak_after_remat
+    monkeypatch.setattr(budget, "peak_after_remat", lambda gm, categories: real(gm, categories) + 1)
+    caplog.clear()
+    gm, categories = _clean_step(1)
+    with caplog.at_level(logging.INFO, logger="graph_trainer"):
+        budget.tag_memory_budget(gm, ac, input_categories=categories)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "modelling gap" in warnings[0].getMessage()
