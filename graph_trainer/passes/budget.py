@@ -147,7 +147,8 @@ def tag_memory_budget(
         )
     gap = "" if solution.gap is None else f", gap {solution.gap:.2%}"
     proof = "optimal" if solution.optimal else f"not proven optimal: {solution.status}{gap}"
-    logger.info(
+    say = logger.info if solution.optimal else logger.warning  # a choice short of the optimum is a fallback
+    say(
         f"memory_budget: target peak {target / GIB:.4f} GiB; recompute {len(chosen)}/{len(candidates)} candidates, "
         f"{solution.recompute_flops / 1e9:.3f} GFLOP of recompute, peak {solution.peak_bytes / GIB:.4f} GiB "
         f"({proof}, {solution.solve_s:.1f} s)"
