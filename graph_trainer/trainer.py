@@ -340,7 +340,9 @@ class Trainer:
                 f"and training.steps is {cfg.training.steps}; nothing to do (raise --training.steps "
                 "to train further)"
             )
-            return self._result(losses, records)
+            result = self._result(losses, records)
+            self._write_together(self._complete_final_record, result)
+            return result
         wall_start = time.perf_counter()
         metrics = MetricsLogger(
             self.dump_folder,
@@ -409,7 +411,7 @@ class Trainer:
             # Every rank builds the state: a data position may gather every rank's (data.hf_datasets).
             state = self._state() if save else None
             if save:  # every rank: the write check is a collective, even where only rank 0 writes the file
-                self._write_together(self._save_checkpoint, state)
+                self._write_together(self._save_checkpoint, state, metrics)
             elif len(losses) == 1:
                 self._write_together(self._adopt_new_files)  # the first step opened TensorBoard, dumped the graphs
             if signum is not None:
@@ -419,6 +421,32 @@ class Trainer:
                 self._write_together(metrics.set_final, {**final, "message": message})
                 raise Interrupted(signum, message)
         return self._result(losses, records)
+
+    def _complete_final_record(self, result: TrainResult) -> None:
+        """Write the final record of a run killed after its last checkpoint but before it wrote that record
+        (rank 0; nothing when summary.json already has it, so a finished run resumed again writes nothing).
+
+        The hash is of the parameters the checkpoint restored; the loss is the last step's, which the summary
+        holds since it is written before every checkpoint. No gradient hash: no step ran."""
+        if self.rank != 0:
+            return
+        metrics = MetricsLogger(self.dump_folder, enable_tensorboard=False, log_freq=1, total_steps=self.step)
+        final = metrics.previous_final()
+        if final.get("status") == "ok" and final.get("final_step") == self.step:
+            return
+        steps = metrics.logged_steps()
+        logger.warning(
+            f"summary.json in {self.dump_folder} had no final record (the run was stopped after its last "
+            f"checkpoint); written now from the checkpoint of step {self.step}"
+        )
+        metrics.set_final({
+            "status": "ok",
+            "final_step": self.step,
+            "final_loss": steps[-1]["loss"] if steps and steps[-1]["step"] == self.step else None,
+            "params_sha256": result.params_sha256,
+            "num_params": self.num_params,
+            "completed_on_resume": True,
+        })  # fmt: skip
 
     def _final_ok(self, result: TrainResult, wall_start: float) -> dict[str, Any]:
         return {
@@ -452,7 +480,10 @@ class Trainer:
         state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in state}.values())
 
-    def _save_checkpoint(self, state: dict[str, Any]) -> None:
+    def _save_checkpoint(self, state: dict[str, Any], metrics: MetricsLogger) -> None:
+        # The summary first: a run killed after this checkpoint resumes after it, so the summary must already hold
+        # every step up to it, which log_freq alone does not write.
+        metrics.write_summary()
         if self.checkpointer.enable:  # one file written by rank 0, or every rank's shards (DCP)
             self.checkpointer.save(self.step, state)
         self._adopt_new_files()

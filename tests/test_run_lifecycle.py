@@ -131,6 +131,42 @@ def test_resume_of_a_finished_run_writes_nothing_and_more_steps_extend_it(tmp_pa
     assert [s["step"] for s in summary(dump)["steps"]] == [1, 2, 3]
 
 
+# The trainer with its process killed (os._exit: no handler, no flush) right after the checkpoint of step N was saved.
+KILL_AFTER_SAVE = """
+import os, sys
+from graph_trainer import __main__ as cli, trainer
+_save = trainer.Trainer._save_checkpoint
+def save_then_die(self, *args, **kwargs):
+    _save(self, *args, **kwargs)
+    if self.step == int(os.environ["KILL_AFTER_STEP"]):
+        os._exit(9)
+trainer.Trainer._save_checkpoint = save_then_die
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("killed_after", [2, 4])
+def test_a_kill_right_after_a_checkpoint_loses_no_step_and_no_final_record(tmp_path, monkeypatch, killed_after):
+    """Killed after step 2's checkpoint with a console line every 10 steps, the resumed run's summary lacked steps
+    1 and 2; killed after the last checkpoint, the resume found the run complete and summary.json kept no final
+    record (no status, no params_sha256: a KeyError in the fault-injection test)."""
+    args = [*EXACT, *CKPT, "--metrics.log_freq", "10", "--training.steps", "4"]
+    straight, dump = tmp_path / "straight", tmp_path / "run"
+    assert cli(*args, "--job.dump_folder", str(straight), cwd=tmp_path).returncode == 0
+    monkeypatch.setenv("KILL_AFTER_STEP", str(killed_after))
+    killed = start(*args, "--job.dump_folder", str(dump), cwd=tmp_path, python=[sys.executable, "-c", KILL_AFTER_SAVE])
+    killed.communicate(timeout=120)
+    assert killed.returncode == 9
+    resumed = cli(*args, "--job.dump_folder", str(dump), "--checkpoint.resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    expected = summary(straight)
+    assert [s["loss"] for s in summary(dump)["steps"]] == [s["loss"] for s in expected["steps"]]
+    final = summary(dump)["final"]
+    assert final["status"] == "ok" and final["final_step"] == 4
+    assert final["params_sha256"] == expected["final"]["params_sha256"]
+    assert final["final_loss"] == expected["final"]["final_loss"]
+
+
 def test_sigterm_finishes_the_step_saves_and_resumes_bitwise(tmp_path):
     """Issue 8.6: SIGTERM killed the run (-15, no message, no checkpoint, empty `final`)."""
     dump, straight = tmp_path / "run", tmp_path / "straight"

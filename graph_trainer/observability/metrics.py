@@ -249,15 +249,28 @@ class MetricsLogger:
         """Where the TensorBoard event files are written."""
         return self.dump_folder / TB_SUBDIR
 
-    def _read_previous(self, key: str) -> list[dict[str, Any]]:
-        """The records under `key` ("steps", "validation") of an existing summary.json of this schema."""
+    def _previous_summary(self) -> dict[str, Any]:
+        """An existing summary.json of this schema, or {}."""
         try:
             previous = json.loads(self.summary_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            return []
-        if not isinstance(previous, dict) or previous.get("schema_version") != SCHEMA_VERSION:
-            return []
-        return [s for s in previous.get(key, []) if isinstance(s, dict) and isinstance(s.get("step"), int)]
+            return {}
+        ok = isinstance(previous, dict) and previous.get("schema_version") == SCHEMA_VERSION
+        return previous if ok else {}
+
+    def _read_previous(self, key: str) -> list[dict[str, Any]]:
+        """The records under `key` ("steps", "validation") of an existing summary.json of this schema."""
+        records = self._previous_summary().get(key, [])
+        return [s for s in records if isinstance(s, dict) and isinstance(s.get("step"), int)]
+
+    def previous_final(self) -> dict[str, Any]:
+        """The final record of an existing summary.json of this schema ({} when it has none)."""
+        final = self._previous_summary().get("final")
+        return final if isinstance(final, dict) else {}
+
+    def logged_steps(self) -> list[dict[str, Any]]:
+        """The step records this logger holds (those of an existing summary.json, then this run's)."""
+        return list(self._steps)
 
     def _start(self, first_step: int) -> None:
         """On the first logged step: drop stale steps and open the writer, both from `first_step` on."""
@@ -330,6 +343,11 @@ class MetricsLogger:
             return
         self._final.update(final)
         self._write_summary()
+
+    def write_summary(self) -> None:
+        """Write summary.json now with every step logged so far, whatever `log_freq` (before a checkpoint)."""
+        if self.enabled:
+            self._write_summary()
 
     def record_failure(self, final: Mapping[str, Any]) -> WriteError | None:
         """`set_final` for a run that stops because a write failed: returns the error if summary.json could not
