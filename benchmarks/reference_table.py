@@ -131,7 +131,7 @@ def plan_pinned(name: str, device: Device) -> Pinned:
     cluster = Cluster(device, gpus, 8)
     cand = search.Candidate(
         tuple({"dp_replicate": 1, **degrees}.items()), mode, batch, cfg.training.loss_chunk_size, False,
-        prefetch=True,
+        options=(("fsdp_prefetch", True),),
     )  # fmt: skip
     plans = search.Plans(cfg, torch.device("cpu"))
     start = time.perf_counter()

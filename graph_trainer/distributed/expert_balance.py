@@ -14,13 +14,14 @@ first), as `_c10d_functional.all_reduce` + `wait_tensor` nodes of the graph hold
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
-from graph_trainer.distributed.mesh import DATA_PARALLEL, Mesh
+from graph_trainer.distributed.mesh import DATA_PARALLEL, Mesh, ring
 from graph_trainer.distributed.parallelism import Parallelism
 from graph_trainer.tracer import node_meta
 
@@ -50,6 +51,13 @@ class ExpertBalance(Parallelism):
 
     kind = KIND
     label = "MoE balancing counts"
+
+    @classmethod
+    def ring(cls, degrees: Mapping[str, int]) -> tuple[int, int]:
+        """The counts' all-reduce is priced on the innermost data-parallel ring (the shards'): the cost model's
+        ring for a kind with no mesh dimension of its own. Under HSDP a second, smaller one over the replicas
+        follows (`CountSum`); a few hundred bytes a layer, it is left out."""
+        return ring(DATA_PARALLEL[-1], degrees)
 
     @classmethod
     def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ExpertBalance | None:

@@ -240,6 +240,13 @@ class ExpertParallel(Parallelism):
     kind = KIND
     label = "EP"
     mesh_dim = EP
+    carved_from = HOLDERS
+
+    @classmethod
+    def search_degrees(cls, model_args: Any, host: int) -> list[int]:
+        """1, and for a model with routed experts every divisor of dp_shard (`host`) that divides their number."""
+        experts = getattr(model_args, "n_routed_experts", 0) or 0
+        return [1] + [e for e in range(2, host + 1) if host % e == 0 and experts and experts % e == 0]
 
     def __init__(self, holders: ShardGroup, block: int, full: dict[str, torch.Size], mesh: Mesh):
         self.holders, self.block, self._full, self.mesh = holders, block, full, mesh

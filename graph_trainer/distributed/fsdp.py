@@ -79,6 +79,7 @@ ROOT = ""  # the root unit's name
 GRAD_SUM = "_fsdp_grad_sum_{}"  # the model buffer holding unit i's whole gradient sum (fsdp_grad_sync = "step")
 KIND = "fsdp"  # the collective tag's kind
 MESH_DIM = "dp_shard"
+GRAD_SYNC, PREFETCH = "fsdp_grad_sync", "fsdp_prefetch"  # its [parallelism] options the layout search crosses
 # Set on the parameters another parallelism holds (expert parallelism's experts, which gathers them with a unit of
 # its own on another mesh dimension): the model's FSDP leaves them alone.
 EXPERT_PARALLEL = "expert_parallel"
@@ -215,6 +216,10 @@ class FSDP(Parallelism):
     kind = KIND
     label = "FSDP"
     mesh_dim = MESH_DIM
+    shards_state = True
+    screened_as = "sharded"
+    searched_options = (GRAD_SYNC, PREFETCH)
+    step_options = (GRAD_SYNC,)
 
     def __init__(
         self,
@@ -252,7 +257,31 @@ class FSDP(Parallelism):
         return fsdp
 
     @classmethod
-    def across_micro_steps(cls, degrees: Mapping[str, int], grad_sync: str, parameter_bytes: int) -> MicroSteps:
+    def search_options(
+        cls, degrees: Mapping[str, int], accumulation: int, offered: Mapping[str, tuple[Any, ...]]
+    ) -> dict[str, tuple[Any, ...]]:
+        """With accumulation both gradient syncs, and the prefetch values asked for (off unless asked)."""
+        if degrees.get(MESH_DIM, 1) == 1:
+            return {}
+        syncs = {GRAD_SYNC: ("micro_batch", "step")} if accumulation > 1 else {}
+        return {**syncs, PREFETCH: offered.get(PREFETCH, (False,))}
+
+    @classmethod
+    def describe_options(cls, options: Mapping[str, Any]) -> tuple[str, str]:
+        """', prefetch' in the shape's words; 's' after the batch when the gradients sync once a step."""
+        return (", prefetch" if options.get(PREFETCH) else ""), ("s" if options.get(GRAD_SYNC) == "step" else "")
+
+    @classmethod
+    def bf16_settings(cls, degrees: Mapping[str, int]) -> dict[str, str] | None:
+        """bf16 gathers, as on a GPU (the trainer refuses training.dtype bfloat16 beside bf16 parameters)."""
+        if degrees.get(MESH_DIM, 1) == 1:
+            return None
+        return {"mixed_precision_param": "bfloat16", "dtype": "auto"}
+
+    @classmethod
+    def across_micro_steps(
+        cls, degrees: Mapping[str, int], options: Mapping[str, Any], parameter_bytes: int
+    ) -> MicroSteps:
         """The clip norm's all-reduce runs once a step, on the accumulated gradient shards. With
         `fsdp_grad_sync = "step"` so does each unit's reduce-scatter, and each unit's whole gradient sum (dp_shard
         times the rank's shards) is held across the micro-batches; the micro-batch's graph then lacks the
@@ -261,7 +290,7 @@ class FSDP(Parallelism):
         shard = degrees.get(MESH_DIM, 1)
         if shard == 1:
             return MicroSteps()
-        deferred = grad_sync == "step"
+        deferred = options.get(GRAD_SYNC) == "step"
         once = (f"{KIND} all_reduce", *((f"{KIND} reduce_scatter",) if deferred else ()))
         return MicroSteps(held=shard * parameter_bytes if deferred else 0, once_per_step=once, exact=not deferred)
 

@@ -13,6 +13,9 @@ then answers the few questions the step, the clip, the divergence guard and the 
 - `across_micro_steps`: what it holds, and which collectives it runs once, in a step of several micro-batches;
 - `check_traced`: refuse a traced step that the parallelism cannot run right;
 - `step_metrics`: its own figures for each step's record (expert parallelism's dropped rows);
+- the facts the layout search reads through `distributed/layout.py` (`carved_from`, `shards_state`,
+  `within_node`, `screened_as`, `search_degrees`, `search_options`, `bf16_settings`, `reference_comm`), so that
+  the search names no parallelism;
 - `shard_sum`, `full_shapes`, `full_state`, `local_slices`: what the divergence guard, the checkpoint, exports
   and the loading of pretrained weights need of parameters that no rank holds whole. A parameter split by two
   parallelisms (FSDP's row block of TP's block) is answered by both: `ParallelModel.local_slices` composes them.
@@ -99,6 +102,18 @@ class Parallelism:
     label: str = ""  # what a user calls it, e.g. "FSDP"
     mesh_dim: str = ""  # the mesh dimension its collectives run over ("" when it has none of its own)
 
+    # What the layout search asks (`distributed/layout.py` reads these off the registered parallelisms; the search
+    # itself names none). Its degree is the [parallelism] option named `mesh_dim`.
+    carved_from: str = ""  # the mesh dimension its degree divides, when it multiplies no new ranks (ep: dp_shard)
+    shards_state: bool = False  # parameters, gradients and optimizer state divided by its degree
+    within_node: bool = False  # its rings must stay inside a node (a collective in every layer)
+    # How the search's screen stands for its degree: "itself" (the reference plan has the same degree), "sharded"
+    # (one degree > 1 stands for every other: the sharded state scales with 1 / degree) or "left_out" (planned at 1,
+    # its once-a-step collectives added: `reference_comm`).
+    screened_as: str = "itself"
+    searched_options: tuple[str, ...] = ()  # its [parallelism] options the search may set (`search_options`)
+    step_options: tuple[str, ...] = ()  # those of the whole step, not of one micro-batch's plan
+
     @classmethod
     def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> Parallelism | None:
         """This parallelism applied to `model` in place for the job `cfg` on `mesh`; None when the job does not
@@ -114,11 +129,45 @@ class Parallelism:
         return None
 
     @classmethod
-    def across_micro_steps(cls, degrees: Mapping[str, int], grad_sync: str, parameter_bytes: int) -> MicroSteps:
+    def across_micro_steps(
+        cls, degrees: Mapping[str, int], options: Mapping[str, Any], parameter_bytes: int
+    ) -> MicroSteps:
         """What this parallelism changes in a step of several micro-batches, planned from one micro-batch's plan
-        (`plan/accumulate.py`) in a layout of `degrees` with `parallelism.fsdp_grad_sync = grad_sync`, for a rank
-        holding `parameter_bytes` of parameters."""
+        (`plan/accumulate.py`) in a layout of `degrees` with the [parallelism] `options` the step sets (those not
+        given at their defaults), for a rank holding `parameter_bytes` of parameters."""
         return MicroSteps()
+
+    @classmethod
+    def search_degrees(cls, model_args: Any, host: int) -> list[int]:
+        """A carved parallelism's degrees worth searching when its host dimension (`carved_from`) has degree
+        `host`, for a model of `model_args`; 1 first."""
+        return [1]
+
+    @classmethod
+    def search_options(
+        cls, degrees: Mapping[str, int], accumulation: int, offered: Mapping[str, tuple[Any, ...]]
+    ) -> dict[str, tuple[Any, ...]]:
+        """Its [parallelism] options the search crosses at `degrees` with `accumulation` micro-steps, each with
+        its values (`offered`: the values the user asks the search to try, by option)."""
+        return {}
+
+    @classmethod
+    def describe_options(cls, options: Mapping[str, Any]) -> tuple[str, str]:
+        """(words for the plan's shape, e.g. ", prefetch"; a mark after the batch column, e.g. "s") for the
+        options a candidate sets."""
+        return "", ""
+
+    @classmethod
+    def bf16_settings(cls, degrees: Mapping[str, int]) -> dict[str, str] | None:
+        """The [training] options that run a bf16 step at `degrees` when this parallelism decides them (FSDP:
+        bf16 gathered parameters, which set the compute dtype); None when it has no say."""
+        return None
+
+    @classmethod
+    def reference_comm(cls, degrees: Mapping[str, int], gradient_bytes: int) -> dict[str, int]:
+        """For `screened_as = "left_out"`: the collectives, '<kind> <op>' -> bytes a step, that the screen adds to a
+        plan made without it, for a rank holding `gradient_bytes` of gradients."""
+        return {}
 
     @classmethod
     def ring(cls, degrees: Mapping[str, int]) -> tuple[int, int]:

@@ -47,8 +47,8 @@ def refusal(block: nn.Module, plan: Any, degrees: Mapping[str, int], seq_len: in
 
 def collective_rings(degrees: Mapping[str, int]) -> dict[str, tuple[int, int]]:
     """Each parallelism's collective kind -> (size, stride) of its rings in a layout of `degrees`, from the mesh
-    dimension it declares (the cost model prices each collective on its ring)."""
-    return {p.kind: p.ring(degrees) for p in PARALLELISMS if p.mesh_dim}
+    dimension it declares, or its own `ring` (the cost model prices each collective on its ring)."""
+    return {p.kind: p.ring(degrees) for p in PARALLELISMS if p.kind}
 
 
 __all__ = ["PARALLELISMS", "collective_rings", "parallelize_model", "refusal"]

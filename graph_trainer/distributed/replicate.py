@@ -70,6 +70,7 @@ class Replicate(Parallelism):
     kind = KIND
     label = "replicated"
     mesh_dim = "dp_replicate"
+    screened_as = "left_out"
 
     def __init__(self, group: dist.ProcessGroup, world_size: int, owners: list[Owner]):
         self.averager = GradAverager(group, world_size, tuple(owners))
@@ -82,7 +83,14 @@ class Replicate(Parallelism):
         return cls(mesh.group(KIND), mesh.size(KIND), gradient_owners(model, plan.layers))
 
     @classmethod
-    def across_micro_steps(cls, degrees: Mapping[str, int], grad_sync: str, parameter_bytes: int) -> MicroSteps:
+    def reference_comm(cls, degrees: Mapping[str, int], gradient_bytes: int) -> dict[str, int]:
+        """The gradients' all-reduce over the replicas, once a step."""
+        return {f"{KIND} all_reduce": gradient_bytes} if degrees.get(KIND, 1) > 1 else {}
+
+    @classmethod
+    def across_micro_steps(
+        cls, degrees: Mapping[str, int], options: Mapping[str, Any], parameter_bytes: int
+    ) -> MicroSteps:
         """The replicas average the accumulated gradients once a step."""
         return MicroSteps(once_per_step=(f"{KIND} all_reduce",)) if degrees.get(KIND, 1) > 1 else MicroSteps()
 

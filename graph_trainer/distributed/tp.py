@@ -225,6 +225,8 @@ class TensorParallel(Parallelism):
     kind = KIND
     label = "TP"
     mesh_dim = MESH_DIM
+    shards_state = True
+    within_node = True
 
     def __init__(self, model: nn.Module, group: ShardGroup, split: list[SplitParam], vocab: VocabSplit, grads):
         self.model, self.group, self.vocab, self.grads = model, group, vocab, grads

@@ -19,8 +19,9 @@ the published rows the planner is compared with (docs/planner.md, "The cost mode
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
-from graph_trainer.distributed.mesh import ring
 from graph_trainer.distributed.parallelize import collective_rings
 from graph_trainer.layouts.cluster import Cluster
 
@@ -33,6 +34,7 @@ BUS_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "all_
 BUS_EFFICIENCY = 1.0
 # FSDP2's collectives that overlap compute (PyTorch's FSDP notes: all-gathers on their own stream, prefetched).
 OVERLAPPED = ("fsdp all_gather", "fsdp reduce_scatter")
+PREFETCH = "fsdp_prefetch"  # the option that issues them ahead (without it they are exposed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +62,17 @@ def group_link_gbps(cluster: Cluster, group: int, stride: int) -> float:
 
 
 def step_time(
-    cluster: Cluster, flops: int, comm: dict[str, int], degrees: dict[str, int], efficiency: float, prefetch: bool
+    cluster: Cluster,
+    flops: int,
+    comm: dict[str, int],
+    degrees: dict[str, int],
+    efficiency: float,
+    options: Mapping[str, Any],
 ) -> StepTime:
     """The step time of a plan with `flops` and `comm` bytes by '<parallelism> <collective>' on a layout of
     `degrees` (mesh order: dp_replicate outermost, then dp_shard, then tp innermost; ep, when given, is carved out
-    of dp_shard). `efficiency`: the kernel-level matmul efficiency (the device's unless overridden)."""
+    of dp_shard) with the [parallelism] `options` the step sets (`PREFETCH` overlaps FSDP's collectives).
+    `efficiency`: the kernel-level matmul efficiency (the device's unless overridden)."""
     device = cluster.device
     counted = flops / (device.peak_tflops * 1e12 * efficiency * device.clock)
     compute = counted / device.contraction_share
@@ -72,14 +80,13 @@ def step_time(
     times = {}
     for key, nbytes in comm.items():
         kind, _, collective = key.partition(" ")  # '<parallelism> <collective>' (passes/communication.py)
-        # A kind with no dimension of its own (the MoE balancing counts) runs over the data-parallel shards.
-        n, stride = rings.get(kind) or ring("dp_shard", degrees)
+        n, stride = rings[kind]  # every collective's kind is a registered parallelism's
         if n <= 1:
             times[key] = 0.0
             continue
         gbps = group_link_gbps(cluster, n, stride)
         times[key] = BUS_FACTOR.get(collective, 1.0) * (n - 1) / n * nbytes / (gbps * 1e9)
-    overlapped = sum(times.get(key, 0.0) for key in OVERLAPPED) if prefetch else 0.0
+    overlapped = sum(times.get(key, 0.0) for key in OVERLAPPED) if options.get(PREFETCH) else 0.0
     hidden = min(overlapped, compute)
     return StepTime(compute, times, sum(times.values()) - hidden, counted)
 

@@ -1,9 +1,11 @@
 """The layout search: candidates, pruning, the screen, and the exact plans of the best screened ones.
 
-Candidates are every factorization of the GPU count over the mesh degrees the config schema offers
-(`parallelism.dp_replicate`, `dp_shard`, `tp`), with every `ep` for a model with routed experts, crossed with
-the AC mode, the local batch x accumulation steps that give the global batch, `loss_chunk_size`, the optimizer
-in or out of the graph and FSDP prefetch. What the trainer refuses is skipped and counted (`trainer_refuses`).
+Candidates are every factorization of the GPU count over the mesh degrees the config schema offers, with
+every carved degree worth trying (ep for a model with routed experts) and every option the parallelisms cross
+(FSDP's gradient sync and prefetch), crossed with the AC mode, the local batch x accumulation steps that give
+the global batch, `loss_chunk_size` and the optimizer in or out of the graph. What each degree and option
+means is asked of `distributed.layout`, which reads it off the registered parallelisms; nothing here names one.
+What the trainer refuses is skipped and counted (`trainer_refuses`).
 Pruning drops what cannot fit even without activations; the screen reads the rest off one depth-free plan per
 reference shape (every AC mode and local batch at once, `block_plan.plan_batches`); the top `exact` candidates
 are then planned exactly, and only those are ranked.
@@ -14,12 +16,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 from graph_trainer.builder import build_model
+from graph_trainer.distributed import layout
 from graph_trainer.distributed.mesh import DIMS, ParallelDims, planning_mesh
 from graph_trainer.distributed.parallelize import refusal
 from graph_trainer.errors import UserError
@@ -42,39 +45,35 @@ BYTES_PER_PARAM_STATE = 16  # fp32 parameter + fp32 gradient + AdamW's two fp32 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One point of the search space."""
+    """One point of the search space. Its parallelisms are read off `distributed.layout`, never named here."""
 
-    degrees: tuple[tuple[str, int], ...]
+    degrees: tuple[tuple[str, int], ...]  # every parallelism's degree (`layout.canonical`): the mesh's, then carved
     ac_mode: str
     local_batch: int
     loss_chunk_size: int
     trace_optimizer: bool
     accumulation: int = 1  # micro-steps per step: the global batch is local batch x dp degree x accumulation
-    grad_sync: str = "micro_batch"  # parallelism.fsdp_grad_sync: both are planned when FSDP accumulates
-    ep: int = 1  # parallelism.ep, carved out of dp_shard (not a factor of the world)
-    prefetch: bool = False  # parallelism.fsdp_prefetch (see PREFETCH in docs/planner.md)
+    options: tuple[tuple[str, Any], ...] = ()  # the parallelisms' [parallelism] options it sets (`option_choices`)
 
     @property
     def dp(self) -> int:
-        d = dict(self.degrees)
-        return d.get("dp_replicate", 1) * d.get("dp_shard", 1)
+        return layout.data_parallel(dict(self.degrees))
 
     @property
     def ranks_per_data_rank(self) -> int:
         """The ranks that share one data rank's batch (the model-parallel ones): the world over the dp degree."""
-        return math.prod(n for _, n in self.degrees) // self.dp
+        return layout.world_size(dict(self.degrees)) // self.dp
 
     @property
     def global_batch(self) -> int:
         return self.local_batch * self.dp * self.accumulation
 
     def overrides(self) -> list[str]:
-        """The trainer options that ask for this candidate."""
+        """The trainer options that ask for this candidate (an option at its default left out; a step option,
+        such as the gradient sync of accumulation, after the global batch it concerns)."""
+        per_step = layout.step_options()
         out = [f"--parallelism.{name} {n}" for name, n in self.degrees if n > 1]
-        if self.ep > 1:
-            out.append(f"--parallelism.ep {self.ep}")
-        if self.prefetch and dict(self.degrees).get("dp_shard", 1) > 1:
-            out.append("--parallelism.fsdp_prefetch true")  # the overlap the cost model counts
+        out += _option_overrides({k: v for k, v in self.options if k not in per_step})
         out += [
             f"--activation_checkpoint.mode {self.ac_mode}",
             f"--training.local_batch_size {self.local_batch}",
@@ -83,17 +82,24 @@ class Candidate:
         ]
         if self.accumulation > 1:
             out.append(f"--training.global_batch_size {self.global_batch}")
-            if self.grad_sync != "micro_batch":
-                out.append(f"--parallelism.fsdp_grad_sync {self.grad_sync}")
+            out += _option_overrides({k: v for k, v in self.options if k in per_step})
         return out
 
     def layout(self) -> str:
-        text = " x ".join(f"{name} {n}" for name, n in self.degrees if n > 1) or "one process"
-        return text + (f" (ep {self.ep})" if self.ep > 1 else "")
+        return layout.words(dict(self.degrees))
+
+    def parallelism_settings(self) -> dict[str, Any]:
+        """Every carved degree and searched option this candidate could set, at its value or default (plan.json's
+        columns: the same keys for every row)."""
+        degrees, options = dict(self.degrees), dict(self.options)
+        out: dict[str, Any] = {name: degrees.get(name, 1) for name in layout.carved()}
+        for name in sorted(layout.searched_options()):
+            out[name] = options.get(name, getattr(_DEFAULTS, name))
+        return out
 
     def batch(self) -> str:
-        """'local batch x accumulation', with the deferred gradient sync marked."""
-        return f"{self.local_batch} x {self.accumulation}" + ("s" if self.grad_sync == "step" else "")
+        """'local batch x accumulation', with the parallelisms' marks (a deferred gradient sync: 's')."""
+        return f"{self.local_batch} x {self.accumulation}" + layout.describe_options(dict(self.options))[1]
 
     def label(self) -> str:
         """The candidate in a few words, for lists and progress: 'dp_shard 8, AC full, local batch 2 x 4'."""
@@ -102,25 +108,40 @@ class Candidate:
     def apply(self, cfg: JobConfig) -> JobConfig:
         """`cfg` with this candidate's settings (a copy)."""
         out = copy.deepcopy(cfg)
-        for name, n in self.degrees:
-            setattr(out.parallelism, name, n)
-        out.parallelism.ep = self.ep
-        if dict(self.degrees).get("dp_shard", 1) > 1:
-            out.parallelism.fsdp_prefetch = self.prefetch
-            if out.training.dtype == "bfloat16":  # the bf16 plan: FSDP gathers bf16 parameters, as on a GPU
-                out.training.mixed_precision_param = "bfloat16"
-                out.training.dtype = "auto"  # the trainer refuses both (bf16 parameters set the compute dtype)
+        degrees = dict(self.degrees)
+        for name in layout.degree_options():
+            setattr(out.parallelism, name, degrees.get(name, 1))
+        for name in layout.step_options():  # the user's, meaningless (or refused) at another accumulation
+            setattr(out.parallelism, name, getattr(_DEFAULTS, name))
+        for name, value in self.options:
+            setattr(out.parallelism, name, value)
+        if out.training.dtype == "bfloat16":  # the bf16 plan, as on a GPU (FSDP: bf16 gathers)
+            for name, value in layout.bf16_settings(degrees).items():
+                setattr(out.training, name, value)
         out.activation_checkpoint.mode = self.ac_mode
         out.training.local_batch_size = self.local_batch
         out.training.loss_chunk_size = self.loss_chunk_size
         out.compile.trace_optimizer = self.trace_optimizer
         out.training.global_batch_size = self.global_batch if self.accumulation > 1 else -1
-        out.parallelism.fsdp_grad_sync = self.grad_sync
         return out
 
     def micro(self) -> Candidate:
         """This candidate's micro-step: the same but one micro-batch a step (what is planned, then accumulated)."""
-        return dataclasses.replace(self, accumulation=1, grad_sync="micro_batch")
+        per_step = layout.step_options()
+        options = tuple((k, v) for k, v in self.options if k not in per_step)
+        return dataclasses.replace(self, accumulation=1, options=options)
+
+
+_DEFAULTS = ParallelismConfig()
+
+
+def _option_overrides(options: dict[str, Any]) -> list[str]:
+    """'--parallelism.<option> <value>' for each option not at its default."""
+    return [
+        f"--parallelism.{k} {str(v).lower() if isinstance(v, bool) else v}"
+        for k, v in options.items()
+        if v != getattr(_DEFAULTS, k)
+    ]
 
 
 def offered_degrees() -> tuple[str, ...]:
@@ -143,13 +164,11 @@ def factorizations(gpus: int, names: tuple[str, ...]) -> Iterator[dict[str, int]
 def model_allows(cfg: JobConfig, degrees: dict[str, int], gpus_per_node: int) -> str | None:
     """Why the model refuses these degrees (None: it allows them): each parallelism's own check, as the trainer
     runs it (`parallelize.refusal`: tp divides the heads, KV heads, split widths and sequence; ep the experts),
-    and tp within a node."""
+    and a ring that must stay within a node (`layout.spans_nodes`)."""
     why = refusal(_one_block(cfg), get_model_spec(cfg.model.name).parallel_plan, degrees, cfg.training.seq_len)
     if why is not None:
         return why.split(";")[0]
-    if degrees.get("tp", 1) > gpus_per_node:
-        return f"tp {degrees['tp']} spans nodes"
-    return None
+    return layout.spans_nodes(degrees, gpus_per_node)
 
 
 def _one_block(cfg: JobConfig) -> torch.nn.Module:
@@ -173,9 +192,9 @@ def trainer_refuses(cfg: JobConfig, cand: Candidate) -> str | None:
         ParallelDims.from_config(trial.parallelism)
     except UserError as e:
         return str(e).split(";")[0].split(":")[0]
-    if cand.ep > 1:
-        degrees, plan = {**dict(cand.degrees), "ep": cand.ep}, get_model_spec(trial.model.name).parallel_plan
-        why = refusal(_one_block(trial), plan, degrees, trial.training.seq_len)
+    if any(name in layout.carved() for name, _ in cand.degrees):  # the mesh's degrees were checked by `layouts`
+        plan = get_model_spec(trial.model.name).parallel_plan
+        why = refusal(_one_block(trial), plan, dict(cand.degrees), trial.training.seq_len)
         if why is not None:
             return why.split(";")[0].split(":")[0]
     return None
@@ -189,16 +208,8 @@ def layouts(cfg: JobConfig, cluster: Cluster) -> tuple[list[dict[str, int]], lis
         if why is None:
             why = trainer_refuses(cfg, Candidate(tuple(degrees.items()), "none", 1, 0, False))
             why = why and f"the trainer refuses it ({why})"
-        label = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "one process"
-        (skipped.append(f"{label}: {why}") if why else keep.append(degrees))
+        (skipped.append(f"{layout.words(degrees)}: {why}") if why else keep.append(degrees))
     return keep, skipped
-
-
-def expert_degrees(cfg: JobConfig, dp_shard: int) -> list[int]:
-    """The ep values to search at `dp_shard`: 1, and for a model with routed experts every divisor of dp_shard
-    that divides the expert count."""
-    experts = getattr(resolve_model_args(cfg), "n_routed_experts", 0) or 0
-    return [1] + [e for e in range(2, dp_shard + 1) if dp_shard % e == 0 and experts and experts % e == 0]
 
 
 @dataclasses.dataclass
@@ -216,26 +227,28 @@ def candidates(
     ac_modes: tuple[str, ...],
     chunks: tuple[int, ...],
     optimizer_in_graph: tuple[bool, ...],
-    prefetch: tuple[bool, ...] = (False,),
+    offered: Mapping[str, tuple[Any, ...]] | None = None,
 ) -> Space:
-    """Every layout x ep x (local batch, accumulation) whose product with the data-parallel degree is the global
-    batch x gradient sync (both with FSDP accumulation) x AC mode x loss chunk x optimizer placement x prefetch,
-    each passed through `trainer_refuses` (once per distinct setting of the options it reads)."""
+    """Every layout x carved degrees (ep) x (local batch, accumulation) whose product with the data-parallel
+    degree is the global batch x the parallelisms' options (FSDP's gradient sync when it accumulates, and the
+    `offered` values of the options the user asks to try, e.g. `{"fsdp_prefetch": (True, False)}`) x AC mode x
+    loss chunk x optimizer placement, each passed through `trainer_refuses` (once per distinct setting of the
+    options it reads)."""
     space = Space([], {})
     verdicts: dict[tuple, str | None] = {}
-    for degrees in layouts_:
-        dp = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)
+    model_args = resolve_model_args(cfg)
+    for mesh_degrees in layouts_:
+        dp = layout.data_parallel(mesh_degrees)
         if global_seqs % dp:
             continue
         per_rank = global_seqs // dp
-        shard = degrees.get("dp_shard", 1)
-        for ep, lb in itertools.product(expert_degrees(cfg, shard), _divisors(per_rank)):
+        for carved, lb in itertools.product(layout.carved_choices(model_args, mesh_degrees), _divisors(per_rank)):
             acc = per_rank // lb
-            syncs = ("micro_batch", "step") if acc > 1 and shard > 1 else ("micro_batch",)
-            for sync, pf in itertools.product(syncs, prefetch if shard > 1 else (False,)):
-                base = Candidate(tuple(degrees.items()), ac_modes[0], lb, chunks[0], optimizer_in_graph[0],
-                                 acc, sync, ep, pf)  # fmt: skip
-                key = (base.degrees, ep, acc > 1, sync, pf)
+            degrees = layout.canonical({**mesh_degrees, **carved})
+            for options in layout.option_choices(dict(degrees), acc, offered or {}):
+                base = Candidate(degrees, ac_modes[0], lb, chunks[0], optimizer_in_graph[0], acc,
+                                 tuple(options.items()))  # fmt: skip
+                key = (degrees, acc > 1, base.options)
                 if key not in verdicts:
                     verdicts[key] = trainer_refuses(cfg, base)
                 if verdicts[key]:
@@ -255,8 +268,7 @@ def _divisors(n: int) -> list[int]:
 def state_bytes(cfg: JobConfig, cand: Candidate) -> int:
     """Parameters, gradients and optimizer state on one rank: what no AC mode or batch lowers."""
     params = get_model_spec(cfg.model.name).num_params(resolve_model_args(cfg))
-    d = dict(cand.degrees)
-    return params * BYTES_PER_PARAM_STATE // (d.get("dp_shard", 1) * d.get("tp", 1))
+    return params * BYTES_PER_PARAM_STATE // layout.state_divisor(dict(cand.degrees))
 
 
 @dataclasses.dataclass
@@ -274,8 +286,8 @@ class Plans:
     """Depth-free plans of micro-steps, cached by shape: every AC mode of one trace at once, and every local batch
     of a shape from one grid of short traces (`block_plan.plan_batches`).
 
-    A shape is (degrees, ep, loss chunk, optimizer placement, prefetch): the screen's references and the exact
-    plans share it, so an exact plan of a reference's shape costs nothing more.
+    A shape is (degrees, loss chunk, optimizer placement, the micro-step's options): the screen's references and
+    the exact plans share it, so an exact plan of a reference's shape costs nothing more.
 
     Nothing is dropped unsaid: each candidate whose plan fails is listed in `failed`, and each shape planned by
     tracing the whole depth in `full` (the first such fallback is said at once through `say`, default a warning).
@@ -305,7 +317,7 @@ class Plans:
 
     @staticmethod
     def _shape(micro: Candidate) -> tuple:
-        return (micro.degrees, micro.ep, micro.loss_chunk_size, micro.trace_optimizer, micro.prefetch)
+        return (micro.degrees, micro.loss_chunk_size, micro.trace_optimizer, micro.options)
 
     def plan(self, cands: Iterable[Candidate], modes: Iterable[str], *, screen: bool = False) -> None:
         """Plan the micro-steps of `cands` for `modes` that are not planned yet: each shape once, at all its local
@@ -364,18 +376,20 @@ SHARDED = ("parameter", "optimizer_state", "gradient")  # the categories FSDP di
 
 
 def screen(cfg: JobConfig, cluster: Cluster, cands: list[Candidate], efficiency: float, plans: Plans) -> list[Screened]:
-    """Predict each candidate's peak and step time from a reference plan at its own tp, ep, FSDP or not, loss
-    chunk, optimizer placement, prefetch and local batch, on the smallest dp_shard searched with them. The
+    """Predict each candidate's peak and step time from a reference plan at its own degrees, loss chunk,
+    optimizer placement, micro-step options and local batch, except those the parallelisms screen otherwise
+    (`layout.reference`: replication left out, FSDP on the smallest dp_shard searched with the rest). The
     references of one shape are planned at all their local batches at once (`Plans.plan`), exactly; a candidate
     at the reference's dp_shard is its own reference, and on another dp_shard the sharded state at the peak scales
     with 1 / dp_shard. Accumulation then adds what `accumulate.accumulated` adds."""
     modes = sorted({c.ac_mode for c in cands})
     refs: dict[tuple, Candidate] = {}
-    for c in sorted(cands, key=lambda c: dict(c.degrees).get("dp_shard", 1)):
-        refs.setdefault(_ref_key(c), _ref(c))
+    for c in sorted(cands, key=lambda c: layout.sharded_degree(dict(c.degrees))):
+        key, ref = _reference(c)
+        refs.setdefault(key, ref)
 
     def ref_of(c: Candidate) -> Candidate:
-        return dataclasses.replace(refs[_ref_key(c)], local_batch=c.local_batch)
+        return dataclasses.replace(refs[_reference(c)[0]], local_batch=c.local_batch)
 
     plans.plan([ref_of(c) for c in cands], modes, screen=True)
     out = []
@@ -395,35 +409,31 @@ _SHALLOW = "no deeper than the short traces: traced whole"
 def _shape_words(micro: Candidate) -> str:
     """A plan's shape in words (`Plans._shape`)."""
     where = "in graph" if micro.trace_optimizer else "eager"
-    return f"{micro.layout()}, loss chunk {micro.loss_chunk_size}, optimizer {where}" + (
-        ", prefetch" if micro.prefetch and dict(micro.degrees).get("dp_shard", 1) > 1 else ""
-    )
+    words = layout.describe_options(dict(micro.options))[0]
+    return f"{micro.layout()}, loss chunk {micro.loss_chunk_size}, optimizer {where}{words}"
 
 
-def _ref_key(c: Candidate) -> tuple:
-    d = dict(c.degrees)
-    return (d.get("tp", 1), d.get("dp_shard", 1) > 1, c.ep, c.loss_chunk_size, c.trace_optimizer, c.prefetch)
-
-
-def _ref(c: Candidate) -> Candidate:
-    d = dict(c.degrees)
-    degrees = (("dp_replicate", 1), ("dp_shard", d.get("dp_shard", 1)), ("tp", d.get("tp", 1)))
-    return Candidate(
-        degrees, c.ac_mode, c.local_batch, c.loss_chunk_size, c.trace_optimizer, ep=c.ep, prefetch=c.prefetch
-    )
+def _reference(c: Candidate) -> tuple[tuple, Candidate]:
+    """(key, reference) of `c` for the screen: the layout's (`layout.reference`) with the shape's other parts."""
+    key, degrees = layout.reference(dict(c.degrees))
+    micro = c.micro()
+    ref = Candidate(
+        layout.canonical(degrees), c.ac_mode, c.local_batch, c.loss_chunk_size, c.trace_optimizer,
+        options=micro.options,
+    )  # fmt: skip
+    return (key, c.loss_chunk_size, c.trace_optimizer, micro.options), ref
 
 
 def _screened(cluster, cand: Candidate, ref: Candidate, p: StepPlan, efficiency, device_type: str) -> Screened:
     d, r = dict(cand.degrees), dict(ref.degrees)
-    scale = r.get("dp_shard", 1) / d.get("dp_shard", 1)
+    scale = layout.sharded_degree(r) / layout.sharded_degree(d)
     sharded = sum(p.peak_by_category.get(k, 0) for k in SHARDED)
     cats = {**p.peak_by_category, **{k: int(p.peak_by_category[k] * scale) for k in SHARDED if k in p.peak_by_category}}
     micro = dataclasses.replace(p, peak_bytes=p.peak_bytes + int(sharded * scale) - sharded, peak_by_category=cats)
-    plan = accumulated(micro, cand.accumulation, cand.grad_sync, {**d, "ep": cand.ep}, device_type)
-    comm = dict(plan.comm_bytes)
-    if d.get("dp_replicate", 1) > 1:  # the references replicate nothing: the gradients' all-reduce, once a step
-        comm["dp_replicate all_reduce"] = p.num_params * 4 // (d.get("dp_shard", 1) * d.get("tp", 1))
-    t = step_time(cluster, plan.flops, comm, {**d, "ep": cand.ep}, efficiency, prefetch=cand.prefetch)
+    options = dict(cand.options)
+    plan = accumulated(micro, cand.accumulation, options, d, device_type)
+    comm = {**plan.comm_bytes, **layout.reference_comm(d, p.num_params * 4 // layout.state_divisor(d))}
+    t = step_time(cluster, plan.flops, comm, d, efficiency, options)
     return Screened(cand, plan.peak_bytes, t)
 
 
@@ -437,11 +447,9 @@ def plan_exactly(cfg: JobConfig, cluster: Cluster, rows: list[Screened], efficie
         if isinstance(plan, UserError):
             plans.fail(c, "exact", plan)
             continue
-        d = dict(c.degrees)
-        row.exact = accumulated(plan, c.accumulation, c.grad_sync, {**d, "ep": c.ep}, plans.device.type)
-        row.exact_time = step_time(
-            cluster, row.exact.flops, row.exact.comm_bytes, {**d, "ep": c.ep}, efficiency, c.prefetch
-        )
+        d, options = dict(c.degrees), dict(c.options)
+        row.exact = accumulated(plan, c.accumulation, options, d, plans.device.type)
+        row.exact_time = step_time(cluster, row.exact.flops, row.exact.comm_bytes, d, efficiency, options)
 
 
 def plan_best(
@@ -481,7 +489,6 @@ __all__ = [
     "Screened",
     "Space",
     "candidates",
-    "expert_degrees",
     "factorizations",
     "layouts",
     "model_allows",

@@ -129,6 +129,7 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     from graph_trainer.job_config.pretrained import model_name
     from graph_trainer.layouts import search
     from graph_trainer.layouts.cluster import build_cluster
+    from graph_trainer.layouts.cost_model import PREFETCH
     from graph_trainer.layouts.progress import Progress
     from graph_trainer.layouts.report import nothing_fits, print_table, write_json, write_picture
     from graph_trainer.observability.units import to_gib
@@ -149,7 +150,8 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     in_graph = tuple(v.lower() == "true" for v in opts.in_graph)
     prefetch = tuple(v.lower() == "true" for v in opts.prefetch)
     layouts, skipped = search.layouts(cfg, cluster)
-    space = search.candidates(cfg, layouts, global_seqs, tuple(opts.ac_modes), chunks, in_graph, prefetch)
+    offered = {PREFETCH: prefetch}  # the option --search.fsdp_prefetch tries
+    space = search.candidates(cfg, layouts, global_seqs, tuple(opts.ac_modes), chunks, in_graph, offered)
     cands = space.cands
     if not cands:
         raise UserError(
@@ -243,7 +245,9 @@ def _say(line: str) -> None:
 
 def _command(rest: list[str], cand, cluster) -> str:
     """The torchrun command line that runs `cand` with the user's own options."""
+    from graph_trainer.distributed import layout
     from graph_trainer.distributed.launch import trainer_command
+    from graph_trainer.job_config.schema import TrainingConfig
 
     per_node = min(cluster.gpus, cluster.gpus_per_node)
     argv = trainer_command(per_node, python="python")
@@ -252,10 +256,11 @@ def _command(rest: list[str], cand, cluster) -> str:
                 "--rdzv_backend=c10d", "--rdzv_endpoint=$MASTER_ADDR:29500", "-m", "graph_trainer"]  # fmt: skip
     options = [a for o in cand.overrides() for a in o.split()]
     if cluster.device.name != "cpu":
-        # bf16 as on a GPU: FSDP's bf16 gathered parameters set the compute dtype (the trainer refuses
-        # --training.dtype bfloat16 beside them); without FSDP, bf16 autocast.
-        fsdp = dict(cand.degrees).get("dp_shard", 1) > 1
-        options += ["--training.mixed_precision_param", "bfloat16"] if fsdp else ["--training.dtype", "bfloat16"]
+        # bf16 as on a GPU, as the parallelisms run it (FSDP: bf16 gathered parameters set the compute dtype, and
+        # the trainer refuses --training.dtype bfloat16 beside them); otherwise bf16 autocast. Defaults left out.
+        for name, value in layout.bf16_settings(dict(cand.degrees)).items():
+            if value != getattr(TrainingConfig(), name):
+                options += [f"--training.{name}", value]
     dtype = {"--training.dtype"} if cluster.device.name != "cpu" else set()
     rest = _without(rest, {a for a in options if a.startswith("--")} | dtype)
     endpoint = "--rdzv_endpoint=$MASTER_ADDR:29500"  # shlex quotes it whole; the shell must expand $MASTER_ADDR

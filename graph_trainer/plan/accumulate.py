@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 from graph_trainer.distributed.parallelize import PARALLELISMS
 from graph_trainer.observability.memory import allocated_bytes
@@ -42,15 +43,16 @@ SCALAR_BYTES = 4  # a float32 scalar: the step's valid-token count, or one micro
 
 
 def accumulated(
-    plan: StepPlan, steps: int, grad_sync: str, degrees: Mapping[str, int], device_type: str = "cpu"
+    plan: StepPlan, steps: int, options: Mapping[str, Any], degrees: Mapping[str, int], device_type: str = "cpu"
 ) -> StepPlan:
     """The plan of a step of `steps` micro-batches whose one micro-batch's plan (no accumulation) is `plan`, in a
-    layout of `degrees` (the mesh's), on a device of `device_type` (CUDA's allocator rounds each scalar up to a
-    block)."""
+    layout of `degrees` (the mesh's, and carved ones) with the [parallelism] `options` the step sets (e.g.
+    `{"fsdp_grad_sync": "step"}`; those left out at their defaults), on a device of `device_type` (CUDA's
+    allocator rounds each scalar up to a block)."""
     if steps == 1:
         return plan
     cats = plan.peak_by_category
-    parts = [p.across_micro_steps(degrees, grad_sync, cats.get("parameter", 0)) for p in PARALLELISMS]
+    parts = [p.across_micro_steps(degrees, options, cats.get("parameter", 0)) for p in PARALLELISMS]
     scalar = allocated_bytes(SCALAR_BYTES, device_type)
     extra = {
         "other_inputs": (steps - 1) * cats.get("batch", 0),

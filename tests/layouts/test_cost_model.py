@@ -18,7 +18,8 @@ GIB = 2**30
 
 def _time(device=H100, comm=None, degrees=None, prefetch=True, gpus=8):
     cluster = Cluster(device, gpus, 8)
-    return step_time(cluster, FLOPS, comm or {}, degrees or {"dp_shard": gpus}, device.efficiency, prefetch)
+    options = {"fsdp_prefetch": prefetch}
+    return step_time(cluster, FLOPS, comm or {}, degrees or {"dp_shard": gpus}, device.efficiency, options)
 
 
 def test_the_500_watt_card_runs_at_its_power_capped_clock():
@@ -65,9 +66,10 @@ def test_a_group_across_nodes_runs_at_its_ranks_nics_together():
 
 
 def test_each_collective_is_priced_on_the_ring_its_parallelism_declares():
-    """The rings come from the parallelisms (each declares its mesh dimension) and the mesh order (dp_replicate,
-    dp_shard, tp innermost; ep the inner part of dp_shard), not from a table in the cost model."""
+    """The rings come from the parallelisms (each declares its mesh dimension, or its ring) and the mesh order
+    (dp_replicate, dp_shard, tp innermost; ep the inner part of dp_shard), not from a table in the cost model."""
     from graph_trainer.distributed.parallelize import collective_rings
 
     degrees = {"dp_replicate": 2, "dp_shard": 4, "tp": 8, "ep": 2}
-    assert collective_rings(degrees) == {"tp": (8, 1), "fsdp": (4, 8), "dp_replicate": (2, 32), "ep": (2, 8)}
+    rings = {"tp": (8, 1), "fsdp": (4, 8), "dp_replicate": (2, 32), "ep": (2, 8), "expert_balance": (4, 8)}
+    assert collective_rings(degrees) == rings  # the MoE counts: no dimension of their own, the shards' ring

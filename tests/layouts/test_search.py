@@ -51,6 +51,32 @@ def test_a_layout_that_breaks_divisibility_is_never_proposed():
     assert not any(line.startswith("dp_replicate 2 x dp_shard 4") for line in skipped)
 
 
+def test_the_search_reads_each_parallelisms_facts_off_its_class(monkeypatch):
+    """The search names no parallelism (tests/test_architecture.py): what a degree means comes from the class. So
+    a fact changed on a class changes the search, with nothing in layouts/ touched: FSDP declared node-bound makes
+    dp_shard 16 on nodes of 8 a skipped layout, in its own words; replication given a searched option doubles the
+    candidates of a replicated layout and puts the option in their commands."""
+    from graph_trainer.distributed.fsdp import FSDP
+    from graph_trainer.distributed.replicate import Replicate
+
+    cfg, _ = load_config(DEBUG)
+    assert search.model_allows(cfg, {"dp_replicate": 1, "dp_shard": 16, "tp": 1}, 8) is None
+    monkeypatch.setattr(FSDP, "within_node", True)
+    assert search.model_allows(cfg, {"dp_replicate": 1, "dp_shard": 16, "tp": 1}, 8) == "dp_shard 16 spans nodes"
+    monkeypatch.undo()
+
+    replicated = [{"dp_replicate": 2, "dp_shard": 1, "tp": 1}]
+    before = search.candidates(cfg, replicated, 2, ("none",), (0,), (False,)).cands
+    offer = classmethod(lambda cls, degrees, acc, offered: {"deterministic_comms": (False, True)})
+    monkeypatch.setattr(Replicate, "search_options", offer, raising=False)
+    monkeypatch.setattr(search, "_DEFAULTS", dataclasses.replace(search._DEFAULTS))
+    object.__setattr__(search._DEFAULTS, "deterministic_comms", False)
+    monkeypatch.setattr(search, "trainer_refuses", lambda cfg, cand: None)
+    after = search.candidates(cfg, replicated, 2, ("none",), (0,), (False,)).cands
+    assert len(after) == 2 * len(before)
+    assert sum("--parallelism.deterministic_comms true" in c.overrides() for c in after) == len(before)
+
+
 def test_the_candidate_generator_takes_the_degrees_the_schema_offers(monkeypatch):
     """The seam for tensor parallelism: once the schema has `parallelism.tp`, tp joins the factorizations."""
     assert {"dp_replicate", "dp_shard"} <= set(search.offered_degrees())
@@ -120,12 +146,13 @@ def test_the_accumulated_plan_equals_the_whole_accumulating_plan(sync, tp, repli
     micro = search.Candidate((("dp_replicate", replicas), ("dp_shard", 2), ("tp", tp)), "none", 2, 0, False)
     plans = search.Plans(cfg, torch.device("cpu"))
     for steps in (3,):  # one count: the accumulated buffers scale with it, and 3 exercises the "other" batches
-        cand = dataclasses.replace(micro, accumulation=steps, grad_sync=sync)
+        cand = dataclasses.replace(micro, accumulation=steps, options=(("fsdp_grad_sync", sync),))
         acc_cfg = cand.apply(cfg)
         with planning_mesh(ParallelDims.from_config(acc_cfg.parallelism), torch.device("cpu")) as mesh:
             whole = plan_modes(acc_cfg, mesh, ["none", "full"])
         for mode in ("none", "full"):
-            got = accumulated(plans.get(cand, ["none", "full"])[mode], steps, sync, dict(cand.degrees))
+            options = {"fsdp_grad_sync": sync}
+            got = accumulated(plans.get(cand, ["none", "full"])[mode], steps, options, dict(cand.degrees))
             assert got.flops == whole[mode].flops
             if sync == "micro_batch":  # exact: the micro-step's graph is the planned one
                 assert (got.peak_bytes, got.peak_location) == (whole[mode].peak_bytes, whole[mode].peak_location)
@@ -138,7 +165,7 @@ def test_the_accumulated_plan_equals_the_whole_accumulating_plan(sync, tp, repli
 def test_the_search_crosses_local_batch_with_accumulation_and_both_grad_syncs():
     cfg, _ = load_config(DEBUG)
     space = search.candidates(cfg, [{"dp_replicate": 1, "dp_shard": 2, "tp": 1}], 8, ("none",), (0,), (False,))
-    got = {(c.local_batch, c.accumulation, c.grad_sync) for c in space.cands}
+    got = {(c.local_batch, c.accumulation, dict(c.options).get("fsdp_grad_sync", "micro_batch")) for c in space.cands}
     assert got == {(4, 1, "micro_batch"), (2, 2, "micro_batch"), (2, 2, "step"), (1, 4, "micro_batch"),
                    (1, 4, "step")}  # fmt: skip
     assert all(c.global_batch == 8 for c in space.cands)
@@ -167,11 +194,17 @@ def test_every_proposed_layout_passes_the_trainers_gate(monkeypatch):
 
 
 def test_expert_parallel_degrees_follow_the_expert_count():
+    """ep, carved out of dp_shard, is offered at the divisors of dp_shard that divide the routed experts."""
+    from graph_trainer.distributed import layout
+
     cfg, _ = load_config(["--config", "deepseek_v3_debug"])
     experts = getattr(search.resolve_model_args(cfg), "n_routed_experts", 0)
-    degrees = search.expert_degrees(cfg, 8)
+    choices = layout.carved_choices(search.resolve_model_args(cfg), {"dp_replicate": 1, "dp_shard": 8, "tp": 1})
+    degrees = [c.get("ep", 1) for c in choices]
     assert degrees[0] == 1 and all(8 % e == 0 and experts % e == 0 for e in degrees[1:])
     assert (len(degrees) > 1) == bool(experts)
+    llama, _ = load_config(DEBUG)
+    assert layout.carved_choices(search.resolve_model_args(llama), {"dp_shard": 8}) == [{}]
 
 
 def test_the_search_skips_with_the_words_each_parallelism_refuses_with(tmp_path):
@@ -179,9 +212,9 @@ def test_the_search_skips_with_the_words_each_parallelism_refuses_with(tmp_path)
     same sentence, for tp (kv heads) and for ep (the experts dp_shard must divide)."""
     ds, _ = load_config(["--config", "deepseek_v3_debug", "--model.n_routed_experts", "6"])
     shard4 = (("dp_replicate", 1), ("dp_shard", 4), ("tp", 1))
-    why = search.trainer_refuses(ds, search.Candidate(shard4, "none", 1, 0, False, ep=2))
+    why = search.trainer_refuses(ds, search.Candidate((*shard4, ("ep", 2)), "none", 1, 0, False))
     assert why == "parallelism.dp_shard = 4 does not divide the 6 routed experts"
-    assert search.trainer_refuses(ds, search.Candidate(shard4, "none", 1, 0, False, ep=1)) is None
+    assert search.trainer_refuses(ds, search.Candidate(shard4, "none", 1, 0, False)) is None
     llama, _ = load_config([*DEBUG, "--model.n_kv_heads", "2", "--job.dump_folder", str(tmp_path)])
     why = search.model_allows(llama, {"tp": 4}, 8)
     assert why == "model.n_kv_heads = 2 does not divide by parallelism.tp = 4"

@@ -21,7 +21,8 @@ def test_eager_figure_is_the_eager_step_plus_the_graph_plans_update():
     cfg, _ = load_config([*ARGS, "--training.loss_chunk_size", "0"])
     cpu = torch.device("cpu")
     # The benchmark's pinned rows: FSDP, selective AC, update out of the graph, prefetch.
-    cand = search.Candidate((("dp_replicate", 1), ("dp_shard", 2)), "selective", 2, 0, False, prefetch=True)
+    degrees, prefetch = (("dp_replicate", 1), ("dp_shard", 2)), (("fsdp_prefetch", True),)
+    cand = search.Candidate(degrees, "selective", 2, 0, False, options=prefetch)
     plans = search.Plans(cfg, cpu)
     figure = eager_peak(cfg, cand, plans)
 

@@ -1,0 +1,168 @@
+"""What a layout's degrees mean, read off the registered parallelisms (`parallelize.PARALLELISMS`).
+
+A layout is the degree of every parallelism by its option name: the mesh's dimensions (`mesh.DIMS`, each a
+factor of the world) and the carved ones (a parallelism with `carved_from`, whose degree divides another's, as
+ep divides dp_shard). The layout search (`graph_trainer/layouts/search.py`) asks this module, never a
+parallelism by name, what a layout's ranks, data-parallel degree, sharded state, references and options are; a
+new parallelism answers by declaring the facts of `Parallelism`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from graph_trainer.distributed.mesh import DATA_PARALLEL, DIMS
+from graph_trainer.distributed.parallelism import Parallelism
+from graph_trainer.distributed.parallelize import PARALLELISMS
+
+Degrees = Mapping[str, int]
+
+
+def _by_dim() -> dict[str, type[Parallelism]]:
+    return {p.mesh_dim: p for p in PARALLELISMS if p.mesh_dim}
+
+
+def carved() -> tuple[str, ...]:
+    """The degree options that divide another dimension instead of multiplying the world (ep)."""
+    return tuple(p.mesh_dim for p in PARALLELISMS if p.carved_from)
+
+
+def degree_options() -> tuple[str, ...]:
+    """Every degree a layout sets: the mesh's dimensions, outermost first, then the carved ones."""
+    return (*DIMS, *carved())
+
+
+def canonical(degrees: Degrees) -> tuple[tuple[str, int], ...]:
+    """`degrees` as a hashable layout: every mesh dimension it gives, outermost first, then the carved ones
+    above 1."""
+    mesh = [(d, degrees[d]) for d in DIMS if d in degrees]
+    return (*mesh, *((d, degrees[d]) for d in carved() if degrees.get(d, 1) > 1))
+
+
+def world_size(degrees: Degrees) -> int:
+    """The ranks of a layout: the product of its mesh dimensions."""
+    return math.prod(degrees.get(d, 1) for d in DIMS)
+
+
+def data_parallel(degrees: Degrees) -> int:
+    """The data-parallel degree: the ranks that read different sequences."""
+    return math.prod(degrees.get(d, 1) for d in DATA_PARALLEL)
+
+
+def state_divisor(degrees: Degrees) -> int:
+    """What a rank's parameters, gradients and optimizer state are divided by (FSDP's and TP's degrees)."""
+    return math.prod(degrees.get(p.mesh_dim, 1) for p in PARALLELISMS if p.shards_state)
+
+
+def words(degrees: Degrees) -> str:
+    """'dp_shard 4 x tp 2 (ep 2)': the degrees above 1, the carved ones in brackets; 'one process' when none."""
+    text = " x ".join(f"{d} {degrees[d]}" for d in DIMS if degrees.get(d, 1) > 1) or "one process"
+    return text + "".join(f" ({d} {degrees[d]})" for d in carved() if degrees.get(d, 1) > 1)
+
+
+def spans_nodes(degrees: Degrees, gpus_per_node: int) -> str | None:
+    """Why the layout puts a ring that must stay in a node across nodes (None when it does not)."""
+    return next(
+        (
+            f"{p.mesh_dim} {degrees[p.mesh_dim]} spans nodes"
+            for p in PARALLELISMS
+            if p.within_node and degrees.get(p.mesh_dim, 1) > gpus_per_node
+        ),
+        None,
+    )
+
+
+def carved_choices(model_args: Any, degrees: Degrees) -> list[dict[str, int]]:
+    """Every combination of carved degrees worth searching on the mesh degrees `degrees` (those at 1 left out)."""
+    parts = [p for p in PARALLELISMS if p.carved_from]
+    values = [p.search_degrees(model_args, degrees.get(p.carved_from, 1)) for p in parts]
+    return [{p.mesh_dim: n for p, n in zip(parts, combo, strict=True) if n > 1} for combo in itertools.product(*values)]
+
+
+def option_choices(
+    degrees: Degrees, accumulation: int, offered: Mapping[str, tuple[Any, ...]]
+) -> Iterator[dict[str, Any]]:
+    """Every combination of the parallelisms' options the search crosses at `degrees` (`search_options`)."""
+    options: dict[str, tuple[Any, ...]] = {}
+    for p in PARALLELISMS:
+        options.update(p.search_options(degrees, accumulation, offered))
+    for combo in itertools.product(*options.values()):
+        yield dict(zip(options, combo, strict=True))
+
+
+def searched_options() -> frozenset[str]:
+    """Every [parallelism] option the search may set (`Parallelism.searched_options`)."""
+    return frozenset(o for p in PARALLELISMS for o in p.searched_options)
+
+
+def step_options() -> frozenset[str]:
+    """The options of a whole step rather than of one micro-batch's plan (FSDP's gradient sync)."""
+    return frozenset(o for p in PARALLELISMS for o in p.step_options)
+
+
+def describe_options(options: Mapping[str, Any]) -> tuple[str, str]:
+    """(shape words, batch mark) of a candidate's options, as each parallelism describes its own."""
+    described = [p.describe_options(options) for p in PARALLELISMS]
+    return "".join(w for w, _ in described), "".join(m for _, m in described)
+
+
+def bf16_settings(degrees: Degrees) -> dict[str, str]:
+    """The [training] options of a bf16 step at `degrees`: a parallelism's own (FSDP's bf16 gathers), else autocast."""
+    return next((s for p in PARALLELISMS if (s := p.bf16_settings(degrees)) is not None), {"dtype": "bfloat16"})
+
+
+def reference(degrees: Degrees) -> tuple[tuple, dict[str, int]]:
+    """(key, degrees) of the screen's reference for a layout: the parallelisms left out of the screen at 1, and
+    a sharding one (`screened_as = "sharded"`) keyed only by being on; the reference of a key is its layout of
+    the smallest `sharded_degree`."""
+    key, ref = [], {}
+    for d in degree_options():
+        n, how = degrees.get(d, 1), _screened_as(d)
+        ref[d] = 1 if how == "left_out" else n
+        if how != "left_out":
+            key.append((d, n > 1 if how == "sharded" else n))
+    return tuple(key), ref
+
+
+def sharded_degree(degrees: Degrees) -> int:
+    """The product of the degrees whose sharded state the screen scales (FSDP's)."""
+    return math.prod(degrees.get(d, 1) for d in degree_options() if _screened_as(d) == "sharded")
+
+
+def reference_comm(degrees: Degrees, gradient_bytes: int) -> dict[str, int]:
+    """The collectives the screen adds to a reference plan for the parallelisms it left out (replication's
+    all-reduce), for a rank holding `gradient_bytes` of gradients."""
+    out: dict[str, int] = {}
+    for p in PARALLELISMS:
+        if p.screened_as == "left_out":
+            out.update(p.reference_comm(degrees, gradient_bytes))
+    return out
+
+
+def _screened_as(dim: str) -> str:
+    p = _by_dim().get(dim)
+    return p.screened_as if p is not None else "itself"
+
+
+__all__ = [
+    "bf16_settings",
+    "carved",
+    "canonical",
+    "carved_choices",
+    "data_parallel",
+    "degree_options",
+    "describe_options",
+    "option_choices",
+    "reference",
+    "reference_comm",
+    "searched_options",
+    "sharded_degree",
+    "spans_nodes",
+    "state_divisor",
+    "step_options",
+    "words",
+    "world_size",
+]
