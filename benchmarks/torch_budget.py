@@ -185,7 +185,7 @@ class OurSide:
         return tracker.peak_bytes
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--batch", type=int, default=4)
@@ -194,52 +194,62 @@ def main() -> None:
     parser.add_argument("--solvers", nargs="+", default=["dp", "ilp"])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per side (median)")
     parser.add_argument("--save", action="store_true", help="write benchmarks/results/torch_budget.json")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def compare(args: argparse.Namespace) -> tuple[dict[str, int], list[dict[str, Any]]]:
+    """(the no-recompute baselines, one row per solver and budget): the figures of the module docstring."""
     torch.manual_seed(0)
     base = make_job(args, "--activation_checkpoint.mode", "none")
     vocab = base.cfg.model.vocab_size
     batch = {k: torch.randint(0, vocab, (args.batch, args.seq)) for k in ("input", "labels")}
-
     none = OurSide(args, batch, "none")
     no_ac = estimate_peak_memory(none.gm, input_categories=none.categories)
     saved_all = TorchSide(base, batch, 1.0, args.solvers[0])
     inputs = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in existing(base, batch)}.values())
-    torch_full_peak, none_peak = saved_all.peak(base, batch), none.peak()
+    baseline = {"our_no_ac_peak": none.peak(), "torch_b1_peak": saved_all.peak(base, batch), "input_bytes": inputs,
+                "our_no_ac_flops": none.flops, "torch_b1_flops": saved_all.flops}  # fmt: skip
     print(
-        f"no AC: ours {none_peak / GIB:.4f} GiB (est {no_ac.peak_bytes / GIB:.4f}), torch.compile b=1 "
-        f"{torch_full_peak / GIB:.4f} GiB; FLOPs ours {none.flops / 1e9:.2f} G, torch {saved_all.flops / 1e9:.2f} G"
+        f"no AC: ours {baseline['our_no_ac_peak'] / GIB:.4f} GiB (est {no_ac.peak_bytes / GIB:.4f}), torch.compile "
+        f"b=1 {baseline['torch_b1_peak'] / GIB:.4f} GiB; FLOPs ours {none.flops / 1e9:.2f} G, torch "
+        f"{saved_all.flops / 1e9:.2f} G",
+        flush=True,
     )
-    rows, data = [], []
+    rows = []
     for solver in args.solvers:
         for b in args.budgets:
             side = TorchSide(base, batch, b, solver)
             peak = side.peak(base, batch)
-            torch_recompute = side.flops - saved_all.flops
             # Our target is torch's measured peak (at most our no-AC peak: a fraction above 1 is refused).
             fraction = min(1.0, (peak - no_ac.input_bytes) / (no_ac.peak_bytes - no_ac.input_bytes))
             ours = OurSide(args, batch, "budget", "--activation_checkpoint.memory_budget", f"{fraction:.6f}")
-            our_peak = ours.peak()
-            our_recompute = ours.flops - none.flops
-            torch_s = timed(lambda side=side: side.step(free_early=False), args.steps)
-            our_s = timed(ours.run, args.steps)
-            promise = side.saved_bytes / saved_all.saved_bytes
-            act_share = (peak - inputs) / (torch_full_peak - inputs)
-            row = {"solver": solver, "budget": b, "torch_peak": peak, "torch_saved_share": promise,
-                   "torch_peak_act_share": act_share, "torch_recompute_flops": torch_recompute,
-                   "our_fraction": fraction, "our_peak": our_peak, "our_recompute_flops": our_recompute,
-                   "torch_step_s": torch_s, "our_step_s": our_s}  # fmt: skip
-            data.append(row)
-            rows.append((solver, f"{b:.2f}", f"{peak / GIB:.4f}", f"{promise:.3f}", f"{act_share:.3f}",
-                         f"{our_peak / GIB:.4f}", f"{torch_recompute / 1e9:.3f}", f"{our_recompute / 1e9:.3f}",
-                         f"{torch_s * 1e3:.0f}", f"{our_s * 1e3:.0f}"))  # fmt: skip
+            rows.append({
+                "solver": solver, "budget": b, "torch_peak": peak,
+                "torch_saved_share": side.saved_bytes / saved_all.saved_bytes,
+                "torch_peak_act_share": (peak - inputs) / (baseline["torch_b1_peak"] - inputs),
+                "torch_recompute_flops": side.flops - saved_all.flops, "our_fraction": fraction,
+                "our_peak": ours.peak(), "our_recompute_flops": ours.flops - none.flops,
+                "torch_step_s": timed(lambda side=side: side.step(free_early=False), args.steps),
+                "our_step_s": timed(ours.run, args.steps),
+            })  # fmt: skip
             print(rows[-1], flush=True)
+    return baseline, rows
+
+
+def main() -> None:
+    args = parse_args()
+    baseline, data = compare(args)
+    rows = [
+        (r["solver"], f"{r['budget']:.2f}", f"{r['torch_peak'] / GIB:.4f}", f"{r['torch_saved_share']:.3f}",
+         f"{r['torch_peak_act_share']:.3f}", f"{r['our_peak'] / GIB:.4f}", f"{r['torch_recompute_flops'] / 1e9:.3f}",
+         f"{r['our_recompute_flops'] / 1e9:.3f}", f"{r['torch_step_s'] * 1e3:.0f}", f"{r['our_step_s'] * 1e3:.0f}")
+        for r in data
+    ]  # fmt: skip
     header = ("solver", "budget b", "torch peak GiB", "torch saved / saved at b=1", "torch peak act / at b=1",
               "our peak GiB", "torch recompute GFLOP", "our recompute GFLOP", "torch ms", "our ms")  # fmt: skip
     table = markdown_table(header, rows)
     print(table)
     if args.save:
-        baseline = {"our_no_ac_peak": none_peak, "torch_b1_peak": torch_full_peak, "input_bytes": inputs,
-                    "our_no_ac_flops": none.flops, "torch_b1_flops": saved_all.flops}  # fmt: skip
         save("torch_budget", {"torch_budget": table}, {"args": vars(args), "baseline": baseline, "rows": data})
 
 
