@@ -59,7 +59,8 @@ class DocTable:
 
     @property
     def where(self) -> str:
-        return f"{self.page.relative_to(REPO)}:{self.line}"
+        page = self.page.relative_to(REPO) if self.page.is_relative_to(REPO) else self.page
+        return f"{page}:{self.line}"
 
     def quoted(self) -> tuple[str, str] | None:
         """(results name, table name) when the marker is a results or pending marker, else None."""
