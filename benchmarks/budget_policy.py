@@ -29,7 +29,7 @@ from graph_trainer.distributed.mesh import Mesh, ParallelDims  # noqa: E402
 from graph_trainer.job_config.cli import load_config  # noqa: E402
 from graph_trainer.passes import CLEAN_UP  # noqa: E402
 from graph_trainer.passes.activation_checkpoint import analyze  # noqa: E402
-from graph_trainer.passes.budget import _backward_storages, choices  # noqa: E402
+from graph_trainer.passes.budget import backward_storages, choices  # noqa: E402
 from graph_trainer.passes.remat_model import build_model, solve  # noqa: E402
 from graph_trainer.plan.step_plan import meta_batch  # noqa: E402
 
@@ -45,7 +45,7 @@ def measure(config: str, blocks: int) -> dict:
     traced = stages.trace(job, meta_batch(job.cfg))
     gm = stages.transform(job, traced, until=CLEAN_UP).traced.gm
     structure = analyze(gm)
-    candidates, free = choices(structure, set(), _backward_storages(gm))
+    candidates, free = choices(structure, set(), backward_storages(gm))
     start = time.perf_counter()
     model = build_model(gm, candidates, free, set(), traced.layout.categories)
     build_s = time.perf_counter() - start

@@ -63,7 +63,7 @@ logger = get_logger(__name__)
 SOLVE_TIME_LIMIT_S = 60.0
 
 
-def _backward_storages(gm: torch.fx.GraphModule) -> set[int]:
+def backward_storages(gm: torch.fx.GraphModule) -> set[int]:
     """Storages read by a backward op (in the untagged graph: what is saved for backward)."""
     keys: set[int] = set()
     for n in gm.graph.nodes:
@@ -118,7 +118,7 @@ def tag_memory_budget(
 
     save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
     pinned = apply_overrides(structure, {}, save, recompute)  # forced saves win over a pin (`finalize`)
-    candidates, free = choices(structure, set(pinned), _backward_storages(gm))
+    candidates, free = choices(structure, set(pinned), backward_storages(gm))
     always = free | {n for n, d in pinned.items() if d == RECOMPUTE and n not in structure.forced}
     model = build_model(gm, candidates, always, set(pinned) - always, input_categories)
     solution = solve(model, target, time_limit_s=SOLVE_TIME_LIMIT_S)

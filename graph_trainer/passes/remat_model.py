@@ -46,7 +46,7 @@ import torch.fx
 
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.graph_utils import layer_forward_nodes, node_flops, tensors
-from graph_trainer.tracer.memory_estimate import _analyze, _workspace_bytes
+from graph_trainer.tracer.memory_estimate import storage_lifetimes, workspace_bytes
 
 TIE_BREAK = 1e-6  # weight of one recomputed output element against one FLOP
 INFEASIBLE = "infeasible"  # `Solution.status` when the solver proved that no choice fits
@@ -310,9 +310,9 @@ def build_model(
     def conj(events: list[Event], *terms: tuple[int | None, float]) -> list[Event]:
         return [(p, [*t, *terms], k + 1) for p, t, k in events]
 
-    _, storages = _analyze(gm, input_categories)
+    _, storages = storage_lifetimes(gm, input_categories)
     fixed = np.zeros(n_places + 2)
-    inputs = _workspace_bytes(gm)
+    inputs = workspace_bytes(gm)
     memory_terms: list[dict[int, float]] = [defaultdict(float) for _ in range(n_places)]
     alive_rules: list[tuple[int, Expr]] = []
 
@@ -525,8 +525,9 @@ def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 60.0)
 
 
 def smallest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> tuple[int, bool]:
-    """(the lowest peak a choice reaches, whether the solver proved it the lowest within `time_limit_s`): what an
-    infeasible budget is told to rise to. Recomputing every candidate is the fallback answer (unproven)."""
+    """(the lowest peak a choice reaches, whether the solver proved it the lowest within `time_limit_s` and
+    `NODE_LIMIT` nodes): what an infeasible budget is told to rise to. Recomputing every candidate is the
+    fallback answer (unproven)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -546,7 +547,8 @@ def smallest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> tuple[int
             constraints=LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(len(lo), n)).tocsr(), lo, hi),
             integrality=integrality,
             bounds=Bounds(np.zeros(n), upper),
-            options={"time_limit": time_limit_s},
+            # As `solve`: a node limit (the same answer on any machine) and no gap, so "proven" means the lowest.
+            options={"time_limit": time_limit_s, "mip_rel_gap": 0.0, "node_limit": NODE_LIMIT},
         )
     if result.x is None:
         return min(model.peak(model.candidates), model.peak([])), False

@@ -101,7 +101,10 @@ class MemoryEstimate:
 
 
 @dataclass
-class _Storage:
+class Allocation:
+    """One allocation the estimate counts: its size, when it is made and freed (node indices), what made it and
+    holds it, and its category. `storage_lifetimes` lists them."""
+
     nbytes: int
     born: int  # node index of the first node holding it (-1: before the first node)
     dies: float  # node index after which it is freed (inf: never within the call)
@@ -138,7 +141,11 @@ def op_name(node: torch.fx.Node) -> str:
     return str(node.target) if node.op != "call_function" else getattr(node.target, "__name__", str(node.target))
 
 
-def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
+def storage_lifetimes(
+    gm: torch.fx.GraphModule, input_categories: list[str] | None
+) -> tuple[list[torch.fx.Node], list[Allocation]]:
+    """(the graph's nodes in order, every allocation the estimate counts): what `estimate_peak_memory` sums over
+    time, for a caller that models the same timeline another way (`passes/remat_model.py`)."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -163,7 +170,7 @@ def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
     # input's allocation only if it shares that input's fake storage, else it is
     # new. (Remat copies meta, so a recomputed node carries the *same* fake value
     # as the forward node it recomputes; storage identity alone would merge them.)
-    storages: list[_Storage] = []
+    storages: list[Allocation] = []
     allocs_of: dict[torch.fx.Node, dict[int, int]] = {}  # node -> fake storage key -> allocation id
     held_by_inputs: dict[int, int] = {}  # placeholders/get_attr sharing a storage count once
     for i, n in enumerate(nodes):
@@ -194,7 +201,7 @@ def _analyze(gm: torch.fx.GraphModule, input_categories: list[str] | None):
                 nbytes = _int(t.untyped_storage().nbytes())
                 # On a CUDA graph, host tensors (per-step scalars) take no device memory.
                 nbytes = 0 if device_type == "cuda" and t.device.type == "cpu" else allocated_bytes(nbytes, device_type)
-                st = _Storage(nbytes, -1 if is_input else i, node_dies[n], n, t)
+                st = Allocation(nbytes, -1 if is_input else i, node_dies[n], n, t)
                 if n.op == "placeholder":
                     st.category = in_cat[n]
                 elif n.op == "get_attr":
@@ -223,7 +230,8 @@ def graph_device_type(gm: torch.fx.GraphModule) -> str:
     return "cuda" if "cuda" in types else (types[0] if types else "cpu")
 
 
-def _workspace_bytes(gm: torch.fx.GraphModule) -> int:
+def workspace_bytes(gm: torch.fx.GraphModule) -> int:
+    """cuBLAS's workspace, held for the whole step by a CUDA graph with a matmul (0 elsewhere)."""
     if graph_device_type(gm) != "cuda" or not any(is_matmul(n.target) for n in gm.graph.nodes):
         return 0
     return process_cublas_workspace_bytes(torch.device("cuda"))
@@ -237,11 +245,11 @@ def estimate_peak_memory(gm: torch.fx.GraphModule, *, input_categories: list[str
     "constant" (get_attr), "gradient" (returned, made by a backward node), "output"
     (other returned values, e.g. the loss) or "activation" (everything else).
     """
-    nodes, storages = _analyze(gm, input_categories)
+    nodes, storages = storage_lifetimes(gm, input_categories)
     n_nodes = len(nodes)
     # Sweep: +bytes at birth, -bytes after death.
     delta = [0] * (n_nodes + 1)
-    workspace = _workspace_bytes(gm)
+    workspace = workspace_bytes(gm)
     input_bytes = workspace
     for st in storages:
         if st.born < 0:
@@ -289,7 +297,7 @@ def allocation_events(gm: torch.fx.GraphModule) -> tuple[list[MemoryEvent], int]
     the estimate counts them. The cuBLAS workspace is not in it. A caching allocator replays it
     (`graph_trainer.plan.caching_allocator.replay`).
     """
-    nodes, storages = _analyze(gm, None)
+    nodes, storages = storage_lifetimes(gm, None)
     born: dict[int, list[int]] = defaultdict(list)
     dies: dict[int, list[int]] = defaultdict(list)
     for aid, st in enumerate(storages):
@@ -321,9 +329,9 @@ def live_by_category(
 ) -> dict[str, int]:
     """Bytes live at the `index`-th node of `gm` (graph order), by category, as `estimate_peak_memory` counts
     them at its peak node (the depth-free planner reads them at a node that is not the short graph's peak)."""
-    nodes, storages = _analyze(gm, input_categories)
+    nodes, storages = storage_lifetimes(gm, input_categories)
     by_cat: dict[str, int] = defaultdict(int)
-    workspace = _workspace_bytes(gm)
+    workspace = workspace_bytes(gm)
     if workspace:
         by_cat[WORKSPACE] = workspace
     for st in storages:
@@ -332,7 +340,7 @@ def live_by_category(
     return dict(by_cat)
 
 
-def _saved(nodes: list[torch.fx.Node], storages: list[_Storage]) -> list[_Storage]:
+def _saved(nodes: list[torch.fx.Node], storages: list[Allocation]) -> list[Allocation]:
     """Storages made before the first backward node and used by it or a later node (not just returned)."""
     first_bwd = next((i for i, n in enumerate(nodes) if node_meta.is_backward(n)), None)
     if first_bwd is None:
@@ -345,7 +353,7 @@ def saved_tensors(gm: torch.fx.GraphModule) -> list[SavedTensor]:
 
     Empty when no node carries the tracer's `phase == "backward"` tag.
     """
-    nodes, storages = _analyze(gm, None)
+    nodes, storages = storage_lifetimes(gm, None)
     out = []
     for st in _saved(nodes, storages):
         n, t = st.producer, st.example

@@ -24,7 +24,7 @@ from graph_trainer.distributed.mesh import Mesh, ParallelDims
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.passes import CLEAN_UP
 from graph_trainer.passes.activation_checkpoint import RECOMPUTE, SAVE, analyze, finalize, write_tags
-from graph_trainer.passes.budget import _backward_storages, choices
+from graph_trainer.passes.budget import backward_storages, choices
 from graph_trainer.passes.remat import remat_graph
 from graph_trainer.passes.remat_model import build_model, smallest_peak, solve
 from graph_trainer.plan.step_plan import meta_batch
@@ -55,7 +55,7 @@ def _remat_truth(gm, structure, free, chosen, categories) -> tuple[int, int]:
 def test_the_models_peak_and_flops_are_remats_under_any_choice():
     gm, categories = _clean_step(2, "--model.dropout", "0.1")
     structure = analyze(gm)
-    candidates, free = choices(structure, set(), _backward_storages(gm))
+    candidates, free = choices(structure, set(), backward_storages(gm))
     assert any(reason == "random op" for reason in structure.forced.values())  # dropout: never a choice
     model = build_model(gm, candidates, free, set(), categories)
     rng = random.Random(0)
@@ -70,7 +70,7 @@ def test_the_solvers_choice_is_the_enumerated_optimum_at_every_budget():
     """10 of one block's candidates are the choice (the others saved): 1024 choices, each rematerialized and
     estimated; the solver must find the fewest FLOPs that fit, at 10 budgets."""
     gm, categories = _clean_step(1)
-    candidates, free = choices(analyze(gm), set(), _backward_storages(gm))
+    candidates, free = choices(analyze(gm), set(), backward_storages(gm))
     # The block's second half: attention's outputs and the MLP's matmuls.
     _enumerated_optimum_holds(gm, categories, candidates[-10:], candidates, free)
 
@@ -78,7 +78,7 @@ def test_the_solvers_choice_is_the_enumerated_optimum_at_every_budget():
 def test_no_choice_fits_a_budget_below_the_smallest_peak():
     gm, categories = _clean_step(1)
     structure = analyze(gm)
-    candidates, free = choices(structure, set(), _backward_storages(gm))
+    candidates, free = choices(structure, set(), backward_storages(gm))
     model = build_model(gm, candidates, free, set(), categories)
     assert solve(model, smallest_peak(model)[0] - 1).recompute is None
 
@@ -158,7 +158,7 @@ def test_the_solver_is_the_enumerated_optimum_across_blocks_and_at_8b_dims(layer
     job = build_job(cfg, Mesh(ParallelDims(), 0, torch.device("cpu")), materialize=False)
     traced = stages.trace(job, meta_batch(job.cfg))
     gm, categories = stages.transform(job, traced, until=CLEAN_UP).traced.gm, traced.layout.categories
-    candidates, free = choices(analyze(gm), set(), _backward_storages(gm))
+    candidates, free = choices(analyze(gm), set(), backward_storages(gm))
     by_block: dict[int, list] = {}
     for c in candidates:
         by_block.setdefault(node_meta.layer_id(c), []).append(c)
