@@ -174,9 +174,7 @@ def test_the_planner_names_no_pass_and_sets_no_field_of_a_step():
 PARALLELISM_NAMES = {"tp", "ep", "fsdp", "dp_shard", "dp_replicate", "hsdp", "cp", "pp"}
 # What still names a parallelism in code outside distributed/ (its home) and job_config/ (option validation), and
 # how often: issue 30 moves these into the parallelism classes. The counts may only fall; a file reaching 0 leaves.
-STILL_NAMING = {
-    "graph_trainer/passes/__init__.py": 1,  # when the FSDP passes run
-}
+STILL_NAMING: dict[str, int] = {}
 
 
 def _parallelism_names(path: Path) -> list[int]:

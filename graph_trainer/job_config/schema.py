@@ -317,6 +317,12 @@ class ParallelismConfig:
         gt=0,
     )
 
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether FSDP shards the parameters (dp_shard > 1): what the passes ask to know whether the FSDP passes
+        run, without naming a parallelism outside option validation."""
+        return self.dp_shard > 1
+
 
 @dataclass
 class ProfilingConfig:

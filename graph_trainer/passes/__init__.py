@@ -71,7 +71,7 @@ def _policy_asked(config: PassConfig) -> bool:
 
 
 def _sharded(config: PassConfig) -> bool:
-    return config.parallelism.dp_shard > 1
+    return config.parallelism.shards_parameters
 
 
 def _anything_to_recompute(config: PassConfig) -> bool:
