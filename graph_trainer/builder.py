@@ -20,8 +20,9 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.checkpoint.hf import Pretrained
-from graph_trainer.data.hf_datasets import SequentialPackedLoader, Shuffle
-from graph_trainer.data.loader import CHAT_SOURCE, PackedBatchLoader, build_dataloader
+from graph_trainer.data.hf_datasets import Shuffle
+from graph_trainer.data.loader import CHAT_SOURCE, build_dataloader
+from graph_trainer.data.packing import PackedLoader
 from graph_trainer.data.tokenizer import Tokenizer, build_tokenizer
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import ParallelModel
@@ -65,16 +66,13 @@ def cli_trace_errors():
         raise TraceError(e.problem, fix="fix the code or run with --compile.mode eager") from e
 
 
-Loader = PackedBatchLoader | SequentialPackedLoader
-
-
 @dataclasses.dataclass
 class JobData:
     """The tokenizer and this data-parallel rank's batches (and its held-out batches, with validation)."""
 
     tokenizer: Tokenizer
-    loader: Loader
-    validation: Loader | None = None
+    loader: PackedLoader
+    validation: PackedLoader | None = None
 
 
 def gather_over_data_ranks(mesh: Mesh):

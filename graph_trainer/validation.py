@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from graph_trainer.builder import Loader
+from graph_trainer.data.packing import PackedLoader
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.observability.memory import MemoryMonitor, allocated_bytes
 from graph_trainer.step import EvalStep
@@ -45,7 +45,7 @@ class Validator:
 
     def __init__(
         self,
-        loader: Loader,
+        loader: PackedLoader,
         step: EvalStep,
         mesh: Mesh,
         memory: MemoryMonitor,

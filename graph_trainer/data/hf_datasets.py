@@ -29,7 +29,7 @@ the same rows.
 Position: per lane `(epoch, doc, token)`, the lane's next window starts at token `token` of row `doc` of its part
 (in that pass's order) in pass `epoch`. Resuming re-opens the part at row `doc` (`skip`: an index for a loaded
 dataset; a re-read of the rows before it for a stream) and re-tokenizes that one row, so the batches after a
-resume are exactly those the run would have read. `state_dict` gathers every lane's position from every rank
+resume are exactly those the run would have read. `DatasetLanes.position` gathers every lane's position from every rank
 (through `gather`, a collective: every rank calls it), so a checkpoint written by one rank restores every rank,
 at any data-parallel degree that divides the global batch.
 """
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from graph_trainer.data.packing import packed_batch
+from graph_trainer.data.packing import PackedLoader, Windows, document_ids_with_eos
 from graph_trainer.data.tokenizer import Tokenizer
 from graph_trainer.errors import UserError
 from graph_trainer.observability.log import get_logger
@@ -212,12 +212,6 @@ class PackedLane:
         self._ids: torch.Tensor | None = None  # the ids of row `doc`, EOS included, while it is being read
         self._pass_from, self._pass_has_text = 0, False  # where the open pass started; whether it gave text
 
-    def _row_ids(self, text: str) -> torch.Tensor:
-        ids = self.tokenizer.encode_to_tensor(text)
-        if ids.numel() and self.tokenizer.eos_id is not None:
-            ids = torch.cat([ids, torch.tensor([self.tokenizer.eos_id], dtype=torch.int32)])
-        return ids
-
     def _current_row(self) -> torch.Tensor:
         """The ids of row `doc` (moving to the next pass at the end of the part)."""
         while self._ids is None:
@@ -232,7 +226,7 @@ class PackedLane:
                     )
                 self.epoch, self.doc, self.token, self._texts = self.epoch + 1, 0, 0, None
                 continue
-            ids = self._row_ids(text)
+            ids = document_ids_with_eos(text, self.tokenizer)
             if ids.numel() == 0:
                 self.doc += 1  # an empty row adds nothing, not even EOS (as the other sources)
                 continue
@@ -273,10 +267,12 @@ class PackedLane:
                 )
 
 
-class SequentialPackedLoader:
-    """Endless iterator of `{"input": LongTensor[B, S], "labels": LongTensor[B, S]}` whose row i is lane
-    `first_lane + i` of the global batch's `lanes` (`PackedLane`), plus their `document_ids`
-    (graph_trainer.data.packing) with `document_ids`."""
+class DatasetLanes:
+    """The order of data read with Hugging Face datasets (a `WindowOrder`): row i of this data rank's batches is
+    lane `first_lane + i` of the global batch's `num_lanes` (`PackedLane`), one window a step, with their document ids
+    when `document_ids`."""
+
+    name = 'the lanes of data.source = "hf_datasets"'
 
     def __init__(
         self,
@@ -290,47 +286,45 @@ class SequentialPackedLoader:
         self.lanes, self.num_lanes, self.gather = lanes, num_lanes, gather
         self.where, self.document_ids = where, document_ids
 
-    def __iter__(self) -> SequentialPackedLoader:
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
+    def next_windows(self) -> Windows:
+        """Each of this data rank's lanes' next window."""
         windows, ids = zip(*(lane.next_window() for lane in self.lanes), strict=True)
-        return packed_batch(torch.stack(windows), torch.stack(ids) if self.document_ids else None)
+        return Windows(torch.stack(windows), torch.stack(ids) if self.document_ids else None, None)
 
-    def state_dict(self) -> dict[str, Any]:
+    def position(self) -> dict[str, Any]:
         """Every lane's position, from every data-parallel rank (a collective when there are several: every rank
         calls it)."""
         mine = [lane.position() for lane in self.lanes]
         positions = [p for rank in self.gather(mine) for p in rank] if self.gather is not None else mine
         return {"lanes": self.num_lanes, "positions": positions}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a `state_dict()` of the same data and global batch, on any number of data ranks."""
-        positions = state.get("positions") if isinstance(state, dict) else None
+    def seek(self, position: dict[str, Any] | None) -> None:
+        """Continue from a `position()` of the same data and global batch, on any number of data ranks (None: the
+        first row of every lane)."""
+        if position is None:
+            for lane in self.lanes:
+                lane.seek({"epoch": 0, "doc": 0, "token": 0})
+            return
+        positions = position.get("positions")
         if positions is None:
             raise UserError(
                 f'the checkpoint\'s data position was not written by data.source = "{SOURCE}"; '
                 "resume with the data.source it was saved with"
             )
-        if "lanes" not in state:
+        if "lanes" not in position:
             raise UserError(
                 "the checkpoint's data positions were written per data-parallel rank, before each sequence of the "
                 "global batch read its own rows; finish that run with the version that wrote it, or start a new "
                 "job.dump_folder"
             )
-        if state["lanes"] != self.num_lanes or len(positions) != self.num_lanes:
+        if position["lanes"] != self.num_lanes or len(positions) != self.num_lanes:
             raise UserError(
-                f"the checkpoint's data positions belong to a global batch of {state['lanes']} sequences, this job's "
-                f"is {self.num_lanes}: each sequence of the batch reads its own rows of {self.where}, so resume with "
-                f"the global batch it was saved with"
+                f"the checkpoint's data positions belong to a global batch of {position['lanes']} sequences, this "
+                f"job's is {self.num_lanes}: each sequence of the batch reads its own rows of {self.where}, so resume "
+                "with the global batch it was saved with"
             )
         for lane in self.lanes:
             lane.seek(positions[lane.lane])
-
-    def rewind(self) -> None:
-        """Back to the first row of every lane (validation reads the same batches every time)."""
-        for lane in self.lanes:
-            lane.seek({"epoch": 0, "doc": 0, "token": 0})
 
 
 def _in_order(ds: Any, shuffle: Shuffle | None, epoch: int) -> Any:
@@ -378,7 +372,7 @@ def build_hf_loader(
     shuffle: Shuffle | None = None,
     option: str = "data.path",
     document_ids: bool = False,
-) -> SequentialPackedLoader:
+) -> PackedLoader:
     """This data-parallel rank's loader over the dataset at `path`: rows `data_rank * batch_size` on of a global
     batch of `batch_size * data_size` lanes (module docstring).
 
@@ -403,4 +397,4 @@ def build_hf_loader(
                    lane=j, where=where)
         for j in range(data_rank * batch_size, (data_rank + 1) * batch_size)
     ]  # fmt: skip
-    return SequentialPackedLoader(lanes, num_lanes=num_lanes, gather=gather, where=where, document_ids=document_ids)
+    return PackedLoader(DatasetLanes(lanes, num_lanes=num_lanes, gather=gather, where=where, document_ids=document_ids))

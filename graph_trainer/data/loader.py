@@ -8,8 +8,9 @@ Pipeline (everything in memory, nothing cached on disk):
    the results are concatenated into one stream.
 3. The stream is cut into non-overlapping windows of seq_len + 1 tokens; a sample is
    input = window[:-1], labels = window[1:].
-4. `PackedBatchLoader` visits the windows in a fresh seeded permutation each epoch,
-   takes every world_size-th batch of it on each rank, and can resume mid-epoch.
+4. `ShuffledWindows` visits the windows in a fresh seeded permutation each epoch, cut into
+   global batches whose rows the data ranks share, and `packing.PackedLoader` turns them
+   into resumable batches (as it does for data read with Hugging Face datasets).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from graph_trainer.data import chat
 from graph_trainer.data.hf_datasets import SOURCE as HF_SOURCE
-from graph_trainer.data.hf_datasets import Gather, SequentialPackedLoader, Shuffle, build_hf_loader
-from graph_trainer.data.packing import packed_batch, stream_document_ids
+from graph_trainer.data.hf_datasets import Gather, Shuffle, build_hf_loader
+from graph_trainer.data.packing import PackedLoader, Windows, document_ids_with_eos, stream_document_ids
 from graph_trainer.data.tokenizer import Tokenizer
 from graph_trainer.errors import ConfigError, UserError, closest_match
 from graph_trainer.observability.log import get_logger
@@ -177,17 +179,14 @@ def tokenize_documents(documents: Iterator[str], tokenizer: Tokenizer) -> torch.
 
 def tokenize_documents_with_starts(documents: Iterator[str], tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """`tokenize_documents`' stream, and the offsets in it where each document (its EOS included) starts, int64."""
-    eos = None if tokenizer.eos_id is None else torch.tensor([tokenizer.eos_id], dtype=torch.int32)
     pieces, starts, length = [], [], 0
     for doc in documents:
-        ids = tokenizer.encode_to_tensor(doc)
+        ids = document_ids_with_eos(doc, tokenizer)
         if ids.numel() == 0:
             continue
         starts.append(length)
         pieces.append(ids)
-        if eos is not None:
-            pieces.append(eos)
-        length += ids.numel() + (eos is not None)
+        length += ids.numel()
     if not pieces:
         return torch.empty(0, dtype=torch.int32), torch.zeros(1, dtype=torch.long)
     return torch.cat(pieces), torch.tensor(starts, dtype=torch.long)
@@ -209,19 +208,18 @@ def pack_windows(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
 # ---------------------------------------------------------------- loader
 
 
-class PackedBatchLoader:
-    """Endless iterator of `{"input": LongTensor[B, S], "labels": LongTensor[B, S]}` on CPU, plus their
-    `document_ids` (graph_trainer.data.packing) when built with the stream offsets where documents start.
+class ShuffledWindows:
+    """The order of the in-memory sources' windows (a `WindowOrder`): epoch e visits every window once, in a
+    `torch.randperm` drawn from a generator seeded with `seed + e`, cut into global batches of `batch_size x
+    world_size` windows. Data rank r takes rows r * batch_size .. (r + 1) * batch_size - 1 of each, so a step's
+    global batch is the same windows at any number of data ranks. A trailing partial global batch is dropped.
+    `epoch` is the epoch the most recent batch came from.
 
-    Epoch e visits the windows in `torch.randperm` drawn from a generator seeded with
-    `seed + e`, cut into batches of `batch_size`; rank r takes global batches r,
-    r + world_size, r + 2 * world_size, ... (ranks see disjoint windows and run the same
-    number of steps). A trailing partial batch is dropped. `epoch` is the epoch the most
-    recent batch came from.
-
-    Resume: `load_state_dict(state_dict())` on a loader built from the same data and
-    settings yields exactly the batches the original would have yielded next.
+    `document_starts` (the sorted stream offsets where documents start) adds the windows' document ids; `counted`
+    (bool, the windows' shape) marks the tokens that count as labels (None: all of them).
     """
+
+    name = "in-memory windows"
 
     def __init__(
         self,
@@ -238,13 +236,14 @@ class PackedBatchLoader:
             raise ValueError(f"windows must be [num_windows, seq_len + 1], seq_len >= 1; got {tuple(windows.shape)}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        self.windows = windows
-        self.batch_size = batch_size
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.document_starts = document_starts  # sorted stream offsets of the documents (None: no document ids)
-        self.counted = counted  # bool, the windows' shape: which tokens count as labels (None: all of them)
+        self.windows, self.batch_size, self.seed, self.rank, self.world_size = (
+            windows,
+            batch_size,
+            seed,
+            rank,
+            world_size,
+        )
+        self.document_starts, self.counted = document_starts, counted
         # Same count on every rank, so collectives stay in step at epoch ends.
         self.batches_per_epoch = windows.shape[0] // batch_size // world_size
         if self.batches_per_epoch == 0:
@@ -252,13 +251,9 @@ class PackedBatchLoader:
                 f"{windows.shape[0]} windows do not fill one batch of {batch_size} on each of {world_size} ranks"
             )
         self.epoch = 0
-        self.batch_index = 0  # batches of `epoch` already yielded by this rank
+        self.batch_index = 0  # global batches of `epoch` already taken
         self._perm_epoch: int | None = None
         self._perm = torch.empty(0, dtype=torch.long)
-
-    @property
-    def seq_len(self) -> int:
-        return self.windows.shape[1] - 1
 
     @property
     def num_tokens(self) -> int:
@@ -272,31 +267,35 @@ class PackedBatchLoader:
             self._perm_epoch = epoch
         return self._perm
 
-    def __iter__(self) -> PackedBatchLoader:
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
+    def next_windows(self) -> Windows:
+        """This data rank's rows of the next global batch."""
         if self.batch_index == self.batches_per_epoch:
-            self.epoch += 1
-            self.batch_index = 0
-        global_batch = self.batch_index * self.world_size + self.rank
-        start = global_batch * self.batch_size
+            self.epoch, self.batch_index = self.epoch + 1, 0
+        start = (self.batch_index * self.world_size + self.rank) * self.batch_size
         idx = self._permutation(self.epoch)[start : start + self.batch_size]
         self.batch_index += 1
         counted = None if self.counted is None else self.counted[idx]
         if self.document_starts is None:
-            return packed_batch(self.windows[idx], counted=counted)
+            return Windows(self.windows[idx], None, counted)
         width = self.windows.shape[1]  # window w holds the stream's tokens w * width .. (w + 1) * width - 1
         offsets = idx[:, None] * width + torch.arange(width)
-        return packed_batch(self.windows[idx], stream_document_ids(self.document_starts, offsets), counted)
+        return Windows(self.windows[idx], stream_document_ids(self.document_starts, offsets), counted)
 
-    def state_dict(self) -> dict[str, int]:
-        """Position in the data: the current epoch and how many of its batches this rank has taken."""
+    def position(self) -> dict[str, int]:
+        """The current epoch and how many of its global batches were taken (the same on every data rank)."""
         return {"epoch": self.epoch, "batch_index": self.batch_index}
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Continue from a `state_dict()` position."""
-        epoch, batch_index = int(state_dict["epoch"]), int(state_dict["batch_index"])
+    def seek(self, position: dict[str, Any] | None) -> None:
+        """Continue from a `position()` (None: the first batch of epoch 0)."""
+        if position is None:
+            self.epoch, self.batch_index = 0, 0
+            return
+        if not {"epoch", "batch_index"} <= position.keys():
+            raise UserError(
+                f"the checkpoint's data position {sorted(position)} was not written for {self.name}; "
+                "resume with the data.source it was saved with"
+            )
+        epoch, batch_index = int(position["epoch"]), int(position["batch_index"])
         if epoch < 0 or not 0 <= batch_index <= self.batches_per_epoch:
             raise UserError(
                 f"data loader state (epoch {epoch}, batch {batch_index}) does not fit this data "
@@ -304,10 +303,6 @@ class PackedBatchLoader:
                 "resume with the data and batch settings the checkpoint was saved with"
             )
         self.epoch, self.batch_index = epoch, batch_index
-
-    def rewind(self) -> None:
-        """Back to the first batch of epoch 0 (validation reads the same batches every time)."""
-        self.epoch, self.batch_index = 0, 0
 
 
 def build_dataloader(
@@ -328,8 +323,8 @@ def build_dataloader(
     option: str = "data.path",
     document_masking: bool = False,
     chat_template: str = "",
-) -> PackedBatchLoader | SequentialPackedLoader:
-    """Read `source` (see `SOURCES`), tokenize and pack it, and return this rank's loader.
+) -> PackedLoader:
+    """Read `source` (see `SOURCES`), tokenize and pack it, and return this data rank's loader.
 
     `path` is ignored by "embedded" and "synthetic"; "synthetic" draws ids below
     `tokenizer.vocab_size` from `seed`. "hf_datasets" reads `text_column` of the dataset at `path`, streamed
@@ -392,15 +387,15 @@ def build_dataloader(
             f"({batch_size} x (seq_len {seq_len} + 1){ranks}); use a smaller training.seq_len "
             f"or training.local_batch_size{held_out_fix}, or more data"
         )
-    windows = pack_windows(stream, seq_len)
-    return PackedBatchLoader(
-        windows,
+    order = ShuffledWindows(
+        pack_windows(stream, seq_len),
         batch_size=batch_size,
         seed=seed,
         rank=rank,
         world_size=world_size,
         document_starts=starts if document_masking else None,
     )
+    return PackedLoader(order)
 
 
 def _instruction_loader(
@@ -415,7 +410,7 @@ def _instruction_loader(
     option: str,
     document_masking: bool,
     chat_template: str,
-) -> PackedBatchLoader:
+) -> PackedLoader:
     """The loader of instruction rows: whole rows packed into windows (`chat.packed_instructions`), visited as the
     other in-memory sources visit theirs."""
     packed = chat.packed_instructions(
@@ -428,7 +423,7 @@ def _instruction_loader(
             f"{option} '{path}' packs into {packed.windows.shape[0]} windows of seq_len {seq_len} + 1 tokens but one "
             f"batch needs {needed} ({batch_size}{ranks}); use a smaller training.local_batch_size or more rows"
         )
-    return PackedBatchLoader(
+    order = ShuffledWindows(
         packed.windows,
         batch_size=batch_size,
         seed=seed,
@@ -437,3 +432,4 @@ def _instruction_loader(
         document_starts=packed.document_starts if document_masking else None,
         counted=packed.counted,
     )
+    return PackedLoader(order)

@@ -87,10 +87,12 @@ def test_rows_are_packed_whole_cut_to_the_window_or_dropped_and_counted():
     assert (packed.rows, packed.truncated, packed.dropped) == (4, 2, 1)
     # Each row and each run of padding is a document of its own (stream offsets: window w starts at 8 w).
     assert packed.document_starts.tolist() == [0, 5, 8, 12, 15, 16]
-    from graph_trainer.data.loader import PackedBatchLoader
+    from graph_trainer.data.loader import ShuffledWindows
+    from graph_trainer.data.packing import PackedLoader
 
-    loader = PackedBatchLoader(packed.windows, batch_size=3, seed=0, document_starts=packed.document_starts,
-                               counted=packed.counted)  # fmt: skip
+    order = ShuffledWindows(packed.windows, batch_size=3, seed=0, document_starts=packed.document_starts,
+                            counted=packed.counted)  # fmt: skip
+    loader = PackedLoader(order)
     batch = next(loader)
     by_row = {tuple(w): i for i, w in enumerate(packed.windows[:, :-1].long().tolist())}
     for b in range(3):

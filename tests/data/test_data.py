@@ -7,7 +7,8 @@ from itertools import islice
 import pytest
 import torch
 
-from graph_trainer.data.loader import PackedBatchLoader, build_dataloader, embedded_documents
+from graph_trainer.data.loader import ShuffledWindows, build_dataloader, embedded_documents
+from graph_trainer.data.packing import PackedLoader
 from graph_trainer.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 from graph_trainer.errors import ConfigError, UserError
 from tests.extras import import_extra
@@ -15,10 +16,14 @@ from tests.extras import import_extra
 BYTE = ByteTokenizer()
 
 
-def embedded_loader(**overrides) -> PackedBatchLoader:
+def embedded_loader(**overrides) -> PackedLoader:
     kwargs = dict(batch_size=4, seq_len=64, seed=0)
     kwargs.update(overrides)
     return build_dataloader("embedded", "", BYTE, **kwargs)
+
+
+def shuffled(windows: torch.Tensor, **kwargs) -> PackedLoader:
+    return PackedLoader(ShuffledWindows(windows, **kwargs))
 
 
 def take(loader, n):
@@ -77,8 +82,8 @@ def test_hf_tokenizer_loads_and_encodes(tmp_path):
     (tmp_path / "b.txt").write_text("the dog")
     loader = build_dataloader("text", str(tmp_path), hf, batch_size=1, seq_len=1, seed=0)
     expected = hf.encode("the cat") + [hf.eos_id] + hf.encode("the dog") + [hf.eos_id]
-    assert loader.windows.flatten().tolist() == expected[: loader.num_tokens]
-    assert loader.num_tokens == len(expected) // 2 * 2
+    assert loader.order.windows.flatten().tolist() == expected[: loader.order.num_tokens]
+    assert loader.order.num_tokens == len(expected) // 2 * 2
 
 
 def test_hf_tokenizer_without_specials_has_no_eos(tmp_path):
@@ -116,9 +121,9 @@ def test_embedded_source_is_large_and_deterministic():
     assert sum(len(d.encode("utf-8")) for d in docs) > 400_000
     assert docs == list(embedded_documents())
     a, b = embedded_loader(), embedded_loader()
-    assert torch.equal(a.windows, b.windows)
+    assert torch.equal(a.order.windows, b.order.windows)
     # EOS separates every document in the stream.
-    assert (a.windows == BYTE.eos_id).sum() >= len(docs) - 2
+    assert (a.order.windows == BYTE.eos_id).sum() >= len(docs) - 2
 
 
 def test_text_source_reads_files_recursively_sorted(tmp_path):
@@ -128,29 +133,29 @@ def test_text_source_reads_files_recursively_sorted(tmp_path):
     (tmp_path / "sub" / "c.py").write_text("CCCC")
     (tmp_path / "skip.bin").write_bytes(b"XXXX")
     loader = build_dataloader("text", str(tmp_path), BYTE, batch_size=1, seq_len=4, seed=0)
-    stream = BYTE.decode(loader.windows.flatten().tolist())
+    stream = BYTE.decode(loader.order.windows.flatten().tolist())
     assert stream == "AAAABBBBCCCC"  # sorted paths, EOS (skipped by decode) between files, .bin ignored
-    assert loader.windows.numel() == 15  # 3 x (4 + EOS)
+    assert loader.order.windows.numel() == 15  # 3 x (4 + EOS)
 
     single = tmp_path / "skip.bin"  # a single file is read whatever its suffix
     loader = build_dataloader("text", str(single), BYTE, batch_size=1, seq_len=2, seed=0)
-    assert loader.windows.flatten().tolist()[:3] == list(b"XXX")
+    assert loader.order.windows.flatten().tolist()[:3] == list(b"XXX")
 
 
 def test_jsonl_source(tmp_path):
     lines = [json.dumps({"text": "hello"}), "", json.dumps({"text": "world", "id": 3})]
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
     loader = build_dataloader("jsonl", str(tmp_path), BYTE, batch_size=1, seq_len=5, seed=0)
-    assert loader.windows.tolist() == [list(b"hello") + [257], list(b"world") + [257]]
+    assert loader.order.windows.tolist() == [list(b"hello") + [257], list(b"world") + [257]]
 
 
 def test_synthetic_source_is_seeded_and_in_vocab():
     a = build_dataloader("synthetic", "", BYTE, batch_size=2, seq_len=16, seed=3)
     b = build_dataloader("synthetic", "", BYTE, batch_size=2, seq_len=16, seed=3)
     c = build_dataloader("synthetic", "", BYTE, batch_size=2, seq_len=16, seed=4)
-    assert torch.equal(a.windows, b.windows)
-    assert not torch.equal(a.windows, c.windows)
-    assert 0 <= a.windows.min() and a.windows.max() < BYTE.vocab_size
+    assert torch.equal(a.order.windows, b.order.windows)
+    assert not torch.equal(a.order.windows, c.order.windows)
+    assert 0 <= a.order.windows.min() and a.order.windows.max() < BYTE.vocab_size
     assert_batches_equal(take(a, 3), take(b, 3))
 
 
@@ -176,7 +181,7 @@ def test_resume_from_state_yields_the_same_next_batches():
     original = embedded_loader(seed=5)
     take(original, 7)
     state = original.state_dict()
-    assert state == {"epoch": 0, "batch_index": 7}
+    assert state == {"order": "in-memory windows", "epoch": 0, "batch_index": 7}
     restored = embedded_loader(seed=5)
     restored.load_state_dict(state)
     assert_batches_equal(take(original, 5), take(restored, 5))
@@ -185,24 +190,26 @@ def test_resume_from_state_yields_the_same_next_batches():
 def test_resume_across_epoch_boundary():
     # Tiny data: 2 batches per epoch, so 5 batches cross two epoch boundaries.
     original = embedded_loader(seed=5)
-    small = PackedBatchLoader(original.windows[:8], batch_size=4, seed=5)
+    small = shuffled(original.order.windows[:8], batch_size=4, seed=5)
     take(small, 5)
-    again = PackedBatchLoader(original.windows[:8], batch_size=4, seed=5)
+    again = shuffled(original.order.windows[:8], batch_size=4, seed=5)
     again.load_state_dict(small.state_dict())
     assert_batches_equal(take(small, 5), take(again, 5))
     with pytest.raises(UserError, match="batches per epoch"):
         again.load_state_dict({"epoch": 0, "batch_index": 3})
+    again.load_state_dict({"epoch": 1, "batch_index": 1})  # a checkpoint from before the order's tag still resumes
+    assert again.order.position() == {"epoch": 1, "batch_index": 1}
 
 
 def test_epoch_rollover_increments_epoch_and_reshuffles():
-    loader = PackedBatchLoader(embedded_loader().windows[:12], batch_size=4, seed=0)
-    assert loader.batches_per_epoch == 3
+    loader = shuffled(embedded_loader().order.windows[:12], batch_size=4, seed=0)
+    assert loader.order.batches_per_epoch == 3
     first = take(loader, 3)
-    assert loader.epoch == 0
+    assert loader.order.epoch == 0
     second = take(loader, 3)
-    assert loader.epoch == 1
+    assert loader.order.epoch == 1
     take(loader, 1)
-    assert loader.epoch == 2 and loader.state_dict() == {"epoch": 2, "batch_index": 1}
+    assert loader.order.epoch == 2 and loader.order.position() == {"epoch": 2, "batch_index": 1}
     # Each epoch visits every window exactly once, in a new order.
     for epoch in (first, second):
         rows = torch.cat([b["input"] for b in epoch])
@@ -211,9 +218,9 @@ def test_epoch_rollover_increments_epoch_and_reshuffles():
 
 
 def test_partial_last_batch_is_dropped():
-    windows = embedded_loader().windows[:10]
-    loader = PackedBatchLoader(windows, batch_size=4, seed=0)
-    assert loader.batches_per_epoch == 2
+    windows = embedded_loader().order.windows[:10]
+    loader = shuffled(windows, batch_size=4, seed=0)
+    assert loader.order.batches_per_epoch == 2
     assert all(b["input"].shape[0] == 4 for b in take(loader, 5))
 
 
@@ -221,7 +228,7 @@ def test_rank_sharding_gives_disjoint_batches():
     world = 2
     loaders = [embedded_loader(batch_size=2, rank=r, world_size=world) for r in range(world)]
     full = embedded_loader(batch_size=2)
-    assert all(ld.batches_per_epoch == full.batches_per_epoch // world for ld in loaders)
+    assert all(ld.order.batches_per_epoch == full.order.batches_per_epoch // world for ld in loaders)
     per_rank = [take(ld, 6) for ld in loaders]
     expected = take(full, 12)
     for r in range(world):
@@ -229,6 +236,39 @@ def test_rank_sharding_gives_disjoint_batches():
         assert_batches_equal(per_rank[r], expected[r::world])
     rows = [{tuple(row.tolist()) for b in batches for row in b["input"]} for batches in per_rank]
     assert rows[0].isdisjoint(rows[1])
+
+
+def test_a_global_batch_is_the_same_windows_at_any_number_of_data_ranks():
+    """Global batch 4 as 1 x 4, 2 x 2 and 4 x 1: every step's rows are the same windows in the same order, and a
+    position saved at 2 data ranks resumes at 4 on the very next global batch (a reshard continues the run)."""
+
+    def ranks(n: int) -> list[PackedLoader]:
+        return [embedded_loader(batch_size=4 // n, rank=r, world_size=n, seed=7) for r in range(n)]
+
+    def global_batches(loaders: list[PackedLoader], steps: int) -> list[torch.Tensor]:
+        return [torch.cat([next(it)["input"] for it in loaders]) for _ in range(steps)]
+
+    whole = global_batches(ranks(1), 9)
+    for n in (2, 4):
+        assert all(torch.equal(a, b) for a, b in zip(global_batches(ranks(n), 9), whole, strict=True))
+    two, four = ranks(2), ranks(4)
+    global_batches(two, 5)
+    assert len({json.dumps(it.state_dict()) for it in two}) == 1  # every data rank writes the same position
+    for it in four:
+        it.load_state_dict(two[0].state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(global_batches(four, 4), whole[5:], strict=True))
+
+
+def test_every_source_the_loader_reads_is_an_option_and_no_other():
+    """`data.source`'s choices (job_config/schema.py, below data/ in the import order) name exactly the loader's
+    sources: a new document source registered in `DOCUMENT_SOURCES` but not in the schema fails here."""
+    import dataclasses
+
+    from graph_trainer.data.loader import SOURCES
+    from graph_trainer.job_config.schema import DataConfig
+
+    (source,) = (f for f in dataclasses.fields(DataConfig) if f.name == "source")
+    assert sorted(source.metadata["choices"]) == sorted(SOURCES)
 
 
 # ---------------------------------------------------------------- errors
@@ -298,5 +338,5 @@ def test_a_binary_file_as_text_is_refused_in_one_line_and_a_few_bad_bytes_warn(t
     mostly_text = tmp_path / "latin1.txt"
     mostly_text.write_bytes("caf\u00e9 au lait. ".encode("latin-1") * 300)
     loader = build_dataloader("text", str(mostly_text), ByteTokenizer(), batch_size=2, seq_len=16, seed=0)
-    assert loader.num_tokens > 0
+    assert loader.order.num_tokens > 0
     assert "300 invalid UTF-8 sequences were replaced" in caplog.text

@@ -93,7 +93,7 @@ def test_a_save_to_disk_folder_is_read(tmp_path):
 
 
 def _lane_rows(loader_, epoch: int = 0) -> list[list[str]]:
-    return [list(lane.rows(0, epoch)) for lane in loader_.lanes]
+    return [list(lane.rows(0, epoch)) for lane in loader_.order.lanes]
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -124,7 +124,7 @@ def test_the_global_batch_is_the_same_sequences_at_any_data_parallel_degree_and_
     assert all(torch.equal(a, b) for a, b in zip(global_batches(ranks(4), 12), whole, strict=True))
     two = ranks(2)
     global_batches(two, 5)
-    positions = [lane.position() for it in two for lane in it.lanes]  # what `gather` collects, in rank order
+    positions = [lane.position() for it in two for lane in it.order.lanes]  # what `gather` collects, in rank order
     state = json.loads(json.dumps({"lanes": 4, "positions": positions}))
     four = ranks(4)
     for it in four:
@@ -155,11 +155,11 @@ SHUFFLED = dict(shuffle=Shuffle(seed=3, buffer=8))  # a buffer smaller than a sl
 @pytest.mark.parametrize("streaming", [False, True])
 def test_shuffled_passes_deal_every_row_once_each_in_its_own_order(tmp_path, streaming):
     path = write(tmp_path, "jsonl", files=2)
-    lanes = [lane.rows for lane in loader(path, streaming, batch_size=2, **SHUFFLED).lanes]
+    lanes = [lane.rows for lane in loader(path, streaming, batch_size=2, **SHUFFLED).order.lanes]
     passes = [[list(rows(0, epoch)) for rows in lanes] for epoch in range(3)]
     for two in passes:  # every row once per pass, in one lane: the lanes stay disjoint
         assert two[0] and two[1] and sorted(two[0] + two[1]) == sorted(ROWS)
-    in_order = list(loader(path, streaming).lanes[0].rows(0, 0))
+    in_order = list(loader(path, streaming).order.lanes[0].rows(0, 0))
     assert passes[0][0] != in_order and passes[1][0] != passes[0][0]  # shuffled, and anew each pass
     assert passes[0][0] == list(lanes[0](0, 0))  # the order is the seed's and the pass's alone
     assert list(lanes[0](5, 1)) == passes[1][0][5:]  # so a resume at row 5 of pass 1 reads what the pass would have
@@ -197,10 +197,26 @@ def test_a_position_saved_at_another_global_batch_or_per_rank_is_refused(tmp_pat
         loader(path, False).load_state_dict(per_rank)
 
 
+def test_a_position_written_by_the_other_order_is_refused_in_one_line(tmp_path):
+    """Both kinds of source resume through one loader (`PackedLoader`), whose state names the order that wrote it: a
+    datasets run never reads an in-memory source's position as its own, nor the other way round."""
+    from graph_trainer.data.loader import build_dataloader
+
+    path = write(tmp_path, "parquet")
+    in_memory = build_dataloader("embedded", "", BYTE, batch_size=2, seq_len=16, seed=0)
+    lanes = loader(path, False)
+    for reader, writer in ((lanes, in_memory), (in_memory, lanes)):
+        with pytest.raises(UserError, match="resume with the data.source it was saved with") as e:
+            reader.load_state_dict(writer.state_dict())
+        assert "\n" not in str(e.value) and writer.order.name in str(e.value)
+    with pytest.raises(UserError, match="was not written for in-memory windows"):  # written before the tag
+        in_memory.load_state_dict({"lanes": 2, "positions": []})
+
+
 def test_the_holdout_rule_splits_rows_by_index(tmp_path):
     path = write(tmp_path, "parquet")
-    held = list(loader(path, True, batch_size=1, holdout=(4, True)).lanes[0].rows(0, 0))
-    kept = list(loader(path, False, batch_size=1, holdout=(4, False)).lanes[0].rows(0, 0))
+    held = list(loader(path, True, batch_size=1, holdout=(4, True)).order.lanes[0].rows(0, 0))
+    kept = list(loader(path, False, batch_size=1, holdout=(4, False)).order.lanes[0].rows(0, 0))
     assert held == [r for i, r in enumerate(ROWS) if i % 4 == 3]
     assert kept == [r for i, r in enumerate(ROWS) if i % 4 != 3]
 
