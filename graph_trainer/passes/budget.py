@@ -31,6 +31,9 @@ same model, minimizing the peak).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch.fx
 
 from graph_trainer.errors import ConfigError
@@ -50,7 +53,15 @@ from graph_trainer.passes.activation_checkpoint import (
 )
 from graph_trainer.passes.op_patterns import parse_overrides
 from graph_trainer.passes.remat import peak_after_remat
-from graph_trainer.passes.remat_model import INFEASIBLE, build_model, smallest_peak, solve
+from graph_trainer.passes.remat_model import (
+    INFEASIBLE,
+    RematModel,
+    Solution,
+    build_model,
+    lowest_peak_choice,
+    smallest_peak,
+    solve,
+)
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.graph_utils import is_view, storage_keys
 from graph_trainer.tracer.memory_estimate import estimate_peak_memory
@@ -93,6 +104,21 @@ def choices(
     return candidates, free
 
 
+def _remat_model(
+    gm: torch.fx.GraphModule,
+    structure: StepStructure,
+    ac: ActivationCheckpointConfig,
+    input_categories: list[str] | None,
+) -> tuple[RematModel, set[torch.fx.Node], Decisions]:
+    """(the exact model of `gm`'s peak and recompute FLOPs under any choice, the ops recomputed whatever the choice,
+    the per-op overrides' decisions) for `ac`'s save and recompute lists."""
+    save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
+    pinned = apply_overrides(structure, {}, save, recompute)  # forced saves win over a pin (`finalize`)
+    candidates, free = choices(structure, set(pinned), backward_storages(gm))
+    always = free | {n for n, d in pinned.items() if d == RECOMPUTE and n not in structure.forced}
+    return build_model(gm, candidates, always, set(pinned) - always, input_categories), always, pinned
+
+
 def tag_memory_budget(
     gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, *, input_categories: list[str] | None = None
 ) -> torch.fx.GraphModule:
@@ -116,11 +142,8 @@ def tag_memory_budget(
         )
         return gm
 
-    save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
-    pinned = apply_overrides(structure, {}, save, recompute)  # forced saves win over a pin (`finalize`)
-    candidates, free = choices(structure, set(pinned), backward_storages(gm))
-    always = free | {n for n, d in pinned.items() if d == RECOMPUTE and n not in structure.forced}
-    model = build_model(gm, candidates, always, set(pinned) - always, input_categories)
+    model, always, pinned = _remat_model(gm, structure, ac, input_categories)
+    candidates = model.candidates
     solution = solve(model, target, time_limit_s=SOLVE_TIME_LIMIT_S)
     if solution.recompute is None:
         smallest, proven = smallest_peak(model, time_limit_s=SOLVE_TIME_LIMIT_S)
@@ -154,3 +177,77 @@ def tag_memory_budget(
         f"({proof}, {solution.solve_s:.1f} s)"
     )
     return gm
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontierPoint:
+    """One budget of the frontier and the policy's answer: the fewest recompute FLOPs whose peak fits it."""
+
+    budget_bytes: int  # the whole step's peak asked for
+    fraction: float  # the same budget as a fraction of the no-AC activation memory (`memory_budget`'s other form)
+    peak_bytes: int  # the chosen plan's peak (the model's, equal to the estimate's to the byte)
+    recompute_flops: int
+    recomputed: int  # candidates recomputed, of `candidates`
+    candidates: int
+    optimal: bool  # HiGHS proved it; else the best choice found within the solver's limits
+    gap: float | None
+    solve_s: float
+
+
+def budget_frontier(
+    gm: torch.fx.GraphModule,
+    ac: ActivationCheckpointConfig,
+    *,
+    input_categories: list[str] | None = None,
+    points: int = 10,
+    on_point: Callable[[FrontierPoint], None] | None = None,
+    time_limit_s: float = SOLVE_TIME_LIMIT_S,
+) -> list[FrontierPoint]:
+    """The budget policy's answers at `points` budgets evenly spread from the lowest peak a choice reaches (the
+    lowest found within `time_limit_s` on a deep graph) to the no-AC peak, both included: what each whole-step peak
+    costs in recompute FLOPs. `gm` is the untagged step after clean-up, as the pass sees it; it is left as it is.
+    `on_point` hears each point as it is solved (a deep graph takes seconds a point). `time_limit_s` bounds each
+    solve, as `SOLVE_TIME_LIMIT_S` bounds the pass's: a point stopped by it says so (not optimal, with the solver's
+    gap). A choice that fits a budget fits every larger one, so a stopped solve whose choice costs more FLOPs than
+    the point before (or that found none) takes that point's choice, also said not optimal: the frontier never
+    rises.
+    """
+    if points < 2:
+        raise ValueError(f"a frontier needs at least 2 points, got {points}")
+    structure = analyze(gm)
+    model, _always, _pinned = _remat_model(gm, structure, ac, input_categories)
+    # The low end is the lowest peak the solver finds within the limit: proven the lowest on small graphs, the best
+    # found on deep ones (said once). Either way a known choice reaches it, so every point has a choice that fits.
+    lowest_choice, lowest, proven = lowest_peak_choice(model, time_limit_s=time_limit_s)
+    if not proven:
+        logger.warning(
+            f"budget frontier: its first budget, {lowest / GIB:.4f} GiB, is the lowest peak the solver found in "
+            f"{time_limit_s:g} s, not one it proved the lowest"
+        )
+    no_ac = estimate_peak_memory(gm, input_categories=input_categories)
+    highest, activations = no_ac.peak_bytes, max(no_ac.peak_bytes - no_ac.input_bytes, 1)
+    out = []
+    # The best choice known to fit: the lowest-peak choice fits every budget here, and each point's choice fits the
+    # next (budgets rise). A solve stopped by its limits with more FLOPs than it, or with no choice, takes it.
+    known = Solution(lowest_choice, lowest, model.recompute_flops(lowest_choice), 0.0, "the lowest-peak choice")
+    for i in range(points):
+        budget = int(round(lowest + (highest - lowest) * i / (points - 1)))
+        found = solve(model, budget, time_limit_s=time_limit_s)
+        if found.recompute is None or found.recompute_flops > known.recompute_flops:
+            found = dataclasses.replace(known, solve_s=found.solve_s, optimal=False, gap=None)
+        known = found
+        point = FrontierPoint(
+            budget_bytes=budget,
+            fraction=(budget - no_ac.input_bytes) / activations,
+            peak_bytes=found.peak_bytes,
+            recompute_flops=found.recompute_flops,
+            recomputed=len(found.recompute),
+            candidates=len(model.candidates),
+            optimal=found.optimal,
+            gap=found.gap,
+            solve_s=found.solve_s,
+        )
+        out.append(point)
+        if on_point is not None:
+            on_point(point)
+    return out

@@ -528,6 +528,12 @@ def smallest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> tuple[int
     """(the lowest peak a choice reaches, whether the solver proved it the lowest within `time_limit_s` and
     `NODE_LIMIT` nodes): what an infeasible budget is told to rise to. Recomputing every candidate is the
     fallback answer (unproven)."""
+    _chosen, peak, proven = lowest_peak_choice(model, time_limit_s=time_limit_s)
+    return peak, proven
+
+
+def lowest_peak_choice(model: RematModel, *, time_limit_s: float = 10.0) -> tuple[list[torch.fx.Node], int, bool]:
+    """(the choice `smallest_peak` reports the peak of, that peak, whether it is proven the lowest)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -551,9 +557,11 @@ def smallest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> tuple[int
             options={"time_limit": time_limit_s, "mip_rel_gap": 0.0, "node_limit": NODE_LIMIT},
         )
     if result.x is None:
-        return min(model.peak(model.candidates), model.peak([])), False
+        every = list(model.candidates)
+        chosen = every if model.peak(every) <= model.peak([]) else []
+        return chosen, model.peak(chosen), False
     chosen = [c for i, c in enumerate(model.candidates) if result.x[i] > 0.5]
-    return model.peak(chosen), result.status == 0
+    return chosen, model.peak(chosen), result.status == 0
 
 
-__all__ = ["RematModel", "Solution", "build_model", "smallest_peak", "solve"]
+__all__ = ["RematModel", "Solution", "build_model", "lowest_peak_choice", "smallest_peak", "solve"]

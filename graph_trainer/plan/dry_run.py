@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -17,6 +18,7 @@ from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import to_gib
 from graph_trainer.plan.attention_memory import attention_memory
 from graph_trainer.plan.block_plan import plan_modes, short_depths
+from graph_trainer.plan.budget_frontier import HEADER, POINTS, SOLVE_S, frontier_row, plan_frontier, write_frontier
 from graph_trainer.plan.preflight import available_bytes
 from graph_trainer.plan.step_plan import AC_MODES, StepPlan
 from graph_trainer.runtime.device import compute_dtype, resolve_device
@@ -78,7 +80,25 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
                 f"blocks traced: {short} for a model of {depth}, once for all modes; extended exactly (docs/planner.md)"
             )
         print_fn(_attention_line(job, cfg))
+        if cfg.activation_checkpoint.mode == "budget":
+            _print_frontier(cfg, mesh, print_fn)
     print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")
+
+
+def _print_frontier(cfg: JobConfig, mesh, print_fn: Callable[[str], None]) -> None:
+    """The budget policy's frontier (`plan.budget_frontier`): a row per budget as it is solved, then the files."""
+    depth = resolve_model_args(cfg).n_layers
+    print_fn(
+        f"budget frontier: the budget policy's plan at {POINTS} budgets from the lowest peak found to no AC, "
+        f"solved on all {depth} blocks (one trace, one solve of at most {SOLVE_S:g} s a point); fraction is the "
+        "--activation_checkpoint.memory_budget that asks for the row; proof: optimal (HiGHS proved it), gap=x% "
+        "(stopped at its limit), unproven (the solver found nothing cheaper than a smaller budget's choice)"
+    )
+    print_fn(HEADER)
+    found, _ = plan_frontier(cfg, mesh, on_point=lambda p: print_fn(frontier_row(p)))
+    title = f"{model_name(cfg)}, batch {cfg.training.local_batch_size} x seq {cfg.training.seq_len}, {depth} blocks"
+    for line in write_frontier(Path(cfg.job.dump_folder), found, title=title):
+        print_fn(line)
 
 
 def _attention_line(job: Job, cfg: JobConfig) -> str:

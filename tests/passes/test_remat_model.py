@@ -183,3 +183,72 @@ def test_against_torch_compiles_budget_ours_fits_its_measured_peak_with_no_more_
     assert row["torch_saved_share"] <= 0.3
     assert row["our_peak"] <= row["torch_peak"]
     assert row["our_recompute_flops"] <= row["torch_recompute_flops"]
+
+
+# ---------------------------------------------------------------- the frontier (plan.budget_frontier)
+
+
+def test_the_frontier_spans_the_lowest_peak_to_no_ac_and_each_point_fits_at_the_fewest_flops():
+    """10 budgets on 2 blocks: the first is the smallest reachable peak, the last the no-AC peak (nothing
+    recomputed); every plan fits its budget, and a larger budget never costs more FLOPs (each point is the solver's
+    optimum, so the FLOPs fall as the budget rises)."""
+    from graph_trainer.job_config.schema import ActivationCheckpointConfig
+    from graph_trainer.passes.budget import budget_frontier
+
+    gm, categories = _clean_step(2)
+    heard = []
+    points = budget_frontier(gm, ActivationCheckpointConfig(mode="budget"), input_categories=categories,
+                             on_point=heard.append)  # fmt: skip
+    assert heard == points and len(points) == 10
+    structure = analyze(gm)
+    candidates, free = choices(structure, set(), backward_storages(gm))
+    model = build_model(gm, candidates, free, set(), categories)
+    no_ac = estimate_peak_memory(gm, input_categories=categories)
+    assert points[0].budget_bytes == smallest_peak(model)[0] and points[-1].budget_bytes == no_ac.peak_bytes
+    assert points[-1].recompute_flops == 0 and points[-1].fraction == 1.0
+    assert points[0].recompute_flops > 0 and all(p.optimal for p in points)
+    assert all(p.peak_bytes <= p.budget_bytes for p in points)
+    assert all(a.budget_bytes < b.budget_bytes for a, b in itertools.pairwise(points))
+    assert all(a.recompute_flops >= b.recompute_flops for a, b in itertools.pairwise(points))
+    assert len({p.recompute_flops for p in points}) > 2  # a curve, not two ends
+
+
+def test_a_frontier_point_the_solver_finds_no_choice_for_gets_the_lowest_peak_choice_said_unproven(monkeypatch):
+    """Deep graphs can stop the solver (its limits) before it finds any choice: the debug model at batch 16 x 512
+    did at its lowest budget. The point then takes the lowest-peak choice, which fits every budget of the
+    frontier, marked unproven, instead of failing the dry run."""
+    from graph_trainer.job_config.schema import ActivationCheckpointConfig
+    from graph_trainer.passes import budget as budget_pass
+    from graph_trainer.passes.remat_model import Solution
+
+    gm, categories = _clean_step(2)
+    monkeypatch.setattr(budget_pass, "solve", lambda model, b, **_: Solution(None, None, None, 0.0, "node limit"))
+    points = budget_pass.budget_frontier(gm, ActivationCheckpointConfig(mode="budget"), input_categories=categories)
+    assert len(points) == 10 and not any(p.optimal for p in points)
+    assert len({(p.peak_bytes, p.recompute_flops) for p in points}) == 1  # the lowest-peak choice at every budget
+    assert all(p.peak_bytes <= p.budget_bytes for p in points)
+
+
+def test_a_stopped_solve_that_costs_more_than_the_point_before_takes_that_points_choice(monkeypatch):
+    """A solve stopped by its limits may return a choice dearer than the previous, smaller budget's: that smaller
+    budget's choice fits too, so the frontier keeps it (said not optimal) and never rises. Every second solve here
+    answers 'everything recomputed'."""
+    from graph_trainer.job_config.schema import ActivationCheckpointConfig
+    from graph_trainer.passes import budget as budget_pass
+    from graph_trainer.passes.remat_model import Solution
+
+    gm, categories = _clean_step(2)
+    calls = []
+
+    def every_second_stopped(model, budget, **kw):
+        calls.append(budget)
+        if len(calls) % 2:
+            return solve(model, budget, **kw)
+        every = list(model.candidates)
+        return Solution(every, model.peak(every), model.recompute_flops(every), 0.0, "time limit", False, 0.5)
+
+    monkeypatch.setattr(budget_pass, "solve", every_second_stopped)
+    points = budget_pass.budget_frontier(gm, ActivationCheckpointConfig(mode="budget"), input_categories=categories)
+    assert all(a.recompute_flops >= b.recompute_flops for a, b in itertools.pairwise(points))
+    assert [p.optimal for p in points[1::2]] == [False] * 5 and all(p.optimal for p in points[::2])
+    assert all(b.recompute_flops == a.recompute_flops for a, b in zip(points[::2], points[1::2], strict=True))

@@ -1,0 +1,36 @@
+"""`--dry-run --activation_checkpoint.mode budget` prints the budget policy's frontier (peak against recompute FLOPs,
+10 budgets from the lowest reachable peak to no AC) and writes it to the dump folder, as numbers and as a picture."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from graph_trainer.job_config.cli import load_config
+from graph_trainer.plan.budget_frontier import HEADER, JSON_NAME, PICTURE_NAME
+from graph_trainer.plan.dry_run import dry_run
+
+# 6 blocks of the debug model's widths, a short sequence: the frontier is solved on every block of the real depth.
+SIX_BUDGET = ["--config", "llama3_debug", "--model.n_layers", "6", "--training.seq_len", "64",
+              "--training.local_batch_size", "4", "--activation_checkpoint.mode", "budget"]  # fmt: skip
+
+
+@pytest.mark.integration
+def test_the_dry_run_prints_and_writes_the_frontier_of_every_block(tmp_path):
+    cfg, _ = load_config([*SIX_BUDGET, "--job.dump_folder", str(tmp_path)])
+    lines: list[str] = []
+    dry_run(cfg, print_fn=lines.append)
+    text = "\n".join(lines)
+    assert "solved on all 6 blocks" in text
+    rows = lines[lines.index(HEADER) + 1 : lines.index(HEADER) + 11]
+    assert len(rows) == 10 and all(len(r.split()) == 7 for r in rows), text
+    saved = json.loads((tmp_path / JSON_NAME).read_text())
+    points = saved["points"]
+    assert [round(p["recompute_flops"] / 1e9, 3) for p in points] == [float(r.split()[3]) for r in rows]
+    assert points[-1]["recompute_flops"] == 0 and points[0]["recompute_flops"] > 0
+    assert all(p["peak_bytes"] <= p["budget_bytes"] for p in points)
+    assert all(a["recompute_flops"] >= b["recompute_flops"] for a, b in itertools.pairwise(points))
+    assert (tmp_path / PICTURE_NAME).stat().st_size > 10_000  # a drawn picture, not an empty file
+    assert f"frontier picture drawn to {tmp_path / PICTURE_NAME}" in text
