@@ -79,6 +79,11 @@ def _anything_to_recompute(config: PassConfig) -> bool:
     return _policy_asked(config) or regathers
 
 
+def _fsdp_policy(config: PassConfig) -> str | None:
+    """What the `fsdp_gather` pass will do with the gathers (None: no FSDP), for the budget's model to apply."""
+    return config.parallelism.fsdp_reshard_after_forward if _sharded(config) else None
+
+
 def _prefetching(config: PassConfig) -> bool:
     return _sharded(config) and config.parallelism.fsdp_prefetch
 
@@ -102,11 +107,13 @@ REGISTRY: tuple[GraphPass, ...] = (
     ),
     GraphPass(
         "memory_policy",
-        lambda gm, ctx: memory_policy(gm, ctx.config.ac, input_categories=ctx.input_categories),
+        lambda gm, ctx: memory_policy(
+            gm, ctx.config.ac, input_categories=ctx.input_categories, fsdp_policy=_fsdp_policy(ctx.config)
+        ),
         True,
         _policy_asked,
         "tag save/recompute per op (selective / full / budget, plus overrides)",
-        reads=("activation_checkpoint",),
+        reads=("activation_checkpoint", "parallelism.fsdp_reshard_after_forward"),
         gives=(RECOMPUTE_TAGS,),
     ),
     GraphPass(

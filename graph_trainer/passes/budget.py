@@ -51,6 +51,7 @@ from graph_trainer.passes.activation_checkpoint import (
     finalize,
     write_tags,
 )
+from graph_trainer.passes.fsdp_gather import gather_decisions, tag_fsdp_gathers
 from graph_trainer.passes.op_patterns import parse_overrides
 from graph_trainer.passes.remat import peak_after_remat
 from graph_trainer.passes.remat_model import (
@@ -109,20 +110,57 @@ def _remat_model(
     structure: StepStructure,
     ac: ActivationCheckpointConfig,
     input_categories: list[str] | None,
+    fsdp_policy: str | None,
 ) -> tuple[RematModel, set[torch.fx.Node], Decisions]:
     """(the exact model of `gm`'s peak and recompute FLOPs under any choice, the ops recomputed whatever the choice,
-    the per-op overrides' decisions) for `ac`'s save and recompute lists."""
+    the per-op overrides' decisions) for `ac`'s save and recompute lists.
+
+    With FSDP (`fsdp_policy`: `parallelism.fsdp_reshard_after_forward`), the gathers the `fsdp_gather` pass will
+    tag after this one are in the model as it will tag them (re-gathered: copied into the backward; kept: saved),
+    so the model's peak is the final graph's, not the peak of a graph that keeps every gathered parameter.
+    """
     save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
     pinned = apply_overrides(structure, {}, save, recompute)  # forced saves win over a pin (`finalize`)
     candidates, free = choices(structure, set(pinned), backward_storages(gm))
     always = free | {n for n, d in pinned.items() if d == RECOMPUTE and n not in structure.forced}
-    return build_model(gm, candidates, always, set(pinned) - always, input_categories), always, pinned
+    gathers = {} if fsdp_policy is None else gather_decisions(gm, fsdp_policy)
+    regathered = {n for n, again in gathers.items() if again}
+    kept = set(gathers) - regathered
+    model = build_model(gm, candidates, always | regathered, (set(pinned) - always) | kept, input_categories)
+    return model, always, pinned
+
+
+def _peak_after_gathers_and_remat(
+    gm: torch.fx.GraphModule, input_categories: list[str] | None, fsdp_policy: str | None
+) -> int:
+    """The estimated peak of `gm` rematerialized as its tags say, with FSDP's gathers tagged as the `fsdp_gather`
+    pass will tag them (`fsdp_policy`; None: no FSDP): the final graph's peak, which the model promised. The gather
+    tags are put back as they were: that pass writes them."""
+    if fsdp_policy is None:
+        return peak_after_remat(gm, input_categories)
+    gathers = gather_decisions(gm, fsdp_policy)
+    before = {n: {k: n.meta[k] for k in (node_meta.RECOMPUTE, node_meta.AC_GRAPH_ID) if k in n.meta} for n in gathers}
+    tag_fsdp_gathers(gm, fsdp_policy)
+    try:
+        return peak_after_remat(gm, input_categories)
+    finally:
+        for n, meta in before.items():
+            n.meta.pop(node_meta.RECOMPUTE, None)
+            n.meta.pop(node_meta.AC_GRAPH_ID, None)
+            n.meta.update(meta)
 
 
 def tag_memory_budget(
-    gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, *, input_categories: list[str] | None = None
+    gm: torch.fx.GraphModule,
+    ac: ActivationCheckpointConfig,
+    *,
+    input_categories: list[str] | None = None,
+    fsdp_policy: str | None = None,
 ) -> torch.fx.GraphModule:
     """Tag `gm` so its estimated peak fits `ac.memory_budget` with the fewest recompute FLOPs (see module docstring).
+    `fsdp_policy`: with FSDP, `parallelism.fsdp_reshard_after_forward`, which the model applies to the gathers as
+    the later `fsdp_gather` pass will (`_remat_model`); the no-AC peak is then that of the graph with no other
+    recompute.
 
     In place; returns `gm`.
 
@@ -132,22 +170,24 @@ def tag_memory_budget(
     """
     structure = analyze(gm)
     no_ac = estimate_peak_memory(gm, input_categories=input_categories)
+    built = None if fsdp_policy is None else _remat_model(gm, structure, ac, input_categories, fsdp_policy)
+    no_ac_peak = no_ac.peak_bytes if built is None else built[0].peak([])
     budget = parse_memory_budget(ac.memory_budget)
-    target = budget.target(input_bytes=no_ac.input_bytes, no_ac_peak=no_ac.peak_bytes)
-    if no_ac.peak_bytes <= target:
+    target = budget.target(input_bytes=no_ac.input_bytes, no_ac_peak=no_ac_peak)
+    if no_ac_peak <= target:
         write_tags(gm, structure, {})  # the no-AC graph fits: recompute nothing
         logger.info(
-            f"memory_budget: the no-AC peak {no_ac.peak_bytes / GIB:.4f} GiB fits the target "
+            f"memory_budget: the no-AC peak {no_ac_peak / GIB:.4f} GiB fits the target "
             f"{target / GIB:.4f} GiB; nothing recomputed"
         )
         return gm
 
-    model, always, pinned = _remat_model(gm, structure, ac, input_categories)
+    model, always, pinned = built or _remat_model(gm, structure, ac, input_categories, fsdp_policy)
     candidates = model.candidates
     solution = solve(model, target, time_limit_s=SOLVE_TIME_LIMIT_S)
     if solution.recompute is None:
         smallest, proven = smallest_peak(model, time_limit_s=SOLVE_TIME_LIMIT_S)
-        needed = budget.smallest(smallest, input_bytes=no_ac.input_bytes, no_ac_peak=no_ac.peak_bytes)
+        needed = budget.smallest(smallest, input_bytes=no_ac.input_bytes, no_ac_peak=no_ac_peak)
         which = "the smallest reachable peak" if proven else f"the lowest peak found in {SOLVE_TIME_LIMIT_S:g} s"
         if solution.status != INFEASIBLE:  # not proven: say what stopped the solver
             which += f" (no fitting choice found: {solution.status})"
@@ -161,7 +201,7 @@ def tag_memory_budget(
     decisions: Decisions = {n: RECOMPUTE if n in always or n in chosen else SAVE for n in structure.layer_nodes}
     decisions.update(pinned)
     write_tags(gm, structure, finalize(structure, decisions))
-    estimated = peak_after_remat(gm, input_categories)
+    estimated = _peak_after_gathers_and_remat(gm, input_categories, fsdp_policy)
     if estimated != solution.peak_bytes:  # the model is tested equal to remat + the estimate; a graph it misreads
         logger.warning(
             f"memory_budget: the solver's model puts this choice's peak at {solution.peak_bytes / GIB:.4f} GiB and "
@@ -202,6 +242,7 @@ def budget_frontier(
     points: int = 10,
     on_point: Callable[[FrontierPoint], None] | None = None,
     time_limit_s: float = SOLVE_TIME_LIMIT_S,
+    fsdp_policy: str | None = None,
 ) -> list[FrontierPoint]:
     """The budget policy's answers at `points` budgets evenly spread from the lowest peak a choice reaches (the
     lowest found within `time_limit_s` on a deep graph) to the no-AC peak, both included: what each whole-step peak
@@ -210,12 +251,12 @@ def budget_frontier(
     solve, as `SOLVE_TIME_LIMIT_S` bounds the pass's: a point stopped by it says so (not optimal, with the solver's
     gap). A choice that fits a budget fits every larger one, so a stopped solve whose choice costs more FLOPs than
     the point before (or that found none) takes that point's choice, also said not optimal: the frontier never
-    rises.
+    rises. `fsdp_policy`: as `tag_memory_budget`'s.
     """
     if points < 2:
         raise ValueError(f"a frontier needs at least 2 points, got {points}")
     structure = analyze(gm)
-    model, _always, _pinned = _remat_model(gm, structure, ac, input_categories)
+    model, _always, _pinned = _remat_model(gm, structure, ac, input_categories, fsdp_policy)
     # The low end is the lowest peak the solver finds within the limit: proven the lowest on small graphs, the best
     # found on deep ones (said once). Either way a known choice reaches it, so every point has a choice that fits.
     lowest_choice, lowest, proven = lowest_peak_choice(model, time_limit_s=time_limit_s)
@@ -225,7 +266,8 @@ def budget_frontier(
             f"{time_limit_s:g} s, not one it proved the lowest"
         )
     no_ac = estimate_peak_memory(gm, input_categories=input_categories)
-    highest, activations = no_ac.peak_bytes, max(no_ac.peak_bytes - no_ac.input_bytes, 1)
+    highest = no_ac.peak_bytes if fsdp_policy is None else model.peak([])
+    activations = max(highest - no_ac.input_bytes, 1)
     out = []
     # The best choice known to fit: the lowest-peak choice fits every budget here, and each point's choice fits the
     # next (budgets rise). A solve stopped by its limits with more FLOPs than it, or with no choice, takes it.

@@ -40,26 +40,34 @@ def regathers(policy: str, unit: str) -> bool:
     return policy == "always" or (policy == "default" and unit != ROOT)
 
 
-def tag_fsdp_gathers(gm: torch.fx.GraphModule, policy: str) -> torch.fx.GraphModule:
-    """Tag each FSDP unit's forward gather nodes save or recompute per `policy` (see the module docstring)."""
+def gather_decisions(gm: torch.fx.GraphModule, policy: str) -> dict[torch.fx.Node, bool]:
+    """Each FSDP gather node of the forward (and each view of a re-gathered one) -> whether `policy` re-gathers it
+    in the backward (True) or keeps the forward's (False): what `tag_fsdp_gathers` writes, and what the budget
+    policy's model reads so that its peak is the final graph's."""
     if policy not in POLICIES:
         raise ValueError(f"unknown FSDP gather policy {policy!r}; expected one of {POLICIES}")
-    regathered: set[torch.fx.Node] = set()
+    decided: dict[torch.fx.Node, bool] = {}
     for node in gm.graph.nodes:
         if not node_meta.is_forward(node):
             continue
         unit = node_meta.gathered_unit(node)
         if unit is not None:
-            again = regathers(policy, unit)
+            decided[node] = regathers(policy, unit)
+        elif is_view(node) and any(decided.get(a) for a in node.all_input_nodes):
+            decided[node] = True
+    return decided
+
+
+def tag_fsdp_gathers(gm: torch.fx.GraphModule, policy: str) -> torch.fx.GraphModule:
+    """Tag each FSDP unit's forward gather nodes save or recompute per `policy` (see the module docstring)."""
+    for node, again in gather_decisions(gm, policy).items():
+        if node_meta.gathered_unit(node) is not None:
             node.meta[node_meta.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE if again else CheckpointPolicy.MUST_SAVE
             node.meta[node_meta.AC_GRAPH_ID] = 0
-            if again:
-                regathered.add(node)
-        elif is_view(node) and any(a in regathered for a in node.all_input_nodes):
+        else:  # a view of a re-gathered parameter: recomputed with it, whatever the memory policy said
             node.meta[node_meta.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
             node.meta.setdefault(node_meta.AC_GRAPH_ID, 0)
-            regathered.add(node)
     return gm
 
 
-__all__ = ["POLICIES", "regathers", "tag_fsdp_gathers"]
+__all__ = ["POLICIES", "gather_decisions", "regathers", "tag_fsdp_gathers"]

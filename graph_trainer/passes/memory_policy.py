@@ -8,8 +8,10 @@ and in every mode the per-op `save_list` / `recompute_list` overrides
 (`graph_trainer.passes.op_patterns`) win over the policy.
 
 Reads the tracer's `phase`, `layer_id`, `module_fqn` and `random` tags and the
-fake values in `node.meta["val"]`; writes torch's `node.meta["recompute"]`
-and `node.meta["ac_graph_id"]` on transformer-layer forward ops, nothing else.
+fake values in `node.meta["val"]` (and in budget mode, with FSDP, the gather policy
+that the `fsdp_gather` pass applies next, so the budget holds for the final graph);
+writes torch's `node.meta["recompute"]` and `node.meta["ac_graph_id"]` on
+transformer-layer forward ops, nothing else.
 `remat` must run after it to act on the tags. Metadata only: preserves
 numerics bitwise.
 """
@@ -27,7 +29,11 @@ MODES = ("none", "selective", "full", "budget")
 
 
 def memory_policy(
-    gm: torch.fx.GraphModule, ac: ActivationCheckpointConfig, *, input_categories: list[str] | None = None
+    gm: torch.fx.GraphModule,
+    ac: ActivationCheckpointConfig,
+    *,
+    input_categories: list[str] | None = None,
+    fsdp_policy: str | None = None,
 ) -> torch.fx.GraphModule:
     """Tag `gm`'s layer ops save/recompute as `ac.mode` asks (see module docstring). In place; returns `gm`.
 
@@ -36,6 +42,8 @@ def memory_policy(
         ac: the activation-checkpointing section (mode, selective option, budget, overrides).
         input_categories: one memory category per graph input (budget and full mode
             compare estimated peaks, which need them).
+        fsdp_policy: with FSDP, `parallelism.fsdp_reshard_after_forward`: the budget's model re-gathers as the
+            later `fsdp_gather` pass will, so the budget holds for the final graph.
 
     Raises:
         ConfigError: an infeasible budget, or a recompute override of an op that is never recomputed.
@@ -44,7 +52,7 @@ def memory_policy(
         # No forward, nothing saved for a backward: an accumulated step's update graph (tracer.capture.PARTS).
         return gm
     if ac.mode == "budget":
-        return tag_memory_budget(gm, ac, input_categories=input_categories)
+        return tag_memory_budget(gm, ac, input_categories=input_categories, fsdp_policy=fsdp_policy)
     if ac.mode in ("selective", "full"):
         return tag_activation_checkpoint(gm, ac, input_categories=input_categories)
     if ac.mode == "none":

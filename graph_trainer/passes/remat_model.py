@@ -123,8 +123,8 @@ def build_model(
     saved: set[torch.fx.Node],
     input_categories: list[str] | None = None,
 ) -> RematModel:
-    """The model of `gm` (untagged, after clean-up) where each of `candidates` is a choice, the layer ops in
-    `recomputed` are always tagged recompute (free ops, pins) and those in `saved` always saved.
+    """The model of `gm` (untagged, after clean-up) where each of `candidates` is a choice, the ops in `recomputed`
+    are always tagged recompute (free ops, pins, FSDP's re-gathers) and those in `saved` always saved.
 
     A multi-output op's getitems follow their op, as `activation_checkpoint.finalize` makes them.
     """
@@ -153,7 +153,10 @@ def build_model(
             return None, 1.0
         return None, 0.0
 
-    layer = layer_forward_nodes(gm)
+    # The layer ops, and the nodes outside the layers whose tag is already decided (FSDP's gathers: re-gathered
+    # ones are copied into the backward by remat as layer ops are).
+    in_layers = set(layer_forward_nodes(gm))
+    layer = [n for n in nodes if n in in_layers or n in recomputed or n in saved]
     layer_set = set(layer)
     eligible = [n for n in layer if tag(n) != (None, 0.0)]
     eligible_set = set(eligible)

@@ -53,7 +53,7 @@ from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.load import resolve_model_args
-from graph_trainer.job_config.memory_budget import parse_memory_budget
+from graph_trainer.job_config.memory_budget import check_memory_budget, parse_memory_budget
 from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.job_config.schema import JobConfig
@@ -131,7 +131,12 @@ def plan_modes(
     whole is a fallback: said in one line through `on_fallback` (default: a warning), or a ConfigError with
     `plan.require_depth_free` (see `fall_back`).
     """
-    modes = list(modes)
+    modes, refused = _refused_modes(cfg, list(modes))
+    if refused:
+        planned = (
+            plan_modes(cfg, mesh, modes, log_passes=log_passes, fast=fast, on_fallback=on_fallback) if modes else {}
+        )
+        return {m: refused[m] if m in refused else planned[m] for m in [*modes, *refused]}
     if accumulation_steps(cfg) > 1:
         # The accumulating step is two graphs (a micro-step run k times, then the update); the extension reads one
         # whole-step graph. Each mode is planned whole: its cost grows with depth, not with k.
@@ -141,6 +146,18 @@ def plan_modes(
         return _planned_per_mode(cfg, mesh, modes, log_passes)
     batch = cfg.training.local_batch_size
     return plan_batches(cfg, mesh, modes, [batch], log_passes=log_passes, fast=fast, on_fallback=on_fallback)[batch]
+
+
+def _refused_modes(cfg: JobConfig, modes: list[str]) -> tuple[list[str], dict[str, UserError]]:
+    """(the modes a job could run, {mode: why not} for those its other options rule out, as the trainer would at
+    load: the budget with FSDP's prefetch, or a size budget with a graph that is not the whole step)."""
+    refused: dict[str, UserError] = {}
+    for mode in modes:
+        try:
+            check_memory_budget(with_ac_mode(cfg, mode))
+        except ConfigError as e:
+            refused[mode] = e
+    return [m for m in modes if m not in refused], refused
 
 
 def fall_back(cfg: JobConfig, why: str, say: Callable[[str], None] | None = None) -> None:

@@ -68,6 +68,7 @@ def plan_frontier(
         points=points,
         on_point=on_point,
         time_limit_s=SOLVE_S,
+        fsdp_policy=p.fsdp_reshard_after_forward if (p := cfg.parallelism).shards_parameters else None,
     )
     return found, job.model.args.n_layers
 
