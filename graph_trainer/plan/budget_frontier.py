@@ -54,9 +54,9 @@ def frontier_row(point: FrontierPoint) -> str:
 
 def plan_frontier(
     cfg: JobConfig, mesh: Mesh, *, points: int = POINTS, on_point: Callable[[FrontierPoint], None] | None = None
-) -> tuple[list[FrontierPoint], int]:
-    """(the frontier of `cfg`'s step on `mesh`, the blocks traced): `points` budgets from the lowest peak
-    to no AC, each answered as the budget pass would answer it (module docstring)."""
+) -> list[FrontierPoint]:
+    """The frontier of `cfg`'s step on `mesh`: `points` budgets from the lowest peak to no AC, each answered as the
+    budget pass would answer it (module docstring)."""
     job = build_job(cfg, mesh, materialize=False)
     with quiet():  # the trace and clean-up log nothing the frontier's rows do not say
         traced = stages.trace(job, meta_batch(cfg))
@@ -70,7 +70,7 @@ def plan_frontier(
         time_limit_s=SOLVE_S,
         fsdp_policy=p.fsdp_reshard_after_forward if (p := cfg.parallelism).shards_parameters else None,
     )
-    return found, job.model.args.n_layers
+    return found
 
 
 def write_frontier(folder: Path, found: list[FrontierPoint], *, title: str) -> list[str]:

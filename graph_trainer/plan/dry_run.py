@@ -95,7 +95,7 @@ def _print_frontier(cfg: JobConfig, mesh, print_fn: Callable[[str], None]) -> No
         "(stopped at its limit), unproven (the solver found nothing cheaper than a smaller budget's choice)"
     )
     print_fn(HEADER)
-    found, _ = plan_frontier(cfg, mesh, on_point=lambda p: print_fn(frontier_row(p)))
+    found = plan_frontier(cfg, mesh, on_point=lambda p: print_fn(frontier_row(p)))
     title = f"{model_name(cfg)}, batch {cfg.training.local_batch_size} x seq {cfg.training.seq_len}, {depth} blocks"
     for line in write_frontier(Path(cfg.job.dump_folder), found, title=title):
         print_fn(line)
