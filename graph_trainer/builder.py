@@ -246,6 +246,9 @@ class Job:
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
     loss_fn: LossFn
+    # The memory budget's choice planned on this deep model's short traces (`StepPlan.budget_choice`), or None:
+    # the budget pass then applies it instead of solving the whole graph.
+    budget_choice: Any = None
 
     @property
     def device(self) -> torch.device:
@@ -258,6 +261,10 @@ class Job:
     def flops_per_token(self) -> float:
         """Training FLOPs per token at the job's sequence length, from the family's own formula."""
         return self.spec.flops_per_token(self.model.args, self.cfg.training.seq_len)
+
+    def with_budget_choice(self, choice: Any) -> Job:
+        """The same job, its budget pass applying `choice` (`StepPlan.budget_choice`; None: solving whole)."""
+        return dataclasses.replace(self, budget_choice=choice)
 
     def with_config(self, cfg: JobConfig) -> Job:
         """The same model, optimizer and parallelisms under another config (e.g. another AC mode, to plan it)."""

@@ -35,10 +35,12 @@ TRACE, TRANSFORM, COMPILE = "trace", "transform", "compile"
 
 
 class StagedJob(Protocol):
-    """What the stages read of a job (`builder.Job`): its config, its parallelisms' check of a trace, its step."""
+    """What the stages read of a job (`builder.Job`): its config, its parallelisms' check of a trace, its step, and
+    the memory budget's choice planned for it (`passes.budget_depth`; None: solved on each graph)."""
 
     cfg: JobConfig
     parallel: ParallelModel
+    budget_choice: Any
 
     def graph_step(self, *, until: str = COMPILE, **options: Any) -> GraphStep: ...
 
@@ -67,7 +69,7 @@ def transform(
     Raises:
         UserError: what the parallelisms cannot run; ConfigError: a pass configuration that cannot run.
     """
-    pipeline = pipeline or build_pipeline(job.cfg, dump_dir=None)
+    pipeline = pipeline or build_pipeline(job.cfg, dump_dir=None, budget_choice=job.budget_choice)
     if after is None:
         traced = job.parallel.check_traced(traced)  # e.g. with FSDP: every parameter read goes through its gather
     if until is None and after is None:
@@ -97,7 +99,7 @@ def step_transform(job: StagedJob, *, until: str = COMPILE, dump_dir: Path | Non
         raise ValueError(f"until must be one of {TRACE!r}, {TRANSFORM!r}, {COMPILE!r}; got {until!r}")
     if until == TRACE:
         return None
-    pipeline = build_pipeline(job.cfg, dump_dir=dump_dir)
+    pipeline = build_pipeline(job.cfg, dump_dir=dump_dir, budget_choice=job.budget_choice)
     if until == TRANSFORM:
         return lambda traced: transform(job, traced, pipeline=pipeline)
     return lambda traced: compile(job, transform(job, traced, pipeline=pipeline))

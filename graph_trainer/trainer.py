@@ -121,7 +121,7 @@ class Trainer:
             f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)"
         )
         # The job the preflight planned, materialized: from here on a sharded parameter is this rank's part of it.
-        job = build_job(cfg, self.mesh, vocab_needed=data.tokenizer.vocab_size)
+        job = build_job(cfg, self.mesh, vocab_needed=data.tokenizer.vocab_size).with_budget_choice(plan.budget_choice)
         self.model, self.parallel = job.model, job.parallel
         self.optimizer, self.scheduler = job.optimizer, job.scheduler
         self.model_args = self.model.args

@@ -36,6 +36,7 @@ from graph_trainer.job_config.load import parse_ac_option
 from graph_trainer.job_config.memory_budget import parse_memory_budget
 from graph_trainer.job_config.schema import ActivationCheckpointConfig, JobConfig
 from graph_trainer.observability.log import get_logger
+from graph_trainer.passes.budget_depth import BlockChoice
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
 from graph_trainer.passes.fsdp_gather import tag_fsdp_gathers
 from graph_trainer.passes.fsdp_prefetch import prefetch_fsdp_gathers
@@ -84,6 +85,11 @@ def _fsdp_policy(config: PassConfig) -> str | None:
     return config.parallelism.fsdp_reshard_after_forward if _sharded(config) else None
 
 
+def fsdp_policy_of(cfg: JobConfig) -> str | None:
+    """What the `fsdp_gather` pass will do with `cfg`'s gathers (None: no FSDP), as the budget's model applies it."""
+    return _fsdp_policy(PassConfig(cfg.activation_checkpoint, cfg.parallelism))
+
+
 def _prefetching(config: PassConfig) -> bool:
     return _sharded(config) and config.parallelism.fsdp_prefetch
 
@@ -108,7 +114,11 @@ REGISTRY: tuple[GraphPass, ...] = (
     GraphPass(
         "memory_policy",
         lambda gm, ctx: memory_policy(
-            gm, ctx.config.ac, input_categories=ctx.input_categories, fsdp_policy=_fsdp_policy(ctx.config)
+            gm,
+            ctx.config.ac,
+            input_categories=ctx.input_categories,
+            fsdp_policy=_fsdp_policy(ctx.config),
+            budget_choice=ctx.config.budget_choice,
         ),
         True,
         _policy_asked,
@@ -192,12 +202,13 @@ def pipeline_for(
     return Pipeline(passes, config, dump_dir=dump_dir, log_saved_activations=log_saved_activations)
 
 
-def build_pipeline(cfg: JobConfig, *, dump_dir: Path | None) -> Pipeline:
+def build_pipeline(cfg: JobConfig, *, dump_dir: Path | None, budget_choice: BlockChoice | None = None) -> Pipeline:
     """The pipeline a job's config asks for (`activation_checkpoint`, `parallelism` and `compile` sections); see
-    `pipeline_for`. Graphs are written under `dump_dir` only with `compile.dump_graphs`."""
+    `pipeline_for`. Graphs are written under `dump_dir` only with `compile.dump_graphs`. `budget_choice`: the
+    budget's choice planned on a deep model's short traces (`passes.budget_depth`)."""
     c = cfg.compile
     return pipeline_for(
-        PassConfig(cfg.activation_checkpoint, cfg.parallelism),
+        PassConfig(cfg.activation_checkpoint, cfg.parallelism, budget_choice),
         disable_passes=c.disable_passes,
         dump_dir=dump_dir if c.dump_graphs else None,
         log_saved_activations=c.log_saved_activations,
@@ -261,6 +272,7 @@ __all__ = [
     "Pipeline",
     "available_passes",
     "build_pipeline",
+    "fsdp_policy_of",
     "memory_policy_transform",
     "pipeline_for",
 ]

@@ -32,7 +32,7 @@ same model, minimizing the peak).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch.fx
 
@@ -51,6 +51,7 @@ from graph_trainer.passes.activation_checkpoint import (
     finalize,
     write_tags,
 )
+from graph_trainer.passes.budget_depth import BlockChoice, Key, candidate_keys, extend_in_depth, signature
 from graph_trainer.passes.fsdp_gather import gather_decisions, tag_fsdp_gathers
 from graph_trainer.passes.op_patterns import parse_overrides
 from graph_trainer.passes.remat import peak_after_remat
@@ -119,10 +120,7 @@ def _remat_model(
     tag after this one are in the model as it will tag them (re-gathered: copied into the backward; kept: saved),
     so the model's peak is the final graph's, not the peak of a graph that keeps every gathered parameter.
     """
-    save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
-    pinned = apply_overrides(structure, {}, save, recompute)  # forced saves win over a pin (`finalize`)
-    candidates, free = choices(structure, set(pinned), backward_storages(gm))
-    always = free | {n for n, d in pinned.items() if d == RECOMPUTE and n not in structure.forced}
+    candidates, always, pinned = _candidates(gm, structure, ac)
     gathers = {} if fsdp_policy is None else gather_decisions(gm, fsdp_policy)
     regathered = {n for n, again in gathers.items() if again}
     kept = set(gathers) - regathered
@@ -150,17 +148,48 @@ def _peak_after_gathers_and_remat(
             n.meta.update(meta)
 
 
+def _no_ac_peak(
+    gm: torch.fx.GraphModule, model: RematModel | None, input_categories: list[str] | None
+) -> tuple[int, int]:
+    """(the graph inputs' bytes, the no-AC peak a fraction budget refers to: with FSDP (`model` given), that of the
+    step FSDP runs, its gathers tagged, with nothing else recomputed)."""
+    no_ac = estimate_peak_memory(gm, input_categories=input_categories)
+    return no_ac.input_bytes, no_ac.peak_bytes if model is None else model.peak([])
+
+
+def _infeasible(model: RematModel, ac: ActivationCheckpointConfig, input_bytes: int, no_ac_peak: int, status: str):
+    """The one-line refusal of a budget no choice of `model` fits, with the smallest feasible budget."""
+    smallest, proven = smallest_peak(model, time_limit_s=SOLVE_TIME_LIMIT_S)
+    needed = parse_memory_budget(ac.memory_budget).smallest(smallest, input_bytes=input_bytes, no_ac_peak=no_ac_peak)
+    which = "the smallest reachable peak" if proven else f"the lowest peak found in {SOLVE_TIME_LIMIT_S:g} s"
+    if status != INFEASIBLE:  # not proven: say what stopped the solver
+        which += f" (no fitting choice found: {status})"
+    return ConfigError(
+        f"activation_checkpoint.memory_budget {ac.memory_budget} is infeasible: {which} "
+        f"is {smallest / GIB:.4f} GiB ({(smallest - input_bytes) / GIB:.4f} GiB of activations); "
+        f"set --activation_checkpoint.memory_budget {needed} or more, or lower the batch size "
+        "or sequence length"
+    )
+
+
+def _proof(optimal: bool, status: str, gap: float | None) -> str:
+    return "optimal" if optimal else f"not proven optimal: {status}" + ("" if gap is None else f", gap {gap:.2%}")
+
+
 def tag_memory_budget(
     gm: torch.fx.GraphModule,
     ac: ActivationCheckpointConfig,
     *,
     input_categories: list[str] | None = None,
     fsdp_policy: str | None = None,
+    block_choice: BlockChoice | None = None,
 ) -> torch.fx.GraphModule:
     """Tag `gm` so its estimated peak fits `ac.memory_budget` with the fewest recompute FLOPs (see module docstring).
     `fsdp_policy`: with FSDP, `parallelism.fsdp_reshard_after_forward`, which the model applies to the gathers as
     the later `fsdp_gather` pass will (`_remat_model`); the no-AC peak is then that of the graph with no other
-    recompute.
+    recompute. `block_choice`: the choice the plan solved on this model's short traces (`solve_in_depth`), applied
+    by block class instead of solving this graph whole; a graph it was not solved for (a
+    retrace at another shape) is solved whole, which is said.
 
     In place; returns `gm`.
 
@@ -169,11 +198,13 @@ def tag_memory_budget(
             feasible budget in the user's unit).
     """
     structure = analyze(gm)
-    no_ac = estimate_peak_memory(gm, input_categories=input_categories)
+    if block_choice is not None:
+        applied = _apply_block_choice(gm, structure, ac, input_categories, fsdp_policy, block_choice)
+        if applied is None:
+            return gm
     built = None if fsdp_policy is None else _remat_model(gm, structure, ac, input_categories, fsdp_policy)
-    no_ac_peak = no_ac.peak_bytes if built is None else built[0].peak([])
-    budget = parse_memory_budget(ac.memory_budget)
-    target = budget.target(input_bytes=no_ac.input_bytes, no_ac_peak=no_ac_peak)
+    input_bytes, no_ac_peak = _no_ac_peak(gm, built and built[0], input_categories)
+    target = parse_memory_budget(ac.memory_budget).target(input_bytes=input_bytes, no_ac_peak=no_ac_peak)
     if no_ac_peak <= target:
         write_tags(gm, structure, {})  # the no-AC graph fits: recompute nothing
         logger.info(
@@ -186,37 +217,167 @@ def tag_memory_budget(
     candidates = model.candidates
     solution = solve(model, target, time_limit_s=SOLVE_TIME_LIMIT_S)
     if solution.recompute is None:
-        smallest, proven = smallest_peak(model, time_limit_s=SOLVE_TIME_LIMIT_S)
-        needed = budget.smallest(smallest, input_bytes=no_ac.input_bytes, no_ac_peak=no_ac_peak)
-        which = "the smallest reachable peak" if proven else f"the lowest peak found in {SOLVE_TIME_LIMIT_S:g} s"
-        if solution.status != INFEASIBLE:  # not proven: say what stopped the solver
-            which += f" (no fitting choice found: {solution.status})"
-        raise ConfigError(
-            f"activation_checkpoint.memory_budget {ac.memory_budget} is infeasible: {which} "
-            f"is {smallest / GIB:.4f} GiB ({(smallest - no_ac.input_bytes) / GIB:.4f} GiB of activations); "
-            f"set --activation_checkpoint.memory_budget {needed} or more, or lower the batch size "
-            "or sequence length"
-        )
+        raise _infeasible(model, ac, input_bytes, no_ac_peak, solution.status)
     chosen = set(solution.recompute)
-    decisions: Decisions = {n: RECOMPUTE if n in always or n in chosen else SAVE for n in structure.layer_nodes}
-    decisions.update(pinned)
-    write_tags(gm, structure, finalize(structure, decisions))
-    estimated = _peak_after_gathers_and_remat(gm, input_categories, fsdp_policy)
-    if estimated != solution.peak_bytes:  # the model is tested equal to remat + the estimate; a graph it misreads
-        logger.warning(
-            f"memory_budget: the solver's model puts this choice's peak at {solution.peak_bytes / GIB:.4f} GiB and "
-            f"the memory estimate at {estimated / GIB:.4f} GiB; the step runs as estimated (a modelling gap in "
-            "passes/remat_model.py: please report it with this graph)"
-        )
-    gap = "" if solution.gap is None else f", gap {solution.gap:.2%}"
-    proof = "optimal" if solution.optimal else f"not proven optimal: {solution.status}{gap}"
+    _write_choice(gm, structure, always, pinned, chosen)
+    _check_estimate(gm, input_categories, fsdp_policy, solution.peak_bytes)
     say = logger.info if solution.optimal else logger.warning  # a choice short of the optimum is a fallback
     say(
         f"memory_budget: target peak {target / GIB:.4f} GiB; recompute {len(chosen)}/{len(candidates)} candidates, "
         f"{solution.recompute_flops / 1e9:.3f} GFLOP of recompute, peak {solution.peak_bytes / GIB:.4f} GiB "
-        f"({proof}, {solution.solve_s:.1f} s)"
+        f"({_proof(solution.optimal, solution.status, solution.gap)}, {solution.solve_s:.1f} s)"
     )
     return gm
+
+
+def _write_choice(
+    gm: torch.fx.GraphModule,
+    structure: StepStructure,
+    always: set[torch.fx.Node],
+    pinned: Decisions,
+    chosen: set[torch.fx.Node],
+) -> None:
+    decisions: Decisions = {n: RECOMPUTE if n in always or n in chosen else SAVE for n in structure.layer_nodes}
+    decisions.update(pinned)
+    write_tags(gm, structure, finalize(structure, decisions))
+
+
+def _check_estimate(
+    gm: torch.fx.GraphModule, input_categories: list[str] | None, fsdp_policy: str | None, promised: int
+) -> None:
+    """Warn when the tagged graph's estimate is not the peak the model promised (a modelling gap)."""
+    estimated = _peak_after_gathers_and_remat(gm, input_categories, fsdp_policy)
+    if estimated != promised:  # the model is tested equal to remat + the estimate; a graph it misreads
+        logger.warning(
+            f"memory_budget: the solver's model puts this choice's peak at {promised / GIB:.4f} GiB and "
+            f"the memory estimate at {estimated / GIB:.4f} GiB; the step runs as estimated (a modelling gap in "
+            "passes/remat_model.py: please report it with this graph)"
+        )
+
+
+def _candidates(
+    gm: torch.fx.GraphModule, structure: StepStructure, ac: ActivationCheckpointConfig
+) -> tuple[list[torch.fx.Node], set[torch.fx.Node], Decisions]:
+    """(the candidates, the ops recomputed whatever the choice, the per-op overrides' decisions)."""
+    save, recompute = parse_overrides(ac.save_list, ac.recompute_list)
+    pinned = apply_overrides(structure, {}, save, recompute)  # forced saves win over a pin (`finalize`)
+    candidates, free = choices(structure, set(pinned), backward_storages(gm))
+    always = free | {n for n, d in pinned.items() if d == RECOMPUTE and n not in structure.forced}
+    return candidates, always, pinned
+
+
+def _apply_block_choice(
+    gm: torch.fx.GraphModule,
+    structure: StepStructure,
+    ac: ActivationCheckpointConfig,
+    input_categories: list[str] | None,
+    fsdp_policy: str | None,
+    block_choice: BlockChoice,
+) -> bool | None:
+    """Tag `gm` with `block_choice` (None: done), or say why it does not apply and return False (solve whole)."""
+    candidates, always, pinned = _candidates(gm, structure, ac)
+    depth = 1 + max((node_meta.layer_id(n) for n in structure.layer_nodes), default=-1)
+    chosen = block_choice.decisions(candidate_keys(candidates, depth, block_choice.lead))
+    if isinstance(chosen, str):
+        logger.warning(
+            f"memory_budget: the choice planned on {' + '.join(map(str, block_choice.short_depths))}-block traces does "
+            f"not apply to this graph ({chosen}); solving it whole"
+        )
+        return False
+    _write_choice(gm, structure, always, pinned, chosen)
+    if depth != block_choice.depth:  # a short step of the plan, tagged as the deep one will be
+        return None
+    _check_estimate(gm, input_categories, fsdp_policy, block_choice.peak_bytes)
+    c = block_choice
+    say = logger.info if c.optimal else logger.warning
+    say(
+        f"memory_budget: target peak {c.target_bytes / GIB:.4f} GiB; recompute {c.recomputed}/{c.candidates} "
+        f"candidates, one choice per block class solved on the {' + '.join(map(str, c.short_depths))}-block "
+        f"traces, {c.recompute_flops / 1e9:.3f} GFLOP of recompute, peak {c.peak_bytes / GIB:.4f} GiB "
+        f"({_proof(c.optimal, c.status, c.gap)}, {c.solve_s:.1f} s)"
+    )
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepModel:
+    """The budget's model of a deep step under per-class choices (`budget_depth.extend_in_depth`), its candidates'
+    keys, and its graph inputs' bytes."""
+
+    model: RematModel
+    keys: dict[torch.fx.Node, Key]
+    input_bytes: int
+    depth: int
+    lead: int
+
+    def count(self, candidates: Iterable[torch.fx.Node]) -> int:
+        """How many candidates of the deep step `candidates` of the short model's stand for (a middle block's for
+        every middle block)."""
+        middle = self.depth - self.lead - 2
+        return sum(middle if k[0] == "mid" else 1 for k in {self.keys[c] for c in candidates})
+
+
+def deep_model(
+    short: tuple[torch.fx.GraphModule, torch.fx.GraphModule],
+    input_categories: tuple[list[str], list[str]],
+    ac: ActivationCheckpointConfig,
+    *,
+    counterpart: dict[torch.fx.Node, torch.fx.Node],
+    block_of: dict[torch.fx.Node, int | None],
+    lead: int,
+    depth: int,
+    fsdp_policy: str | None = None,
+) -> DeepModel:
+    """The budget's model of the `depth`-block step from its `lead`+3- and `lead`+4-block steps (`short`, after
+    clean-up), as `solve_in_depth` solves it.
+
+    Raises:
+        NotExtendable: the short steps' models do not extend in depth (`budget_depth`).
+    """
+    three, four = (
+        _remat_model(gm, analyze(gm), ac, categories, fsdp_policy)[0]
+        for gm, categories in zip(short, input_categories, strict=True)
+    )
+    model = extend_in_depth(four, three, counterpart=counterpart, block_of=block_of, lead=lead, depth=depth)
+    pairs = zip(short, input_categories, strict=True)
+    inputs = [estimate_peak_memory(gm, input_categories=c).input_bytes for gm, c in pairs]
+    input_bytes = inputs[1] + (depth - lead - 4) * (inputs[1] - inputs[0])
+    return DeepModel(model, candidate_keys(model.candidates, lead + 4, lead), input_bytes, depth, lead)
+
+
+def solve_in_depth(deep: DeepModel, ac: ActivationCheckpointConfig) -> BlockChoice:
+    """The budget policy's choice for a deep step, one per block class, solved on its model from the short steps
+    (`deep_model`).
+
+    Raises:
+        ConfigError: no choice fits the budget at the deep step's depth (with the smallest feasible budget).
+    """
+    model, input_bytes, keys, depth, lead = deep.model, deep.input_bytes, deep.keys, deep.depth, deep.lead
+    no_ac_peak = model.peak([])
+    target = parse_memory_budget(ac.memory_budget).target(input_bytes=input_bytes, no_ac_peak=no_ac_peak)
+    if no_ac_peak <= target:
+        solution = Solution([], no_ac_peak, 0, 0.0, "the no-AC peak fits", True)
+    else:
+        solution = solve(model, target, time_limit_s=SOLVE_TIME_LIMIT_S)
+        if solution.recompute is None:
+            raise _infeasible(model, ac, input_bytes, no_ac_peak, solution.status)
+    chosen = {keys[c] for c in solution.recompute}
+    return BlockChoice(
+        depth=depth,
+        recompute=frozenset(chosen),
+        signatures=tuple(sorted({keys[c]: signature(c) for c in model.candidates}.items())),
+        target_bytes=int(target),
+        peak_bytes=solution.peak_bytes,
+        recompute_flops=solution.recompute_flops,
+        recomputed=deep.count(solution.recompute),
+        candidates=deep.count(model.candidates),
+        optimal=solution.optimal,
+        gap=solution.gap,
+        solve_s=solution.solve_s,
+        status=solution.status,
+        short_depths=(lead + 3, lead + 4),
+        lead=lead,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,10 +414,29 @@ def budget_frontier(
     the point before (or that found none) takes that point's choice, also said not optimal: the frontier never
     rises. `fsdp_policy`: as `tag_memory_budget`'s.
     """
-    if points < 2:
-        raise ValueError(f"a frontier needs at least 2 points, got {points}")
     structure = analyze(gm)
     model, _always, _pinned = _remat_model(gm, structure, ac, input_categories, fsdp_policy)
+    no_ac = estimate_peak_memory(gm, input_categories=input_categories)
+    highest = no_ac.peak_bytes if fsdp_policy is None else model.peak([])
+    return model_frontier(
+        model, no_ac.input_bytes, highest, points=points, on_point=on_point, time_limit_s=time_limit_s
+    )
+
+
+def model_frontier(
+    model: RematModel,
+    input_bytes: int,
+    highest: int,
+    *,
+    points: int = 10,
+    on_point: Callable[[FrontierPoint], None] | None = None,
+    time_limit_s: float = SOLVE_TIME_LIMIT_S,
+    count: Callable[[list[torch.fx.Node]], int] = len,
+) -> list[FrontierPoint]:
+    """`budget_frontier` on a model (`input_bytes`: its graph's inputs; `highest`: its no-AC peak); `count`: how
+    many of the step's candidates a choice of the model's stands for (`DeepModel.count` on a deep model)."""
+    if points < 2:
+        raise ValueError(f"a frontier needs at least 2 points, got {points}")
     # The low end is the lowest peak the solver finds within the limit: proven the lowest on small graphs, the best
     # found on deep ones (said once). Either way a known choice reaches it, so every point has a choice that fits.
     lowest_choice, lowest, proven = lowest_peak_choice(model, time_limit_s=time_limit_s)
@@ -265,9 +445,7 @@ def budget_frontier(
             f"budget frontier: its first budget, {lowest / GIB:.4f} GiB, is the lowest peak the solver found in "
             f"{time_limit_s:g} s, not one it proved the lowest"
         )
-    no_ac = estimate_peak_memory(gm, input_categories=input_categories)
-    highest = no_ac.peak_bytes if fsdp_policy is None else model.peak([])
-    activations = max(highest - no_ac.input_bytes, 1)
+    activations = max(highest - input_bytes, 1)
     out = []
     # The best choice known to fit: the lowest-peak choice fits every budget here, and each point's choice fits the
     # next (budgets rise). A solve stopped by its limits with more FLOPs than it, or with no choice, takes it.
@@ -280,11 +458,11 @@ def budget_frontier(
         known = found
         point = FrontierPoint(
             budget_bytes=budget,
-            fraction=(budget - no_ac.input_bytes) / activations,
+            fraction=(budget - input_bytes) / activations,
             peak_bytes=found.peak_bytes,
             recompute_flops=found.recompute_flops,
-            recomputed=len(found.recompute),
-            candidates=len(model.candidates),
+            recomputed=count(found.recompute),
+            candidates=count(model.candidates),
             optimal=found.optimal,
             gap=found.gap,
             solve_s=found.solve_s,

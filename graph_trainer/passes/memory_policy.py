@@ -23,6 +23,7 @@ import torch.fx
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.budget import tag_memory_budget
+from graph_trainer.passes.budget_depth import BlockChoice
 from graph_trainer.tracer import node_meta
 
 MODES = ("none", "selective", "full", "budget")
@@ -34,6 +35,7 @@ def memory_policy(
     *,
     input_categories: list[str] | None = None,
     fsdp_policy: str | None = None,
+    budget_choice: BlockChoice | None = None,
 ) -> torch.fx.GraphModule:
     """Tag `gm`'s layer ops save/recompute as `ac.mode` asks (see module docstring). In place; returns `gm`.
 
@@ -44,6 +46,7 @@ def memory_policy(
             compare estimated peaks, which need them).
         fsdp_policy: with FSDP, `parallelism.fsdp_reshard_after_forward`: the budget's model re-gathers as the
             later `fsdp_gather` pass will, so the budget holds for the final graph.
+        budget_choice: budget only: the choice planned on a deep model's short traces (`passes.budget_depth`).
 
     Raises:
         ConfigError: an infeasible budget, or a recompute override of an op that is never recomputed.
@@ -52,7 +55,9 @@ def memory_policy(
         # No forward, nothing saved for a backward: an accumulated step's update graph (tracer.capture.PARTS).
         return gm
     if ac.mode == "budget":
-        return tag_memory_budget(gm, ac, input_categories=input_categories, fsdp_policy=fsdp_policy)
+        return tag_memory_budget(
+            gm, ac, input_categories=input_categories, fsdp_policy=fsdp_policy, block_choice=budget_choice
+        )
     if ac.mode in ("selective", "full"):
         return tag_activation_checkpoint(gm, ac, input_categories=input_categories)
     if ac.mode == "none":

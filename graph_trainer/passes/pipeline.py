@@ -24,6 +24,7 @@ from graph_trainer.job_config.schema import ActivationCheckpointConfig, Parallel
 from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.units import MIB
 from graph_trainer.passes.activation_checkpoint import policy_name
+from graph_trainer.passes.budget_depth import BlockChoice
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import TracedStep
 from graph_trainer.tracer.executor import Transformed
@@ -40,6 +41,8 @@ class PassConfig:
 
     ac: ActivationCheckpointConfig
     parallelism: ParallelismConfig = dataclasses.field(default_factory=ParallelismConfig)
+    # The budget's choice the plan solved on the short traces of a deep model (`passes.budget_depth`), or None.
+    budget_choice: BlockChoice | None = None
 
 
 @dataclasses.dataclass(frozen=True)

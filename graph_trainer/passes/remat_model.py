@@ -81,6 +81,10 @@ class RematModel:
     memory: list[Expr]  # per place: bytes alive (inputs in the constant); <= budget
     flops: np.ndarray  # per variable: FLOPs counted when it is 1 (a copy made)
     elements: np.ndarray  # per variable: output elements re-run when it is 1
+    owners: list[torch.fx.Node | None]  # per variable: the op it is about (a storage's producer for liveness)
+    place_nodes: list[torch.fx.Node]  # per memory row: the op at that place (a copy's place: the op it precedes)
+    place_copies: list[torch.fx.Node | None]  # per memory row: the op copied there (None: the op's own place)
+    ties: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # candidate pairs chosen alike
 
     # ------------------------------------------------------------------ evaluation of one choice
 
@@ -134,11 +138,13 @@ def build_model(
     var_of_candidate = {c: i for i, c in enumerate(candidates)}
     n_vars = n_cand
     labels = [f"recompute {c.name}" for c in candidates]
+    owners: list[torch.fx.Node | None] = list(candidates)
 
-    def new_var(label: str = "") -> int:
+    def new_var(label: str = "", owner: torch.fx.Node | None = None) -> int:
         nonlocal n_vars
         n_vars += 1
         labels.append(label)
+        owners.append(owner)
         return n_vars - 1
 
     # R_x: (variable or None, constant) for every layer op; getitems follow their op.
@@ -205,7 +211,7 @@ def build_model(
     made: dict[tuple[torch.fx.Node, torch.fx.Node], int] = {}
     for x in eligible:
         for b in slots[x]:
-            made[(x, b)] = new_var(f"made {x.name} by {b.name}")
+            made[(x, b)] = new_var(f"made {x.name} by {b.name}", x)
     for x in reversed(eligible):  # users first: their `made` feed x's
         prev = None
         for b in slots[x]:
@@ -243,7 +249,7 @@ def build_model(
         return [(made[(x, best)], 1.0)] if best is not None else [(None, 0.0)]
 
     # kept[x]: the original of a layer op survives dead-code elimination.
-    kept: dict[torch.fx.Node, int] = {x: new_var(f"kept {x.name}") for x in eligible}
+    kept: dict[torch.fx.Node, int] = {x: new_var(f"kept {x.name}", x) for x in eligible}
     kept_rules: list[tuple[int, Expr]] = []
     for x in reversed(eligible):
         for u in x.users:
@@ -319,9 +325,9 @@ def build_model(
     memory_terms: list[dict[int, float]] = [defaultdict(float) for _ in range(n_places)]
     alive_rules: list[tuple[int, Expr]] = []
 
-    def add_storage(events: list[Event], born: int, born_by, nbytes: int) -> None:
-        """Rows for one storage: born at place `born` for sure (`born_by` None) or where `born_by(place)` (terms)
-        says it exists; alive until its last event whose condition holds."""
+    def add_storage(events: list[Event], born: int, born_by, nbytes: int, owner: torch.fx.Node) -> None:
+        """Rows for one storage (made by `owner`): born at place `born` for sure (`born_by` None) or where
+        `born_by(place)` (terms) says it exists; alive until its last event whose condition holds."""
         sure, conditional = -1, []
         for p, terms, k in events:
             coef, const = _expr(*terms, const=-(k - 1.0))
@@ -338,7 +344,7 @@ def build_model(
         suffix: dict[int, int] = {}
         later = None
         for p in later_places:  # latest first: each place's OR includes every later one
-            v = suffix[p] = new_var()
+            v = suffix[p] = new_var(owner=owner)
             if later is not None:
                 alive_rules.append((v, _expr((later, 1.0))))
             later = v
@@ -363,7 +369,7 @@ def build_model(
             # every benchmark solve optimal, but at 6 one solve found no choice at all in 10 s, so it is left out.)
             key = (s, tuple(by))
             if key not in segment:
-                segment[key] = new_var()
+                segment[key] = new_var(owner=owner)
                 alive_rules.append((segment[key], _expr((s, 1.0), *by, const=-1.0)))
             memory_terms[q][segment[key]] += nbytes
 
@@ -397,10 +403,10 @@ def build_model(
                 original += conj(copy_events(h), *not_tag(producer)) if copied else copy_events(h)
             if h in eligible_set and copied:
                 copy += copy_events(h)
-        add_storage(original, place_of[producer], None, st.nbytes)
+        add_storage(original, place_of[producer], None, st.nbytes, producer)
         if copied and slots[producer]:
             first = place_of[(slots[producer][0], producer)]
-            add_storage(copy, first, lambda q, x=producer: made_by(x, q), st.nbytes)
+            add_storage(copy, first, lambda q, x=producer: made_by(x, q), st.nbytes, producer)
 
     lower += kept_rules + alive_rules
     const = np.cumsum(fixed)[:n_places] + inputs
@@ -422,6 +428,9 @@ def build_model(
         memory=memory,
         flops=flops,
         elements=elements,
+        owners=owners,
+        place_nodes=[p if isinstance(p, torch.fx.Node) else p[0] for p in order],
+        place_copies=[None if isinstance(p, torch.fx.Node) else p[1] for p in order],
     )
 
 
@@ -458,6 +467,8 @@ def _rule_rows(model: RematModel) -> tuple[list, list, list, list, list]:
         _row(rows, cols, vals, lo, hi, coef, v, const, np.inf)
     for v, (coef, const) in model.upper:
         _row(rows, cols, vals, lo, hi, coef, v, -np.inf, const)
+    for a, b in model.ties:
+        _row(rows, cols, vals, lo, hi, {b: 1.0}, a, 0.0, 0.0)
     return rows, cols, vals, lo, hi
 
 

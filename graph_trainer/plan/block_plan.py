@@ -28,9 +28,11 @@ number of chunks, so every count is affine in the batch at any depth: the plan a
 from the four short steps, and costs what they cost however large the batch. Batch 1 is traced on its own
 (some of its graphs have other ops; see `_grids`).
 
-The `budget` mode is the exception: its pass chooses what to recompute from the whole step's peak, so its
-plan is approximated from the none and full plans: an upper bound, marked approximate (its error is measured
-in tests/plan/test_block_plan.py).
+The `budget` mode chooses one decision per block class on a deep model, solved on the short steps' models
+extended to depth L (`passes/budget_depth.py`, `_budget_choice`); the short steps are tagged with that choice and
+extended as the other modes are, and the deep step applies the same choice (`StepPlan.budget_choice`). Across a
+grid of two batches its choice is not solved per batch: there it is approximated from the none and full plans, an
+upper bound, marked approximate.
 """
 
 from __future__ import annotations
@@ -59,13 +61,15 @@ from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger, quiet
 from graph_trainer.optimizer.update_memory import EagerUpdate
-from graph_trainer.passes import CLEAN_UP, build_pipeline
+from graph_trainer.passes import CLEAN_UP, build_pipeline, fsdp_policy_of
 from graph_trainer.passes.activation_checkpoint import (
     attention_choices,
     choose_attention,
     compared_graphs,
     pin_attention,
 )
+from graph_trainer.passes.budget import DeepModel, deep_model, solve_in_depth
+from graph_trainer.passes.budget_depth import BlockChoice, NotExtendable
 from graph_trainer.passes.communication import communication_bytes
 from graph_trainer.plan.step_plan import (
     AC_MODES,
@@ -107,7 +111,7 @@ def short_depths(cfg: JobConfig) -> tuple[int, int]:
     return lead + SHORT[0], lead + SHORT[1]
 
 
-APPROXIMATE_MODES = ("budget",)  # decided from the whole step's peak: not extended exactly
+APPROXIMATE_MODES = ("budget",)  # approximate where its choice is not solved: extended to another batch
 
 
 class NotUniform(Exception):
@@ -298,8 +302,11 @@ def _extended(
     cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, grid: _Grid, targets: list[int], log_passes: bool
 ) -> dict[int, dict[str, StepPlan | UserError]]:
     """Each target batch's plans for `modes`, extended from the short steps of `grid`."""
-    exact = [m for m in modes if m not in APPROXIMATE_MODES]
-    if any(m in APPROXIMATE_MODES for m in modes):  # the budget is read off these two
+    # The budget is exact at one traced batch (its choice is solved there, `_budget_choice`); extended to other
+    # batches it is read off the none and full plans, approximate.
+    budget_exact = "budget" in modes and len(grid.batches) == 1
+    exact = [m for m in modes if m not in APPROXIMATE_MODES or budget_exact]
+    if any(m in APPROXIMATE_MODES for m in modes) and not budget_exact:
         exact += [m for m in ("none", "full") if m not in exact]
     choices = {mode: attention_choices(with_ac_mode(cfg, mode).activation_checkpoint) or ("",) for mode in exact}
     shorts: dict[_Point, dict[tuple[str, str], _Variant | UserError]] = {}
@@ -310,6 +317,16 @@ def _extended(
         shorts[point], compared[point] = _plan_short(job, choices, log_passes and point == grid.reference)
 
     parts: dict[int, dict[str, _Parts | UserError]] = {b: {} for b in targets}
+    budget_choice = None
+    if budget_exact:
+        budget_choice = _budget_choice(cfg, grid, {p: shorts[p][("budget", "")] for p in grid.points}, depth)
+        if isinstance(budget_choice, UserError):
+            for b in targets:
+                parts[b]["budget"] = budget_choice
+            exact.remove("budget")
+        elif budget_choice is None:  # not extendable, said: approximate, from the none and full plans
+            exact += [m for m in ("none", "full") if m not in exact]
+            exact.remove("budget")
     for mode in exact:
         failed = next((c[mode] for c in compared.values() if isinstance(c.get(mode), UserError)), None)
         failed = failed or next(
@@ -345,7 +362,68 @@ def _extended(
             if isinstance(part, _Parts) and batch < grid.batches[0]:  # extrapolated (see `_grids`)
                 part = dataclasses.replace(part, approximate=True)
             out[batch][mode] = part if isinstance(part, UserError) else part.plan(mode_job, elapsed, grid.blocks_traced)
+            if mode == "budget" and isinstance(budget_choice, BlockChoice) and isinstance(part, _Parts):
+                out[batch][mode].budget_choice = budget_choice
     return out
+
+
+def _budget_choice(
+    cfg: JobConfig, grid: _Grid, variants: dict[_Point, _Variant | UserError], depth: int
+) -> BlockChoice | UserError | None:
+    """The budget's choice at `depth`, solved on the short steps' models and set on their variants so that their
+    passes apply it (as the deep step's will: `StepPlan.budget_choice`); the refusal of an infeasible budget; or
+    None, said in one line, where the short models do not extend in depth (the plan is then approximate)."""
+    if any(isinstance(v, UserError) for v in variants.values()):
+        return next(v for v in variants.values() if isinstance(v, UserError))
+    three, four = (variants[p] for p in grid.points)
+    args, kwargs = _short_budget_args(cfg, four.job, three.clean, four.clean)
+    try:
+        with quiet():
+            deep = deep_model(*args, **kwargs, depth=depth, fsdp_policy=fsdp_policy_of(with_ac_mode(cfg, "budget")))
+            choice = solve_in_depth(deep, args[2])
+    except NotExtendable as e:
+        logger.warning(f"the budget plan is approximate: its choice cannot be solved on the short traces ({e})")
+        return None
+    except UserError as e:
+        return e
+    for v in variants.values():
+        v.job = v.job.with_budget_choice(choice)
+    return choice
+
+
+def _short_budget_args(cfg: JobConfig, job: Job, three: TracedStep, four: TracedStep) -> tuple[tuple, dict]:
+    """What `deep_model` reads of the two short steps (`three`, `four`: cleaned up), before
+    the depth: the graphs, their input categories, the budget's section, and each op's counterpart and block."""
+    lead, layers = leading_blocks(cfg), job.spec.parallel_plan.layers
+    gm3, gm4 = three.gm, four.gm
+    keys3, keys4 = _keys(gm3, lead + 3, layers, lead), _keys(gm4, lead + 4, layers, lead)
+    nodes3, nodes4 = list(gm3.graph.nodes), list(gm4.graph.nodes)
+    return (
+        (gm3, gm4),
+        (three.layout.categories, four.layout.categories),
+        with_ac_mode(cfg, "budget").activation_checkpoint,
+    ), {
+        "counterpart": {nodes4[i]: nodes3[keys3[k]] for k, i in keys4.items() if k in keys3},
+        "block_of": {n: b for _, n, b in node_blocks(gm4, layers)},
+        "lead": lead,
+    }
+
+
+def deep_budget_model(cfg: JobConfig, mesh: Mesh) -> DeepModel:
+    """The budget's model of `cfg`'s deep step under per-class choices (`passes.budget.deep_model`), from its two
+    short steps traced at its own batch: what the budget pass's choice is solved on, at the cost of short traces.
+
+    Raises:
+        NotExtendable: the short steps' models do not extend in depth.
+    """
+    depth = resolve_model_args(cfg).n_layers
+    cleaned = []
+    for blocks in short_depths(cfg):
+        job = build_job(_short_config(cfg, blocks, cfg.training.local_batch_size), mesh, materialize=False)
+        traced, _ = _trace(job)
+        cleaned.append(stages.transform(job, traced, until=CLEAN_UP).traced)
+    args, kwargs = _short_budget_args(cfg, job, *cleaned)
+    return deep_model(*args, **kwargs, depth=depth, fsdp_policy=fsdp_policy_of(with_ac_mode(cfg, "budget")))
 
 
 def _short_config(cfg: JobConfig, blocks: int, batch: int) -> JobConfig:
@@ -656,14 +734,16 @@ def _extend(grid: _Grid, shorts: dict[_Point, _Short], depth: int, batch: int) -
 
 
 def _approximate_budget(cfg: JobConfig, none: _Parts | UserError, full: _Parts | UserError) -> _Parts | UserError:
-    """The `budget` mode's plan, approximated from the deep none and full plans (marked approximate).
+    """The `budget` mode's plan where its choice is not solved, approximated from the deep none and full plans
+    (marked approximate).
 
     The pass's exact policy fits its target (inputs + `memory_budget` of the no-AC activations, or the whole
     step's peak the budget names) whenever any choice does, so the peak is taken as the target (at most none's):
     an upper bound. Below full AC's peak it may still fit (it chooses per op, not per layer), so the target is
     not refused here; the pass refuses an unreachable one at the trace, in one line with the smallest reachable
     peak. FLOPs and saved bytes are interpolated between none and full in the same proportion (full's where the
-    target is below it). The error against full traces is measured in tests/plan/test_block_plan.py.
+    target is below it). Used where the choice is not solved: batches extended from a grid of two, or short models
+    that do not extend in depth (said).
     """
     if isinstance(none, UserError):
         return none

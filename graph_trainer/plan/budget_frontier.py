@@ -6,10 +6,10 @@ the solve limit, on a deep graph) to the peak with nothing recomputed, prints ea
 to the dump folder: `budget_frontier.json`, and `budget_frontier.png` when matplotlib is installed (the `plots`
 extra).
 
-The points are the policy's own answers on the whole-depth step (every block traced): the same graph and model the
-pass solves when the job runs, so a budget from the table gives that row's plan. The other modes' plans are
-extended from short traces; the budget's is not yet (issue 33, item 4), so the frontier costs one whole trace and
-one solve a point: at most `SOLVE_S` seconds each, a point stopped there shown with its gap.
+The points are the policy's own answers on the model the pass's choice comes from when the job runs, so a budget
+from the table gives that row's plan: on a deep model, the per-class model extended from its 3- and 4-block steps
+(`passes/budget_depth.py`; two short traces, whatever the depth), else the whole step. Each point is one solve of
+at most `SOLVE_S` seconds, a point stopped there shown with its gap.
 """
 
 from __future__ import annotations
@@ -23,13 +23,19 @@ from pathlib import Path
 from graph_trainer import stages
 from graph_trainer.builder import build_job
 from graph_trainer.distributed.mesh import Mesh
+from graph_trainer.job_config.batching import accumulation_steps
+from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.schema import JobConfig
-from graph_trainer.observability.log import quiet
+from graph_trainer.observability.log import get_logger, quiet
 from graph_trainer.observability.memory_timeline import PLOTS_HINT
 from graph_trainer.observability.units import to_gib
 from graph_trainer.passes import CLEAN_UP
-from graph_trainer.passes.budget import FrontierPoint, budget_frontier
+from graph_trainer.passes.budget import FrontierPoint, budget_frontier, model_frontier
+from graph_trainer.passes.budget_depth import NotExtendable
+from graph_trainer.plan.block_plan import deep_budget_model, short_depths
 from graph_trainer.plan.step_plan import meta_batch
+
+logger = get_logger(__name__)
 
 POINTS = 10  # budgets on the frontier, from the lowest peak to no AC
 # Seconds each of its solves may take (the pass's own limit is 60 s): the frontier is a picture, so a point near
@@ -52,11 +58,27 @@ def frontier_row(point: FrontierPoint) -> str:
     )
 
 
+def depth_free(cfg: JobConfig) -> bool:
+    """Whether `cfg`'s frontier is solved on the per-class model from short traces (a deep model, one graph a step)."""
+    return resolve_model_args(cfg).n_layers > short_depths(cfg)[-1] and accumulation_steps(cfg) == 1
+
+
 def plan_frontier(
     cfg: JobConfig, mesh: Mesh, *, points: int = POINTS, on_point: Callable[[FrontierPoint], None] | None = None
 ) -> list[FrontierPoint]:
     """The frontier of `cfg`'s step on `mesh`: `points` budgets from the lowest peak to no AC, each answered as the
-    budget pass would answer it (module docstring)."""
+    budget pass would answer it (module docstring). Short models that do not extend in depth are said in one line
+    and the whole step is solved instead."""
+    if depth_free(cfg):
+        try:
+            with quiet():
+                deep = deep_budget_model(cfg, mesh)
+            return model_frontier(
+                deep.model, deep.input_bytes, deep.model.peak([]), points=points, on_point=on_point,
+                time_limit_s=SOLVE_S, count=deep.count,
+            )  # fmt: skip
+        except NotExtendable as e:
+            logger.warning(f"budget frontier: solved on every block instead (the short steps do not extend: {e})")
     job = build_job(cfg, mesh, materialize=False)
     with quiet():  # the trace and clean-up log nothing the frontier's rows do not say
         traced = stages.trace(job, meta_batch(cfg))
@@ -106,4 +128,13 @@ def write_frontier(folder: Path, found: list[FrontierPoint], *, title: str) -> l
     return [*lines, f"frontier picture drawn to {folder / PICTURE_NAME}"]
 
 
-__all__ = ["HEADER", "JSON_NAME", "PICTURE_NAME", "POINTS", "frontier_row", "plan_frontier", "write_frontier"]
+__all__ = [
+    "HEADER",
+    "JSON_NAME",
+    "PICTURE_NAME",
+    "POINTS",
+    "depth_free",
+    "frontier_row",
+    "plan_frontier",
+    "write_frontier",
+]

@@ -18,7 +18,15 @@ from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import to_gib
 from graph_trainer.plan.attention_memory import attention_memory
 from graph_trainer.plan.block_plan import plan_modes, short_depths
-from graph_trainer.plan.budget_frontier import HEADER, POINTS, SOLVE_S, frontier_row, plan_frontier, write_frontier
+from graph_trainer.plan.budget_frontier import (
+    HEADER,
+    POINTS,
+    SOLVE_S,
+    depth_free,
+    frontier_row,
+    plan_frontier,
+    write_frontier,
+)
 from graph_trainer.plan.preflight import available_bytes
 from graph_trainer.plan.step_plan import AC_MODES, StepPlan
 from graph_trainer.runtime.device import compute_dtype, resolve_device
@@ -88,9 +96,16 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
 def _print_frontier(cfg: JobConfig, mesh, print_fn: Callable[[str], None]) -> None:
     """The budget policy's frontier (`plan.budget_frontier`): a row per budget as it is solved, then the files."""
     depth = resolve_model_args(cfg).n_layers
+    short = " + ".join(map(str, short_depths(cfg)))
+    solve = f"one solve of at most {SOLVE_S:g} s a point"
+    solved_on = (
+        f"one choice per block class, solved on the {short}-block traces extended to {depth} blocks ({solve})"
+        if depth_free(cfg)
+        else f"solved on all {depth} blocks (one trace, {solve})"
+    )
     print_fn(
         f"budget frontier: the budget policy's plan at {POINTS} budgets from the lowest peak found to no AC, "
-        f"solved on all {depth} blocks (one trace, one solve of at most {SOLVE_S:g} s a point); fraction is the "
+        f"{solved_on}; fraction is the "
         "--activation_checkpoint.memory_budget that asks for the row; proof: optimal (HiGHS proved it), gap=x% "
         "(stopped at its limit), unproven (the solver found nothing cheaper than a smaller budget's choice)"
     )

@@ -61,6 +61,8 @@ class StepPlan:
     peak_location: tuple[int | None, str, str] = (None, "", "")
     blocks_traced: int = 0  # transformer blocks the plan traced (a full trace: all of them)
     approximate: bool = False  # True where a depth-free plan cannot promise the full trace's numbers (budget)
+    # The budget's choice solved on the short traces (`passes.budget_depth.BlockChoice`), for the step to apply.
+    budget_choice: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def peak_at(self) -> str:

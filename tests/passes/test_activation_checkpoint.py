@@ -202,3 +202,23 @@ def test_recompute_override_of_a_random_op_is_refused(tmp_path):
                 "aten.bernoulli_",
             )
         )
+
+
+@pytest.mark.integration  # a deep model: the preflight's short traces, then the whole step, then eager
+def test_a_deep_model_runs_the_budget_choice_its_plan_solved(tmp_path, caplog):
+    """At 6 blocks the preflight solves the budget per block class on the 3- and 4-block traces, and the step
+    applies that choice (passes/budget_depth.py): its estimate is the plan's, equal to the measured peak, and its
+    numerics are eager's, bit for bit."""
+    import logging
+
+    deep = ["--model.n_layers", "6", *MODES["budget"]]
+    with caplog.at_level(logging.INFO, logger="graph_trainer"):
+        estimated, measured, _ = _measure(_trainer(tmp_path, "deep", *deep))
+    applied = re.search(
+        r"recompute (\d+)/(\d+) candidates, one choice per block class solved on the 3 \+ 4", caplog.text
+    )
+    assert applied and int(applied.group(1)) > 0 and int(applied.group(2)) % 6 == 0, caplog.text
+    assert "modelling gap" not in caplog.text and "does not apply" not in caplog.text
+    assert estimated == measured
+    eager = _run(tmp_path, "eager", "--model.n_layers", "6", "--compile.mode", "eager")
+    assert _run(tmp_path, "traced", *deep) == eager

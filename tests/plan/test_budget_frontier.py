@@ -12,18 +12,19 @@ from graph_trainer.job_config.cli import load_config
 from graph_trainer.plan.budget_frontier import HEADER, JSON_NAME, PICTURE_NAME
 from graph_trainer.plan.dry_run import dry_run
 
-# 6 blocks of the debug model's widths, a short sequence: the frontier is solved on every block of the real depth.
+# 6 blocks of the debug model's widths, a short sequence: the frontier is solved per block class, on the per-class
+# model extended from the 3- and 4-block steps to the real depth (passes/budget_depth.py).
 SIX_BUDGET = ["--config", "llama3_debug", "--model.n_layers", "6", "--training.seq_len", "64",
               "--training.local_batch_size", "4", "--activation_checkpoint.mode", "budget"]  # fmt: skip
 
 
 @pytest.mark.integration
-def test_the_dry_run_prints_and_writes_the_frontier_of_every_block(tmp_path):
+def test_the_dry_run_prints_and_writes_the_frontier_of_a_deep_model(tmp_path):
     cfg, _ = load_config([*SIX_BUDGET, "--job.dump_folder", str(tmp_path)])
     lines: list[str] = []
     dry_run(cfg, print_fn=lines.append)
     text = "\n".join(lines)
-    assert "solved on all 6 blocks" in text
+    assert "solved on the 3 + 4-block traces extended to 6 blocks" in text
     rows = lines[lines.index(HEADER) + 1 : lines.index(HEADER) + 11]
     assert len(rows) == 10 and all(len(r.split()) == 7 for r in rows), text
     saved = json.loads((tmp_path / JSON_NAME).read_text())
@@ -32,5 +33,8 @@ def test_the_dry_run_prints_and_writes_the_frontier_of_every_block(tmp_path):
     assert points[-1]["recompute_flops"] == 0 and points[0]["recompute_flops"] > 0
     assert all(p["peak_bytes"] <= p["budget_bytes"] for p in points)
     assert all(a["recompute_flops"] >= b["recompute_flops"] for a, b in itertools.pairwise(points))
+    # Counted at the real depth: 6 blocks' candidates, not the 4-block model's.
+    per_block = points[0]["candidates"] / 6
+    assert per_block == int(per_block) and per_block > 0
     assert (tmp_path / PICTURE_NAME).stat().st_size > 10_000  # a drawn picture, not an empty file
     assert f"frontier picture drawn to {tmp_path / PICTURE_NAME}" in text

@@ -1,0 +1,107 @@
+"""The budget's model of a deep step extended from its short steps (`passes/budget_depth.py`).
+
+Claims tested:
+- under any per-class choice, the extended model's peak and recompute FLOPs are those of the model built on the
+  whole deep graph, to the byte (random choices, 6 and 8 blocks, from the 3- and 4-block steps);
+- short models that are not one middle block apart are refused (`NotExtendable`), not extended wrongly;
+- a choice applied to a graph it was not solved for (another batch) is said in one line and the graph solved whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from graph_trainer.passes.activation_checkpoint import analyze
+from graph_trainer.passes.budget import backward_storages, choices
+from graph_trainer.passes.budget_depth import NotExtendable, candidate_keys, extend_in_depth
+from graph_trainer.passes.remat_model import build_model
+from graph_trainer.plan.block_plan import _keys
+from graph_trainer.plan.step_plan import node_blocks
+from graph_trainer.tracer.memory_estimate import estimate_peak_memory
+from tests.passes.test_remat_model import _clean_step
+
+SHAPE = ["--training.seq_len", "64"]
+
+
+def _model(layers: int, *extra: str):
+    gm, categories = _clean_step(layers, *SHAPE, *extra)
+    candidates, free = choices(analyze(gm), set(), backward_storages(gm))
+    return gm, build_model(gm, candidates, free, set(), categories)
+
+
+def _extended(depth: int, three=None):
+    gm3, m3 = three or _model(3)
+    gm4, m4 = _model(4)
+    keys3, keys4 = _keys(gm3, 3, "layers", 0), _keys(gm4, 4, "layers", 0)
+    nodes3, nodes4 = list(gm3.graph.nodes), list(gm4.graph.nodes)
+    return extend_in_depth(
+        m4,
+        m3,
+        counterpart={nodes4[i]: nodes3[keys3[k]] for k, i in keys4.items() if k in keys3},
+        block_of={n: b for _, n, b in node_blocks(gm4, "layers")},
+        lead=0,
+        depth=depth,
+    )
+
+
+@pytest.mark.parametrize("depth", [6, 8])
+def test_the_extended_model_is_the_deep_graphs_model_under_any_per_class_choice(depth):
+    extended = _extended(depth)
+    gm, whole = _model(depth)
+    # Nothing recomputed is the graph as traced: the no-AC peak a fraction budget refers to.
+    assert extended.peak([]) == estimate_peak_memory(gm, input_categories=_clean_step(depth, *SHAPE)[1]).peak_bytes
+    deep_keys = candidate_keys(whole.candidates, depth, 0)
+    short_keys = candidate_keys(extended.candidates, 4, 0)
+    assert set(deep_keys.values()) == set(short_keys.values())
+    assert {k[0] for k in deep_keys.values()} == {"first", "mid", "last"}
+    rng = random.Random(depth)
+    every = sorted(set(deep_keys.values()))
+    for share in (0.0, 1.0, 0.2, 0.4, 0.6, 0.8):
+        chosen = {k for k in every if rng.random() < share}
+        here = [c for c, k in short_keys.items() if k in chosen]
+        there = [c for c, k in deep_keys.items() if k in chosen]
+        assert (extended.peak(here), extended.recompute_flops(here)) == (
+            whole.peak(there),
+            whole.recompute_flops(there),
+        ), f"{len(chosen)} of {len(every)} keys recomputed"
+
+
+def test_short_models_that_are_not_one_block_apart_are_refused():
+    """A 3-block step at another batch is not the 4-block step less one block: its difference is refused."""
+    with pytest.raises(NotExtendable, match="one more middle block"):
+        _extended(8, three=_model(3, "--training.local_batch_size", "3"))
+
+
+def test_a_choice_for_another_graph_is_said_and_the_graph_solved_whole(caplog):
+    from graph_trainer.job_config.schema import ActivationCheckpointConfig
+    from graph_trainer.passes import budget
+
+    ac = ActivationCheckpointConfig(mode="budget", memory_budget=0.6)
+    short = [_clean_step(k, *SHAPE) for k in (3, 4)]
+    keys3, keys4 = (_keys(gm, k, "layers", 0) for (gm, _), k in zip(short, (3, 4), strict=True))
+    nodes3, nodes4 = (list(gm.graph.nodes) for gm, _ in short)
+    deep = budget.deep_model(
+        (short[0][0], short[1][0]),
+        (short[0][1], short[1][1]),
+        ac,
+        counterpart={nodes4[i]: nodes3[keys3[k]] for k, i in keys4.items() if k in keys3},
+        block_of={n: b for _, n, b in node_blocks(short[1][0], "layers")},
+        lead=0,
+        depth=6,
+    )
+    choice = budget.solve_in_depth(deep, ac)
+    assert choice.optimal and choice.peak_bytes <= choice.target_bytes and choice.recompute
+    gm, categories = _clean_step(6, *SHAPE)
+    with caplog.at_level(logging.INFO, logger="graph_trainer"):
+        budget.tag_memory_budget(gm, ac, input_categories=categories, block_choice=choice)
+    assert "one choice per block class" in caplog.text and "modelling gap" not in caplog.text
+    caplog.clear()
+    gm, categories = _clean_step(6, *SHAPE, "--training.local_batch_size", "3")
+    with caplog.at_level(logging.INFO, logger="graph_trainer"):
+        budget.tag_memory_budget(gm, ac, input_categories=categories, block_choice=choice)
+    said = [r.getMessage() for r in caplog.records if "does not apply" in r.getMessage()]
+    assert len(said) == 1 and "solving it whole" in said[0] and "planned as" in said[0]
+    assert "target peak" in caplog.text  # solved whole
