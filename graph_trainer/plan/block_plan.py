@@ -303,12 +303,11 @@ def _extended(
 ) -> dict[int, dict[str, StepPlan | UserError]]:
     """Each target batch's plans for `modes`, extended from the short steps of `grid`."""
     # The budget is exact at one traced batch (its choice is solved there, `_budget_choice`); extended to other
-    # batches it is read off the none and full plans, approximate.
-    budget_exact = "budget" in modes and len(grid.batches) == 1
-    exact = [m for m in modes if m not in APPROXIMATE_MODES or budget_exact]
-    if any(m in APPROXIMATE_MODES for m in modes) and not budget_exact:
-        exact += [m for m in ("none", "full") if m not in exact]
-    choices = {mode: attention_choices(with_ac_mode(cfg, mode).activation_checkpoint) or ("",) for mode in exact}
+    # batches, or where its choice cannot be solved, it is read off the none and full plans, approximate. Their
+    # variants are there either way: a variant runs its passes only when a plan needs it.
+    exact = [m for m in modes if m not in APPROXIMATE_MODES]
+    variants = exact + [m for m in ("none", "full", "budget") if m not in exact and "budget" in modes]
+    choices = {mode: attention_choices(with_ac_mode(cfg, mode).activation_checkpoint) or ("",) for mode in variants}
     shorts: dict[_Point, dict[tuple[str, str], _Variant | UserError]] = {}
     compared: dict[_Point, dict[str, dict[str, _Short] | UserError]] = {}
     start = time.perf_counter()
@@ -318,15 +317,15 @@ def _extended(
 
     parts: dict[int, dict[str, _Parts | UserError]] = {b: {} for b in targets}
     budget_choice = None
-    if budget_exact:
+    if "budget" in modes and len(grid.batches) == 1:
         budget_choice = _budget_choice(cfg, grid, {p: shorts[p][("budget", "")] for p in grid.points}, depth)
         if isinstance(budget_choice, UserError):
             for b in targets:
                 parts[b]["budget"] = budget_choice
-            exact.remove("budget")
-        elif budget_choice is None:  # not extendable, said: approximate, from the none and full plans
-            exact += [m for m in ("none", "full") if m not in exact]
-            exact.remove("budget")
+        elif budget_choice is not None:
+            exact.append("budget")
+    if "budget" in modes and budget_choice is None:  # approximate: read off the none and full plans
+        exact += [m for m in ("none", "full") if m not in exact]
     for mode in exact:
         failed = next((c[mode] for c in compared.values() if isinstance(c.get(mode), UserError)), None)
         failed = failed or next(

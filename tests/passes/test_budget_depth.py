@@ -47,7 +47,7 @@ def _extended(depth: int, three=None):
     )
 
 
-@pytest.mark.parametrize("depth", [6, 8])
+@pytest.mark.parametrize("depth", [6, pytest.param(8, marks=pytest.mark.integration)])
 def test_the_extended_model_is_the_deep_graphs_model_under_any_per_class_choice(depth):
     extended = _extended(depth)
     gm, whole = _model(depth)
@@ -105,3 +105,19 @@ def test_a_choice_for_another_graph_is_said_and_the_graph_solved_whole(caplog):
     said = [r.getMessage() for r in caplog.records if "does not apply" in r.getMessage()]
     assert len(said) == 1 and "solving it whole" in said[0] and "planned as" in said[0]
     assert "target peak" in caplog.text  # solved whole
+
+
+def test_the_lowest_peak_at_a_flop_limit_is_the_lowest_within_its_resolution():
+    """`lowest_peak_in_depth` (benchmarks/budget_at_selective.py): within its FLOPs, and no choice that fits a
+    budget one resolution below its peak recomputes at most as many FLOPs (a coarse resolution: three solves)."""
+    from graph_trainer.passes.budget import DeepModel, lowest_peak_in_depth
+    from graph_trainer.passes.remat_model import solve
+
+    model = _extended(6)
+    deep = DeepModel(model, candidate_keys(model.candidates, 4, 0), 0, 6, 0)
+    limit = 0.5 * model.recompute_flops(model.candidates)
+    resolution = model.peak([]) // 8
+    choice = lowest_peak_in_depth(deep, limit, resolution=resolution)
+    assert 0 < choice.recompute_flops <= limit, choice
+    below = solve(model, choice.peak_bytes - resolution)
+    assert below.recompute is None or below.recompute_flops > limit

@@ -194,3 +194,26 @@ def test_depth_free_plan_equals_the_full_trace_moe_with_two_dense_blocks(monkeyp
     flavor = SPEC.flavors["debugmodel"]
     monkeypatch.setitem(SPEC.flavors, "debugmodel", dataclasses.replace(flavor, n_dense_layers=2))
     _check(MOE, 8, traced=4 + 5, budget=False)
+
+
+def test_a_budget_whose_short_models_do_not_extend_is_approximate_and_said(monkeypatch, caplog):
+    """Where the short steps' models do not extend in depth (`NotExtendable`), the budget row falls back to the
+    approximation from none and full, marked approximate and said in one line; the other modes stay exact."""
+    import logging
+
+    from graph_trainer.passes.budget_depth import NotExtendable
+    from graph_trainer.plan import block_plan
+
+    def refuse(*args, **kwargs):
+        raise NotExtendable("at some place, one more middle block adds [1, 2] bytes")
+
+    monkeypatch.setattr(block_plan, "deep_model", refuse)
+    cfg, _ = load_config([*BUDGET, "--model.n_layers", "6"])
+    from graph_trainer.distributed.mesh import Mesh
+
+    with caplog.at_level(logging.WARNING, logger="graph_trainer"):
+        plans = plan_modes(cfg, Mesh(ParallelDims(), 0, torch.device("cpu")), ["selective", "budget"])
+    assert plans["budget"].approximate and plans["budget"].budget_choice is None
+    assert not plans["selective"].approximate and plans["selective"].blocks_traced == sum(SHORT)
+    said = [r.getMessage() for r in caplog.records if "the budget plan is approximate" in r.getMessage()]
+    assert len(said) == 1 and "one more middle block adds" in said[0]
