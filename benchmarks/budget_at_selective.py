@@ -1,6 +1,7 @@
 """What the budget policy makes of selective AC's recompute: the lowest peak at selective's FLOPs, against eager.
 
-    python -m benchmarks.budget_at_selective [--configs 8b_rank8 ds_16b_ep8] [--save NAME]
+    python -m benchmarks.budget_at_selective [--configs 8b_rank8 ds_16b_ep8] [--solve-s S] [--resolution-mib R]
+        [--save NAME]
 
 For each config, rank 0's step on this machine's CPU with fake tensors, the AdamW update left out of every side
 (as in benchmarks/activation_memory.py, whose configs and categories it uses):
@@ -42,14 +43,16 @@ SETTINGS = {
     "ds_16b_ep8": CONFIGS["ds_16b_ep8"],
 }
 LABELS = {"8b_rank8": "8B, rank 0 of dp_shard 8, 2 x 8192", "ds_16b_ep8": "16B, rank 0 of dp_shard 8, ep 8"}
-SOLVE_S = 120.0  # the lowest-peak solve's time limit; a stopped one is said (`proof`)
+# Each bisection solve's time limit, and the bisection's resolution: DeepSeek-V3 16B at 120 s and 1 MiB took 24
+# minutes here (most solves stopped at the limit); 30 s and 64 MiB give its row in a few.
+SOLVE_S, RESOLUTION_MIB = 30.0, 64
 
 
 def _activations(estimate) -> int:
     return estimate.peak_bytes - sum(n for c, n in estimate.peak_bytes_by_category.items() if c in NOT_ACTIVATIONS)
 
 
-def measure(name: str) -> dict:
+def measure(name: str, solve_s: float = SOLVE_S, resolution_mib: int = RESOLUTION_MIB) -> dict:
     """One config's row: graph selective, budget at selective's FLOPs, eager selective (bytes, FLOPs, seconds)."""
     cpu = torch.device("cpu")
     start = time.perf_counter()
@@ -64,7 +67,7 @@ def measure(name: str) -> dict:
         recompute = flops["selective"] - flops["none"]
         selective = plan_step(build_job(selective_cfg, mesh, materialize=False)).step_graph.memory_estimate
         deep = deep_budget_model(budget_cfg, mesh)
-        choice = lowest_peak_in_depth(deep, recompute, time_limit_s=SOLVE_S)
+        choice = lowest_peak_in_depth(deep, recompute, time_limit_s=solve_s, resolution=resolution_mib * 2**20)
         job = build_job(budget_cfg, mesh, materialize=False).with_budget_choice(choice)
         budget = plan_step(job).step_graph.memory_estimate
     eager = eager_step_peak(selective_cfg, cpu)
@@ -88,11 +91,13 @@ def measure(name: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--solve-s", type=float, default=SOLVE_S, help="each bisection solve's time limit")
+    parser.add_argument("--resolution-mib", type=int, default=RESOLUTION_MIB, help="the bisection's resolution")
     parser.add_argument("--save", metavar="NAME", help="write the table to benchmarks/results/NAME.json")
     args = parser.parse_args()
     rows, data = [], []
     for name in args.configs:
-        r = measure(name)
+        r = measure(name, args.solve_s, args.resolution_mib)
         assert r["budget_peak"] == r["budget_peak_model"], "the model's peak is the whole graph's estimate"
         assert r["budget_recompute_flops"] <= r["selective_recompute_flops"]
         ratio = r["budget_peak"] / r["eager_selective_peak"]
