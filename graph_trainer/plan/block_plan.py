@@ -397,12 +397,19 @@ def _short_budget_args(cfg: JobConfig, job: Job, three: TracedStep, four: Traced
     gm3, gm4 = three.gm, four.gm
     keys3, keys4 = _keys(gm3, lead + 3, layers, lead), _keys(gm4, lead + 4, layers, lead)
     nodes3, nodes4 = list(gm3.graph.nodes), list(gm4.graph.nodes)
+    counterpart = {nodes4[i]: nodes3[keys3[k]] for k, i in keys4.items() if k in keys3}
+    # The loss's middle chunks have no key (`_keys`); outside the blocks the two steps run the same ops in the
+    # same order, so the n-th op there is the n-th op there.
+    outside3, outside4 = ([n for _, n, b in node_blocks(gm, layers) if b is None] for gm in (gm3, gm4))
+    if len(outside3) == len(outside4):
+        for a, b in zip(outside4, outside3, strict=True):
+            counterpart.setdefault(a, b)
     return (
         (gm3, gm4),
         (three.layout.categories, four.layout.categories),
         with_ac_mode(cfg, "budget").activation_checkpoint,
     ), {
-        "counterpart": {nodes4[i]: nodes3[keys3[k]] for k, i in keys4.items() if k in keys3},
+        "counterpart": counterpart,
         "block_of": {n: b for _, n, b in node_blocks(gm4, layers)},
         "lead": lead,
     }

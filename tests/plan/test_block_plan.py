@@ -217,3 +217,15 @@ def test_a_budget_whose_short_models_do_not_extend_is_approximate_and_said(monke
     assert not plans["selective"].approximate and plans["selective"].blocks_traced == sum(SHORT)
     said = [r.getMessage() for r in caplog.records if "the budget plan is approximate" in r.getMessage()]
     assert len(said) == 1 and "one more middle block adds" in said[0]
+
+
+def test_depth_free_budget_plan_equals_the_full_trace_with_a_loss_of_eight_chunks():
+    """The chunked loss's middle chunks have no block-plan key; outside the blocks the short steps' ops are paired in
+    order instead (`block_plan._short_budget_args`), so the budget's model still extends (it was refused: approximate).
+    """
+    from graph_trainer.distributed.mesh import Mesh
+
+    args = [*BUDGET, "--training.loss_chunk_size", "128"]  # 4 x 256 tokens: 8 chunks
+    cfg, _ = load_config([*args, "--model.n_layers", "6"])
+    fast = plan_modes(cfg, Mesh(ParallelDims(), 0, torch.device("cpu")), ["budget"])
+    _check_budget(args, 6, sum(SHORT), fast, None)
