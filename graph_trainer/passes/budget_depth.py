@@ -3,9 +3,9 @@
 A model of L identical blocks is planned from traces of 3 and 4 blocks (`plan/block_plan.py`); its `budget` plan
 is exact when the choice the step runs is the one the plan solved. So on a deep model the policy chooses per
 block *class*, as the plan keys blocks: each leading block, the first, the middle ones (one choice for all of
-them) and the last. Measured on the debug widths at 6 blocks, 10 budgets from the lowest peak to none: the
-optimum restricted this way recomputes exactly the FLOPs of the unrestricted optimum at every budget (the
-middle blocks' best choices coincide; docs/passes_and_memory.md). A model of 4 blocks or fewer is solved whole,
+them) and the last. Measured at 6 blocks of the tests' tiny widths (10 budgets from the lowest peak to none) and
+at 8 debug blocks (the default budget): the optimum restricted this way recomputes exactly the FLOPs of the
+per-op optimum (docs/passes_and_memory.md). A model of 4 blocks or fewer is solved whole,
 per op, as before.
 
 The deep model's MILP is the 4-block one (`remat_model.build_model`) with its two middle blocks' choices tied,

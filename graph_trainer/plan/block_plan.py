@@ -212,7 +212,7 @@ def plan_batches(
             continue
         try:
             with lazy_codegen():
-                out.update(_extended(cfg, mesh, modes, depth, grid, targets, log_passes))
+                out.update(_extended(cfg, mesh, modes, depth, grid, targets, log_passes, on_fallback))
         except NotUniform as e:
             fall_back(cfg, f"the short traces do not prove the blocks identical: {e}", on_fallback)
             whole += targets
@@ -299,9 +299,17 @@ class _Short:
 
 
 def _extended(
-    cfg: JobConfig, mesh: Mesh, modes: list[str], depth: int, grid: _Grid, targets: list[int], log_passes: bool
+    cfg: JobConfig,
+    mesh: Mesh,
+    modes: list[str],
+    depth: int,
+    grid: _Grid,
+    targets: list[int],
+    log_passes: bool,
+    on_fallback: Callable[[str], None] | None = None,
 ) -> dict[int, dict[str, StepPlan | UserError]]:
-    """Each target batch's plans for `modes`, extended from the short steps of `grid`."""
+    """Each target batch's plans for `modes`, extended from the short steps of `grid`; a budget choice that cannot
+    be solved on them is said through `on_fallback` (default: a warning), as a whole-trace fallback is."""
     # The budget is exact at one traced batch (its choice is solved there, `_budget_choice`); extended to other
     # batches, or where its choice cannot be solved, it is read off the none and full plans, approximate. Their
     # variants are there either way: a variant runs its passes only when a plan needs it.
@@ -318,7 +326,8 @@ def _extended(
     parts: dict[int, dict[str, _Parts | UserError]] = {b: {} for b in targets}
     budget_choice = None
     if "budget" in modes and len(grid.batches) == 1:
-        budget_choice = _budget_choice(cfg, grid, {p: shorts[p][("budget", "")] for p in grid.points}, depth)
+        variants = {p: shorts[p][("budget", "")] for p in grid.points}
+        budget_choice = _budget_choice(cfg, grid, variants, depth, on_fallback or logger.warning)
         if isinstance(budget_choice, UserError):
             for b in targets:
                 parts[b]["budget"] = budget_choice
@@ -367,7 +376,7 @@ def _extended(
 
 
 def _budget_choice(
-    cfg: JobConfig, grid: _Grid, variants: dict[_Point, _Variant | UserError], depth: int
+    cfg: JobConfig, grid: _Grid, variants: dict[_Point, _Variant | UserError], depth: int, say: Callable[[str], None]
 ) -> BlockChoice | UserError | None:
     """The budget's choice at `depth`, solved on the short steps' models and set on their variants so that their
     passes apply it (as the deep step's will: `StepPlan.budget_choice`); the refusal of an infeasible budget; or
@@ -381,7 +390,7 @@ def _budget_choice(
             deep = deep_model(*args, **kwargs, depth=depth, fsdp_policy=fsdp_policy_of(with_ac_mode(cfg, "budget")))
             choice = solve_in_depth(deep, args[2])
     except NotExtendable as e:
-        logger.warning(f"the budget plan is approximate: its choice cannot be solved on the short traces ({e})")
+        say(f"the budget plan is approximate: its choice cannot be solved on the short traces ({e})")
         return None
     except UserError as e:
         return e
