@@ -199,10 +199,8 @@ def tag_memory_budget(
             feasible budget in the user's unit).
     """
     structure = analyze(gm)
-    if block_choice is not None:
-        applied = _apply_block_choice(gm, structure, ac, input_categories, fsdp_policy, block_choice)
-        if applied is None:
-            return gm
+    if block_choice is not None and _apply_block_choice(gm, structure, ac, input_categories, fsdp_policy, block_choice):
+        return gm
     built = None if fsdp_policy is None else _remat_model(gm, structure, ac, input_categories, fsdp_policy)
     input_bytes, no_ac_peak = _no_ac_peak(gm, built and built[0], input_categories)
     target = parse_memory_budget(ac.memory_budget).target(input_bytes=input_bytes, no_ac_peak=no_ac_peak)
@@ -274,8 +272,8 @@ def _apply_block_choice(
     input_categories: list[str] | None,
     fsdp_policy: str | None,
     block_choice: BlockChoice,
-) -> bool | None:
-    """Tag `gm` with `block_choice` (None: done), or say why it does not apply and return False (solve whole)."""
+) -> bool:
+    """Tag `gm` with `block_choice` (True), or say why it does not apply (False: solve it whole)."""
     candidates, always, pinned = _candidates(gm, structure, ac)
     depth = 1 + max((node_meta.layer_id(n) for n in structure.layer_nodes), default=-1)
     chosen = block_choice.decisions(candidate_keys(candidates, depth, block_choice.lead))
@@ -287,7 +285,7 @@ def _apply_block_choice(
         return False
     _write_choice(gm, structure, always, pinned, chosen)
     if depth != block_choice.depth:  # a short step of the plan, tagged as the deep one will be
-        return None
+        return True
     _check_estimate(gm, input_categories, fsdp_policy, block_choice.peak_bytes)
     c = block_choice
     say = logger.info if c.optimal else logger.warning
@@ -297,7 +295,7 @@ def _apply_block_choice(
         f"traces, {c.recompute_flops / 1e9:.3f} GFLOP of recompute, peak {c.peak_bytes / GIB:.4f} GiB "
         f"({_proof(c.optimal, c.status, c.gap)}, {c.solve_s:.1f} s)"
     )
-    return None
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
