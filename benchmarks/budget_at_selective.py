@@ -9,11 +9,15 @@ For each config, rank 0's step on this machine's CPU with fake tensors, the Adam
   no-AC step's (torch's FLOP counter, which the budget's objective uses too);
 - budget at F: the per-class save-or-recompute choice with the lowest peak among those recomputing at most F,
   solved on the 3- and 4-block models extended to the model's depth (`passes/budget_depth.py`), then applied to
-  the whole traced step and estimated: the graph the trainer would run with that choice;
+  the whole traced step and estimated: the graph the trainer would run with that choice. Selective's own choice
+  is one of the budget's (its candidates tagged as selective tags them), handed to the solve as the known
+  bisection's start; the peak the bisection proved out of reach (no per-class choice within F peaks at or below it:
+  a solve proven to need more FLOPs there) is printed beside it as the floor;
 - eager selective: torch.utils.checkpoint with the selective policy (`plan.eager_baseline.eager_step_peak`, equal
   to a real eager step's CPU peak to the byte).
 Prints the peaks and activations and their ratios to eager selective (the issue's goal: 0.80 or lower at equal
-recompute FLOPs). `--save NAME` writes the table to benchmarks/results/NAME.json for the docs.
+recompute FLOPs), and the floor's ratio: a goal below it is out of any per-class choice's reach. `--save NAME`
+writes the table to benchmarks/results/NAME.json for the docs.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from graph_trainer.builder import build_job
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.observability.units import to_gib
+from graph_trainer.passes.activation_checkpoint import RECOMPUTE, analyze, finalize, policy_selective_op
 from graph_trainer.passes.budget import lowest_peak_in_depth
 from graph_trainer.plan.block_plan import deep_budget_model, plan_modes
 from graph_trainer.plan.eager_baseline import eager_step_peak
@@ -52,6 +57,14 @@ def _activations(estimate) -> int:
     return estimate.peak_bytes - sum(n for c, n in estimate.peak_bytes_by_category.items() if c in NOT_ACTIVATIONS)
 
 
+def _selective_choice(deep) -> list[torch.fx.Node]:
+    """Selective AC's choice among the deep model's candidates (its short trace tagged as selective tags it)."""
+    gm = deep.model.candidates[0].graph.owning_module
+    structure = analyze(gm)
+    tags = finalize(structure, policy_selective_op(structure))
+    return [c for c in deep.model.candidates if tags.get(c) == RECOMPUTE]
+
+
 def measure(name: str, solve_s: float = SOLVE_S, resolution_mib: int = RESOLUTION_MIB) -> dict:
     """One config's row: graph selective, budget at selective's FLOPs, eager selective (bytes, FLOPs, seconds)."""
     cpu = torch.device("cpu")
@@ -67,7 +80,11 @@ def measure(name: str, solve_s: float = SOLVE_S, resolution_mib: int = RESOLUTIO
         recompute = flops["selective"] - flops["none"]
         selective = plan_step(build_job(selective_cfg, mesh, materialize=False)).step_graph.memory_estimate
         deep = deep_budget_model(budget_cfg, mesh)
-        choice = lowest_peak_in_depth(deep, recompute, time_limit_s=solve_s, resolution=resolution_mib * 2**20)
+        known = _selective_choice(deep)
+        selective_model_peak = deep.model.peak(known)
+        choice, floor = lowest_peak_in_depth(
+            deep, recompute, time_limit_s=solve_s, resolution=resolution_mib * 2**20, known=known
+        )
         job = build_job(budget_cfg, mesh, materialize=False).with_budget_choice(choice)
         budget = plan_step(job).step_graph.memory_estimate
     eager = eager_step_peak(selective_cfg, cpu)
@@ -76,6 +93,9 @@ def measure(name: str, solve_s: float = SOLVE_S, resolution_mib: int = RESOLUTIO
         "selective_recompute_flops": recompute,
         "budget_recompute_flops": choice.recompute_flops,
         "budget_peak_model": choice.peak_bytes,
+        "selective_peak_model": selective_model_peak,
+        "selective_flops_model": deep.model.recompute_flops(known),
+        "floor_peak_model": floor,
         "proof": choice.status,
         "solve_s": choice.solve_s,
         "graph_selective_peak": selective.peak_bytes,
@@ -99,7 +119,10 @@ def main() -> None:
     for name in args.configs:
         r = measure(name, args.solve_s, args.resolution_mib)
         assert r["budget_peak"] == r["budget_peak_model"], "the model's peak is the whole graph's estimate"
+        assert r["selective_peak_model"] == r["graph_selective_peak"], "selective's choice is one of the budget's"
+        assert r["selective_flops_model"] == r["selective_recompute_flops"]
         assert r["budget_recompute_flops"] <= r["selective_recompute_flops"]
+        floor_ratio = r["floor_peak_model"] / r["eager_selective_peak"]
         ratio = r["budget_peak"] / r["eager_selective_peak"]
         act_ratio = r["budget_act"] / r["eager_selective_act"]
         selective_ratio = r["graph_selective_peak"] / r["eager_selective_peak"]
@@ -107,7 +130,8 @@ def main() -> None:
             f"{name}: recompute GFLOP selective {r['selective_recompute_flops'] / 1e9:.1f}, budget "
             f"{r['budget_recompute_flops'] / 1e9:.1f} ({r['proof']}, {r['solve_s']:.0f} s); peak GiB eager selective "
             f"{to_gib(r['eager_selective_peak']):.2f}, graph selective {to_gib(r['graph_selective_peak']):.2f} "
-            f"({selective_ratio:.3f}), budget {to_gib(r['budget_peak']):.2f} ({ratio:.3f}); activations GiB eager "
+            f"({selective_ratio:.3f}), budget {to_gib(r['budget_peak']):.2f} ({ratio:.3f}), proven floor "
+            f"{to_gib(r['floor_peak_model']):.2f} ({floor_ratio:.3f}); activations GiB eager "
             f"{to_gib(r['eager_selective_act']):.2f}, budget {to_gib(r['budget_act']):.2f} ({act_ratio:.3f}); "
             f"{r['seconds']:.0f} s",
             flush=True,
@@ -116,12 +140,13 @@ def main() -> None:
             LABELS[name], f"{r['selective_recompute_flops'] / 1e9:.1f}", f"{r['budget_recompute_flops'] / 1e9:.1f}",
             f"{to_gib(r['eager_selective_peak']):.2f} GiB", f"{to_gib(r['graph_selective_peak']):.2f} GiB",
             f"{selective_ratio:.3f}", f"{to_gib(r['budget_peak']):.2f} GiB", f"{ratio:.3f}", f"{act_ratio:.3f}",
-            r["proof"],
+            f"{floor_ratio:.3f}", r["proof"],
         ])  # fmt: skip
         data.append(r)
     if args.save:
         header = ["config", "selective recompute GFLOP", "budget recompute GFLOP", "eager selective peak",
-                  "graph selective peak", "ratio", "budget peak", "ratio", "act ratio", "proof"]  # fmt: skip
+                  "graph selective peak", "ratio", "budget peak", "ratio", "act ratio", "floor ratio",
+                  "proof"]  # fmt: skip
         results.save(args.save, {"budget_at_selective": results.markdown_table(header, rows)}, data)
 
 

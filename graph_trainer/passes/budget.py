@@ -13,9 +13,12 @@ size with its unit ("40GiB") for the whole step's peak, everything included.
 
 Method: an exact mixed-integer linear program (`passes/remat_model.py`, solved by
 scipy's HiGHS). The choices are the layer ops that own a storage the backward
-reads in the no-AC graph (only those free memory when recomputed); views follow
-their base, and ops whose output the backward does not read are tagged recompute
-for free (they only run again if a recomputed op needs them). The model's peak
+reads in the no-AC graph (only those free memory when recomputed), and the ops
+that cost FLOPs (a matmul the backward does not read, such as an output
+projection, is read again when the residual add after it is recomputed: saving
+it then is selective AC's choice, and must be one of ours). Views follow their
+base, and the other ops whose output the backward does not read are tagged
+recompute for free (they cost no FLOPs when a recomputed op needs them). The model's peak
 under any choice is the estimate of the graph remat makes from it, to the byte,
 so the solver's optimum is the choice with the fewest recompute FLOPs (torch's
 FLOP counter, every copy counted) among all that fit: not a heuristic's. Why an
@@ -61,12 +64,12 @@ from graph_trainer.passes.remat_model import (
     RematModel,
     Solution,
     build_model,
-    lowest_peak_choice,
+    lowest_peak,
     smallest_peak,
     solve,
 )
 from graph_trainer.tracer import node_meta
-from graph_trainer.tracer.graph_utils import is_view, storage_keys
+from graph_trainer.tracer.graph_utils import is_view, node_flops, storage_keys
 from graph_trainer.tracer.memory_estimate import estimate_peak_memory
 
 logger = get_logger(__name__)
@@ -91,8 +94,9 @@ def backward_storages(gm: torch.fx.GraphModule) -> set[int]:
 def choices(
     structure: StepStructure, pinned: set[torch.fx.Node], saved_storages: set[int]
 ) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
-    """(the candidates, in graph order: layer ops that own a storage the backward reads; the free ops, tagged
-    recompute whatever the choice: views, which follow their base, and ops whose output no backward op reads)."""
+    """(the candidates, in graph order: layer ops that own a storage the backward reads, or that cost FLOPs; the
+    free ops, tagged recompute whatever the choice: views, which follow their base, and FLOP-free ops whose output no
+    backward op reads)."""
     candidates: list[torch.fx.Node] = []
     free: set[torch.fx.Node] = set()
     for n in structure.layer_nodes:
@@ -100,7 +104,7 @@ def choices(
             continue
         keys = storage_keys(n)
         owned = keys - set().union(*(storage_keys(a) for a in n.all_input_nodes)) if n.all_input_nodes else keys
-        if is_view(n) or not (owned & saved_storages):
+        if is_view(n) or not (owned & saved_storages or node_flops(n)):
             free.add(n)
         else:
             candidates.append(n)
@@ -364,30 +368,46 @@ def solve_in_depth(deep: DeepModel, ac: ActivationCheckpointConfig) -> BlockChoi
 
 
 def lowest_peak_in_depth(
-    deep: DeepModel, flops: float, *, time_limit_s: float = SOLVE_TIME_LIMIT_S, resolution: int = 2**20
-) -> BlockChoice:
-    """The per-class choice of a deep step with the lowest peak among those recomputing at most `flops` (torch's
-    FLOP counter, at the deep step's depth): what another policy's recompute buys under this one.
+    deep: DeepModel,
+    flops: float,
+    *,
+    time_limit_s: float = SOLVE_TIME_LIMIT_S,
+    resolution: int = 2**20,
+    known: Iterable[torch.fx.Node] = (),
+) -> tuple[BlockChoice, int]:
+    """(the per-class choice of a deep step with the lowest peak among those recomputing at most `flops` (torch's
+    FLOP counter, at the deep step's depth), the lowest peak proven out of reach: no choice within the FLOPs peaks
+    at or below it): what another policy's recompute buys under this one.
 
     The budget's own solve (fewest FLOPs under a peak) is bisected on the peak, to within `resolution` bytes: the
-    fewest FLOPs never rise with the budget, and HiGHS proves that solve in seconds where minimizing the peak under
-    a FLOP limit directly stops at its node limit with nothing found (DeepSeek-V3 16B, one rank of 8). The choice
-    says `optimal` when every solve of the bisection was proven."""
+    fewest FLOPs never rise with the budget, so a solve proven to need more than `flops` (or to have no choice)
+    at a budget proves every lower peak out of reach too. HiGHS proves that solve in seconds where minimizing the
+    peak under a FLOP limit directly finds no choice at all in 10 s (a 4-block model of the tiny test widths).
+    `known`: a choice within the FLOPs (another policy's, such as selective AC's), where the bisection starts from:
+    scipy's HiGHS takes no starting point, so it is the answer's ceiling, not the solver's start. The choice says
+    `optimal` when every solve of the bisection was proven."""
     start = time.perf_counter()
     model = deep.model
     best = Solution([], model.peak([]), 0, 0.0, "nothing recomputed", True)
-    low, high, proven = 0, best.peak_bytes, True
+    known = list(known)
+    if known and model.recompute_flops(known) <= flops and model.peak(known) < best.peak_bytes:
+        best = Solution(known, model.peak(known), model.recompute_flops(known), 0.0, "the known choice", True)
+    low, high, proven, floor = 0, best.peak_bytes, True, 0
     while high - low > resolution:
         middle = (low + high) // 2
         found = solve(model, middle, time_limit_s=time_limit_s)
-        proven &= found.optimal or found.status == INFEASIBLE
+        settled = found.optimal or found.status == INFEASIBLE
+        proven &= settled
         if found.recompute is not None and found.recompute_flops <= flops:
             best, high = found, found.peak_bytes
         else:
             low = middle
+            floor = max(floor, middle) if settled else floor
     status = "optimal" if proven else "a bisection step stopped at the solver's limits"
-    return _block_choice(deep, dataclasses.replace(best, solve_s=time.perf_counter() - start, status=status,
-                                                   optimal=proven), best.peak_bytes)  # fmt: skip
+    if best.status == "the known choice":
+        status += "; no choice found below the known one"
+    found = dataclasses.replace(best, solve_s=time.perf_counter() - start, status=status, optimal=proven)
+    return _block_choice(deep, found, found.peak_bytes), floor
 
 
 def _block_choice(deep: DeepModel, solution: Solution, target: float) -> BlockChoice:
@@ -470,8 +490,9 @@ def model_frontier(
         raise ValueError(f"a frontier needs at least 2 points, got {points}")
     # The low end is the lowest peak the solver finds within the limit: proven the lowest on small graphs, the best
     # found on deep ones (said once). Either way a known choice reaches it, so every point has a choice that fits.
-    lowest_choice, lowest, proven = lowest_peak_choice(model, time_limit_s=time_limit_s)
-    if not proven:
+    lowest_found = lowest_peak(model, time_limit_s=time_limit_s)
+    lowest_choice, lowest = lowest_found.recompute, lowest_found.peak_bytes
+    if not lowest_found.optimal:
         logger.warning(
             f"budget frontier: its first budget, {lowest / GIB:.4f} GiB, is the lowest peak the solver found in "
             f"{time_limit_s:g} s, not one it proved the lowest"

@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import operator
 import os
 import sys
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 
@@ -53,6 +55,15 @@ INFEASIBLE = "infeasible"  # `Solution.status` when the solver proved that no ch
 # Branch-and-bound nodes a solve may explore: a stop that, unlike the time limit, gives the same choice on any
 # machine. The benchmark's solves (up to 6 debug blocks) prove optimality well within it.
 NODE_LIMIT = 5000
+# The largest row bound the solver sees, in its unit of bytes (`_unit`). In bytes, an 8B step's memory rows hold
+# coefficients near 1e9 and bounds near 4e10 against HiGHS's 1e-6 tolerances: its presolve called a model infeasible
+# that selective AC's choice fits. Scaled so the bounds stay near 2**20, it finds that choice (at 32 KiB or 1 MiB
+# units alike), while small models keep their byte unit (a 1-block tiny model's lowest peak took 9 s in bytes and
+# 21 s in MiB). Every answer is re-evaluated exactly in bytes (`RematModel.peak`).
+ROW_SCALE = 2**20
+# HiGHS's options for every solve: a node limit (the same answer on any machine) and no gap, relative or absolute,
+# so "optimal" means proven.
+_EXACT = {"mip_rel_gap": 0.0, "mip_abs_gap": 0.0, "node_limit": NODE_LIMIT}
 
 Expr = tuple[dict[int, float], float]  # {variable: coefficient}, constant
 
@@ -435,15 +446,17 @@ def build_model(
 
 
 @contextlib.contextmanager
-def _solver_output_dropped() -> Iterator[None]:
+def _solver_quiet() -> Iterator[None]:
     """HiGHS's C++ code prints debugging lines to the process's stdout now and then (seen: "HighsMipSolverData::
     transformNewIntegerFeasibleSolution tmpSolver.run();"), whatever `disp` says; they say nothing to a user, and
     the solver's result carries its status. File descriptor 1 points at /dev/null while it runs."""
     sys.stdout.flush()
     saved = os.dup(1)
     try:
-        with open(os.devnull, "w") as devnull:
+        with open(os.devnull, "w") as devnull, warnings.catch_warnings():
             os.dup2(devnull.fileno(), 1)
+            # scipy passes HiGHS options it does not list (mip_abs_gap) on verbatim, and warns that it does.
+            warnings.filterwarnings("ignore", "Unrecognized options detected", RuntimeWarning)
             yield
     finally:
         os.dup2(saved, 1)
@@ -458,6 +471,17 @@ def _row(rows, cols, vals, lo, hi, coef: dict[int, float], pin: int | None, low:
     for u, c in coef.items():
         rows.append(r), cols.append(u), vals.append(-c if pin is not None else c)
     lo.append(low), hi.append(high)
+
+
+def _unit(model: RematModel) -> float:
+    """The bytes in one unit of the solver's memory rows: a power of two that keeps their bounds near `ROW_SCALE`."""
+    largest = max((abs(const) for _, const in model.memory), default=1.0)
+    return float(2 ** max(0, math.ceil(math.log2(max(largest, 1.0))) - int(math.log2(ROW_SCALE))))
+
+
+def _in_units(coef: dict[int, float], unit: float) -> dict[int, float]:
+    """A memory row's byte coefficients in the solver's unit."""
+    return {u: c / unit for u, c in coef.items()}
 
 
 def _rule_rows(model: RematModel) -> tuple[list, list, list, list, list]:
@@ -495,29 +519,31 @@ def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 60.0)
     from scipy.sparse import coo_matrix
 
     rows, cols, vals, lo, hi = _rule_rows(model)
+    unit = _unit(model)
     memory_start = len(lo)
     for coef, const in model.memory:
         if coef:
-            _row(rows, cols, vals, lo, hi, coef, None, -np.inf, budget_bytes - const)
+            _row(rows, cols, vals, lo, hi, _in_units(coef, unit), None, -np.inf, (budget_bytes - const) / unit)
     fixed_peak = max((const for coef, const in model.memory), default=0.0)
     n_cand = len(model.candidates)
     integrality = np.zeros(model.n_vars)
     integrality[:n_cand] = 1
     matrix = coo_matrix((vals, (rows, cols)), shape=(len(lo), model.n_vars)).tocsr()
+    objective = model.objective / max(float(model.objective.max(initial=0.0)), 1.0)  # the largest term 1, as rows
     start = time.perf_counter()
     target = budget_bytes
     for _ in range(3):
         if fixed_peak > target:
             return Solution(None, None, None, time.perf_counter() - start, INFEASIBLE)
         hi_now = np.array(hi)
-        hi_now[memory_start:] -= budget_bytes - target
-        with _solver_output_dropped():
+        hi_now[memory_start:] -= (budget_bytes - target) / unit
+        with _solver_quiet():
             result = milp(
-                model.objective,
+                objective,
                 constraints=LinearConstraint(matrix, np.array(lo), hi_now),
                 integrality=integrality,
                 bounds=Bounds(0.0, 1.0),
-                options={"time_limit": time_limit_s, "mip_rel_gap": 0.0, "node_limit": NODE_LIMIT},
+                options={"time_limit": time_limit_s, **_EXACT},
             )
         if result.x is None and result.status == 2:
             return Solution(None, None, None, time.perf_counter() - start, INFEASIBLE)
@@ -542,40 +568,49 @@ def smallest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> tuple[int
     """(the lowest peak a choice reaches, whether the solver proved it the lowest within `time_limit_s` and
     `NODE_LIMIT` nodes): what an infeasible budget is told to rise to. Recomputing every candidate is the
     fallback answer (unproven)."""
-    _chosen, peak, proven = lowest_peak_choice(model, time_limit_s=time_limit_s)
-    return peak, proven
+    lowest = lowest_peak(model, time_limit_s=time_limit_s)
+    return lowest.peak_bytes, lowest.optimal
 
 
-def lowest_peak_choice(model: RematModel, *, time_limit_s: float = 10.0) -> tuple[list[torch.fx.Node], int, bool]:
-    """(the choice `smallest_peak` reports the peak of, that peak, whether it is proven the lowest)."""
+def lowest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> Solution:
+    """The choice with the lowest peak (`optimal`: proven the lowest within `time_limit_s` and `NODE_LIMIT` nodes).
+
+    The peak is one more variable, at least every memory row, and the objective. Where the solver finds no choice
+    within its limits, the better of recomputing every candidate and nothing is the answer, said unproven."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
     n = model.n_vars + 1  # the last variable is the peak
     rows, cols, vals, lo, hi = _rule_rows(model)
-    for coef, const in model.memory:
-        _row(rows, cols, vals, lo, hi, {**coef, n - 1: -1.0}, None, -np.inf, -const)
+    unit = _unit(model)
+    for coef, const in model.memory:  # the peak variable is in the solver's unit
+        _row(rows, cols, vals, lo, hi, {**_in_units(coef, unit), n - 1: -1.0}, None, -np.inf, -const / unit)
     integrality = np.zeros(n)
     integrality[: len(model.candidates)] = 1
     objective = np.zeros(n)
     objective[-1] = 1.0
     upper = np.ones(n)
     upper[-1] = np.inf
-    with _solver_output_dropped():
+    start = time.perf_counter()
+    with _solver_quiet():
         result = milp(
             objective,
             constraints=LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(len(lo), n)).tocsr(), lo, hi),
             integrality=integrality,
             bounds=Bounds(np.zeros(n), upper),
-            # As `solve`: a node limit (the same answer on any machine) and no gap, so "proven" means the lowest.
-            options={"time_limit": time_limit_s, "mip_rel_gap": 0.0, "node_limit": NODE_LIMIT},
+            options={"time_limit": time_limit_s, **_EXACT},
         )
+    seconds = time.perf_counter() - start
     if result.x is None:
         every = list(model.candidates)
         chosen = every if model.peak(every) <= model.peak([]) else []
-        return chosen, model.peak(chosen), False
+        status = f"{result.message}; the solver found no choice"
+        return Solution(chosen, model.peak(chosen), model.recompute_flops(chosen), seconds, status)
     chosen = [c for i, c in enumerate(model.candidates) if result.x[i] > 0.5]
-    return chosen, model.peak(chosen), result.status == 0
+    gap = getattr(result, "mip_gap", None)
+    return Solution(
+        chosen, model.peak(chosen), model.recompute_flops(chosen), seconds, result.message, result.status == 0, gap
+    )
 
 
-__all__ = ["RematModel", "Solution", "build_model", "lowest_peak_choice", "smallest_peak", "solve"]
+__all__ = ["RematModel", "Solution", "build_model", "lowest_peak", "smallest_peak", "solve"]

@@ -109,15 +109,41 @@ def test_a_choice_for_another_graph_is_said_and_the_graph_solved_whole(caplog):
 
 def test_the_lowest_peak_at_a_flop_limit_is_the_lowest_within_its_resolution():
     """`lowest_peak_in_depth` (benchmarks/budget_at_selective.py): within its FLOPs, and no choice that fits a
-    budget one resolution below its peak recomputes at most as many FLOPs (a coarse resolution: three solves)."""
+    budget one resolution below its peak recomputes at most as many FLOPs (a coarse resolution: two solves, each
+    proven in seconds; at an eighth, a third solve stops at its 60 s limit since the output projections became
+    candidates); the floor it reports is out of reach, proven by the budget's own solve."""
     from graph_trainer.passes.budget import DeepModel, lowest_peak_in_depth
     from graph_trainer.passes.remat_model import solve
 
     model = _extended(6)
     deep = DeepModel(model, candidate_keys(model.candidates, 4, 0), 0, 6, 0)
     limit = 0.5 * model.recompute_flops(model.candidates)
-    resolution = model.peak([]) // 8
-    choice = lowest_peak_in_depth(deep, limit, resolution=resolution)
-    assert 0 < choice.recompute_flops <= limit, choice
-    below = solve(model, choice.peak_bytes - resolution)
+    resolution = model.peak([]) // 4
+    choice, floor = lowest_peak_in_depth(deep, limit, resolution=resolution)
+    assert choice.recompute_flops <= limit and choice.optimal and choice.peak_bytes < model.peak([]), choice
+    assert choice.peak_bytes - resolution <= floor < choice.peak_bytes
+    below = solve(model, floor)
     assert below.recompute is None or below.recompute_flops > limit
+
+
+def test_the_bisection_starts_from_a_known_choice_and_says_when_nothing_beats_it(monkeypatch):
+    """The benchmark hands selective AC's choice in; a bisection whose solves find nothing lower keeps it."""
+    import graph_trainer.passes.budget as budget
+    from graph_trainer.passes.budget import DeepModel, lowest_peak_in_depth
+    from graph_trainer.passes.remat_model import Solution
+
+    model = _extended(6)
+    deep = DeepModel(model, candidate_keys(model.candidates, 4, 0), 0, 6, 0)
+    budgets = []
+
+    def stopped(_model, budget_bytes, **_):  # a solve stopped at its limit with no choice
+        budgets.append(budget_bytes)
+        return Solution(None, None, None, 0.1, "Time limit reached")
+
+    monkeypatch.setattr(budget, "solve", stopped)
+    every = model.candidates
+    choice, floor = lowest_peak_in_depth(deep, model.recompute_flops(every), known=every, resolution=2**16)
+    assert choice.peak_bytes == model.peak(every) < model.peak([]) and not choice.optimal and floor == 0
+    assert choice.status.endswith("no choice found below the known one") and max(budgets) < model.peak(every)
+    choice, _ = lowest_peak_in_depth(deep, model.recompute_flops(every) - 1, known=every, resolution=2**16)
+    assert choice.peak_bytes == model.peak([])  # over the FLOPs: not taken
