@@ -507,6 +507,7 @@ class Solution:
     status: str
     optimal: bool = False  # HiGHS proved it optimal (else it stopped at its time limit with the best found)
     gap: float | None = None  # the solver's relative optimality gap (0 up to rounding when optimal)
+    bound_bytes: int | None = None  # a lowest-peak solve's proven floor: no choice (within its FLOPs) peaks below it
 
 
 def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 60.0) -> Solution:
@@ -572,11 +573,14 @@ def smallest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> tuple[int
     return lowest.peak_bytes, lowest.optimal
 
 
-def lowest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> Solution:
-    """The choice with the lowest peak (`optimal`: proven the lowest within `time_limit_s` and `NODE_LIMIT` nodes).
+def lowest_peak(model: RematModel, *, within_flops: float | None = None, time_limit_s: float = 10.0) -> Solution:
+    """The choice with the lowest peak among those recomputing at most `within_flops` (None: any), `optimal` when
+    proven within `time_limit_s` and `NODE_LIMIT` nodes, and the solver's proven floor (`bound_bytes`: no such
+    choice peaks below it, whether or not it found one).
 
     The peak is one more variable, at least every memory row, and the objective. Where the solver finds no choice
-    within its limits, the better of recomputing every candidate and nothing is the answer, said unproven."""
+    within its limits, the better of recomputing every candidate (within the FLOPs) and nothing is the answer, said
+    unproven."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -585,6 +589,10 @@ def lowest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> Solution:
     unit = _unit(model)
     for coef, const in model.memory:  # the peak variable is in the solver's unit
         _row(rows, cols, vals, lo, hi, {**_in_units(coef, unit), n - 1: -1.0}, None, -np.inf, -const / unit)
+    if within_flops is not None:  # in units of the costliest copy, as `solve` scales its objective
+        scale = max(float(model.flops.max(initial=0.0)), 1.0)
+        _row(rows, cols, vals, lo, hi, {v: c / scale for v, c in enumerate(model.flops) if c}, None, -np.inf,
+             within_flops / scale)  # fmt: skip
     integrality = np.zeros(n)
     integrality[: len(model.candidates)] = 1
     objective = np.zeros(n)
@@ -601,16 +609,20 @@ def lowest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> Solution:
             options={"time_limit": time_limit_s, **_EXACT},
         )
     seconds = time.perf_counter() - start
+    bound = getattr(result, "mip_dual_bound", None)
+    bound_bytes = None if bound is None or not np.isfinite(bound) else math.ceil(bound * unit - 1e-6 * unit)
     if result.x is None:
         every = list(model.candidates)
-        chosen = every if model.peak(every) <= model.peak([]) else []
+        within = within_flops is None or model.recompute_flops(every) <= within_flops
+        chosen = every if within and model.peak(every) <= model.peak([]) else []
         status = f"{result.message}; the solver found no choice"
-        return Solution(chosen, model.peak(chosen), model.recompute_flops(chosen), seconds, status)
+        return Solution(chosen, model.peak(chosen), model.recompute_flops(chosen), seconds, status, False, None,
+                        bound_bytes)  # fmt: skip
     chosen = [c for i, c in enumerate(model.candidates) if result.x[i] > 0.5]
     gap = getattr(result, "mip_gap", None)
-    return Solution(
-        chosen, model.peak(chosen), model.recompute_flops(chosen), seconds, result.message, result.status == 0, gap
-    )
+    peak, optimal = model.peak(chosen), result.status == 0
+    return Solution(chosen, peak, model.recompute_flops(chosen), seconds, result.message, optimal, gap,
+                    peak if optimal else bound_bytes)  # fmt: skip
 
 
 __all__ = ["RematModel", "Solution", "build_model", "lowest_peak", "smallest_peak", "solve"]

@@ -33,7 +33,7 @@ from graph_trainer.passes.activation_checkpoint import (
 )
 from graph_trainer.passes.budget import backward_storages, choices
 from graph_trainer.passes.remat import remat_graph
-from graph_trainer.passes.remat_model import build_model, smallest_peak, solve
+from graph_trainer.passes.remat_model import build_model, lowest_peak, smallest_peak, solve
 from graph_trainer.plan.step_plan import meta_batch
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.graph_utils import node_flops
@@ -161,6 +161,13 @@ def _enumerated_optimum_holds(gm, categories, chosen_from: list, candidates: lis
         peak, flops = every[frozenset(solution.recompute)]
         assert peak <= budget and flops == fewest == solution.recompute_flops, (i, budget)
         assert solution.optimal
+    # The other question (benchmarks/budget_at_selective.py): the lowest peak within a FLOP limit, and its floor.
+    most = max(flops for _, flops in every.values())
+    for limit in (0, most // 4, most // 2):
+        lowest_within = min(peak for peak, flops in every.values() if flops <= limit)
+        found = lowest_peak(model, within_flops=limit, time_limit_s=60)
+        peak, flops = every[frozenset(found.recompute)]
+        assert found.optimal and (peak, found.bound_bytes) == (lowest_within, lowest_within) and flops <= limit
 
 
 @pytest.mark.integration
