@@ -75,8 +75,9 @@ from graph_trainer.tracer.memory_estimate import estimate_peak_memory
 logger = get_logger(__name__)
 
 # Seconds the solver may take per trace, a safety net behind its node limit (`remat_model.NODE_LIMIT`). Past
-# either, the best choice found is used and the log line says it is not proven optimal, with HiGHS's gap (up to
-# 6 debug blocks solve in at most 20 s here; see docs/passes_and_memory.md).
+# either, the best choice found is used and the log line says it is not proven optimal, with HiGHS's gap. Since
+# ops that cost FLOPs became choices, debug models of 4 and 6 blocks stop here, unproven, with the narrower space's
+# FLOPs (docs/passes_and_memory.md, the solve-time table); those choices depend on the machine's speed.
 SOLVE_TIME_LIMIT_S = 60.0
 
 

@@ -53,7 +53,7 @@ from graph_trainer.tracer.memory_estimate import storage_lifetimes, workspace_by
 TIE_BREAK = 1e-6  # weight of one recomputed output element against one FLOP
 INFEASIBLE = "infeasible"  # `Solution.status` when the solver proved that no choice fits
 # Branch-and-bound nodes a solve may explore: a stop that, unlike the time limit, gives the same choice on any
-# machine. The benchmark's solves (up to 6 debug blocks) prove optimality well within it.
+# machine. The solve-time benchmark's solves reach the time limit first from 4 debug blocks (60 s), not this one.
 NODE_LIMIT = 5000
 # The largest row bound the solver sees, in its unit of bytes (`_unit`). In bytes, an 8B step's memory rows hold
 # coefficients near 1e9 and bounds near 4e10 against HiGHS's 1e-6 tolerances: its presolve called a model infeasible
