@@ -413,6 +413,8 @@ def lowest_peak_in_depth(
             floor = max(floor, direct.bound_bytes - 1)
         if direct.recompute_flops <= flops and direct.peak_bytes < best.peak_bytes:
             best, status = direct, status + "; the lowest peak's own solve found a lower one"
+        if direct.optimal:  # that solve proved its peak the lowest: so is the answer's, which is no higher
+            proven, status = True, "optimal: the lowest peak's own solve proved it"
     if best.status == "the known choice":
         status += "; no choice found below the known one"
     found = dataclasses.replace(best, solve_s=time.perf_counter() - start, status=status, optimal=proven)

@@ -151,3 +151,9 @@ def test_the_bisection_starts_from_a_known_choice_and_says_when_nothing_beats_it
     assert choice.status.endswith("no choice found below the known one") and max(budgets) < model.peak(every)
     choice, _ = lowest_peak_in_depth(deep, model.recompute_flops(every) - 1, known=every, resolution=2**16)
     assert choice.peak_bytes == model.peak([])  # over the FLOPs: not taken
+    # A direct solve that proves its peak the lowest proves the answer, though every bisection step stopped.
+    proof = Solution(every, model.peak(every), model.recompute_flops(every), 0.1, "Optimal", True, 0.0,
+                     model.peak(every))  # fmt: skip
+    monkeypatch.setattr(budget, "lowest_peak", lambda *_, **__: proof)
+    choice, floor = lowest_peak_in_depth(deep, model.recompute_flops(every), resolution=2**16)
+    assert choice.optimal and choice.peak_bytes == model.peak(every) == floor + 1
