@@ -57,7 +57,9 @@ def test_the_gpu_sizes_run_every_mode_and_ac_mode_within_eight_minutes():
     config_ac = load_config(["--config", gpu_check.GPU.config])[0].activation_checkpoint.mode
     runs = gpu_check.planned_runs(gpu_check.GPU, config_ac)
     keys = [key for key, _, _ in runs]
-    assert keys == [(m, "selective") for m in gpu_check.MODES] + [("trace", "none"), ("trace", "full")]
+    memory_only = [("trace", "none"), ("trace", "full"), ("trace", "budget")]
+    assert keys == [(m, "selective") for m in gpu_check.MODES] + memory_only
+    # The budget row runs no simulator: it would solve the plan a second time.
     assert [key for key, _, spec in runs if spec["simulate"]] == [("trace", ac) for ac in ("selective", "none", "full")]
     caps = sum(cap for _, cap, _ in runs) + gpu_check.GPU.caps_s["pytest"] + gpu_check.GPU.caps_s["finetune"]
     assert caps <= gpu_check.GPU.budget_s <= 8 * 60

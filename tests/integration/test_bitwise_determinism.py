@@ -8,20 +8,13 @@ selective / full / budget activation checkpointing, and the optimizer in the gra
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.integration.trainer_runs import MODES, TINY, train
+from tests.integration.trainer_runs import MODES, train, train_in_own_process
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 VARIANTS = {
     "gqa": [],
     "tied": ["--model.tie_embeddings", "true"],
@@ -49,34 +42,9 @@ def test_dropout_really_changes_the_run(tmp_path):
     assert plain.losses != dropped.losses
 
 
-def _run_in_subprocess(folder: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "graph_trainer",
-            "--config",
-            "llama3_debug",
-            *TINY,
-            "--training.steps",
-            "5",
-            "--activation_checkpoint.mode",
-            "selective",
-            "--job.dump_folder",
-            str(folder),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads((folder / "summary.json").read_text())
-
-
 def test_same_traced_config_in_two_processes_is_identical(tmp_path):
-    first, second = _run_in_subprocess(tmp_path / "a"), _run_in_subprocess(tmp_path / "b")
+    selective = ("--activation_checkpoint.mode", "selective")
+    first, second = (train_in_own_process(tmp_path / run, *selective) for run in "ab")
     assert [s["loss"] for s in first["steps"]] == [s["loss"] for s in second["steps"]]
     for key in ("params_sha256", "grads_sha256"):
         assert first["final"][key] == second["final"][key]

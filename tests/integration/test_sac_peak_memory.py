@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.trainer_runs import train
+from tests.integration.trainer_runs import train, train_in_own_process
 
 pytestmark = pytest.mark.integration
 
@@ -75,10 +75,14 @@ def test_graph_sac_peak_at_most_eager_checkpoint_peak(tmp_path, tmp_path_factory
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_cuda_graph_sac_active_and_reserved_at_most_eager(tmp_path, mode):
+    """Each run in its own process: the CUDA allocator's peaks are the process's, and with both trainers in one
+    process the traced run was charged the eager one's state and cached blocks (H200, torch 2.11: traced
+    0.10 GiB active against eager 0.08, where the traced step's own estimate was 0.05)."""
     cuda = ["--training.device", "cuda", *SHAPE, "--activation_checkpoint.mode", mode]
-    eager, _ = train(tmp_path / "eager", *cuda, "--compile.mode", "eager", steps=3)
-    traced, _ = train(tmp_path / "traced", *cuda, steps=3)
+    eager = train_in_own_process(tmp_path / "eager", *cuda, "--compile.mode", "eager", steps=3)["steps"]
+    traced = train_in_own_process(tmp_path / "traced", *cuda, steps=3)["steps"]
     for key in ("peak_active_bytes", "peak_reserved_bytes"):
-        eager_peak = max(r[key] for r in eager.records)
-        traced_peak = max(r[key] for r in traced.records)
+        eager_peak = max(r[key] for r in eager)
+        traced_peak = max(r[key] for r in traced)
+        print(f"{mode} {key}: traced {traced_peak} B, eager checkpoint {eager_peak} B")
         assert traced_peak <= eager_peak * RATIO_LIMIT, key

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -9,6 +13,8 @@ import torch
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer, TrainResult
 from tests.tiny import TINY as TINY_RUN
+
+REPO = Path(__file__).resolve().parents[2]
 
 # GQA (4 query heads, 2 KV heads), small enough for CPU, deterministic kernels.
 TINY = TINY_RUN
@@ -42,3 +48,15 @@ def train(folder: Path, *overrides: str, steps: int = 5, base: list[str] = TINY)
         return trainer.train(), trainer
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def train_in_own_process(folder: Path, *overrides: str, steps: int = 5, base: list[str] = TINY) -> dict:
+    """`train` through `python -m graph_trainer` in a fresh process: its summary.json (per-step records in
+    "steps"). On CUDA the allocator's figures are the process's, not the step's: a trainer of the same process
+    that ran before (its state, its cached blocks) counts in the next one's peaks."""
+    args = ["--config", "llama3_debug", *base, "--training.steps", str(steps), "--job.dump_folder", str(folder)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "graph_trainer", *args, *overrides], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads((folder / "summary.json").read_text())
