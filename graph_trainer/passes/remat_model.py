@@ -545,7 +545,7 @@ def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 60.0)
     The solver works in floating point; its answer is re-evaluated exactly (`RematModel.peak`), and where that
     is above the budget (a tolerance's worth), the budget is lowered by the excess and solved again.
     """
-    from scipy.sparse import coo_matrix
+    from scipy.sparse import coo_matrix, vstack
 
     rows, cols, vals, lo, hi = _rule_rows(model)
     unit = _unit(model)
@@ -557,6 +557,7 @@ def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 60.0)
     n_cand = len(model.candidates)
     matrix = coo_matrix((vals, (rows, cols)), shape=(len(lo), model.n_vars)).tocsr()
     flop_step, element_step = _whole_step(model.flops), _whole_step(model.elements)
+    flop_objective = model.flops / flop_step
     start = time.perf_counter()
     target = budget_bytes
     for _ in range(3):
@@ -564,7 +565,7 @@ def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 60.0)
             return Solution(None, None, None, time.perf_counter() - start, INFEASIBLE)
         hi_now = np.array(hi)
         hi_now[memory_start:] -= (budget_bytes - target) / unit
-        result = _milp(model.flops / flop_step, matrix, lo, hi_now, n_cand, time_limit_s, 0.5)
+        result = _milp(flop_objective, matrix, lo, hi_now, n_cand, time_limit_s, 0.5)
         if result.x is None and result.status == 2:
             return Solution(None, None, None, time.perf_counter() - start, INFEASIBLE)
         if result.x is None:  # stopped before any choice was found: recomputing every candidate, if that fits
@@ -580,40 +581,30 @@ def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 60.0)
             flops = model.recompute_flops(chosen)
             optimal = result.status == 0
             if optimal:
-                chosen, peak = _fewest_elements(model, chosen, flops, budget_bytes, matrix, lo, hi_now, element_step,
-                                                time_limit_s - (time.perf_counter() - start))  # fmt: skip
+                left_s = time_limit_s - (time.perf_counter() - start)
+                if left_s > 0 and model.elements.any():  # fewest elements among choices of these FLOPs
+                    within = vstack([matrix, flop_objective]).tocsr()
+                    second = _milp(model.elements / element_step, within, [*lo, -np.inf],
+                                   [*hi_now, flops / flop_step + 0.5], n_cand, left_s, 0.5)  # fmt: skip
+                    chosen, peak = _fewer_elements(model, (chosen, peak), second, budget_bytes)
             gap = getattr(result, "mip_gap", None)
             return Solution(chosen, peak, flops, time.perf_counter() - start, result.message, optimal, gap)
         target -= peak - budget_bytes
     return Solution(None, None, None, time.perf_counter() - start, "the solver's choices kept landing above the budget")
 
 
-def _fewest_elements(
-    model: RematModel, chosen: list, flops: int, budget_bytes: float, matrix, lo, hi, step: float, time_limit_s: float
-) -> tuple[list[torch.fx.Node], int]:
-    """(the choice, its peak) that re-runs the fewest output elements among those of `flops` FLOPs within the
-    budget, starting from `chosen` (kept when the solve finds nothing better in `time_limit_s`)."""
-    from scipy.sparse import vstack
-
-    fewest = (chosen, model.peak(chosen))
-    if time_limit_s <= 0 or not model.elements.any():
-        return fewest
-    flop_step = _whole_step(model.flops)
-    within = vstack([matrix, model.flops / flop_step]).tocsr()
-    result = _milp(model.elements / step, within, [*lo, -np.inf], [*hi, flops / flop_step + 0.5],
-                   len(model.candidates), time_limit_s, 0.5)  # fmt: skip
-    if result.x is None:
-        return fewest
-    better = [c for i, c in enumerate(model.candidates) if result.x[i] > 0.5]
+def _fewer_elements(model: RematModel, first: tuple[list, int], second, budget_bytes: float) -> tuple[list, int]:
+    """(choice, peak): the element solve's choice (`second`, a milp result) where, evaluated exactly, it fits, costs
+    no more FLOPs and re-runs no more elements than `first` (the FLOP solve's choice and peak); else `first`."""
+    if second.x is None:
+        return first
+    chosen = first[0]
+    better = [c for i, c in enumerate(model.candidates) if second.x[i] > 0.5]
     peak = model.peak(better)
-    values = model.values(better)
-    if (
-        peak <= budget_bytes
-        and model.recompute_flops(better) <= flops
-        and model.elements @ values <= (model.elements @ model.values(chosen))
-    ):
+    fewer = model.elements @ model.values(better) <= model.elements @ model.values(chosen)
+    if peak <= budget_bytes and model.recompute_flops(better) <= model.recompute_flops(chosen) and fewer:
         return better, peak
-    return fewest
+    return first
 
 
 def smallest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> tuple[int, bool]:
