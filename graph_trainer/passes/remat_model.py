@@ -41,7 +41,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch.fx
@@ -511,9 +511,19 @@ def _whole_step(weights: np.ndarray) -> float:
     return float(np.gcd.reduce(whole)) if whole else 1.0
 
 
-def _milp(objective: np.ndarray, matrix, lo, hi, n_integral: int, time_limit_s: float, abs_gap: float):
-    """One HiGHS solve over 0/1 bounds, the first `n_integral` variables binary, stopped at `abs_gap`, the time
-    limit or `NODE_LIMIT` nodes."""
+def _bounds(model: RematModel, fixed: Mapping[torch.fx.Node, bool] | None, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """0/1 bounds on the model's `n` first variables, each candidate in `fixed` held at its value (True:
+    recomputed)."""
+    lower, upper = np.zeros(n), np.ones(n)
+    for i, c in enumerate(model.candidates):
+        if fixed is not None and c in fixed:
+            lower[i] = upper[i] = float(fixed[c])
+    return lower, upper
+
+
+def _milp(objective: np.ndarray, matrix, lo, hi, n_integral: int, time_limit_s: float, abs_gap: float, bounds):
+    """One HiGHS solve within `bounds` (lower, upper), the first `n_integral` variables binary, stopped at
+    `abs_gap`, the time limit or `NODE_LIMIT` nodes."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     integrality = np.zeros(len(objective))
@@ -527,14 +537,21 @@ def _milp(objective: np.ndarray, matrix, lo, hi, n_integral: int, time_limit_s: 
             objective,
             constraints=LinearConstraint(matrix, lo, hi),
             integrality=integrality,
-            bounds=Bounds(0.0, 1.0),
+            bounds=Bounds(*bounds),
             options={"time_limit": max(time_limit_s, 0.0), **_EXACT, "mip_abs_gap": abs_gap},
         )
 
 
-def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 60.0) -> Solution:
+def solve(
+    model: RematModel,
+    budget_bytes: float,
+    *,
+    time_limit_s: float = 60.0,
+    fixed: Mapping[torch.fx.Node, bool] | None = None,
+) -> Solution:
     """The choice with the fewest recompute FLOPs whose peak is at most `budget_bytes`, and among those the one that
-    re-runs the fewest output elements (scipy's HiGHS MILP; both within `time_limit_s` together).
+    re-runs the fewest output elements (scipy's HiGHS MILP; both within `time_limit_s` together). `fixed`: candidates
+    held at a decision (True: recomputed); the answer is then the best among the choices that keep them.
 
     The two are solved one after the other, each in units of its weights' common divisor (`_whole_step`), with
     an absolute gap below one unit: one objective of FLOPs plus a one-in-a-million element term needs a gap HiGHS
@@ -556,6 +573,7 @@ def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 60.0)
     fixed_peak = max((const for coef, const in model.memory), default=0.0)
     n_cand = len(model.candidates)
     matrix = coo_matrix((vals, (rows, cols)), shape=(len(lo), model.n_vars)).tocsr()
+    bounds = _bounds(model, fixed, model.n_vars)
     flop_step, element_step = _whole_step(model.flops), _whole_step(model.elements)
     flop_objective = model.flops / flop_step
     start = time.perf_counter()
@@ -565,11 +583,11 @@ def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 60.0)
             return Solution(None, None, None, time.perf_counter() - start, INFEASIBLE)
         hi_now = np.array(hi)
         hi_now[memory_start:] -= (budget_bytes - target) / unit
-        result = _milp(flop_objective, matrix, lo, hi_now, n_cand, time_limit_s, 0.5)
+        result = _milp(flop_objective, matrix, lo, hi_now, n_cand, time_limit_s, 0.5, bounds)
         if result.x is None and result.status == 2:
             return Solution(None, None, None, time.perf_counter() - start, INFEASIBLE)
         if result.x is None:  # stopped before any choice was found: recomputing every candidate, if that fits
-            every = model.candidates
+            every = [c for c in model.candidates if fixed is None or fixed.get(c, True)]
             peak = model.peak(every)
             status = f"{result.message}; every candidate recomputed, the solver having found no choice"
             if peak <= budget_bytes:
@@ -585,7 +603,7 @@ def solve(model: RematModel, budget_bytes: float, *, time_limit_s: float = 60.0)
                 if left_s > 0 and model.elements.any():  # fewest elements among choices of these FLOPs
                     within = vstack([matrix, flop_objective]).tocsr()
                     second = _milp(model.elements / element_step, within, [*lo, -np.inf],
-                                   [*hi_now, flops / flop_step + 0.5], n_cand, left_s, 0.5)  # fmt: skip
+                                   [*hi_now, flops / flop_step + 0.5], n_cand, left_s, 0.5, bounds)  # fmt: skip
                     chosen, peak = _fewer_elements(model, (chosen, peak), second, budget_bytes)
             gap = getattr(result, "mip_gap", None)
             return Solution(chosen, peak, flops, time.perf_counter() - start, result.message, optimal, gap)
@@ -615,10 +633,17 @@ def smallest_peak(model: RematModel, *, time_limit_s: float = 10.0) -> tuple[int
     return lowest.peak_bytes, lowest.optimal
 
 
-def lowest_peak(model: RematModel, *, within_flops: float | None = None, time_limit_s: float = 10.0) -> Solution:
+def lowest_peak(
+    model: RematModel,
+    *,
+    within_flops: float | None = None,
+    time_limit_s: float = 10.0,
+    fixed: Mapping[torch.fx.Node, bool] | None = None,
+) -> Solution:
     """The choice with the lowest peak among those recomputing at most `within_flops` (None: any), `optimal` when
     proven within `time_limit_s` and `NODE_LIMIT` nodes, and the solver's proven floor (`bound_bytes`: no such
-    choice peaks below it, whether or not it found one).
+    choice peaks below it, whether or not it found one). `fixed`: candidates held at a decision, as in `solve`
+    (the floor is then the floor of the choices that keep them).
 
     The peak is one more variable, at least every memory row, and the objective. Where the solver finds no choice
     within its limits, the better of recomputing every candidate (within the FLOPs) and nothing is the answer, said
@@ -639,7 +664,7 @@ def lowest_peak(model: RematModel, *, within_flops: float | None = None, time_li
     integrality[: len(model.candidates)] = 1
     objective = np.zeros(n)
     objective[-1] = 1.0
-    upper = np.ones(n)
+    lower, upper = _bounds(model, fixed, n)
     upper[-1] = np.inf
     start = time.perf_counter()
     with _solver_quiet():
@@ -647,14 +672,14 @@ def lowest_peak(model: RematModel, *, within_flops: float | None = None, time_li
             objective,
             constraints=LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(len(lo), n)).tocsr(), lo, hi),
             integrality=integrality,
-            bounds=Bounds(np.zeros(n), upper),
+            bounds=Bounds(lower, upper),
             options={"time_limit": time_limit_s, **_EXACT},
         )
     seconds = time.perf_counter() - start
     bound = getattr(result, "mip_dual_bound", None)
     bound_bytes = None if bound is None or not np.isfinite(bound) else math.ceil(bound * unit - 1e-6 * unit)
     if result.x is None:
-        every = list(model.candidates)
+        every = [c for c in model.candidates if fixed is None or fixed.get(c, True)]
         within = within_flops is None or model.recompute_flops(every) <= within_flops
         chosen = every if within and model.peak(every) <= model.peak([]) else []
         status = f"{result.message}; the solver found no choice"

@@ -148,7 +148,8 @@ def test_the_bisection_starts_from_a_known_choice_and_says_when_nothing_beats_it
     choice, floor = lowest_peak_in_depth(deep, model.recompute_flops(every), known=every, resolution=2**16)
     assert choice.peak_bytes == model.peak(every) < model.peak([]) and not choice.optimal
     assert floor == 12345 - 1  # only the bound: no bisection step settled
-    assert choice.status.endswith("no choice found below the known one") and max(budgets) < model.peak(every)
+    assert choice.status.endswith("no choice found below it") and max(budgets) < model.peak(every)
+    assert "the known choice kept by block class" in choice.status
     choice, _ = lowest_peak_in_depth(deep, model.recompute_flops(every) - 1, known=every, resolution=2**16)
     assert choice.peak_bytes == model.peak([])  # over the FLOPs: not taken
     # A direct solve that proves its peak the lowest proves the answer, though every bisection step stopped.
@@ -157,3 +158,58 @@ def test_the_bisection_starts_from_a_known_choice_and_says_when_nothing_beats_it
     monkeypatch.setattr(budget, "lowest_peak", lambda *_, **__: proof)
     choice, floor = lowest_peak_in_depth(deep, model.recompute_flops(every), resolution=2**16)
     assert choice.optimal and choice.peak_bytes == model.peak(every) == floor + 1
+
+
+def test_held_candidates_keep_their_decision_in_both_solves():
+    """`fixed` (what `budget.descend` holds while it solves one class): the lowest-peak solve and the budget's solve
+    answer only among choices that keep every held candidate's decision."""
+    from graph_trainer.passes.remat_model import lowest_peak, solve
+
+    model = _extended(6)
+    keys = candidate_keys(model.candidates, 4, 0)
+    rng = random.Random(0)
+    held = {c: rng.random() < 0.5 for c in model.candidates if keys[c][0] != "first"}
+    for c in model.candidates:  # tied candidates (the two middle blocks of the short model) held alike
+        if c in held and keys[c][0] == "mid":
+            held[c] = keys[c][1] % 2 == 0
+    lowest = lowest_peak(model, fixed=held, time_limit_s=30.0)
+    assert lowest.optimal and {c: c in lowest.recompute for c in held} == held
+    fitted = solve(model, lowest.peak_bytes, fixed=held, time_limit_s=30.0)
+    assert fitted.recompute is not None and {c: c in fitted.recompute for c in held} == held
+    assert fitted.peak_bytes <= lowest.peak_bytes
+
+
+def test_the_descent_solves_each_class_with_the_others_held_until_a_round_improves_nothing():
+    """`budget.descend`, which the 8B and 16B answers at selective AC's FLOPs come from (each class's solve there is
+    HiGHS's, tested above; this is the loop): the class of the most blocks first, every other class held at the best
+    choice so far, an improvement taken, and one more round after the last improvement, which proves each class's
+    choice the best given the others'; with no time left it stops and says so."""
+    from graph_trainer.passes.budget import DeepModel, descend
+    from graph_trainer.passes.remat_model import Solution
+
+    model = _extended(6)
+    deep = DeepModel(model, candidate_keys(model.candidates, 4, 0), 0, 6, 0)
+    classes = {deep.keys[c][0] for c in model.candidates}
+    calls = []
+    target = {c for c in model.candidates if deep.keys[c][0] == "mid" and deep.keys[c][1] < 3}
+
+    def resolve(fixed, seconds):
+        free = classes - {deep.keys[c][0] for c in fixed}
+        calls.append((free.pop(), {c for c, r in fixed.items() if r}))
+        chosen = [c for c, r in fixed.items() if r] + (sorted(target, key=str) if calls[-1][0] == "mid" else [])
+        return Solution(chosen, model.peak(chosen), model.recompute_flops(chosen), 0.1, "Optimal", True)
+
+    def better(found, best):
+        return found.peak_bytes < best.peak_bytes
+
+    start = Solution([], model.peak([]), 0, 0.0, "nothing recomputed", True)
+    best, note = descend(deep, start, resolve, better, 60.0)
+    assert model.peak(target) < model.peak([])  # so the middle class's answer is an improvement
+    assert set(best.recompute) == target and best.peak_bytes == model.peak(target)
+    assert [cls for cls, _ in calls] == ["mid", "first", "last"] * 2
+    # Every other class held at the best choice so far: the middle class's answer, once found.
+    assert all(held == (set() if cls == "mid" else target) for cls, held in calls[1:]) and calls[0][1] == set()
+    assert note == "by block class: 2 rounds, each class's choice proven the best given the others'"
+    calls.clear()
+    kept, note = descend(deep, start, resolve, better, 0.0)
+    assert kept is not None and set(kept.recompute) == set() and calls == [] and note.endswith("time spent")
