@@ -100,10 +100,6 @@ class BlockChoice:
         return {n for n, k in keys.items() if k in self.recompute}
 
 
-def _row_values(model: RematModel, x: np.ndarray) -> np.ndarray:
-    return np.array([const + sum(c * x[u] for u, c in coef.items()) for coef, const in model.memory])
-
-
 def extend_in_depth(
     four: RematModel,
     three: RematModel,
@@ -171,7 +167,7 @@ def extend_in_depth(
     for chosen in samples_keys:
         x4 = four.values([four.candidates[i] for k in chosen for i in by_key4[k]])
         x3 = three.values([c for k in chosen for c in keyed3[k]])
-        differences.append(_row_values(four, x4) - _row_values(three, x3)[opposite])
+        differences.append(four.row_values(x4) - three.row_values(x3)[opposite])
         far.append(sum(c * x4[v] for v, c in saved.items()))
         flops_ok &= abs((four.flops @ x4 - three.flops @ x3) - mid_flops @ x4) < 0.5
         flops_ok &= abs((four.elements @ x4 - three.elements @ x3) - mid_elements @ x4) < 0.5

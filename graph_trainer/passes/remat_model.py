@@ -115,10 +115,13 @@ class RematModel:
                         changed = True
         return x
 
+    def row_values(self, x: np.ndarray) -> np.ndarray:
+        """The bytes alive at every place (each memory row's value) under the variables' values `x`."""
+        return np.array([const + sum(c * x[u] for u, c in coef.items()) for coef, const in self.memory])
+
     def peak(self, recompute: Iterable[torch.fx.Node]) -> int:
         """The peak the estimate gives the graph remat makes from this choice."""
-        x = self.values(recompute)
-        return int(round(max(const + sum(c * x[u] for u, c in coef.items()) for coef, const in self.memory)))
+        return int(round(self.row_values(self.values(recompute)).max()))
 
     def recompute_flops(self, recompute: Iterable[torch.fx.Node]) -> int:
         """The FLOPs of every copy remat makes under this choice (torch's FLOP counter)."""

@@ -9,6 +9,7 @@ Claims tested:
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 
@@ -45,6 +46,13 @@ def _extended(depth: int, three=None):
         lead=0,
         depth=depth,
     )
+
+
+@functools.cache
+def _six_blocks():
+    """The 6-block model extended from the 3- and 4-block steps, built once for the tests that only solve it (a
+    solve reads the model, never changes it)."""
+    return _extended(6)
 
 
 @pytest.mark.parametrize("depth", [6, pytest.param(8, marks=pytest.mark.integration)])
@@ -115,7 +123,7 @@ def test_the_lowest_peak_at_a_flop_limit_is_the_lowest_within_its_resolution():
     from graph_trainer.passes.budget import DeepModel, lowest_peak_in_depth
     from graph_trainer.passes.remat_model import solve
 
-    model = _extended(6)
+    model = _six_blocks()
     deep = DeepModel(model, candidate_keys(model.candidates, 4, 0), 0, 6, 0)
     limit = 0.5 * model.recompute_flops(model.candidates)
     resolution = model.peak([]) // 4
@@ -132,7 +140,7 @@ def test_the_bisection_starts_from_a_known_choice_and_says_when_nothing_beats_it
     from graph_trainer.passes.budget import DeepModel, lowest_peak_in_depth
     from graph_trainer.passes.remat_model import Solution
 
-    model = _extended(6)
+    model = _six_blocks()
     deep = DeepModel(model, candidate_keys(model.candidates, 4, 0), 0, 6, 0)
     budgets = []
 
@@ -165,7 +173,7 @@ def test_held_candidates_keep_their_decision_in_both_solves():
     answer only among choices that keep every held candidate's decision."""
     from graph_trainer.passes.remat_model import lowest_peak, solve
 
-    model = _extended(6)
+    model = _six_blocks()
     keys = candidate_keys(model.candidates, 4, 0)
     rng = random.Random(0)
     held = {c: rng.random() < 0.5 for c in model.candidates if keys[c][0] != "first"}
@@ -187,7 +195,7 @@ def test_the_descent_solves_each_class_with_the_others_held_until_a_round_improv
     from graph_trainer.passes.budget import DeepModel, descend
     from graph_trainer.passes.remat_model import Solution
 
-    model = _extended(6)
+    model = _six_blocks()
     deep = DeepModel(model, candidate_keys(model.candidates, 4, 0), 0, 6, 0)
     classes = {deep.keys[c][0] for c in model.candidates}
     calls = []
@@ -213,3 +221,29 @@ def test_the_descent_solves_each_class_with_the_others_held_until_a_round_improv
     calls.clear()
     kept, note = descend(deep, start, resolve, better, 0.0)
     assert kept is not None and set(kept.recompute) == set() and calls == [] and note.endswith("time spent")
+
+
+def test_an_unproven_deep_solve_is_lowered_class_by_class(monkeypatch):
+    """`solve_in_depth`: where the whole solve stops unproven (the 8B at 0.80 of eager selective fell back to
+    recomputing every candidate), its choice is lowered class by class, and the status says both."""
+    import graph_trainer.passes.budget as budget
+    from graph_trainer.job_config.schema import ActivationCheckpointConfig
+    from graph_trainer.passes.budget import DeepModel
+    from graph_trainer.passes.remat_model import Solution, solve
+
+    model = _six_blocks()
+    deep = DeepModel(model, candidate_keys(model.candidates, 4, 0), 0, 6, 0)
+    every = list(model.candidates)
+
+    def stopped_whole(m, budget_bytes, *, time_limit_s, fixed=None):
+        if fixed is None:  # the whole solve: stopped with the fallback choice
+            status = "Time limit reached; every candidate recomputed, the solver having found no choice"
+            return Solution(every, m.peak(every), m.recompute_flops(every), 0.1, status)
+        return solve(m, budget_bytes, time_limit_s=time_limit_s, fixed=fixed)
+
+    monkeypatch.setattr(budget, "solve", stopped_whole)
+    ac = ActivationCheckpointConfig(mode="budget", memory_budget=0.9)
+    choice = budget.solve_in_depth(deep, ac)
+    assert not choice.optimal and choice.peak_bytes <= choice.target_bytes
+    assert choice.recompute_flops < model.recompute_flops(every), choice
+    assert "every candidate recomputed" in choice.status and "by block class" in choice.status
