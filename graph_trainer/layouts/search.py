@@ -246,18 +246,18 @@ def candidates(
             acc = per_rank // lb
             degrees = layout.canonical({**mesh_degrees, **carved})
             for options in layout.option_choices(dict(degrees), acc, offered or {}):
-                base = Candidate(degrees, ac_modes[0], lb, chunks[0], optimizer_in_graph[0], acc,
-                                 tuple(options.items()))  # fmt: skip
-                key = (degrees, acc > 1, base.options)
-                if key not in verdicts:
-                    verdicts[key] = trainer_refuses(cfg, base)
-                if verdicts[key]:
-                    what = f"{base.layout()}{' with accumulation' if acc > 1 else ''}: {verdicts[key]}"
-                    space.refused[what] = space.refused.get(what, 0) + 1
-                    continue
                 for mode, chunk, in_graph in itertools.product(ac_modes, chunks, optimizer_in_graph):
-                    space.cands.append(dataclasses.replace(base, ac_mode=mode, loss_chunk_size=chunk,
-                                                           trace_optimizer=in_graph))  # fmt: skip
+                    cand = Candidate(degrees, mode, lb, chunk, in_graph, acc, tuple(options.items()))
+                    # The AC mode and the update's placement are part of the verdict: the trainer refuses the
+                    # budget mode beside FSDP's prefetch, and a size budget beside an eager update.
+                    key = (degrees, acc > 1, cand.options, mode, in_graph)
+                    if key not in verdicts:
+                        verdicts[key] = trainer_refuses(cfg, cand)
+                    if verdicts[key]:
+                        what = f"{cand.layout()}{' with accumulation' if acc > 1 else ''}: {verdicts[key]}"
+                        space.refused[what] = space.refused.get(what, 0) + 1
+                        continue
+                    space.cands.append(cand)
     return space
 
 

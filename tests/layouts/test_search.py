@@ -274,3 +274,25 @@ def test_a_search_whose_candidates_are_all_refused_says_why_in_one_line(capsys, 
     assert main([*argv, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no candidate could be planned" in err and "memory_budget 0.01 is infeasible" in err
+
+
+def test_the_gate_runs_at_every_ac_mode_and_update_placement():
+    """The trainer refuses AC budget beside FSDP's prefetch, and a size budget beside an eager update. The search's
+    gate runs per AC mode and update placement, so every candidate it proposes is one the trainer takes, and the
+    rest are counted refused in the trainer's words. (It ran at the first mode only, and the 8B on 8 search with
+    budget among its modes ranked dp_shard 8 under AC budget with the prefetch on: a plan the trainer refuses.)"""
+    from graph_trainer.layouts.cluster import build_cluster
+    from graph_trainer.layouts.cost_model import PREFETCH
+
+    cluster = build_cluster("h100-80gb", 8, 8, {})
+    for size in ([], ["--activation_checkpoint.memory_budget", "70GiB"]):
+        cfg, _ = load_config(["--config", "llama3_8b", *size])
+        found, _ = search.layouts(cfg, cluster)
+        space = search.candidates(cfg, found, 8, ("none", "budget"), (1024,), (False, True), {PREFETCH: (True, False)})
+        budget = [c for c in space.cands if c.ac_mode == "budget"]
+        assert budget and all(search.trainer_refuses(cfg, c) is None for c in space.cands)
+        sharded = [c for c in budget if dict(c.degrees).get("dp_shard", 1) > 1]
+        assert sharded and not any(dict(c.options).get(PREFETCH) for c in sharded)
+        assert any("mode budget" in what for what in space.refused)
+        if size:  # the whole step's peak: only with the update in the graph
+            assert all(c.trace_optimizer for c in budget) and any(not c.trace_optimizer for c in space.cands)
