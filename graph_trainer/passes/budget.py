@@ -77,7 +77,8 @@ logger = get_logger(__name__)
 # Seconds the solver may take per trace, a safety net behind its node limit (`remat_model.NODE_LIMIT`). Past
 # either, the best choice found is used and the log line says it is not proven optimal, with HiGHS's gap. Since
 # ops that cost FLOPs became choices, debug models of 4 and 6 blocks stop here, unproven, with the narrower space's
-# FLOPs (docs/passes_and_memory.md, the solve-time table); those choices depend on the machine's speed.
+# FLOPs (docs/passes_and_memory.md, the solve-time table); those choices depend on the machine's speed. A deep
+# model's unproven choice then gets as long again to be lowered block class by block class (`descend`).
 SOLVE_TIME_LIMIT_S = 60.0
 # The block-class descent's time (`descend`) in `lowest_peak_in_depth`, in its solves' time limits: room for two
 # rounds of three classes at the 8B and 16B widths, whose class solves settle in 2-26 s of a 30 s limit.
@@ -395,7 +396,7 @@ def descend(
     Why: at the widths of Llama-3 8B and DeepSeek-V3 16B no solve of the whole deep model settles in 30 s, so its
     answer is whatever HiGHS happened to find; one class's solve with the others held settles in 2-26 s, and is
     then the best choice of that class given the others. On the 16B at selective AC's FLOPs, from selective's
-    choice, three such solves took the peak from 0.873 of eager selective to 0.686, where the whole model's
+    choice, two rounds of such solves took the peak from 0.873 of eager selective to 0.686, where the whole model's
     bisection had stopped at 0.818 (docs/passes_and_memory.md). The answer is a local optimum, not a proven one:
     its `optimal` stays `start`'s, and the note returned beside it says whether every class's last solve was
     proven."""
