@@ -82,7 +82,7 @@ logger = get_logger(__name__)
 SOLVE_TIME_LIMIT_S = 60.0
 # The block-class descent's time (`descend`) in `lowest_peak_in_depth`, in its solves' time limits: room for two
 # rounds of three classes at the 8B and 16B widths, whose class solves settle in 2-26 s of a 30 s limit.
-DESCENT_ROUNDS = 6
+DESCENT_SOLVES = 6
 
 
 def backward_storages(gm: torch.fx.GraphModule) -> set[int]:
@@ -463,7 +463,7 @@ def lowest_peak_in_depth(
 
     notes = []
     if best.recompute:  # a known choice: lowered class by class first, so the bisection starts below it
-        descended, note = descend(deep, best, lower_peak, better, DESCENT_ROUNDS * time_limit_s)
+        descended, note = descend(deep, best, lower_peak, better, DESCENT_SOLVES * time_limit_s)
         notes.append(f"the known choice {'lowered' if descended.peak_bytes < best.peak_bytes else 'kept'} {note}")
         best = descended
     low, high, proven, floor, bisected = 0, best.peak_bytes, True, 0, best
@@ -490,7 +490,7 @@ def lowest_peak_in_depth(
         if direct.optimal:  # that solve proved its peak the lowest: so is the answer's, which is no higher
             proven, notes = True, ["optimal: the lowest peak's own solve proved it"]
     if not proven and best is not bisected and best.recompute:  # a new choice: lowered class by class too
-        best, note = descend(deep, best, lower_peak, better, DESCENT_ROUNDS * time_limit_s)
+        best, note = descend(deep, best, lower_peak, better, DESCENT_SOLVES * time_limit_s)
         notes.append(f"then lowered {note}")
     status = "; ".join(notes)
     found = dataclasses.replace(best, solve_s=time.perf_counter() - start, status=status, optimal=proven)
