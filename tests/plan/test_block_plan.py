@@ -21,7 +21,9 @@ from graph_trainer.plan.step_plan import AC_MODES, StepPlan
 
 EXACT = ("none", "selective", "full")
 # The budget's recompute FLOPs (one choice per block class, `passes/budget_depth.py`) against the whole graph's
-# per-op optimum: at most 1% more, the bound. Measured: equal at 8 debug blocks (0.00%).
+# per-op optimum: at most 1% more, the bound. Run on the 8B dims only: at 8 debug blocks the per-op solve
+# stops at its 60 s limit unproven (gap 47%, measured 2026-11-30; it found the same 2.282 GFLOP as ours), so it is
+# no optimum there and cost the unit suite 64 s. Optimality is proven against enumeration in test_remat_model.py.
 OPTIMUM_BOUND = 0.01
 DEBUG = ["--config", "llama3_debug", "--training.seq_len", "128", "--training.local_batch_size", "2"]
 # A shape whose activations dominate the step, so that the default budget (0.5) is feasible and recomputes.
@@ -92,7 +94,7 @@ def _check_budget(args: list[str], layers: int, traced: int, fast: dict, full: d
 
 
 def test_depth_free_plan_equals_the_full_trace_debug_8_blocks():
-    _check(BUDGET, 8)
+    _check(BUDGET, 8, optimum=False)
 
 
 @pytest.mark.integration

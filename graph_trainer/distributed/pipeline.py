@@ -1,0 +1,423 @@
+"""Pipeline parallelism: the traced micro-step cut into stages by block, run under torch's pipeline schedules.
+
+The step is traced once, whole, as one micro-batch's graph (`trace_step`'s "micro" part: forward, loss, backward,
+each gradient added into its accumulator), and the memory policy's passes run on it as for any step. Then
+`cut_stages` cuts that graph into each stage's forward graph and backward graph, by the block every node is
+tagged with: stage s runs blocks [s * L / pp, (s + 1) * L / pp); the embedding goes with the first stage, the
+norm, output and loss with the last. What crosses a cut is found from the graph's edges, not assumed:
+
+- stage s's forward sends the activation stage s + 1 reads (the residual stream), and its backward receives
+  that activation's gradient from stage s + 1's backward;
+- what stage s's backward reads of its own forward is what it saves (the memory policy's decision, since the
+  policy ran on the whole graph before the cut: recomputed ops sit in the backward graph);
+- an op outside the blocks that reads only the step's inputs (RoPE's table cut to the sequence) runs in every
+  stage that reads it, rather than being sent;
+- any other edge (a parameter read by two stages, as tied embeddings are; an activation skipping a stage) is
+  refused, naming the op.
+
+`GraphStage` is the `nn.Module` torch's `PipelineStage` drives: its forward runs the stage's forward graph inside
+an autograd function whose backward runs the stage's backward graph, so torch's own schedules (`ScheduleGPipe`,
+`Schedule1F1B`) order the micro-batches and move activations and gradients between ranks by point-to-point
+sends. The graphs run ops the whole graph runs, in the same order per stage, and each backward adds into the
+accumulators in micro-batch order, so the gradients are bitwise those of one process accumulating the same
+micro-batches (tests/distributed/test_pipeline.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from graph_trainer.errors import UserError
+from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.capture import InputLayout, batch_tensors
+
+# torchtitan's schedule names that run today, and the torch class that runs each.
+SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
+# torchtitan's names this trainer accepts as options but does not run yet (several stages per rank).
+NOT_YET = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+def stage_blocks(n_layers: int, pp: int) -> list[range]:
+    """The blocks each of `pp` stages runs, in order, the same number each.
+
+    Raises:
+        UserError: `pp` does not divide the model's layers, or leaves a stage without a block.
+    """
+    if pp > n_layers or n_layers % pp:
+        raise UserError(
+            f"parallelism.pp = {pp} does not divide model.n_layers = {n_layers}: each stage runs the same number of "
+            "blocks; pick a pp that divides the layers"
+        )
+    per = n_layers // pp
+    return [range(s * per, (s + 1) * per) for s in range(pp)]
+
+
+def micro_batch_count(local_batch_size: int, microbatch_size: int, pp: int, schedule: str) -> int:
+    """How many micro-batches a step's local batch makes (local_batch_size / pp_microbatch_size, as torchtitan
+    cuts it).
+
+    Raises:
+        UserError: a schedule not run yet, a micro-batch size that does not divide the local batch, or fewer
+            micro-batches than stages under 1F1B (torch's schedule needs one in flight per stage).
+    """
+    if schedule in NOT_YET:
+        raise UserError(
+            f"parallelism.pp_schedule = {schedule} (several stages per rank) is not supported yet: use one of "
+            f"{', '.join(SCHEDULES)}"
+        )
+    if schedule not in SCHEDULES:
+        raise UserError(f"parallelism.pp_schedule = {schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
+    if microbatch_size < 1 or local_batch_size % microbatch_size:
+        raise UserError(
+            f"parallelism.pp_microbatch_size = {microbatch_size} does not divide training.local_batch_size = "
+            f"{local_batch_size}: the local batch is cut into equal micro-batches; pick a size that divides it"
+        )
+    count = local_batch_size // microbatch_size
+    if schedule == "1F1B" and count < pp:
+        raise UserError(
+            f"parallelism.pp_schedule = 1F1B needs at least pp = {pp} micro-batches and gets {count} "
+            f"(training.local_batch_size {local_batch_size} / parallelism.pp_microbatch_size {microbatch_size}); "
+            "lower pp_microbatch_size or raise local_batch_size"
+        )
+    return count
+
+
+# Where a stage graph's input comes from: ("step", i) the whole graph's i-th input (a parameter, buffer, batch
+# tensor or accumulator), ("recv", j) the j-th activation from the stage before, ("saved", k) the k-th tensor its
+# own forward saved, ("grad", j) the gradient of its j-th sent activation, from the stage after.
+Source = tuple[str, int]
+
+
+@dataclasses.dataclass
+class StageGraphs:
+    """One stage cut from the micro-step graph: its forward graph (-> the activations it sends, or the loss on the
+    last stage, then what its backward reads) and its backward graph (-> the gradients of what it received)."""
+
+    index: int
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    forward_inputs: list[Source]
+    backward_inputs: list[Source]
+    sent: list[torch.Tensor]  # fake tensors shaped as what the forward sends (the loss on the last stage)
+    received: list[torch.Tensor]  # ... as what it receives (none on the first stage)
+    parameters: list[str]  # the parameters it reads (this stage's, no other stage reads them)
+
+    @property
+    def n_sent(self) -> int:
+        return len(self.sent)
+
+
+def cut_stages(gm: fx.GraphModule, layout: InputLayout, n_layers: int, pp: int) -> list[StageGraphs]:
+    """The micro-step graph `gm` (inputs laid out as `layout`, output [loss]) cut into `pp` stages of
+    `stage_blocks(n_layers, pp)` (see the module's docstring for what goes where).
+
+    Raises:
+        UserError: an edge the cut cannot carry (a parameter read by two stages, an activation that skips a stage,
+            more than one activation between two stages), said with the op that makes it.
+    """
+    blocks = stage_blocks(n_layers, pp)
+    per = len(blocks[0])
+    nodes = list(gm.graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    first_backward = next(i for i, n in enumerate(nodes) if node_meta.is_backward(n))
+    # (stage, in the backward) of each op; None for an op free to run anywhere (reads only the step's inputs).
+    where: dict[fx.Node, tuple[int, bool] | None] = {n: None for n in inputs}
+    for pos, n in enumerate(nodes):
+        if n.op in ("placeholder", "output"):
+            continue
+        backward, layer = pos >= first_backward, node_meta.layer_id(n)
+        stages = {where[a][0] for a in n.all_input_nodes if where[a] is not None}
+        if layer is not None:
+            stage = layer // per
+        elif stages:
+            # Activations flow up the stages in the forward and gradients down them in the backward: an op outside
+            # the blocks runs where the last of its inputs is made (the loss after the last block, a gradient sum
+            # in the stage that makes its terms).
+            stage = min(stages) if backward else max(stages)
+        else:
+            if node_meta.is_random(n) or node_meta.written_input(n) is not None:
+                raise UserError(f"cannot cut the step into pipeline stages: {n.name} ({n.target}) draws random numbers "
+                                "or writes its input outside every block; keep such ops inside a block")  # fmt: skip
+            where[n] = None
+            continue
+        where[n] = (stage, backward)
+    loss = gm.graph.find_nodes(op="output")[0].args[0][0]
+    if where.get(loss) != (pp - 1, False):
+        raise UserError(f"cannot cut the step into pipeline stages: the loss ({loss.name}) is not made by the last "
+                        "stage's forward")  # fmt: skip
+    parts: dict[tuple[int, bool], list[fx.Node]] = {(s, b): [] for s in range(pp) for b in (False, True)}
+    for n in nodes:
+        if where.get(n) is not None:
+            parts[where[n]].append(n)
+    trainable = {i: name for i, name in enumerate(layout.param_names) if name in set(layout.grad_names)}
+    return _Cutter(gm, inputs, where, parts, pp, loss, trainable).stages()
+
+
+class _Cutter:
+    """Builds each stage's two graphs from the ops `cut_stages` placed (see there)."""
+
+    def __init__(self, gm, inputs, where, parts, pp, loss, trainable):
+        self.gm, self.where, self.parts, self.pp, self.loss = gm, where, parts, pp, loss
+        self.trainable = trainable  # the trained parameters' names by their input index
+        self.input_index = {n: i for i, n in enumerate(inputs)}
+        # The activations each cut carries forward, and the gradients it carries back (in graph order).
+        self.sent: list[list[fx.Node]] = [[] for _ in range(pp)]
+        self.grads_back: list[list[fx.Node]] = [[] for _ in range(pp)]
+        self.saved: list[list[fx.Node]] = [[] for _ in range(pp)]
+        self.reads: list[set[fx.Node]] = [set() for _ in range(pp)]  # the step inputs each stage reads
+        self._find_crossings()
+
+    def _find_crossings(self) -> None:
+        for (stage, backward), ops in self.parts.items():
+            for n in ops:
+                for a in self._reads_of(n):
+                    if a in self.input_index:
+                        self.reads[stage].add(a)
+                        continue
+                    src_stage, src_backward = self.where[a]
+                    if (src_stage, src_backward) == (stage, backward):
+                        continue
+                    if not src_backward and src_stage == stage - 1:  # an activation from the stage before
+                        _add(self.sent[src_stage], a)
+                        if backward:  # its backward reads it too: the forward that received it saves it
+                            _add(self.saved[stage], a)
+                    elif backward and not src_backward and src_stage == stage:
+                        _add(self.saved[stage], a)
+                    elif backward and src_backward and src_stage == stage + 1:
+                        _add(self.grads_back[stage], a)
+                    else:
+                        raise UserError(
+                            f"cannot cut the step into pipeline stages: {n.name} ({n.target}, stage {stage} "
+                            f"{'backward' if backward else 'forward'}) reads {a.name} from stage {src_stage}'s "
+                            f"{'backward' if src_backward else 'forward'}; only the next stage's activations and "
+                            "the previous stage's gradients can cross"
+                        )
+        owners: dict[fx.Node, int] = {}
+        for s, read in enumerate(self.reads):
+            for a in read:
+                name = self.trainable.get(self.input_index[a])
+                if name is not None and a in owners:
+                    raise UserError(
+                        f"cannot cut the step into pipeline stages: parameter {name} is read by stages {owners[a]} "
+                        f"and {s} (tied embeddings?); untie them (model.tie_embeddings = false) or run without "
+                        "pipeline parallelism"
+                    )
+                owners[a] = s
+        for s in range(self.pp - 1):
+            if len(self.sent[s]) != 1 or len(self.grads_back[s]) != 1:
+                raise UserError(
+                    f"cannot cut the step into pipeline stages: the cut after stage {s} carries "
+                    f"{len(self.sent[s])} activations forward and {len(self.grads_back[s])} gradients back, where "
+                    "one of each (the residual stream) is expected"
+                )
+
+    def _reads_of(self, n: fx.Node) -> list[fx.Node]:
+        """What `n` reads, with every free op it reads replaced by what that op reads (copied into the stage)."""
+        out = []
+        for a in n.all_input_nodes:
+            out.extend([a] if self.where.get(a) is not None or a in self.input_index else self._reads_of(a))
+        return out
+
+    def stages(self) -> list[StageGraphs]:
+        result = []
+        for s in range(self.pp):
+            received = [("recv", j, a) for j, a in enumerate(self.sent[s - 1])] if s else []
+            fwd_out = [self.loss] if s == self.pp - 1 else self.sent[s]
+            forward, fwd_sources = self._graph(self.parts[(s, False)], received, [*fwd_out, *self.saved[s]])
+            saved = [("saved", k, a) for k, a in enumerate(self.saved[s])]
+            grads = [("grad", 0, self.grads_back[s][0])] if s < self.pp - 1 else []
+            back_out = self.grads_back[s - 1] if s else []
+            backward, bwd_sources = self._graph(self.parts[(s, True)], [*saved, *grads], back_out)
+            trained = sorted(self.input_index[a] for a in self.reads[s] if self.input_index[a] in self.trainable)
+            result.append(
+                StageGraphs(
+                    s, forward, backward, fwd_sources, bwd_sources,
+                    sent=[n.meta["val"] for n in fwd_out],
+                    received=[a.meta["val"] for _, _, a in received],
+                    parameters=[self.trainable[i] for i in trained],
+                )
+            )  # fmt: skip
+        return result
+
+    def _graph(
+        self, ops: list[fx.Node], given: list[tuple[str, int, fx.Node]], outputs: Sequence[fx.Node]
+    ) -> tuple[fx.GraphModule, list[Source]]:
+        """A graph of `ops` (with the free ops they read copied in, in graph order) whose inputs are `given` and the
+        step inputs they read, returning `outputs`."""
+        graph, env, sources = fx.Graph(), {}, []
+        for kind, j, a in given:
+            env[a] = graph.placeholder(f"{kind}_{j}")
+            sources.append((kind, j))
+        wanted = set(ops) | {a for n in [*ops, *outputs] for a in self._free_closure(n)}
+        for n in self.gm.graph.nodes:
+            if n not in wanted or n in env:
+                continue
+            for a in n.all_input_nodes:
+                if a in self.input_index and a not in env:
+                    env[a] = graph.placeholder(a.name)
+                    sources.append(("step", self.input_index[a]))
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        graph.output(tuple(env[o] for o in outputs))
+        return fx.GraphModule(self.gm, graph), sources
+
+    def _free_closure(self, n: fx.Node) -> set[fx.Node]:
+        out = set()
+        for a in n.all_input_nodes:
+            if a not in self.input_index and self.where.get(a) is None:
+                out |= {a, *self._free_closure(a)}
+        return out
+
+
+def _add(values: list[fx.Node], node: fx.Node) -> None:
+    if node not in values:
+        values.append(node)
+
+
+class _RunStage(torch.autograd.Function):
+    """A stage's forward graph as an autograd op whose backward is the stage's backward graph."""
+
+    @staticmethod
+    def forward(ctx, stage: GraphStage, micro: int, anchor: torch.Tensor, *received: torch.Tensor):
+        stage.count("forward", micro)
+        out = stage.run(stage.graphs.forward, stage.graphs.forward_inputs, micro, received=received)
+        ctx.stage, ctx.micro, ctx.saved = stage, micro, out[stage.graphs.n_sent :]
+        sent = out[: stage.graphs.n_sent]
+        return sent[0] if len(sent) == 1 else tuple(sent)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        stage, saved = ctx.stage, ctx.saved
+        stage.count("backward", ctx.micro)
+        ctx.saved = None  # what the forward saved dies with this micro-batch's backward
+        # The last stage's graph starts its backward from the loss itself (autograd's seed of 1 is not read).
+        given = grads if not stage.is_last else ()
+        out = stage.run(stage.graphs.backward, stage.graphs.backward_inputs, ctx.micro, saved=saved, grads=given)
+        return (None, None, None, *out)
+
+
+class GraphStage(nn.Module):
+    """The `nn.Module` torch's `PipelineStage` runs for one stage: `forward(*received, micro=index)` runs the stage's
+    graphs on micro-batch `micro` of the step (`begin_step` gives them) and the step inputs `feed` returns by their
+    index in the whole graph (parameters, buffers, the micro-batch's tensors, the gradient accumulators)."""
+
+    def __init__(self, graphs: StageGraphs, num_stages: int, feed: Callable[[int, dict[str, Any]], torch.Tensor]):
+        super().__init__()
+        self.graphs, self.num_stages, self.feed = graphs, num_stages, feed
+        self.micro_batches: list[dict[str, Any]] = []
+        self._ran: set[tuple[str, int]] = set()  # the passes run this step (see `count`)
+        # Makes each stage's output need a gradient, so autograd runs its backward graph (the first stage reads no
+        # activation that needs one).
+        self.anchor = torch.zeros((), requires_grad=True)
+
+    @property
+    def is_last(self) -> bool:
+        return self.graphs.index == self.num_stages - 1
+
+    def begin_step(self, micro_batches: list[dict[str, Any]]) -> None:
+        self.micro_batches = micro_batches
+        self._ran = set()
+
+    def count(self, what: str, micro: int) -> None:
+        """Refuse a second forward or backward of one micro-batch in a step: the backward adds into the
+        accumulators, so a pass run twice (torch's runtime shape inference runs one when a stage's shapes are not
+        given) would double its gradients silently."""
+        if (what, micro) in self._ran:
+            raise RuntimeError(f"pipeline stage {self.graphs.index} ran the {what} of micro-batch {micro} twice")
+        self._ran.add((what, micro))
+
+    def forward(self, *received: torch.Tensor, micro: torch.Tensor) -> Any:
+        return _RunStage.apply(self, int(micro), self.anchor, *received)
+
+    def run(
+        self,
+        gm: fx.GraphModule,
+        sources: list[Source],
+        micro: int,
+        *,
+        received: Sequence[torch.Tensor] = (),
+        saved: Sequence[torch.Tensor] = (),
+        grads: Sequence[torch.Tensor] = (),
+    ) -> list[torch.Tensor]:
+        given = {"recv": received, "saved": saved, "grad": grads}
+        batch = self.micro_batches[micro]
+        args = [self.feed(j, batch) if kind == "step" else given[kind][j] for kind, j in sources]
+        with torch.no_grad():
+            return list(gm(*args))
+
+
+def the_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
+    """The schedule's loss function: the last stage's graph already ends in the loss (each micro-batch's share of
+    the step's mean over its counted tokens), so the schedule's target is not read."""
+    return output
+
+
+def build_schedule(stage: GraphStage, schedule: str, n_micro: int, group: Any, device: torch.device) -> Any:
+    """torch's `PipelineStage` around `stage` on `group` (the pp ranks), under torch's `schedule`
+    (`SCHEDULES`) for `n_micro` micro-batches a step.
+
+    Every shape is given (the activations each stage receives and sends, from the trace), so torch runs no
+    forward or backward of its own to infer them; gradients are not scaled by the micro-batch count, since each
+    micro-batch's loss is already its share of the step's mean."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    def like(values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(v.shape, dtype=v.dtype, device=device, requires_grad=True) for v in values)
+
+    graphs = stage.graphs
+    torch_stage = PipelineStage(
+        stage, graphs.index, stage.num_stages, device,
+        input_args=like(graphs.received), output_args=like(graphs.sent), group=group,
+    )  # fmt: skip
+    return getattr(schedules, SCHEDULES[schedule])(torch_stage, n_micro, loss_fn=the_loss, scale_grads=False)
+
+
+def run_schedule(schedule: Any, stage: GraphStage, micro_batches: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """One step's micro-batches through `schedule` (`build_schedule`); each stage's backward adds into the
+    accumulators its `feed` returns. The micro-batches' losses, in order, on the last stage ([] elsewhere)."""
+    stage.begin_step(micro_batches)
+    index = torch.arange(len(micro_batches))  # torch's schedule cuts it into one index per micro-batch
+    losses: list[torch.Tensor] = []
+    schedule.step(micro=index, target=index if stage.is_last else None, losses=losses, return_outputs=False)
+    return [loss.detach() for loss in losses]
+
+
+def step_inputs(
+    layout: InputLayout, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], accums: list
+) -> Callable[[int, dict[str, Any]], torch.Tensor]:
+    """`GraphStage`'s feed: the whole micro-step graph's i-th input, from the live parameters and buffers (by name),
+    the micro-batch, and the accumulators (`accums`, one per trainable parameter, a list the caller refills)."""
+    n_params, n_buffers, n_batch = len(layout.param_names), len(layout.buffer_names), layout.num_batch
+
+    def feed(i: int, batch: dict[str, Any]) -> torch.Tensor:
+        if i < n_params:
+            return params[layout.param_names[i]]
+        i -= n_params
+        if i < n_buffers:
+            return buffers[layout.buffer_names[i]]
+        i -= n_buffers
+        if i < n_batch:
+            return batch_tensors(batch)[i]
+        return accums[i - n_batch - layout.num_opt_state - layout.num_scalars]
+
+    return feed
+
+
+__all__ = [
+    "NOT_YET",
+    "SCHEDULES",
+    "GraphStage",
+    "StageGraphs",
+    "build_schedule",
+    "cut_stages",
+    "micro_batch_count",
+    "run_schedule",
+    "stage_blocks",
+    "step_inputs",
+    "the_loss",
+]

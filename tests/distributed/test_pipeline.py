@@ -1,0 +1,166 @@
+"""Pipeline parallelism's stages (graph_trainer/distributed/pipeline.py): cut from the one traced micro-step by block
+tags, run under torch's own schedules, bitwise equal to one process accumulating the same micro-batches.
+
+The reference is what an accumulated step runs (`GraphStep._accumulated`): the whole micro-step graph on each
+micro-batch in order, adding into zeroed accumulators. Six blocks, so that every stage holds more than one block
+(asserted), and 4 micro-batches whose counted tokens differ (a share of the labels masked) so that each micro-batch's
+loss is its share of the step's mean, as DECISIONS.md's token rule asks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from graph_trainer.builder import build_job
+from graph_trainer.distributed.mesh import ParallelDims, build_mesh
+from graph_trainer.distributed.pipeline import (
+    GraphStage,
+    build_schedule,
+    cut_stages,
+    micro_batch_count,
+    run_schedule,
+    stage_blocks,
+    step_inputs,
+)
+from graph_trainer.errors import UserError
+from graph_trainer.job_config.cli import load_config
+from graph_trainer.loss import IGNORE_INDEX
+from graph_trainer.step import micro_batches
+from graph_trainer.tracer import node_meta
+from tests.multiprocess import free_port, spawn_ranks
+
+LAYERS, MICRO = 6, 4
+# Accumulation of 4 micro-batches of 2 sequences: the micro-step graph the stages are cut from.
+ARGS = ["--config", "llama3_debug", "--model.n_layers", str(LAYERS), "--training.seq_len", "32"]
+ARGS += ["--training.local_batch_size", "2", "--training.global_batch_size", str(2 * MICRO)]
+
+
+def _traced(ac: str = "none", extra: tuple[str, ...] = ()) -> dict:
+    """The 6-block debug model's micro-step graph (AC `ac`), its micro-batches and the reference accumulation."""
+    cfg, _ = load_config([*ARGS, "--activation_checkpoint.mode", ac, *extra])
+    torch.manual_seed(0)
+    job = build_job(cfg, build_mesh(ParallelDims(), 0, torch.device("cpu")))
+    step = job.graph_step(optimizer_update=False)
+    gen = torch.Generator().manual_seed(1)
+    vocab = job.model.args.vocab_size
+    labels = torch.randint(0, vocab, (8, 32), generator=gen)
+    labels[:2, 5:] = IGNORE_INDEX  # the first micro-batch counts far fewer tokens than the others
+    micro = micro_batches({"input": torch.randint(0, vocab, (8, 32), generator=gen), "labels": labels}, MICRO)
+    traced = step.ensure_traced(micro[0])
+    params, buffers = dict(job.model.named_parameters()), dict(job.model.named_buffers())
+    accums = [torch.zeros_like(params[n]) for n in traced.layout.grad_names]
+    losses = [traced.run(step.flat_inputs(m, accums, "micro"))[0] for m in micro]
+    return {"traced": traced, "micro": micro, "params": params, "buffers": buffers, "grads": accums, "losses": losses}
+
+
+def _stages(ref: dict, pp: int) -> tuple[list[GraphStage], list[torch.Tensor]]:
+    traced, params = ref["traced"], ref["params"]
+    accums = [torch.zeros_like(params[n]) for n in traced.layout.grad_names]
+    feed = step_inputs(traced.layout, params, ref["buffers"], accums)
+    stages = [GraphStage(g, pp, feed) for g in cut_stages(traced.gm, traced.layout, LAYERS, pp)]
+    for stage in stages:
+        stage.begin_step(ref["micro"])
+    return stages, accums
+
+
+def _blocks_in(stage: GraphStage) -> set[int]:
+    return {node_meta.layer_id(n) for n in stage.graphs.forward.graph.nodes} - {None}
+
+
+@pytest.mark.parametrize("ac", ["none", "selective"])
+@pytest.mark.parametrize("pp", [2, 3])
+def test_the_stages_run_one_after_another_are_the_whole_micro_step_bitwise(pp, ac):
+    """The cut alone, without ranks: each micro-batch through the stages' forwards, then autograd back through
+    their backwards (the order GPipe runs one micro-batch in)."""
+    ref = _traced(ac)
+    stages, accums = _stages(ref, pp)
+    assert [_blocks_in(s) for s in stages] == [set(r) for r in stage_blocks(LAYERS, pp)]  # >1 block each
+    for i in range(MICRO):
+        out: tuple = ()
+        for stage in stages:
+            out = (stage(*out, micro=torch.tensor([i])),)
+        assert torch.equal(out[0], ref["losses"][i]), i
+        out[0].backward()
+    assert all(torch.equal(a, b) for a, b in zip(accums, ref["grads"], strict=True))
+    owned = [set(s.graphs.parameters) for s in stages]
+    assert set().union(*owned) == set(ref["traced"].layout.grad_names) and sum(map(len, owned)) == len(accums)
+
+
+def _schedules_on_ranks(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        ref, result = _traced(), {}
+        for schedule in ("GPipe", "1F1B"):
+            stages, accums = _stages(ref, world)
+            stage = stages[rank]
+            losses = run_schedule(
+                build_schedule(stage, schedule, MICRO, None, torch.device("cpu")), stage, ref["micro"]
+            )
+            names = ref["traced"].layout.grad_names
+            mine = [i for i, n in enumerate(names) if n in set(stage.graphs.parameters)]
+            result[schedule] = {
+                "grads_equal": [torch.equal(accums[i], ref["grads"][i]) for i in mine],
+                "others_untouched": all(not accums[i].any() for i in range(len(names)) if i not in mine),
+                "losses_equal": [torch.equal(a, b) for a, b in zip(losses, ref["losses"], strict=False)],
+                "losses": len(losses),
+            }
+        with open(f"{out}/rank{rank}.json", "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_gpipe_and_1f1b_on_two_ranks_are_one_process_accumulating_bitwise(tmp_path):
+    spawn_ranks(_schedules_on_ranks, 2, (2, free_port(), str(tmp_path)), timeout_s=300)
+    first, last = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for schedule in ("GPipe", "1F1B"):
+        for rank in (first, last):
+            assert rank[schedule]["grads_equal"] and all(rank[schedule]["grads_equal"]), schedule
+            assert rank[schedule]["others_untouched"], schedule
+        assert first[schedule]["losses"] == 0 and last[schedule]["losses"] == MICRO
+        assert all(last[schedule]["losses_equal"]), schedule
+
+
+def test_a_pass_run_twice_in_a_step_is_refused():
+    """torch's runtime shape inference runs a stage's forward and backward once more when its shapes are not all
+    given: each backward adds into the accumulators, so that would double a micro-batch's gradients silently."""
+    ref = _traced()
+    stages, _ = _stages(ref, 2)
+    stages[0](micro=torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="ran the forward of micro-batch 0 twice"):
+        stages[0](micro=torch.tensor([0]))
+
+
+def test_tied_embeddings_are_refused_by_the_cut():
+    ref = _traced(extra=("--model.tie_embeddings", "true"))
+    with pytest.raises(UserError, match="read by stages 0 and 1"):
+        cut_stages(ref["traced"].gm, ref["traced"].layout, LAYERS, 2)
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: stage_blocks(6, 4), "parallelism.pp = 4 does not divide model.n_layers = 6"),
+        (lambda: stage_blocks(6, 12), "does not divide model.n_layers"),
+        (lambda: micro_batch_count(8, 3, 2, "GPipe"), "pp_microbatch_size = 3 does not divide"),
+        (lambda: micro_batch_count(8, 8, 2, "1F1B"), "1F1B needs at least pp = 2 micro-batches and gets 1"),
+        (lambda: micro_batch_count(8, 1, 2, "ZBVZeroBubble"), "is not supported yet"),
+        (lambda: micro_batch_count(8, 1, 2, "Zigzag"), "is unknown"),
+    ],
+)
+def test_pipeline_options_that_cannot_run_are_refused_in_one_line(call, words):
+    with pytest.raises(UserError, match=words) as err:
+        call()
+    assert "\n" not in str(err.value)
+
+
+def test_a_schedule_runs_with_fewer_micro_batches_than_gpipe_needs_none():
+    assert micro_batch_count(8, 2, 2, "GPipe") == 4 and micro_batch_count(8, 8, 2, "GPipe") == 1
