@@ -365,13 +365,18 @@ class Job:
 
         cfg = self.cfg
         optimizer = self.optimizer if optimizer_update else None
-        in_graph = optimizer is not None and optimizer_in_graph(cfg)
-        return GraphStep(
+        # A parallelism that runs the step around the graph (pipeline stages) runs the update too.
+        runs_step = self.parallel.runs_step()
+        in_graph = optimizer is not None and optimizer_in_graph(cfg) and not runs_step
+        accumulation = self._accumulation()
+        if (micro := self.parallel.micro_batches_per_step()) is not None:
+            accumulation["accumulation_steps"] = micro
+        step = GraphStep(
             self.model,
             loss_fn=self.loss_fn,
             max_norm=cfg.training.max_norm,
             optimizer=GraphAdamW(optimizer) if in_graph else None,
-            eager_optimizer=None if in_graph else optimizer,
+            eager_optimizer=None if in_graph or runs_step else optimizer,
             on_shape_change=cfg.compile.on_shape_change,
             transform=step_transform(self, until=until, dump_dir=dump_dir),
             device=self.device,
@@ -379,8 +384,9 @@ class Job:
             grad_reduce=self.parallel.grad_reduce(),
             norm_reduce=self.parallel.norm_reduce(),
             layers=self.spec.parallel_plan.layers,
-            **self._accumulation(),
+            **accumulation,
         )
+        return self.parallel.wrap_step(step, optimizer if runs_step else None, cfg.training.max_norm)
 
 
 def _reusable(cfg: JobConfig) -> bool:

@@ -115,13 +115,15 @@ class Trainer:
         self.dataloader = data.loader
         set_determinism(cfg.training.seed, cfg.training.deterministic, self.device)
         with cli_trace_errors():
-            plan = preflight(cfg, self.mesh)
-        logger.info(
-            f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
-            f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)"
-        )
+            plan = preflight(cfg, self.mesh)  # None: a layout whose plan is not built yet (said)
+        if plan is not None:
+            logger.info(
+                f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
+                f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)"
+            )
         # The job the preflight planned, materialized: from here on a sharded parameter is this rank's part of it.
-        job = build_job(cfg, self.mesh, vocab_needed=data.tokenizer.vocab_size).with_budget_choice(plan.budget_choice)
+        job = build_job(cfg, self.mesh, vocab_needed=data.tokenizer.vocab_size)
+        job = job.with_budget_choice(plan.budget_choice if plan is not None else None)
         self.model, self.parallel = job.model, job.parallel
         self.optimizer, self.scheduler = job.optimizer, job.scheduler
         self.model_args = self.model.args
@@ -137,7 +139,7 @@ class Trainer:
         self.step_fn = job.build_step(
             dump_dir=self.dump_folder / "graphs" if self.rank == 0 else None,
             failure_dir=self.dump_folder / "graphs",
-            planned_graph=plan.step_graph,
+            planned_graph=plan.step_graph if plan is not None else None,
         )
         self.memory = MemoryMonitor(self.device, track=cfg.metrics.track_memory)
         self.validator = None
@@ -286,7 +288,7 @@ class Trainer:
                 loss, grad_norm = self.step_fn(batch)  # the optimizer update included
         self.scheduler.step()
         # The logged loss is the mean over ranks (equal-sized local batches), all-reduced outside the graph.
-        loss_value = self.mesh.global_average(loss).item()  # syncs the device, so the step time below is real
+        loss_value = self.mesh.loss_average(loss).item()  # syncs the device, so the step time below is real
         step_time = time.perf_counter() - start
         tokens = batch["input"].numel() * self.mesh.data_size  # tensor-parallel peers share their batch
         record = {

@@ -30,6 +30,17 @@ def carved() -> tuple[str, ...]:
     return tuple(p.mesh_dim for p in PARALLELISMS if p.carved_from)
 
 
+def searched_dims() -> tuple[str, ...]:
+    """The mesh's dimensions the search offers, outermost first: those whose parallelism's cost it models."""
+    by_dim = _by_dim()
+    return tuple(d for d in DIMS if d not in by_dim or by_dim[d].searched)
+
+
+def unplanned(degrees: Degrees) -> str | None:
+    """Why a job of `degrees` gets no memory plan (a parallelism whose plan is not built: `unplanned`), or None."""
+    return next((p.unplanned for p in PARALLELISMS if p.unplanned and degrees.get(p.mesh_dim, 1) > 1), None)
+
+
 def degree_options() -> tuple[str, ...]:
     """Every degree a layout sets: the mesh's dimensions, outermost first, then the carved ones."""
     return (*DIMS, *carved())

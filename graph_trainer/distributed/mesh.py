@@ -21,9 +21,10 @@ import torch.distributed as dist
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.schema import ParallelismConfig
 
-# Mesh dimensions, outermost first (torchtitan's order): replicas, then shards within a replica, then tensor-
-# parallel peers innermost (adjacent ranks: on a GPU node they talk over the fastest links).
-DIMS = ("dp_replicate", "dp_shard", "tp")
+# Mesh dimensions, outermost first (torchtitan's order): pipeline stages (which may span nodes: they exchange one
+# activation per micro-batch), replicas, then shards within a replica, then tensor-parallel peers innermost
+# (adjacent ranks: on a GPU node they talk over the fastest links).
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 DATA_PARALLEL = ("dp_replicate", "dp_shard")  # the dimensions over which ranks read different data
 # Expert parallelism is carved out of dp_shard, not multiplied into the world: dp_shard = EXPERT_SHARD x ep, and
 # the named "dp_shard" dimension is those two flattened (ep innermost: an ep group is dp_shard's neighbours).
@@ -43,6 +44,7 @@ def ring(dim: str, degrees: Mapping[str, int]) -> tuple[int, int]:
 class ParallelDims:
     """The degree of each parallelism; `world_size` is their product."""
 
+    pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
@@ -67,7 +69,14 @@ class ParallelDims:
                 "parallelism.ep > 1 with parallelism.tp > 1 is not supported yet: use one of them "
                 "(set --parallelism.ep 1 or --parallelism.tp 1)"
             )
-        return cls(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep)
+        others = [f"parallelism.{name} = {getattr(p, name)}" for name in DIMS[1:] if getattr(p, name) > 1]
+        if p.pp > 1 and others:
+            # Stages are cut from one rank's micro-step graph; FSDP, TP and EP inside a stage are not wired yet.
+            raise UserError(
+                f"parallelism.pp > 1 with {', '.join(others)} is not supported yet: pipeline parallelism runs alone "
+                "for now; set the other degrees to 1 or --parallelism.pp 1"
+            )
+        return cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep)
 
     def degrees(self) -> dict[str, int]:
         """Every dimension's degree, outermost first."""
@@ -160,6 +169,17 @@ class Mesh:
         total = t.detach().clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.world_group)
         return total / self.world_size
+
+    def loss_average(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss averaged over the data-parallel ranks, the same on every rank: under pipeline
+        parallelism only the last stage holds it (the others pass zeros, which add nothing). For logging."""
+        if not self.is_distributed:
+            return loss
+        total = loss.detach().clone()
+        if self.coordinate("pp") != self.size("pp") - 1:
+            total.zero_()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.world_group)
+        return total / (self.world_size // self.size("pp"))
 
     def max_over_ranks(self, value: int) -> int:
         """The largest of every rank's `value`, the same answer on every rank (`value` itself for one process).

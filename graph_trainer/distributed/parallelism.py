@@ -111,6 +111,10 @@ class Parallelism:
     # (one degree > 1 stands for every other: the sharded state scales with 1 / degree) or "left_out" (planned at 1,
     # its once-a-step collectives added: `reference_comm`).
     screened_as: str = "itself"
+    searched: bool = True  # whether the search offers its degrees (False until its cost is modelled)
+    # Why no memory plan is made for a job that uses it (the preflight says so and skips; --dry-run refuses), or
+    # "" when its plan is made as every other step's.
+    unplanned: str = ""
     searched_options: tuple[str, ...] = ()  # its [parallelism] options the search may set (`search_options`)
     step_options: tuple[str, ...] = ()  # those of the whole step, not of one micro-batch's plan
 
@@ -177,6 +181,21 @@ class Parallelism:
     def wrap_loss(self, loss_fn: LossFn) -> LossFn:
         """`loss_fn` as it must run under this parallelism."""
         return loss_fn
+
+    def micro_batches_per_step(self) -> int | None:
+        """How many micro-batches this parallelism cuts each local batch into (pipeline parallelism's schedule): the
+        traced graph is then one micro-batch's (`trace_step`'s "micro" part); None when it cuts none."""
+        return None
+
+    def wrap_step(self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float) -> Any:
+        """The training step the job runs around the traced `step` (a `GraphStep`, which then runs no update of
+        its own when this parallelism runs the step: it is given the `optimizer` and the clipping norm). `step`
+        itself for a parallelism that leaves the step to the graph."""
+        return step
+
+    def runs_step(self) -> bool:
+        """Whether `wrap_step` runs the step around the traced graph (then the graph runs no update)."""
+        return False
 
     def grad_reduce(self) -> GradReduce | None:
         """Traced after `autograd.grad`, before clipping: maps the raw gradients to the ones applied."""
@@ -248,6 +267,17 @@ class ParallelModel:
         for part in self.parts:
             loss_fn = part.wrap_loss(loss_fn)
         return loss_fn
+
+    def micro_batches_per_step(self) -> int | None:
+        return next((n for p in self.parts if (n := p.micro_batches_per_step()) is not None), None)
+
+    def runs_step(self) -> bool:
+        return any(p.runs_step() for p in self.parts)
+
+    def wrap_step(self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float) -> Any:
+        for part in self.parts:
+            step = part.wrap_step(step, optimizer, max_norm)
+        return step
 
     def grad_reduce(self) -> GradReduce | None:
         makers = [p for p in self.parts if p.makes_grads()]  # first: the others reduce the gradients they make

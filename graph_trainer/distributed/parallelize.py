@@ -19,6 +19,7 @@ from graph_trainer.distributed.expert_parallel import ExpertParallel
 from graph_trainer.distributed.fsdp import FSDP
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import Parallelism, ParallelModel, parallelize
+from graph_trainer.distributed.pipeline import PipelineParallel
 from graph_trainer.distributed.replicate import Replicate
 from graph_trainer.distributed.tp import TensorParallel
 
@@ -30,7 +31,15 @@ from graph_trainer.distributed.tp import TensorParallel
 # top of TP does; its reduce-scatters run in the backward, before any gradient hook). The norm hooks chain in this
 # order too: TP's counts its replicated gradients once on this rank's FSDP shards, before FSDP sums over dp_shard.
 # The MoE balancing counts are summed over whichever data-parallel dimension is used.
-PARALLELISMS: tuple[type[Parallelism], ...] = (ExpertParallel, Replicate, TensorParallel, FSDP, ExpertBalance)
+# Pipeline parallelism changes no parameter (a rank runs its stage's part of the traced step): it is listed first.
+PARALLELISMS: tuple[type[Parallelism], ...] = (
+    PipelineParallel,
+    ExpertParallel,
+    Replicate,
+    TensorParallel,
+    FSDP,
+    ExpertBalance,
+)
 
 
 def parallelize_model(model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> ParallelModel:

@@ -30,12 +30,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from graph_trainer.distributed.mesh import Mesh
+from graph_trainer.distributed.parallelism import Parallelism
 from graph_trainer.errors import UserError
+from graph_trainer.optimizer.clip import grad_norms, scale_to_norm_
+from graph_trainer.step import StepOutput, StepReport, micro_batches, sum_losses
 from graph_trainer.tracer import node_meta
-from graph_trainer.tracer.capture import InputLayout, batch_tensors
+from graph_trainer.tracer.capture import InputLayout, TracedStep, batch_tensors
 
 # torchtitan's schedule names that run today, and the torch class that runs each.
 SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
@@ -79,6 +84,13 @@ def micro_batch_count(local_batch_size: int, microbatch_size: int, pp: int, sche
             f"{local_batch_size}: the local batch is cut into equal micro-batches; pick a size that divides it"
         )
     count = local_batch_size // microbatch_size
+    if count < 2:
+        # One micro-batch runs the stages one after another with nothing to overlap (and the step would be traced
+        # whole, not as the micro-step the stages are cut from).
+        raise UserError(
+            f"parallelism.pp_microbatch_size = {microbatch_size} makes one micro-batch of training.local_batch_size "
+            f"= {local_batch_size}: a pipeline needs at least 2; lower pp_microbatch_size"
+        )
     if schedule == "1F1B" and count < pp:
         raise UserError(
             f"parallelism.pp_schedule = 1F1B needs at least pp = {pp} micro-batches and gets {count} "
@@ -408,10 +420,169 @@ def step_inputs(
     return feed
 
 
+class PipelinedStep:
+    """The training step of one pipeline stage (the step protocol, `graph_trainer.step.TrainStep`).
+
+    Each step cuts the local batch into micro-batches, runs them through torch's schedule on this rank's stage of the
+    traced micro-step (`GraphStage`, cut from the graph `graph_step` traces; cut again when it retraces), clips by
+    the norm over every stage's gradients, and updates this stage's parameters (`optimizer` skips the others: they
+    get no gradient). The loss is the last stage's; the other stages return 0 (`Mesh.loss_average` takes the last
+    stage's).
+
+    The clip norm is the one process's to the bit: each stage's per-parameter norms are gathered and reduced in the
+    whole model's order, as `clip_grads_` reduces them, so the clipped gradients and the update are bitwise those
+    of one process accumulating the same micro-batches (tests/distributed/test_pipeline.py).
+    """
+
+    def __init__(
+        self,
+        graph_step: Any,
+        mesh: Mesh,
+        *,
+        n_layers: int,
+        schedule: str,
+        n_micro: int,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+    ):
+        if graph_step.step_update is not None:
+            raise UserError(
+                "parallelism.pp > 1 with a model that updates its buffers once a step (a mixture of experts' "
+                "balancing bias) is not supported yet; run it without pipeline parallelism"
+            )
+        self.graph_step, self.mesh, self.n_layers = graph_step, mesh, n_layers
+        self.schedule_name, self.n_micro = schedule, n_micro
+        self.optimizer, self.max_norm = optimizer, max_norm
+        self.pp, self.index = mesh.size("pp"), mesh.coordinate("pp")
+        self._traced: TracedStep | None = None
+        self._accums: list[torch.Tensor | None] = []  # refilled each step; the stage's feed reads it
+
+    def _cut(self, traced: TracedStep) -> None:
+        """This rank's stage of `traced` and torch's schedule around it; every stage's parameter names."""
+        stages = cut_stages(traced.gm, traced.layout, self.n_layers, self.pp)
+        model = self.graph_step.model
+        feed = step_inputs(traced.layout, dict(model.named_parameters()), dict(model.named_buffers()), self._accums)
+        self.stage = GraphStage(stages[self.index], self.pp, feed)
+        group = self.mesh.group("pp")
+        self.schedule = build_schedule(self.stage, self.schedule_name, self.n_micro, group, self.mesh.device)
+        self.stage_parameters = [s.parameters for s in stages]
+        self._traced = traced
+
+    def __call__(self, batch: Any) -> StepOutput:
+        step = self.graph_step
+        micro = micro_batches(batch, self.n_micro, step.count_reduce)
+        traced = step.ensure_traced(micro[0])
+        if traced is not self._traced:
+            self._cut(traced)
+        params = dict(step.model.named_parameters())
+        mine = self.stage.graphs.parameters
+        self._accums[:] = [torch.zeros_like(params[n]) if n in mine else None for n in traced.layout.grad_names]
+        for name in mine:
+            params[name].grad = None  # as zero_grad(set_to_none=True)
+        losses = run_schedule(self.schedule, self.stage, micro)
+        grads = [a for a in self._accums if a is not None]  # this stage's, in the whole model's order
+        grad_norm = self._clip(traced.layout.grad_names, grads)
+        for name, grad in zip([n for n in traced.layout.grad_names if n in mine], grads, strict=True):
+            params[name].grad = grad
+        self._accums[:] = []
+        if self.optimizer is not None:
+            self.optimizer.step()
+        loss = sum_losses(losses) if losses else torch.zeros((), device=self.mesh.device)
+        return StepOutput(loss, grad_norm)
+
+    def _clip(self, names: tuple[str, ...], grads: list[torch.Tensor]) -> torch.Tensor:
+        """Clip this stage's `grads` by the norm over every stage's, reduced as one process reduces it."""
+        mine = torch.stack(grad_norms(grads))
+        width = max(len(p) for p in self.stage_parameters)
+        padded = torch.zeros(width, dtype=mine.dtype, device=mine.device)
+        padded[: len(mine)] = mine
+        gathered = [torch.empty_like(padded) for _ in range(self.pp)]
+        dist.all_gather(gathered, padded, group=self.mesh.group("pp"))
+        by_name = {
+            n: g[i] for g, names_s in zip(gathered, self.stage_parameters, strict=True) for i, n in enumerate(names_s)
+        }
+        total = torch.linalg.vector_norm(torch.stack([by_name[n] for n in names]), 2.0)
+        scale_to_norm_(grads, total, self.max_norm)
+        return total
+
+    def report(self) -> StepReport:
+        """Trace counts; no estimated peak: the per-stage memory plan is not built yet (docs/pipeline.md)."""
+        s = self.graph_step.stats
+        return StepReport(
+            updates_inside=False, trace_count=s.count, trace_time_s=s.total_time_s, retrace_reasons=list(s.reasons)
+        )
+
+    def graph_nodes(self) -> None:
+        """None: the step is several stage graphs, not one graph with an estimate at each node."""
+        return None
+
+
+class PipelineParallel(Parallelism):
+    """Pipeline parallelism (`parallelism.pp`): each rank runs one stage of the traced micro-step under torch's
+    schedule (`PipelinedStep`). The model is whole on every rank for now; a rank updates only its stage's part."""
+
+    kind = "pp"
+    label = "pipeline"
+    mesh_dim = "pp"
+    searched = False  # the search's cost model has no bubble or stage traffic yet (issue #34, item 7)
+    unplanned = (
+        "pipeline parallelism: the per-stage memory plan is not built yet (docs/pipeline.md), so the preflight "
+        "does not predict this step's peak"
+    )
+
+    def __init__(self, mesh: Mesh, n_layers: int, schedule: str, n_micro: int):
+        self.mesh, self.n_layers, self.schedule, self.n_micro = mesh, n_layers, schedule, n_micro
+
+    @classmethod
+    def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> PipelineParallel | None:
+        """None at pp 1; else the stages' layout, after refusing in one line what cannot run with it yet.
+
+        Raises:
+            UserError: see `stage_blocks`, `micro_batch_count`, and the options refused beside pp.
+        """
+        from graph_trainer.job_config.batching import accumulation_steps
+
+        if mesh.size("pp") == 1:
+            return None
+        p, c = cfg.parallelism, cfg.compile
+        refused = [
+            (c.mode != "trace", "compile.mode eager", "--compile.mode trace"),
+            (c.trace_optimizer, "compile.trace_optimizer", "--compile.trace_optimizer false"),
+            (c.backend != "none", f"compile.backend {c.backend}", "--compile.backend none"),
+            (accumulation_steps(cfg) > 1, "gradient accumulation (its micro-batches are the pipeline's)",
+             "--training.global_batch_size -1"),
+            (cfg.validation.enable, "validation", "--validation.enable false"),
+            (cfg.checkpoint.enable, "checkpoints", "--checkpoint.enable false"),
+        ]  # fmt: skip
+        for bad, what, fix in refused:
+            if bad:
+                raise UserError(
+                    f"parallelism.pp > 1 with {what} is not supported yet; pass {fix} or --parallelism.pp 1"
+                )
+        n_layers = model.args.n_layers
+        stage_blocks(n_layers, mesh.size("pp"))
+        n_micro = micro_batch_count(cfg.training.local_batch_size, p.pp_microbatch_size, p.pp, p.pp_schedule)
+        return cls(mesh, n_layers, p.pp_schedule, n_micro)
+
+    def micro_batches_per_step(self) -> int:
+        return self.n_micro
+
+    def runs_step(self) -> bool:
+        return True
+
+    def wrap_step(self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float) -> PipelinedStep:
+        return PipelinedStep(
+            step, self.mesh, n_layers=self.n_layers, schedule=self.schedule, n_micro=self.n_micro,
+            optimizer=optimizer, max_norm=max_norm,
+        )  # fmt: skip
+
+
 __all__ = [
     "NOT_YET",
     "SCHEDULES",
     "GraphStage",
+    "PipelineParallel",
+    "PipelinedStep",
     "StageGraphs",
     "build_schedule",
     "cut_stages",

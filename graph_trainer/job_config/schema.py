@@ -310,6 +310,28 @@ class ParallelismConfig:
         alias="expert_parallel_degree",
         ge=1,
     )
+    pp: int = _opt(
+        1,
+        "pipeline-parallel degree (processes): the traced micro-step cut into pp stages of model.n_layers / pp "
+        "blocks each, run under torch's pipeline schedules (docs/pipeline.md); stage peers read the same batch; "
+        "not yet combined with the other degrees",
+        alias="pipeline_parallel_degree",
+        ge=1,
+    )
+    pp_schedule: str = _opt(
+        "1F1B",
+        "pp > 1: torch's schedule (torchtitan's names); Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble "
+        "(several stages per rank) are refused until they run",
+        alias="pipeline_parallel_schedule",
+        choices=("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
+    )
+    pp_microbatch_size: int = _opt(
+        1,
+        "pp > 1: sequences per micro-batch; the local batch is cut into local_batch_size / pp_microbatch_size "
+        "micro-batches (1F1B needs at least pp of them)",
+        alias="pipeline_parallel_microbatch_size",
+        ge=1,
+    )
     ep_capacity_factor: float = _opt(
         1.25,
         "ep > 1: rows each rank may send to each other rank, as a multiple of an even share "

@@ -23,7 +23,7 @@ import torch
 
 from graph_trainer.builder import build_model
 from graph_trainer.distributed import layout
-from graph_trainer.distributed.mesh import DIMS, ParallelDims, planning_mesh
+from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.distributed.parallelize import refusal
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args, validate
@@ -39,7 +39,8 @@ from graph_trainer.plan.step_plan import StepPlan
 
 logger = get_logger(__name__)
 
-MESH_DEGREES = DIMS  # the mesh's dimensions, outermost first; those the schema lacks are left out
+# The mesh dimensions whose cost the search models, outermost first; those the schema lacks are left out.
+MESH_DEGREES = layout.searched_dims()
 BYTES_PER_PARAM_STATE = 16  # fp32 parameter + fp32 gradient + AdamW's two fp32 moments
 
 

@@ -19,12 +19,24 @@ def clip_grads_(
     run the same ops in the same order (torch's `clip_grad_norm_` would pick a
     foreach kernel for real tensors but not for fake ones).
     """
-    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
-    total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    total_norm = torch.linalg.vector_norm(torch.stack(grad_norms(grads)), 2.0)
     if norm_reduce is not None:
         total_norm = torch.sqrt(norm_reduce(total_norm * total_norm))
+    scale_to_norm_(grads, total_norm, max_norm)
+    return total_norm
+
+
+def grad_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's L2 norm (0-d tensors): the terms of the global norm, in `grads`' order."""
+    return [torch.linalg.vector_norm(g, 2.0) for g in grads]
+
+
+def scale_to_norm_(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale `grads` in place so that a global norm of `total_norm` becomes at most `max_norm` (<= 0: leave them).
+
+    Pipeline stages call it with the norm over every stage's gradients (their `grad_norms` gathered in the whole
+    model's order and reduced as `clip_grads_` reduces them), so each clips as one process would."""
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef)
-    return total_norm

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from graph_trainer.builder import build_job
+from graph_trainer.distributed.layout import unplanned
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args
@@ -31,12 +32,16 @@ def available_bytes(device: torch.device) -> int:
 
 
 @gc_paused()  # the plan's objects live until it is done: see runtime/gc_pause.py
-def preflight(cfg: JobConfig, mesh: Mesh) -> StepPlan:
-    """This rank's plan of `cfg`'s step; UserError (exit 2) when its predicted peak exceeds the free memory.
+def preflight(cfg: JobConfig, mesh: Mesh) -> StepPlan | None:
+    """This rank's plan of `cfg`'s step; UserError (exit 2) when its predicted peak exceeds the free memory. None,
+    said in one line, for a layout whose plan is not built yet (`layout.unplanned`).
 
     The message gives predicted vs available, the biggest contributors at the peak, and what would fit: a
     smaller batch (activations scale with it) or another activation-checkpointing mode.
     """
+    if (why := unplanned(mesh.dims.degrees())) is not None:
+        (logger.warning if mesh.rank == 0 else logger.debug)(f"preflight skipped: {why}")  # said once
+        return None
     depth = resolve_model_args(cfg).n_layers
     if depth > short_depths(cfg)[-1]:  # deep: the depth-free plan (its graph is not kept)
         mode = cfg.activation_checkpoint.mode

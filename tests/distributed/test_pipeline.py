@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 import os
+import types
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from graph_trainer.builder import build_job
-from graph_trainer.distributed.mesh import ParallelDims, build_mesh
+from graph_trainer.distributed.mesh import Mesh, ParallelDims, build_mesh
 from graph_trainer.distributed.pipeline import (
     GraphStage,
+    PipelineParallel,
     build_schedule,
     cut_stages,
     micro_batch_count,
@@ -32,7 +35,8 @@ from graph_trainer.job_config.cli import load_config
 from graph_trainer.loss import IGNORE_INDEX
 from graph_trainer.step import micro_batches
 from graph_trainer.tracer import node_meta
-from tests.multiprocess import free_port, spawn_ranks
+from tests.multiprocess import free_port, spawn_ranks, train_one_process, train_runs
+from tests.tiny import DETERMINISTIC, tiny_model
 
 LAYERS, MICRO = 6, 4
 # Accumulation of 4 micro-batches of 2 sequences: the micro-step graph the stages are cut from.
@@ -151,7 +155,8 @@ def test_tied_embeddings_are_refused_by_the_cut():
         (lambda: stage_blocks(6, 4), "parallelism.pp = 4 does not divide model.n_layers = 6"),
         (lambda: stage_blocks(6, 12), "does not divide model.n_layers"),
         (lambda: micro_batch_count(8, 3, 2, "GPipe"), "pp_microbatch_size = 3 does not divide"),
-        (lambda: micro_batch_count(8, 8, 2, "1F1B"), "1F1B needs at least pp = 2 micro-batches and gets 1"),
+        (lambda: micro_batch_count(8, 4, 4, "1F1B"), "1F1B needs at least pp = 4 micro-batches and gets 2"),
+        (lambda: micro_batch_count(8, 8, 2, "GPipe"), "makes one micro-batch"),
         (lambda: micro_batch_count(8, 1, 2, "ZBVZeroBubble"), "is not supported yet"),
         (lambda: micro_batch_count(8, 1, 2, "Zigzag"), "is unknown"),
     ],
@@ -162,5 +167,96 @@ def test_pipeline_options_that_cannot_run_are_refused_in_one_line(call, words):
     assert "\n" not in str(err.value)
 
 
-def test_a_schedule_runs_with_fewer_micro_batches_than_gpipe_needs_none():
-    assert micro_batch_count(8, 2, 2, "GPipe") == 4 and micro_batch_count(8, 8, 2, "GPipe") == 1
+def test_gpipe_may_run_fewer_micro_batches_than_stages_and_1f1b_as_many():
+    assert micro_batch_count(8, 4, 4, "GPipe") == 2 and micro_batch_count(8, 2, 4, "1F1B") == 4
+
+
+# The trainer at pp 2: 4 micro-batches of 2 sequences a step, against one process accumulating 4 micro-batches of 2.
+TRAIN = ["--config", "llama3_debug", *tiny_model(LAYERS), "--training.seq_len", "32", *DETERMINISTIC]
+TRAIN += ["--training.steps", "3"]
+PIPELINE = [
+    *TRAIN,
+    "--training.local_batch_size",
+    "8",
+    "--parallelism.pp",
+    "2",
+    "--parallelism.pp_microbatch_size",
+    "2",
+]
+ONE_PROCESS = [*TRAIN, "--training.local_batch_size", "2", "--training.global_batch_size", "8"]
+
+
+def _train_pipelines(rank: int, port: int, out: str) -> None:
+    runs = {s: ["--parallelism.pp_schedule", s] for s in ("GPipe", "1F1B")}
+    for name, trainer, result in train_runs(rank, 2, port, runs, PIPELINE, out):
+        state = trainer.optimizer.state
+        record = {
+            "losses": result.losses,
+            "grad_norms": [r["grad_norm"] for r in result.records],
+            "trace_count": result.trace_count,
+            # AdamW's state is made for every parameter up front; a stage's update steps only its own.
+            "updated": sorted(n for n, p in trainer.model.named_parameters() if float(state[p]["step"]) > 0),
+            "stage": trainer.step_fn.stage.graphs.parameters,
+        }
+        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+def test_the_trainer_at_pp_2_is_one_process_accumulating_bitwise(tmp_path):
+    """Three steps with clipping (max_norm 1; the norms are about 2) and AdamW: every loss after the first depends
+    on every stage's update, so equal losses and norms at steps 2 and 3 say each stage's clipped gradients and
+    update were one process's to the bit."""
+    _, reference = train_one_process(ONE_PROCESS, str(tmp_path / "one"))
+    norms = [r["grad_norm"] for r in reference.records]
+    assert max(norms) > 1.0  # clipping scaled the gradients
+    spawn_ranks(_train_pipelines, 2, (free_port(), str(tmp_path)), timeout_s=600)
+    for schedule in ("GPipe", "1F1B"):
+        ranks = [json.loads((tmp_path / f"{schedule}.rank{r}.json").read_text()) for r in (0, 1)]
+        for rank in ranks:
+            assert rank["losses"] == reference.losses and rank["grad_norms"] == norms, schedule
+            assert rank["updated"] == sorted(rank["stage"]) and rank["trace_count"] == 2, schedule
+        assert not set(ranks[0]["stage"]) & set(ranks[1]["stage"]), schedule
+
+
+def _pp_mesh() -> Mesh:
+    return Mesh(ParallelDims(pp=2), 0, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--compile.mode", "eager"], "with compile.mode eager is not supported yet; pass --compile.mode trace"),
+        (["--compile.trace_optimizer", "true"], "compile.trace_optimizer"),
+        (["--training.global_batch_size", "32"], "gradient accumulation"),
+        (["--validation.enable", "true"], "validation"),
+        (["--checkpoint.enable", "true"], "checkpoints"),
+        (["--model.n_layers", "5"], "parallelism.pp = 2 does not divide model.n_layers = 5"),
+        (["--parallelism.pp_microbatch_size", "16"], "makes one micro-batch"),
+        (["--parallelism.pp_schedule", "ZBVZeroBubble"], "is not supported yet"),
+    ],
+)
+def test_the_trainer_refuses_what_pp_cannot_run_yet_in_one_line(flags, words):
+    cfg, _ = load_config(["--config", "llama3_debug", "--parallelism.pp", "2", *flags])
+    model = types.SimpleNamespace(args=types.SimpleNamespace(n_layers=cfg.model.n_layers or LAYERS))
+    with pytest.raises(UserError, match=words) as err:
+        PipelineParallel.apply(model, _pp_mesh(), cfg, None)
+    assert "\n" not in str(err.value)
+
+
+def test_pp_with_another_degree_is_refused_and_pp_1_applies_nothing():
+    cfg, _ = load_config(["--config", "llama3_debug", "--parallelism.pp", "2", "--parallelism.dp_shard", "2"])
+    with pytest.raises(UserError, match="parallelism.pp > 1 with parallelism.dp_shard = 2 is not supported yet"):
+        ParallelDims.from_config(cfg.parallelism)
+    cfg, _ = load_config(["--config", "llama3_debug"])
+    assert PipelineParallel.apply(None, Mesh(ParallelDims(), 0, torch.device("cpu")), cfg, None) is None
+
+
+def test_the_dry_run_says_the_per_stage_plan_is_not_built_and_the_search_leaves_pp_out():
+    from graph_trainer.layouts.search import offered_degrees
+    from graph_trainer.plan.dry_run import dry_run
+
+    cfg, _ = load_config(["--config", "llama3_debug", "--parallelism.pp", "2"])
+    with pytest.raises(UserError, match="--dry-run has no plan to print: pipeline parallelism: the per-stage"):
+        dry_run(cfg)
+    assert "pp" not in offered_degrees() and "dp_shard" in offered_degrees()

@@ -72,4 +72,5 @@ def test_each_collective_is_priced_on_the_ring_its_parallelism_declares():
 
     degrees = {"dp_replicate": 2, "dp_shard": 4, "tp": 8, "ep": 2}
     rings = {"tp": (8, 1), "fsdp": (4, 8), "dp_replicate": (2, 32), "ep": (2, 8), "expert_balance": (4, 8)}
+    rings["pp"] = (1, 64)  # outermost: its stages' sends would cross the whole 64-rank layout (degree 1 here)
     assert collective_rings(degrees) == rings  # the MoE counts: no dimension of their own, the shards' ring
