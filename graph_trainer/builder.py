@@ -372,7 +372,7 @@ class Job:
         if (micro := self.parallel.micro_batches_per_step()) is not None:
             accumulation["accumulation_steps"] = micro
         step = GraphStep(
-            self.model,
+            self.parallel.traced_model(),
             loss_fn=self.loss_fn,
             max_norm=cfg.training.max_norm,
             optimizer=GraphAdamW(optimizer) if in_graph else None,

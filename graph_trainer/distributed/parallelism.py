@@ -182,6 +182,11 @@ class Parallelism:
         """`loss_fn` as it must run under this parallelism."""
         return loss_fn
 
+    def traced_model(self, model: nn.Module) -> nn.Module:
+        """The model the step traces: `model` itself, unless this rank holds only part of it (pipeline stages: the
+        whole model on the meta device, whose graph is then cut)."""
+        return model
+
     def micro_batches_per_step(self) -> int | None:
         """How many micro-batches this parallelism cuts each local batch into (pipeline parallelism's schedule): the
         traced graph is then one micro-batch's (`trace_step`'s "micro" part); None when it cuts none."""
@@ -267,6 +272,13 @@ class ParallelModel:
         for part in self.parts:
             loss_fn = part.wrap_loss(loss_fn)
         return loss_fn
+
+    def traced_model(self) -> nn.Module:
+        """The model the step traces (`Parallelism.traced_model`; `model` for most jobs)."""
+        model = self.model
+        for part in self.parts:
+            model = part.traced_model(model)
+        return model
 
     def micro_batches_per_step(self) -> int | None:
         return next((n for p in self.parts if (n := p.micro_batches_per_step()) is not None), None)

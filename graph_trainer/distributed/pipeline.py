@@ -25,6 +25,7 @@ micro-batches (tests/distributed/test_pipeline.py).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ from graph_trainer.optimizer.clip import grad_norms, scale_to_norm_
 from graph_trainer.step import StepOutput, StepReport, micro_batches, sum_losses
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import InputLayout, TracedStep, batch_tensors
+from graph_trainer.tracer.layers import transformer_layers
 
 # torchtitan's schedule names that run today, and the torch class that runs each.
 SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
@@ -438,6 +440,7 @@ class PipelinedStep:
         self,
         graph_step: Any,
         mesh: Mesh,
+        model: nn.Module,
         *,
         n_layers: int,
         schedule: str,
@@ -450,7 +453,7 @@ class PipelinedStep:
                 "parallelism.pp > 1 with a model that updates its buffers once a step (a mixture of experts' "
                 "balancing bias) is not supported yet; run it without pipeline parallelism"
             )
-        self.graph_step, self.mesh, self.n_layers = graph_step, mesh, n_layers
+        self.graph_step, self.mesh, self.model, self.n_layers = graph_step, mesh, model, n_layers
         self.schedule_name, self.n_micro = schedule, n_micro
         self.optimizer, self.max_norm = optimizer, max_norm
         self.pp, self.index = mesh.size("pp"), mesh.coordinate("pp")
@@ -460,7 +463,8 @@ class PipelinedStep:
     def _cut(self, traced: TracedStep) -> None:
         """This rank's stage of `traced` and torch's schedule around it; every stage's parameter names."""
         stages = cut_stages(traced.gm, traced.layout, self.n_layers, self.pp)
-        model = self.graph_step.model
+        keep_only(self.model, set(stages[self.index].parameters), self.optimizer)
+        model = self.model
         feed = step_inputs(traced.layout, dict(model.named_parameters()), dict(model.named_buffers()), self._accums)
         self.stage = GraphStage(stages[self.index], self.pp, feed)
         group = self.mesh.group("pp")
@@ -474,7 +478,7 @@ class PipelinedStep:
         traced = step.ensure_traced(micro[0])
         if traced is not self._traced:
             self._cut(traced)
-        params = dict(step.model.named_parameters())
+        params = dict(self.model.named_parameters())
         mine = self.stage.graphs.parameters
         self._accums[:] = [torch.zeros_like(params[n]) if n in mine else None for n in traced.layout.grad_names]
         for name in mine:
@@ -517,9 +521,38 @@ class PipelinedStep:
         return None
 
 
+def keep_only(model: nn.Module, names: set[str], optimizer: torch.optim.Optimizer | None = None) -> list[str]:
+    """Remove from `model` (and from `optimizer`, its state included) every trainable parameter not in `names`,
+    so that a rank holds its stage's parameters and their state only; the rest keep their whole-model names. The
+    names removed."""
+    gone = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in names]
+    for name, param in gone:
+        owner, _, attr = name.rpartition(".")
+        delattr(model.get_submodule(owner), attr)
+        if optimizer is not None:
+            optimizer.state.pop(param, None)
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if p is not param]
+    return [n for n, _ in gone]
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """`model`'s structure with every parameter and buffer on the meta device, no tensor data copied: what the step
+    traces when this rank holds only part of the model."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
 class PipelineParallel(Parallelism):
     """Pipeline parallelism (`parallelism.pp`): each rank runs one stage of the traced micro-step under torch's
-    schedule (`PipelinedStep`). The model is whole on every rank for now; a rank updates only its stage's part."""
+    schedule (`PipelinedStep`) and holds only that stage's parameters and optimizer state. The step traces a meta
+    copy of the whole model (`traced_model`); the blocks of other stages are removed from the rank's model as the
+    parallelism applies (before the optimizer makes their state), the rest of what other stages read (embedding,
+    final norm, output) once the first trace's cut says which stage reads it."""
 
     kind = "pp"
     label = "pipeline"
@@ -530,8 +563,12 @@ class PipelineParallel(Parallelism):
         "does not predict this step's peak"
     )
 
-    def __init__(self, mesh: Mesh, n_layers: int, schedule: str, n_micro: int):
-        self.mesh, self.n_layers, self.schedule, self.n_micro = mesh, n_layers, schedule, n_micro
+    def __init__(self, mesh: Mesh, model: nn.Module, layers: str | None, n_layers: int, schedule: str, n_micro: int):
+        self.mesh, self.model, self.n_layers, self.schedule, self.n_micro = mesh, model, n_layers, schedule, n_micro
+        self.whole = meta_copy(model)
+        mine = stage_blocks(n_layers, mesh.size("pp"))[mesh.coordinate("pp")]
+        others = tuple(f"{fqn}." for fqn, i in transformer_layers(model, layers).items() if i not in mine)
+        keep_only(model, {n for n, _ in model.named_parameters() if not n.startswith(others)})
 
     @classmethod
     def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> PipelineParallel | None:
@@ -562,17 +599,31 @@ class PipelineParallel(Parallelism):
         n_layers = model.args.n_layers
         stage_blocks(n_layers, mesh.size("pp"))
         n_micro = micro_batch_count(cfg.training.local_batch_size, p.pp_microbatch_size, p.pp, p.pp_schedule)
-        return cls(mesh, n_layers, p.pp_schedule, n_micro)
+        return cls(mesh, model, plan.layers if plan is not None else None, n_layers, p.pp_schedule, n_micro)
+
+    def traced_model(self, model: nn.Module) -> nn.Module:
+        return self.whole
 
     def micro_batches_per_step(self) -> int:
         return self.n_micro
+
+    def shard_sum(self) -> Callable[[float], float]:
+        """A sum over the stages (each holds its own parameters): the divergence guard's norm, the same on every
+        rank."""
+
+        def over_stages(value: float) -> float:
+            total = torch.tensor(value, dtype=torch.float64, device=self.mesh.device)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.mesh.group("pp"))
+            return total.item()
+
+        return over_stages
 
     def runs_step(self) -> bool:
         return True
 
     def wrap_step(self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float) -> PipelinedStep:
         return PipelinedStep(
-            step, self.mesh, n_layers=self.n_layers, schedule=self.schedule, n_micro=self.n_micro,
+            step, self.mesh, self.model, n_layers=self.n_layers, schedule=self.schedule, n_micro=self.n_micro,
             optimizer=optimizer, max_norm=max_norm,
         )  # fmt: skip
 
@@ -585,6 +636,8 @@ __all__ = [
     "PipelinedStep",
     "StageGraphs",
     "build_schedule",
+    "keep_only",
+    "meta_copy",
     "cut_stages",
     "micro_batch_count",
     "run_schedule",

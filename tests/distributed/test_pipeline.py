@@ -194,8 +194,9 @@ def _train_pipelines(rank: int, port: int, out: str) -> None:
             "losses": result.losses,
             "grad_norms": [r["grad_norm"] for r in result.records],
             "trace_count": result.trace_count,
-            # AdamW's state is made for every parameter up front; a stage's update steps only its own.
-            "updated": sorted(n for n, p in trainer.model.named_parameters() if float(state[p]["step"]) > 0),
+            "held": sorted(n for n, _ in trainer.model.named_parameters()),
+            "updated": sorted(n for n, p in trainer.model.named_parameters() if float(state[p]["step"]) == 3),
+            "states": len(state),
             "stage": trainer.step_fn.stage.graphs.parameters,
         }
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
@@ -206,7 +207,7 @@ def _train_pipelines(rank: int, port: int, out: str) -> None:
 def test_the_trainer_at_pp_2_is_one_process_accumulating_bitwise(tmp_path):
     """Three steps with clipping (max_norm 1; the norms are about 2) and AdamW: every loss after the first depends
     on every stage's update, so equal losses and norms at steps 2 and 3 say each stage's clipped gradients and
-    update were one process's to the bit."""
+    update were one process's to the bit. Each rank holds only its stage's parameters and their optimizer state."""
     _, reference = train_one_process(ONE_PROCESS, str(tmp_path / "one"))
     norms = [r["grad_norm"] for r in reference.records]
     assert max(norms) > 1.0  # clipping scaled the gradients
@@ -215,7 +216,9 @@ def test_the_trainer_at_pp_2_is_one_process_accumulating_bitwise(tmp_path):
         ranks = [json.loads((tmp_path / f"{schedule}.rank{r}.json").read_text()) for r in (0, 1)]
         for rank in ranks:
             assert rank["losses"] == reference.losses and rank["grad_norms"] == norms, schedule
-            assert rank["updated"] == sorted(rank["stage"]) and rank["trace_count"] == 2, schedule
+            # A rank holds its stage's parameters only, under their whole-model names, and their AdamW state.
+            assert rank["held"] == rank["updated"] == sorted(rank["stage"]), schedule
+            assert rank["states"] == len(rank["stage"]) and rank["trace_count"] == 2, schedule
         assert not set(ranks[0]["stage"]) & set(ranks[1]["stage"]), schedule
 
 
