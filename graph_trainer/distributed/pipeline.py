@@ -45,9 +45,33 @@ from graph_trainer.tracer.capture import InputLayout, TracedStep, batch_tensors
 from graph_trainer.tracer.layers import transformer_layers
 
 # torchtitan's schedule names that run today, and the torch class that runs each.
-SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
-# torchtitan's names this trainer accepts as options but does not run yet (several stages per rank).
-NOT_YET = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
+MULTI_STAGE = ("Interleaved1F1B",)  # several stages per rank (`pp_stages_per_rank`), looped: r, r + pp, ...
+# torchtitan's names this trainer accepts as options but does not run yet (their weight gradients deferred).
+NOT_YET = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+def stages_per_rank(schedule: str, asked: int) -> int:
+    """How many stages each rank runs: `asked` (`parallelism.pp_stages_per_rank`) under a multi-stage schedule,
+    else 1.
+
+    Raises:
+        UserError: fewer than 2 under a multi-stage schedule.
+    """
+    if schedule not in MULTI_STAGE:
+        return 1
+    if asked < 2:
+        raise UserError(
+            f"parallelism.pp_schedule = {schedule} runs several stages on each rank, and "
+            f"parallelism.pp_stages_per_rank = {asked}; set it to 2 or more, or use 1F1B"
+        )
+    return asked
+
+
+def local_stages(pp: int, per_rank: int, rank: int) -> list[int]:
+    """The stages rank `rank` of `pp` runs: rank, rank + pp, ... (the looped order torch's interleaved schedules
+    expect)."""
+    return [rank + i * pp for i in range(per_rank)]
 
 
 def stage_blocks(n_layers: int, pp: int) -> list[range]:
@@ -58,8 +82,8 @@ def stage_blocks(n_layers: int, pp: int) -> list[range]:
     """
     if pp > n_layers or n_layers % pp:
         raise UserError(
-            f"parallelism.pp = {pp} does not divide model.n_layers = {n_layers}: each stage runs the same number of "
-            "blocks; pick a pp that divides the layers"
+            f"{pp} pipeline stages (parallelism.pp x pp_stages_per_rank) do not divide model.n_layers = {n_layers}: "
+            "each stage runs the same number of blocks; pick a pp that divides the layers"
         )
     per = n_layers // pp
     return [range(s * per, (s + 1) * per) for s in range(pp)]
@@ -75,7 +99,7 @@ def micro_batch_count(local_batch_size: int, microbatch_size: int, pp: int, sche
     """
     if schedule in NOT_YET:
         raise UserError(
-            f"parallelism.pp_schedule = {schedule} (several stages per rank) is not supported yet: use one of "
+            f"parallelism.pp_schedule = {schedule} (weight gradients deferred) is not supported yet: use one of "
             f"{', '.join(SCHEDULES)}"
         )
     if schedule not in SCHEDULES:
@@ -93,11 +117,16 @@ def micro_batch_count(local_batch_size: int, microbatch_size: int, pp: int, sche
             f"parallelism.pp_microbatch_size = {microbatch_size} makes one micro-batch of training.local_batch_size "
             f"= {local_batch_size}: a pipeline needs at least 2; lower pp_microbatch_size"
         )
-    if schedule == "1F1B" and count < pp:
+    if schedule != "GPipe" and count < pp:
         raise UserError(
-            f"parallelism.pp_schedule = 1F1B needs at least pp = {pp} micro-batches and gets {count} "
+            f"parallelism.pp_schedule = {schedule} needs at least pp = {pp} micro-batches and gets {count} "
             f"(training.local_batch_size {local_batch_size} / parallelism.pp_microbatch_size {microbatch_size}); "
             "lower pp_microbatch_size or raise local_batch_size"
+        )
+    if schedule in MULTI_STAGE and count % (count // pp):
+        raise UserError(
+            f"parallelism.pp_schedule = {schedule} runs the micro-batches in rounds of pp = {pp}, and {count} is not "
+            f"a multiple of its {count // pp} rounds; pick a micro-batch count that is a multiple of pp"
         )
     return count
 
@@ -371,9 +400,9 @@ def the_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
     return output
 
 
-def build_schedule(stage: GraphStage, schedule: str, n_micro: int, group: Any, device: torch.device) -> Any:
-    """torch's `PipelineStage` around `stage` on `group` (the pp ranks), under torch's `schedule`
-    (`SCHEDULES`) for `n_micro` micro-batches a step.
+def build_schedule(stages: list[GraphStage], schedule: str, n_micro: int, group: Any, device: torch.device) -> Any:
+    """torch's `PipelineStage` around each of this rank's `stages` on `group` (the pp ranks), under torch's
+    `schedule` (`SCHEDULES`: one stage, or several under a `MULTI_STAGE` one) for `n_micro` micro-batches a step.
 
     Every shape is given (the activations each stage receives and sends, from the trace), so torch runs no
     forward or backward of its own to infer them; gradients are not scaled by the micro-batch count, since each
@@ -383,21 +412,27 @@ def build_schedule(stage: GraphStage, schedule: str, n_micro: int, group: Any, d
     def like(values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return tuple(torch.empty(v.shape, dtype=v.dtype, device=device, requires_grad=True) for v in values)
 
-    graphs = stage.graphs
-    torch_stage = PipelineStage(
-        stage, graphs.index, stage.num_stages, device,
-        input_args=like(graphs.received), output_args=like(graphs.sent), group=group,
-    )  # fmt: skip
-    return getattr(schedules, SCHEDULES[schedule])(torch_stage, n_micro, loss_fn=the_loss, scale_grads=False)
+    torch_stages = [
+        PipelineStage(
+            stage, stage.graphs.index, stage.num_stages, device,
+            input_args=like(stage.graphs.received), output_args=like(stage.graphs.sent), group=group,
+        )
+        for stage in stages
+    ]  # fmt: skip
+    run = torch_stages if schedule in MULTI_STAGE else torch_stages[0]
+    return getattr(schedules, SCHEDULES[schedule])(run, n_micro, loss_fn=the_loss, scale_grads=False)
 
 
-def run_schedule(schedule: Any, stage: GraphStage, micro_batches: list[dict[str, Any]]) -> list[torch.Tensor]:
-    """One step's micro-batches through `schedule` (`build_schedule`); each stage's backward adds into the
-    accumulators its `feed` returns. The micro-batches' losses, in order, on the last stage ([] elsewhere)."""
-    stage.begin_step(micro_batches)
+def run_schedule(schedule: Any, stages: list[GraphStage], micro_batches: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """One step's micro-batches through `schedule` (`build_schedule`) on this rank's `stages`; each stage's backward
+    adds into the accumulators its `feed` returns. The micro-batches' losses, in order, on the rank of the last
+    stage ([] elsewhere)."""
+    for stage in stages:
+        stage.begin_step(micro_batches)
     index = torch.arange(len(micro_batches))  # torch's schedule cuts it into one index per micro-batch
     losses: list[torch.Tensor] = []
-    schedule.step(micro=index, target=index if stage.is_last else None, losses=losses, return_outputs=False)
+    last = any(stage.is_last for stage in stages)
+    schedule.step(micro=index, target=index if last else None, losses=losses, return_outputs=False)
     return [loss.detach() for loss in losses]
 
 
@@ -445,6 +480,7 @@ class PipelinedStep:
         n_layers: int,
         schedule: str,
         n_micro: int,
+        per_rank: int = 1,
         optimizer: torch.optim.Optimizer | None,
         max_norm: float,
     ):
@@ -456,20 +492,27 @@ class PipelinedStep:
         self.graph_step, self.mesh, self.model, self.n_layers = graph_step, mesh, model, n_layers
         self.schedule_name, self.n_micro = schedule, n_micro
         self.optimizer, self.max_norm = optimizer, max_norm
-        self.pp, self.index = mesh.size("pp"), mesh.coordinate("pp")
+        self.pp, self.per_rank = mesh.size("pp"), per_rank
+        self.local = local_stages(self.pp, per_rank, mesh.coordinate("pp"))
         self._traced: TracedStep | None = None
         self._accums: list[torch.Tensor | None] = []  # refilled each step; the stage's feed reads it
 
     def _cut(self, traced: TracedStep) -> None:
-        """This rank's stage of `traced` and torch's schedule around it; every stage's parameter names."""
-        stages = cut_stages(traced.gm, traced.layout, self.n_layers, self.pp)
-        keep_only(self.model, set(stages[self.index].parameters), self.optimizer)
+        """This rank's stages of `traced`, torch's schedule around them, and each rank's parameter names (in the
+        whole model's gradient order)."""
+        n_stages = self.pp * self.per_rank
+        stages = cut_stages(traced.gm, traced.layout, self.n_layers, n_stages)
+        held = [
+            {n for s in local_stages(self.pp, self.per_rank, r) for n in stages[s].parameters} for r in range(self.pp)
+        ]
+        self.rank_parameters = [[n for n in traced.layout.grad_names if n in names] for names in held]
+        self.mine = set(self.rank_parameters[self.mesh.coordinate("pp")])
+        keep_only(self.model, self.mine, self.optimizer)
         model = self.model
         feed = step_inputs(traced.layout, dict(model.named_parameters()), dict(model.named_buffers()), self._accums)
-        self.stage = GraphStage(stages[self.index], self.pp, feed)
+        self.stages = [GraphStage(stages[s], n_stages, feed) for s in self.local]
         group = self.mesh.group("pp")
-        self.schedule = build_schedule(self.stage, self.schedule_name, self.n_micro, group, self.mesh.device)
-        self.stage_parameters = [s.parameters for s in stages]
+        self.schedule = build_schedule(self.stages, self.schedule_name, self.n_micro, group, self.mesh.device)
         self._traced = traced
 
     def __call__(self, batch: Any) -> StepOutput:
@@ -479,12 +522,12 @@ class PipelinedStep:
         if traced is not self._traced:
             self._cut(traced)
         params = dict(self.model.named_parameters())
-        mine = self.stage.graphs.parameters
+        mine = self.mine
         self._accums[:] = [torch.zeros_like(params[n]) if n in mine else None for n in traced.layout.grad_names]
         for name in mine:
             params[name].grad = None  # as zero_grad(set_to_none=True)
-        losses = run_schedule(self.schedule, self.stage, micro)
-        grads = [a for a in self._accums if a is not None]  # this stage's, in the whole model's order
+        losses = run_schedule(self.schedule, self.stages, micro)
+        grads = [a for a in self._accums if a is not None]  # this rank's, in the whole model's order
         grad_norm = self._clip(traced.layout.grad_names, grads)
         for name, grad in zip([n for n in traced.layout.grad_names if n in mine], grads, strict=True):
             params[name].grad = grad
@@ -495,15 +538,15 @@ class PipelinedStep:
         return StepOutput(loss, grad_norm)
 
     def _clip(self, names: tuple[str, ...], grads: list[torch.Tensor]) -> torch.Tensor:
-        """Clip this stage's `grads` by the norm over every stage's, reduced as one process reduces it."""
+        """Clip this rank's `grads` by the norm over every rank's, reduced as one process reduces it."""
         mine = torch.stack(grad_norms(grads))
-        width = max(len(p) for p in self.stage_parameters)
+        width = max(len(p) for p in self.rank_parameters)
         padded = torch.zeros(width, dtype=mine.dtype, device=mine.device)
         padded[: len(mine)] = mine
         gathered = [torch.empty_like(padded) for _ in range(self.pp)]
         dist.all_gather(gathered, padded, group=self.mesh.group("pp"))
         by_name = {
-            n: g[i] for g, names_s in zip(gathered, self.stage_parameters, strict=True) for i, n in enumerate(names_s)
+            n: g[i] for g, names in zip(gathered, self.rank_parameters, strict=True) for i, n in enumerate(names)
         }
         total = torch.linalg.vector_norm(torch.stack([by_name[n] for n in names]), 2.0)
         scale_to_norm_(grads, total, self.max_norm)
@@ -563,10 +606,21 @@ class PipelineParallel(Parallelism):
         "does not predict this step's peak"
     )
 
-    def __init__(self, mesh: Mesh, model: nn.Module, layers: str | None, n_layers: int, schedule: str, n_micro: int):
+    def __init__(
+        self,
+        mesh: Mesh,
+        model: nn.Module,
+        layers: str | None,
+        n_layers: int,
+        schedule: str,
+        n_micro: int,
+        per_rank: int,
+    ):
         self.mesh, self.model, self.n_layers, self.schedule, self.n_micro = mesh, model, n_layers, schedule, n_micro
+        self.per_rank = per_rank
         self.whole = meta_copy(model)
-        mine = stage_blocks(n_layers, mesh.size("pp"))[mesh.coordinate("pp")]
+        blocks = stage_blocks(n_layers, mesh.size("pp") * per_rank)
+        mine = {b for s in local_stages(mesh.size("pp"), per_rank, mesh.coordinate("pp")) for b in blocks[s]}
         others = tuple(f"{fqn}." for fqn, i in transformer_layers(model, layers).items() if i not in mine)
         keep_only(model, {n for n, _ in model.named_parameters() if not n.startswith(others)})
 
@@ -597,9 +651,11 @@ class PipelineParallel(Parallelism):
                     f"parallelism.pp > 1 with {what} is not supported yet; pass {fix} or --parallelism.pp 1"
                 )
         n_layers = model.args.n_layers
-        stage_blocks(n_layers, mesh.size("pp"))
         n_micro = micro_batch_count(cfg.training.local_batch_size, p.pp_microbatch_size, p.pp, p.pp_schedule)
-        return cls(mesh, model, plan.layers if plan is not None else None, n_layers, p.pp_schedule, n_micro)
+        per_rank = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+        stage_blocks(n_layers, p.pp * per_rank)
+        layers = plan.layers if plan is not None else None
+        return cls(mesh, model, layers, n_layers, p.pp_schedule, n_micro, per_rank)
 
     def traced_model(self, model: nn.Module) -> nn.Module:
         return self.whole
@@ -624,7 +680,7 @@ class PipelineParallel(Parallelism):
     def wrap_step(self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float) -> PipelinedStep:
         return PipelinedStep(
             step, self.mesh, self.model, n_layers=self.n_layers, schedule=self.schedule, n_micro=self.n_micro,
-            optimizer=optimizer, max_norm=max_norm,
+            per_rank=self.per_rank, optimizer=optimizer, max_norm=max_norm,
         )  # fmt: skip
 
 
@@ -637,11 +693,13 @@ __all__ = [
     "StageGraphs",
     "build_schedule",
     "keep_only",
+    "local_stages",
     "meta_copy",
     "cut_stages",
     "micro_batch_count",
     "run_schedule",
     "stage_blocks",
+    "stages_per_rank",
     "step_inputs",
     "the_loss",
 ]

@@ -320,10 +320,16 @@ class ParallelismConfig:
     )
     pp_schedule: str = _opt(
         "1F1B",
-        "pp > 1: torch's schedule (torchtitan's names); Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble "
-        "(several stages per rank) are refused until they run",
+        "pp > 1: torch's schedule (torchtitan's names); InterleavedZeroBubble and ZBVZeroBubble (weight gradients "
+        "deferred) are refused until they run",
         alias="pipeline_parallel_schedule",
         choices=("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
+    )
+    pp_stages_per_rank: int = _opt(
+        2,
+        "pp > 1 with Interleaved1F1B: stages each rank runs (rank r runs stages r, r + pp, ...); pp x this must "
+        "divide model.n_layers",
+        ge=1,
     )
     pp_microbatch_size: int = _opt(
         1,

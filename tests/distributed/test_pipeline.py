@@ -25,9 +25,11 @@ from graph_trainer.distributed.pipeline import (
     PipelineParallel,
     build_schedule,
     cut_stages,
+    local_stages,
     micro_batch_count,
     run_schedule,
     stage_blocks,
+    stages_per_rank,
     step_inputs,
 )
 from graph_trainer.errors import UserError
@@ -44,9 +46,9 @@ ARGS = ["--config", "llama3_debug", "--model.n_layers", str(LAYERS), "--training
 ARGS += ["--training.local_batch_size", "2", "--training.global_batch_size", str(2 * MICRO)]
 
 
-def _traced(ac: str = "none", extra: tuple[str, ...] = ()) -> dict:
-    """The 6-block debug model's micro-step graph (AC `ac`), its micro-batches and the reference accumulation."""
-    cfg, _ = load_config([*ARGS, "--activation_checkpoint.mode", ac, *extra])
+def _traced(ac: str = "none", extra: tuple[str, ...] = (), layers: int = LAYERS) -> dict:
+    """The debug model's micro-step graph (AC `ac`), its micro-batches and the reference accumulation."""
+    cfg, _ = load_config([*ARGS, "--activation_checkpoint.mode", ac, *extra, "--model.n_layers", str(layers)])
     torch.manual_seed(0)
     job = build_job(cfg, build_mesh(ParallelDims(), 0, torch.device("cpu")))
     step = job.graph_step(optimizer_update=False)
@@ -59,14 +61,17 @@ def _traced(ac: str = "none", extra: tuple[str, ...] = ()) -> dict:
     params, buffers = dict(job.model.named_parameters()), dict(job.model.named_buffers())
     accums = [torch.zeros_like(params[n]) for n in traced.layout.grad_names]
     losses = [traced.run(step.flat_inputs(m, accums, "micro"))[0] for m in micro]
-    return {"traced": traced, "micro": micro, "params": params, "buffers": buffers, "grads": accums, "losses": losses}
+    return {
+        "traced": traced, "micro": micro, "params": params, "buffers": buffers, "grads": accums, "losses": losses,
+        "layers": layers,
+    }  # fmt: skip
 
 
 def _stages(ref: dict, pp: int) -> tuple[list[GraphStage], list[torch.Tensor]]:
     traced, params = ref["traced"], ref["params"]
     accums = [torch.zeros_like(params[n]) for n in traced.layout.grad_names]
     feed = step_inputs(traced.layout, params, ref["buffers"], accums)
-    stages = [GraphStage(g, pp, feed) for g in cut_stages(traced.gm, traced.layout, LAYERS, pp)]
+    stages = [GraphStage(g, pp, feed) for g in cut_stages(traced.gm, traced.layout, ref["layers"], pp)]
     for stage in stages:
         stage.begin_step(ref["micro"])
     return stages, accums
@@ -100,15 +105,16 @@ def _schedules_on_ranks(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        ref, result = _traced(), {}
-        for schedule in ("GPipe", "1F1B"):
-            stages, accums = _stages(ref, world)
-            stage = stages[rank]
-            losses = run_schedule(
-                build_schedule(stage, schedule, MICRO, None, torch.device("cpu")), stage, ref["micro"]
-            )
+        # 8 blocks: 2 stages of 4 (GPipe, 1F1B), or 4 stages of 2, two on each rank (Interleaved1F1B).
+        ref, result = _traced(layers=8), {}
+        for schedule, per_rank in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)):
+            stages, accums = _stages(ref, world * per_rank)
+            local = [stages[s] for s in local_stages(world, per_rank, rank)]
+            run = build_schedule(local, schedule, MICRO, None, torch.device("cpu"))
+            losses = run_schedule(run, local, ref["micro"])
             names = ref["traced"].layout.grad_names
-            mine = [i for i, n in enumerate(names) if n in set(stage.graphs.parameters)]
+            held = {n for stage in local for n in stage.graphs.parameters}
+            mine = [i for i, n in enumerate(names) if n in held]
             result[schedule] = {
                 "grads_equal": [torch.equal(accums[i], ref["grads"][i]) for i in mine],
                 "others_untouched": all(not accums[i].any() for i in range(len(names)) if i not in mine),
@@ -122,10 +128,10 @@ def _schedules_on_ranks(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.integration
-def test_gpipe_and_1f1b_on_two_ranks_are_one_process_accumulating_bitwise(tmp_path):
+def test_gpipe_1f1b_and_interleaved_1f1b_on_two_ranks_are_one_process_accumulating_bitwise(tmp_path):
     spawn_ranks(_schedules_on_ranks, 2, (2, free_port(), str(tmp_path)), timeout_s=300)
     first, last = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    for schedule in ("GPipe", "1F1B"):
+    for schedule in ("GPipe", "1F1B", "Interleaved1F1B"):
         for rank in (first, last):
             assert rank[schedule]["grads_equal"] and all(rank[schedule]["grads_equal"]), schedule
             assert rank[schedule]["others_untouched"], schedule
@@ -152,8 +158,10 @@ def test_tied_embeddings_are_refused_by_the_cut():
 @pytest.mark.parametrize(
     "call, words",
     [
-        (lambda: stage_blocks(6, 4), "parallelism.pp = 4 does not divide model.n_layers = 6"),
-        (lambda: stage_blocks(6, 12), "does not divide model.n_layers"),
+        (lambda: stage_blocks(6, 4), "4 pipeline stages .* do not divide model.n_layers = 6"),
+        (lambda: stage_blocks(6, 12), "do not divide model.n_layers"),
+        (lambda: stages_per_rank("Interleaved1F1B", 1), "pp_stages_per_rank = 1; set it to 2 or more"),
+        (lambda: micro_batch_count(9, 1, 4, "Interleaved1F1B"), "9 is not a multiple of its 2 rounds"),
         (lambda: micro_batch_count(8, 3, 2, "GPipe"), "pp_microbatch_size = 3 does not divide"),
         (lambda: micro_batch_count(8, 4, 4, "1F1B"), "1F1B needs at least pp = 4 micro-batches and gets 2"),
         (lambda: micro_batch_count(8, 8, 2, "GPipe"), "makes one micro-batch"),
@@ -172,7 +180,9 @@ def test_gpipe_may_run_fewer_micro_batches_than_stages_and_1f1b_as_many():
 
 
 # The trainer at pp 2: 4 micro-batches of 2 sequences a step, against one process accumulating 4 micro-batches of 2.
-TRAIN = ["--config", "llama3_debug", *tiny_model(LAYERS), "--training.seq_len", "32", *DETERMINISTIC]
+# 8 blocks: 2 stages of 4 (GPipe, 1F1B) or 4 stages of 2, two a rank (Interleaved1F1B).
+SCHEDULE_NAMES = ("GPipe", "1F1B", "Interleaved1F1B")
+TRAIN = ["--config", "llama3_debug", *tiny_model(8), "--training.seq_len", "32", *DETERMINISTIC]
 TRAIN += ["--training.steps", "3"]
 PIPELINE = [
     *TRAIN,
@@ -187,7 +197,7 @@ ONE_PROCESS = [*TRAIN, "--training.local_batch_size", "2", "--training.global_ba
 
 
 def _train_pipelines(rank: int, port: int, out: str) -> None:
-    runs = {s: ["--parallelism.pp_schedule", s] for s in ("GPipe", "1F1B")}
+    runs = {s: ["--parallelism.pp_schedule", s] for s in SCHEDULE_NAMES}
     for name, trainer, result in train_runs(rank, 2, port, runs, PIPELINE, out):
         state = trainer.optimizer.state
         record = {
@@ -197,14 +207,14 @@ def _train_pipelines(rank: int, port: int, out: str) -> None:
             "held": sorted(n for n, _ in trainer.model.named_parameters()),
             "updated": sorted(n for n, p in trainer.model.named_parameters() if float(state[p]["step"]) == 3),
             "states": len(state),
-            "stage": trainer.step_fn.stage.graphs.parameters,
+            "stage": sorted(trainer.step_fn.mine),
         }
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
 
 
 @pytest.mark.integration
 @pytest.mark.multiprocess
-def test_the_trainer_at_pp_2_is_one_process_accumulating_bitwise(tmp_path):
+def test_the_trainer_at_pp_2_under_each_schedule_is_one_process_accumulating_bitwise(tmp_path):
     """Three steps with clipping (max_norm 1; the norms are about 2) and AdamW: every loss after the first depends
     on every stage's update, so equal losses and norms at steps 2 and 3 say each stage's clipped gradients and
     update were one process's to the bit. Each rank holds only its stage's parameters and their optimizer state."""
@@ -212,7 +222,7 @@ def test_the_trainer_at_pp_2_is_one_process_accumulating_bitwise(tmp_path):
     norms = [r["grad_norm"] for r in reference.records]
     assert max(norms) > 1.0  # clipping scaled the gradients
     spawn_ranks(_train_pipelines, 2, (free_port(), str(tmp_path)), timeout_s=600)
-    for schedule in ("GPipe", "1F1B"):
+    for schedule in SCHEDULE_NAMES:
         ranks = [json.loads((tmp_path / f"{schedule}.rank{r}.json").read_text()) for r in (0, 1)]
         for rank in ranks:
             assert rank["losses"] == reference.losses and rank["grad_norms"] == norms, schedule
@@ -234,7 +244,8 @@ def _pp_mesh() -> Mesh:
         (["--training.global_batch_size", "32"], "gradient accumulation"),
         (["--validation.enable", "true"], "validation"),
         (["--checkpoint.enable", "true"], "checkpoints"),
-        (["--model.n_layers", "5"], "parallelism.pp = 2 does not divide model.n_layers = 5"),
+        (["--model.n_layers", "5"], "2 pipeline stages .* do not divide model.n_layers = 5"),
+        (["--parallelism.pp_schedule", "Interleaved1F1B"], "4 pipeline stages .* do not divide model.n_layers = 6"),
         (["--parallelism.pp_microbatch_size", "16"], "makes one micro-batch"),
         (["--parallelism.pp_schedule", "ZBVZeroBubble"], "is not supported yet"),
     ],
