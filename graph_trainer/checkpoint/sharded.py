@@ -99,8 +99,13 @@ class ShardedCheckpointManager(CheckpointManager):
         self.rank, self.world_size = parallel.mesh.rank, parallel.mesh.world_size
         # Full shape of every name a shard is held under (tied weights have two names, one shard).
         self.full_shapes = parallel.full_shapes()
-        names = {id(p): name for name, p in parallel.model.named_parameters()}
-        self.param_names = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+    @property
+    def param_names(self) -> list[str]:
+        """The name of each parameter the optimizer holds, in its order (read when used: pipeline stages drop the
+        parameters other stages read after the first step)."""
+        names = {id(p): name for name, p in self.parallel.model.named_parameters()}
+        return [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
     def path(self, step: int) -> Path:
         """The checkpoint folder for `step` (whether or not it exists)."""
@@ -117,9 +122,9 @@ class ShardedCheckpointManager(CheckpointManager):
     def _tensors(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> dict[str, Any]:
         """What DCP saves or loads into: sharded tensors as DTensors (views of `model_state`/`optimizer_state`)."""
         model = {name: self._logical(name, t) for name, t in model_state.items()}
-        optimizer = {}
+        optimizer, param_names = {}, self.param_names
         for index, state in optimizer_state["state"].items():
-            name = self.param_names[index]
+            name = param_names[index]
             shard_shape = model_state[name].shape
             optimizer[name] = {
                 k: self._logical(name, v) if isinstance(v, torch.Tensor) and v.shape == shard_shape else v
@@ -283,9 +288,10 @@ class ShardedCheckpointManager(CheckpointManager):
             for k, m in metadata.state_dict_metadata.items()
             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
         }
+        # The whole model's tensors: a pipeline stage's checkpoint holds every stage's (the traced model is whole).
         expected = {
             name: torch.empty(self.full_shapes.get(name, t.shape), dtype=t.dtype, device="meta")
-            for name, t in self.parallel.model.state_dict().items()
+            for name, t in self.parallel.traced_model().state_dict().items()
         }
         check_compatible(expected, found)
 

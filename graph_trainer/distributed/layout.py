@@ -36,14 +36,25 @@ def searched_dims() -> tuple[str, ...]:
     return tuple(d for d in DIMS if d not in by_dim or by_dim[d].searched)
 
 
+def not_searched(options: Any) -> str | None:
+    """Why the search cannot start from the user's [parallelism] `options`: a degree above 1 of a dimension it does
+    not search (its candidates would all keep it), or None."""
+    left_out = [d for d in DIMS if d not in searched_dims() and getattr(options, d, 1) > 1]
+    if not left_out:
+        return None
+    d = left_out[0]
+    return f"the layout search does not search parallelism.{d} yet (its cost is not modelled); drop --parallelism.{d}"
+
+
 def unplanned(degrees: Degrees) -> str | None:
     """Why a job of `degrees` gets no memory plan (a parallelism whose plan is not built: `unplanned`), or None."""
     return next((p.unplanned for p in PARALLELISMS if p.unplanned and degrees.get(p.mesh_dim, 1) > 1), None)
 
 
 def degree_options() -> tuple[str, ...]:
-    """Every degree a layout sets: the mesh's dimensions, outermost first, then the carved ones."""
-    return (*DIMS, *carved())
+    """Every degree a searched layout sets: the mesh's searched dimensions, outermost first, then the carved ones
+    (a dimension the search leaves out, such as pp, stays at the user's value: 1 unless asked)."""
+    return (*searched_dims(), *carved())
 
 
 def canonical(degrees: Degrees) -> tuple[tuple[str, int], ...]:
@@ -160,6 +171,9 @@ def _screened_as(dim: str) -> str:
 
 __all__ = [
     "bf16_settings",
+    "not_searched",
+    "searched_dims",
+    "unplanned",
     "carved",
     "canonical",
     "carved_choices",

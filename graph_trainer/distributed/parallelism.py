@@ -182,6 +182,11 @@ class Parallelism:
         """`loss_fn` as it must run under this parallelism."""
         return loss_fn
 
+    def splits_model(self) -> bool:
+        """Whether a rank holds only some of the parameters, each whole (pipeline stages): every rank then
+        checkpoints its own, as for sharded parameters."""
+        return False
+
     def traced_model(self, model: nn.Module) -> nn.Module:
         """The model the step traces: `model` itself, unless this rank holds only part of it (pipeline stages: the
         whole model on the meta device, whose graph is then cut)."""
@@ -261,8 +266,9 @@ class ParallelModel:
 
     @property
     def shards_state(self) -> bool:
-        """Whether some parameter is held in parts (then every rank checkpoints its own)."""
-        return bool(self.full_shapes())
+        """Whether some parameter is held in parts, or some rank holds only some of them (then every rank
+        checkpoints its own)."""
+        return bool(self.full_shapes()) or any(p.splits_model() for p in self.parts)
 
     def describe(self) -> str:
         """e.g. 'FSDP' or 'one process'."""

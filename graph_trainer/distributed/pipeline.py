@@ -643,7 +643,6 @@ class PipelineParallel(Parallelism):
             (accumulation_steps(cfg) > 1, "gradient accumulation (its micro-batches are the pipeline's)",
              "--training.global_batch_size -1"),
             (cfg.validation.enable, "validation", "--validation.enable false"),
-            (cfg.checkpoint.enable, "checkpoints", "--checkpoint.enable false"),
         ]  # fmt: skip
         for bad, what, fix in refused:
             if bad:
@@ -659,6 +658,9 @@ class PipelineParallel(Parallelism):
 
     def traced_model(self, model: nn.Module) -> nn.Module:
         return self.whole
+
+    def splits_model(self) -> bool:
+        return True
 
     def micro_batches_per_step(self) -> int:
         return self.n_micro

@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     import torch
 
+    from graph_trainer.distributed import layout
     from graph_trainer.errors import UserError
     from graph_trainer.job_config.cli import load_config
     from graph_trainer.job_config.pretrained import model_name
@@ -138,6 +139,8 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     overrides = {k: getattr(opts, k) for k in ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "efficiency")}
     cluster = build_cluster(opts.device, opts.gpus, opts.gpus_per_node, overrides)
     cfg, _ = load_config(rest)
+    if (why := layout.not_searched(cfg.parallelism)) is not None:
+        raise UserError(why)
     if opts.device != "cpu":  # the bf16 plan: as the trainer runs on a GPU (bf16 compute, bf16 FSDP gathers)
         cfg.training.dtype = "bfloat16"
     seq = cfg.training.seq_len

@@ -232,6 +232,40 @@ def test_the_trainer_at_pp_2_under_each_schedule_is_one_process_accumulating_bit
         assert not set(ranks[0]["stage"]) & set(ranks[1]["stage"]), schedule
 
 
+# Four steps at pp 2 with GPipe; the same run saved at step 2 and resumed under 1F1B to step 4. No LR decay
+# horizon, so a 2-step run continued to 4 is the 4-step run.
+RESUMABLE = [*PIPELINE, "--lr_scheduler.decay_type", "none", "--training.steps", "4"]
+
+
+def _resume_pipelines(rank: int, port: int, out: str) -> None:
+    half = ["--job.dump_folder", f"{out}/half", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    runs = {
+        "whole": ["--parallelism.pp_schedule", "GPipe"],
+        "first_half": [*half, "--parallelism.pp_schedule", "GPipe", "--training.steps", "2"],
+        "resumed": [*half, "--parallelism.pp_schedule", "1F1B", "--checkpoint.resume", "true"],
+    }
+    for name, trainer, result in train_runs(rank, 2, port, runs, RESUMABLE, out):
+        held = sorted(n for n, _ in trainer.model.named_parameters())
+        record = {"losses": result.losses, "step": trainer.step, "held": held}
+        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+def test_a_pp_checkpoint_resumes_bitwise_under_another_schedule(tmp_path):
+    """Each rank writes its stage's parameters and AdamW state under their whole-model names (DCP); the run resumed
+    from step 2 ends on the uninterrupted run's losses exactly, though it resumed under 1F1B (every schedule is
+    one process accumulating the same micro-batches, so the schedule may change on resume)."""
+    spawn_ranks(_resume_pipelines, 2, (free_port(), str(tmp_path)), timeout_s=600)
+    dcp = tmp_path / "half" / "checkpoint" / "step-00000002.dcp"
+    assert (dcp / ".metadata").is_file() and {p.name for p in dcp.glob("rank*.pt")} == {"rank0.pt", "rank1.pt"}
+    for rank in (0, 1):
+        whole, first, resumed = (json.loads((tmp_path / f"{n}.rank{rank}.json").read_text()) for n in
+                                 ("whole", "first_half", "resumed"))  # fmt: skip
+        assert first["losses"] == whole["losses"][:2] and resumed["losses"] == whole["losses"][2:], rank
+        assert resumed["step"] == 4 and resumed["held"] == whole["held"], rank
+
+
 def _pp_mesh() -> Mesh:
     return Mesh(ParallelDims(pp=2), 0, torch.device("cpu"))
 
@@ -243,7 +277,6 @@ def _pp_mesh() -> Mesh:
         (["--compile.trace_optimizer", "true"], "compile.trace_optimizer"),
         (["--training.global_batch_size", "32"], "gradient accumulation"),
         (["--validation.enable", "true"], "validation"),
-        (["--checkpoint.enable", "true"], "checkpoints"),
         (["--model.n_layers", "5"], "2 pipeline stages .* do not divide model.n_layers = 5"),
         (["--parallelism.pp_schedule", "Interleaved1F1B"], "4 pipeline stages .* do not divide model.n_layers = 6"),
         (["--parallelism.pp_microbatch_size", "16"], "makes one micro-batch"),
@@ -266,7 +299,7 @@ def test_pp_with_another_degree_is_refused_and_pp_1_applies_nothing():
     assert PipelineParallel.apply(None, Mesh(ParallelDims(), 0, torch.device("cpu")), cfg, None) is None
 
 
-def test_the_dry_run_says_the_per_stage_plan_is_not_built_and_the_search_leaves_pp_out():
+def test_the_dry_run_says_the_per_stage_plan_is_not_built_and_the_search_leaves_pp_out(capsys):
     from graph_trainer.layouts.search import offered_degrees
     from graph_trainer.plan.dry_run import dry_run
 
@@ -274,3 +307,7 @@ def test_the_dry_run_says_the_per_stage_plan_is_not_built_and_the_search_leaves_
     with pytest.raises(UserError, match="--dry-run has no plan to print: pipeline parallelism: the per-stage"):
         dry_run(cfg)
     assert "pp" not in offered_degrees() and "dp_shard" in offered_degrees()
+    from graph_trainer.plan.__main__ import main as plan_main
+
+    assert plan_main(["--config", "llama3_debug", "--parallelism.pp", "2", "--cluster.gpus", "2"]) == 2
+    assert "does not search parallelism.pp yet" in capsys.readouterr().err
