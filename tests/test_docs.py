@@ -37,6 +37,7 @@ from unittest import mock
 
 import pytest
 
+from graph_trainer.distributed.mesh import ParallelDims
 from graph_trainer.job_config.cli import help_text, load_config
 from graph_trainer.job_config.reference import COMMAND as REFERENCE_COMMAND
 
@@ -163,7 +164,7 @@ def _check_trainer(argv: list[str], nproc: int = 1) -> None:
         return
     if not opts.dry_run:  # a dry run plans one rank of N without a launch
         p = cfg.parallelism
-        assert nproc == p.dp_replicate * p.dp_shard * p.tp, "torchrun must start one process per rank of the mesh"
+        assert nproc == ParallelDims.from_config(p).world_size, "torchrun must start one process per rank of the mesh"
 
 
 def _check_plan(argv: list[str]) -> None:
