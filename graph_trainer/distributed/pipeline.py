@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -353,6 +354,7 @@ class GraphStage(nn.Module):
         super().__init__()
         self.graphs, self.num_stages, self.feed = graphs, num_stages, feed
         self.micro_batches: list[dict[str, Any]] = []
+        self.busy_s = 0.0  # time inside this stage's graphs this step (the rest of the schedule's is the bubble)
         self._ran: set[tuple[str, int]] = set()  # the passes run this step (see `count`)
         # Makes each stage's output need a gradient, so autograd runs its backward graph (the first stage reads no
         # activation that needs one).
@@ -365,6 +367,7 @@ class GraphStage(nn.Module):
     def begin_step(self, micro_batches: list[dict[str, Any]]) -> None:
         self.micro_batches = micro_batches
         self._ran = set()
+        self.busy_s = 0.0
 
     def count(self, what: str, micro: int) -> None:
         """Refuse a second forward or backward of one micro-batch in a step: the backward adds into the
@@ -390,8 +393,11 @@ class GraphStage(nn.Module):
         given = {"recv": received, "saved": saved, "grad": grads}
         batch = self.micro_batches[micro]
         args = [self.feed(j, batch) if kind == "step" else given[kind][j] for kind, j in sources]
+        start = time.perf_counter()
         with torch.no_grad():
-            return list(gm(*args))
+            out = list(gm(*args))
+        self.busy_s += time.perf_counter() - start
+        return out
 
 
 def the_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
@@ -526,7 +532,9 @@ class PipelinedStep:
         self._accums[:] = [torch.zeros_like(params[n]) if n in mine else None for n in traced.layout.grad_names]
         for name in mine:
             params[name].grad = None  # as zero_grad(set_to_none=True)
+        start = time.perf_counter()
         losses = run_schedule(self.schedule, self.stages, micro)
+        self.schedule_s = time.perf_counter() - start
         grads = [a for a in self._accums if a is not None]  # this rank's, in the whole model's order
         grad_norm = self._clip(traced.layout.grad_names, grads)
         for name, grad in zip([n for n in traced.layout.grad_names if n in mine], grads, strict=True):
@@ -618,6 +626,7 @@ class PipelineParallel(Parallelism):
     ):
         self.mesh, self.model, self.n_layers, self.schedule, self.n_micro = mesh, model, n_layers, schedule, n_micro
         self.per_rank = per_rank
+        self.step: PipelinedStep | None = None  # the step `wrap_step` made (its bubble is a step metric)
         self.whole = meta_copy(model)
         blocks = stage_blocks(n_layers, mesh.size("pp") * per_rank)
         mine = {b for s in local_stages(mesh.size("pp"), per_rank, mesh.coordinate("pp")) for b in blocks[s]}
@@ -659,6 +668,17 @@ class PipelineParallel(Parallelism):
     def traced_model(self, model: nn.Module) -> nn.Module:
         return self.whole
 
+    def step_metrics(self, model: nn.Module) -> dict[str, float]:
+        """`pp_bubble_pct`: the share of the last schedule's time a rank spent outside its stages' graphs, the
+        largest over the ranks (a collective)."""
+        step = self.step
+        if step is None or not hasattr(step, "schedule_s"):
+            return {}
+        busy = sum(stage.busy_s for stage in step.stages)
+        idle = torch.tensor(100.0 * max(step.schedule_s - busy, 0.0) / step.schedule_s, device=self.mesh.device)
+        dist.all_reduce(idle, op=dist.ReduceOp.MAX, group=self.mesh.group("pp"))
+        return {"pp_bubble_pct": float(idle)}
+
     def splits_model(self) -> bool:
         return True
 
@@ -680,10 +700,11 @@ class PipelineParallel(Parallelism):
         return True
 
     def wrap_step(self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float) -> PipelinedStep:
-        return PipelinedStep(
+        self.step = PipelinedStep(
             step, self.mesh, self.model, n_layers=self.n_layers, schedule=self.schedule, n_micro=self.n_micro,
             per_rank=self.per_rank, optimizer=optimizer, max_norm=max_norm,
         )  # fmt: skip
+        return self.step
 
 
 __all__ = [

@@ -62,6 +62,9 @@ TB_TAGS: Mapping[str, str] = MappingProxyType(
         "mean_tokens_per_expert": "moe/mean_tokens_per_expert",
         "max_over_mean": "moe/max_over_mean_load",
         "dropped_tokens": "moe/dropped_tokens",  # expert parallelism's rows over capacity, summed over ranks
+        # Pipeline parallelism: the share of the schedule's time a rank spent outside its stages' graphs (waiting
+        # for its neighbours, sending), the largest over the ranks.
+        "pp_bubble_pct": "pipeline/bubble(%)",
     }
 )
 RECORD_KEYS = frozenset(TB_TAGS)
