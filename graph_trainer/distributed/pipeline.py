@@ -46,10 +46,19 @@ from graph_trainer.tracer.capture import InputLayout, TracedStep, batch_tensors
 from graph_trainer.tracer.layers import transformer_layers
 
 # torchtitan's schedule names that run today, and the torch class that runs each.
-SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
-MULTI_STAGE = ("Interleaved1F1B",)  # several stages per rank (`pp_stages_per_rank`), looped: r, r + pp, ...
-# torchtitan's names this trainer accepts as options but does not run yet (their weight gradients deferred).
-NOT_YET = ("InterleavedZeroBubble", "ZBVZeroBubble")
+SCHEDULES = {
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+}
+# Several stages per rank (`pp_stages_per_rank`): looped (r, r + pp, ...), or V-shaped for ZBVZeroBubble.
+MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+# Zero-bubble schedules run each stage's weight gradients apart from (later than) its input gradients.
+DEFERS_WEIGHTS = ("InterleavedZeroBubble", "ZBVZeroBubble")
+V_SHAPED = ("ZBVZeroBubble",)  # rank r runs stages r and 2 pp - 1 - r (two a rank)
+NOT_YET: tuple[str, ...] = ()  # torchtitan's names accepted as options but not run yet
 
 
 def stages_per_rank(schedule: str, asked: int) -> int:
@@ -61,6 +70,11 @@ def stages_per_rank(schedule: str, asked: int) -> int:
     """
     if schedule not in MULTI_STAGE:
         return 1
+    if schedule in V_SHAPED and asked != 2:
+        raise UserError(
+            f"parallelism.pp_schedule = {schedule} runs two stages on each rank (a V), and "
+            f"parallelism.pp_stages_per_rank = {asked}; set it to 2"
+        )
     if asked < 2:
         raise UserError(
             f"parallelism.pp_schedule = {schedule} runs several stages on each rank, and "
@@ -69,9 +83,11 @@ def stages_per_rank(schedule: str, asked: int) -> int:
     return asked
 
 
-def local_stages(pp: int, per_rank: int, rank: int) -> list[int]:
+def local_stages(pp: int, per_rank: int, rank: int, schedule: str = "") -> list[int]:
     """The stages rank `rank` of `pp` runs: rank, rank + pp, ... (the looped order torch's interleaved schedules
-    expect)."""
+    expect), or rank and 2 pp - 1 - rank under a V-shaped schedule."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * pp - 1 - rank]
     return [rank + i * pp for i in range(per_rank)]
 
 
@@ -151,10 +167,67 @@ class StageGraphs:
     sent: list[torch.Tensor]  # fake tensors shaped as what the forward sends (the loss on the last stage)
     received: list[torch.Tensor]  # ... as what it receives (none on the first stage)
     parameters: list[str]  # the parameters it reads (this stage's, no other stage reads them)
+    # The backward split for zero-bubble schedules (`split_backward`): the input gradients (-> the gradients sent,
+    # then what the weights' part reads of it) and the weight gradients (adds into the accumulators, no output).
+    input_backward: fx.GraphModule | None = None
+    input_backward_inputs: list[Source] = dataclasses.field(default_factory=list)
+    weight_backward: fx.GraphModule | None = None
+    weight_backward_inputs: list[Source] = dataclasses.field(default_factory=list)
 
     @property
     def n_sent(self) -> int:
         return len(self.sent)
+
+    @property
+    def n_received(self) -> int:
+        return len(self.received)
+
+
+def split_backward(graphs: StageGraphs) -> None:
+    """Cut `graphs.backward` in two, as zero-bubble schedules run it: the ops the gradients sent to the stage before
+    depend on (the input gradients, run at once so that stage can go on), and the rest (the weight gradients, each
+    added into its accumulator, run later to fill the bubble). What the second reads of the first is passed on
+    ("stash" inputs), and lives until the weights' part runs. The first stage sends nothing: all of its backward is
+    the weights' part."""
+    gm = graphs.backward
+    nodes = list(gm.graph.nodes)
+    output = nodes[-1]
+    sends = list(output.args[0])
+    needed: set[fx.Node] = set()
+    stack = list(sends)
+    while stack:
+        n = stack.pop()
+        if n not in needed and n.op != "placeholder":
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+    inputs = {n: src for n, src in zip(gm.graph.find_nodes(op="placeholder"), graphs.backward_inputs, strict=True)}
+    first = [n for n in nodes if n in needed]
+    rest = [n for n in nodes if n.op not in ("placeholder", "output") and n not in needed]
+    later = set(rest)
+    stash = [n for n in first if any(u in later for u in n.users)]
+    graphs.input_backward, graphs.input_backward_inputs = _subgraph(gm, first, inputs, {}, [*sends, *stash])
+    stashed = {n: ("stash", k) for k, n in enumerate(stash)}
+    graphs.weight_backward, graphs.weight_backward_inputs = _subgraph(gm, rest, inputs, stashed, [])
+
+
+def _subgraph(
+    gm: fx.GraphModule,
+    ops: list[fx.Node],
+    inputs: dict[fx.Node, Source],
+    passed: dict[fx.Node, Source],
+    outputs: list[fx.Node],
+) -> tuple[fx.GraphModule, list[Source]]:
+    """A graph of `ops` (in `gm`'s order) whose inputs are the placeholders of `gm` they read (`inputs` says where
+    each comes from) and the values `passed` in from another graph, returning `outputs`."""
+    graph, env, sources = fx.Graph(), {}, []
+    for n in ops:
+        for a in n.all_input_nodes:
+            if a not in env and (a in inputs or a in passed):
+                env[a] = graph.placeholder(a.name)
+                sources.append(inputs.get(a) or passed[a])
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(gm, graph), sources
 
 
 def cut_stages(gm: fx.GraphModule, layout: InputLayout, n_layers: int, pp: int) -> list[StageGraphs]:
@@ -336,13 +409,18 @@ class _RunStage(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        stage, saved = ctx.stage, ctx.saved
-        stage.count("backward", ctx.micro)
-        ctx.saved = None  # what the forward saved dies with this micro-batch's backward
+        stage, saved, micro, graphs = ctx.stage, ctx.saved, ctx.micro, ctx.stage.graphs
+        stage.count("backward", micro)
+        ctx.saved = None  # what the forward saved dies with this micro-batch's backward (or its weights' part)
         # The last stage's graph starts its backward from the loss itself (autograd's seed of 1 is not read).
         given = grads if not stage.is_last else ()
-        out = stage.run(stage.graphs.backward, stage.graphs.backward_inputs, ctx.micro, saved=saved, grads=given)
-        return (None, None, None, *out)
+        if not stage.defer_weights:
+            out = stage.run(graphs.backward, graphs.backward_inputs, micro, saved=saved, grads=given)
+            return (None, None, None, *out)
+        out = stage.run(graphs.input_backward, graphs.input_backward_inputs, micro, saved=saved, grads=given)
+        sent, stash = out[: graphs.n_received], out[graphs.n_received :]
+        stage.defer(micro, saved, given, stash)
+        return (None, None, None, *sent)
 
 
 class GraphStage(nn.Module):
@@ -350,12 +428,25 @@ class GraphStage(nn.Module):
     graphs on micro-batch `micro` of the step (`begin_step` gives them) and the step inputs `feed` returns by their
     index in the whole graph (parameters, buffers, the micro-batch's tensors, the gradient accumulators)."""
 
-    def __init__(self, graphs: StageGraphs, num_stages: int, feed: Callable[[int, dict[str, Any]], torch.Tensor]):
+    def __init__(
+        self,
+        graphs: StageGraphs,
+        num_stages: int,
+        feed: Callable[[int, dict[str, Any]], torch.Tensor],
+        *,
+        defer_weights: bool = False,
+    ):
         super().__init__()
         self.graphs, self.num_stages, self.feed = graphs, num_stages, feed
+        # Zero-bubble schedules: the backward runs the input gradients, and leaves the weights' part to
+        # `weight_pass` (torch's `dw_builder`), which the schedule runs later.
+        self.defer_weights = defer_weights
+        if defer_weights and graphs.weight_backward is None:
+            split_backward(graphs)
+        self._deferred: Callable[[], None] | None = None
         self.micro_batches: list[dict[str, Any]] = []
         self.busy_s = 0.0  # time inside this stage's graphs this step (the rest of the schedule's is the bubble)
-        self._ran: set[tuple[str, int]] = set()  # the passes run this step (see `count`)
+        self.ran: list[tuple[str, int]] = []  # the passes run this step, in order (see `count`)
         # Makes each stage's output need a gradient, so autograd runs its backward graph (the first stage reads no
         # activation that needs one).
         self.anchor = torch.zeros((), requires_grad=True)
@@ -366,16 +457,37 @@ class GraphStage(nn.Module):
 
     def begin_step(self, micro_batches: list[dict[str, Any]]) -> None:
         self.micro_batches = micro_batches
-        self._ran = set()
+        self.ran = []
         self.busy_s = 0.0
+
+    def defer(self, micro: int, saved: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], stash: list) -> None:
+        """Keep micro-batch `micro`'s weights' part for `weight_pass`, holding only what it reads."""
+        graphs = self.graphs
+        reads = {(kind, j) for kind, j in graphs.weight_backward_inputs}
+        kept = {name: {j: v for j, v in enumerate(values) if (kind, j) in reads}
+                for name, kind, values in (("saved", "saved", saved), ("grads", "grad", grads),
+                                           ("stash", "stash", stash))}  # fmt: skip
+
+        def weights() -> None:
+            self.count("weights", micro)
+            self.run(graphs.weight_backward, graphs.weight_backward_inputs, micro, **kept)
+
+        self._deferred = weights
+
+    def weight_pass(self) -> Callable[[], None]:
+        """torch's `dw_builder`: the weights' part of the backward that just ran (run by the schedule, later)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            raise RuntimeError(f"pipeline stage {self.graphs.index}: no backward left a weights' part to run")
+        return deferred
 
     def count(self, what: str, micro: int) -> None:
         """Refuse a second forward or backward of one micro-batch in a step: the backward adds into the
         accumulators, so a pass run twice (torch's runtime shape inference runs one when a stage's shapes are not
         given) would double its gradients silently."""
-        if (what, micro) in self._ran:
+        if (what, micro) in self.ran:
             raise RuntimeError(f"pipeline stage {self.graphs.index} ran the {what} of micro-batch {micro} twice")
-        self._ran.add((what, micro))
+        self.ran.append((what, micro))
 
     def forward(self, *received: torch.Tensor, micro: torch.Tensor) -> Any:
         return _RunStage.apply(self, int(micro), self.anchor, *received)
@@ -387,10 +499,11 @@ class GraphStage(nn.Module):
         micro: int,
         *,
         received: Sequence[torch.Tensor] = (),
-        saved: Sequence[torch.Tensor] = (),
-        grads: Sequence[torch.Tensor] = (),
+        saved: Sequence[torch.Tensor] | dict[int, torch.Tensor] = (),
+        grads: Sequence[torch.Tensor] | dict[int, torch.Tensor] = (),
+        stash: Sequence[torch.Tensor] | dict[int, torch.Tensor] = (),
     ) -> list[torch.Tensor]:
-        given = {"recv": received, "saved": saved, "grad": grads}
+        given = {"recv": received, "saved": saved, "grad": grads, "stash": stash}
         batch = self.micro_batches[micro]
         args = [self.feed(j, batch) if kind == "step" else given[kind][j] for kind, j in sources]
         start = time.perf_counter()
@@ -422,6 +535,7 @@ def build_schedule(stages: list[GraphStage], schedule: str, n_micro: int, group:
         PipelineStage(
             stage, stage.graphs.index, stage.num_stages, device,
             input_args=like(stage.graphs.received), output_args=like(stage.graphs.sent), group=group,
+            dw_builder=stage.weight_pass if stage.defer_weights else None,
         )
         for stage in stages
     ]  # fmt: skip
@@ -469,8 +583,7 @@ class PipelinedStep:
     Each step cuts the local batch into micro-batches, runs them through torch's schedule on this rank's stage of the
     traced micro-step (`GraphStage`, cut from the graph `graph_step` traces; cut again when it retraces), clips by
     the norm over every stage's gradients, and updates this stage's parameters (`optimizer` skips the others: they
-    get no gradient). The loss is the last stage's; the other stages return 0 (`Mesh.loss_average` takes the last
-    stage's).
+    get no gradient). The loss is the last stage's, summed over the pp ranks so that every rank returns it.
 
     The clip norm is the one process's to the bit: each stage's per-parameter norms are gathered and reduced in the
     whole model's order, as `clip_grads_` reduces them, so the clipped gradients and the update are bitwise those
@@ -499,7 +612,7 @@ class PipelinedStep:
         self.schedule_name, self.n_micro = schedule, n_micro
         self.optimizer, self.max_norm = optimizer, max_norm
         self.pp, self.per_rank = mesh.size("pp"), per_rank
-        self.local = local_stages(self.pp, per_rank, mesh.coordinate("pp"))
+        self.local = local_stages(self.pp, per_rank, mesh.coordinate("pp"), schedule)
         self._traced: TracedStep | None = None
         self._accums: list[torch.Tensor | None] = []  # refilled each step; the stage's feed reads it
 
@@ -508,15 +621,15 @@ class PipelinedStep:
         whole model's gradient order)."""
         n_stages = self.pp * self.per_rank
         stages = cut_stages(traced.gm, traced.layout, self.n_layers, n_stages)
-        held = [
-            {n for s in local_stages(self.pp, self.per_rank, r) for n in stages[s].parameters} for r in range(self.pp)
-        ]
+        placed = [local_stages(self.pp, self.per_rank, r, self.schedule_name) for r in range(self.pp)]
+        held = [{n for s in ranks for n in stages[s].parameters} for ranks in placed]
         self.rank_parameters = [[n for n in traced.layout.grad_names if n in names] for names in held]
         self.mine = set(self.rank_parameters[self.mesh.coordinate("pp")])
         keep_only(self.model, self.mine, self.optimizer)
         model = self.model
         feed = step_inputs(traced.layout, dict(model.named_parameters()), dict(model.named_buffers()), self._accums)
-        self.stages = [GraphStage(stages[s], n_stages, feed) for s in self.local]
+        defer = self.schedule_name in DEFERS_WEIGHTS
+        self.stages = [GraphStage(stages[s], n_stages, feed, defer_weights=defer) for s in self.local]
         group = self.mesh.group("pp")
         self.schedule = build_schedule(self.stages, self.schedule_name, self.n_micro, group, self.mesh.device)
         self._traced = traced
@@ -542,7 +655,9 @@ class PipelinedStep:
         self._accums[:] = []
         if self.optimizer is not None:
             self.optimizer.step()
+        # The last stage's rank holds the losses (rank 0 under a V); every rank returns their sum (0 + x is x).
         loss = sum_losses(losses) if losses else torch.zeros((), device=self.mesh.device)
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.mesh.group("pp"))
         return StepOutput(loss, grad_norm)
 
     def _clip(self, names: tuple[str, ...], grads: list[torch.Tensor]) -> torch.Tensor:
@@ -629,7 +744,7 @@ class PipelineParallel(Parallelism):
         self.step: PipelinedStep | None = None  # the step `wrap_step` made (its bubble is a step metric)
         self.whole = meta_copy(model)
         blocks = stage_blocks(n_layers, mesh.size("pp") * per_rank)
-        mine = {b for s in local_stages(mesh.size("pp"), per_rank, mesh.coordinate("pp")) for b in blocks[s]}
+        mine = {b for s in local_stages(mesh.size("pp"), per_rank, mesh.coordinate("pp"), schedule) for b in blocks[s]}
         others = tuple(f"{fqn}." for fqn, i in transformer_layers(model, layers).items() if i not in mine)
         keep_only(model, {n for n, _ in model.named_parameters() if not n.startswith(others)})
 
@@ -710,6 +825,7 @@ class PipelineParallel(Parallelism):
 __all__ = [
     "NOT_YET",
     "SCHEDULES",
+    "split_backward",
     "GraphStage",
     "PipelineParallel",
     "PipelinedStep",

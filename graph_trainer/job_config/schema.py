@@ -320,15 +320,16 @@ class ParallelismConfig:
     )
     pp_schedule: str = _opt(
         "1F1B",
-        "pp > 1: torch's schedule (torchtitan's names); InterleavedZeroBubble and ZBVZeroBubble (weight gradients "
-        "deferred) are refused until they run",
+        "pp > 1: torch's schedule (torchtitan's names); Interleaved1F1B and InterleavedZeroBubble run "
+        "pp_stages_per_rank stages a rank, ZBVZeroBubble two (a V); the zero-bubble ones run each stage's weight "
+        "gradients apart from its input gradients, later",
         alias="pipeline_parallel_schedule",
         choices=("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
     )
     pp_stages_per_rank: int = _opt(
         2,
-        "pp > 1 with Interleaved1F1B: stages each rank runs (rank r runs stages r, r + pp, ...); pp x this must "
-        "divide model.n_layers",
+        "pp > 1 with Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble (2): stages each rank runs (rank r "
+        "runs stages r, r + pp, ...; r and 2 pp - 1 - r under ZBVZeroBubble); pp x this must divide model.n_layers",
         ge=1,
     )
     pp_microbatch_size: int = _opt(

@@ -21,6 +21,9 @@ import torch.distributed as dist
 from graph_trainer.builder import build_job
 from graph_trainer.distributed.mesh import Mesh, ParallelDims, build_mesh
 from graph_trainer.distributed.pipeline import (
+    DEFERS_WEIGHTS,
+    SCHEDULES,
+    V_SHAPED,
     GraphStage,
     PipelineParallel,
     build_schedule,
@@ -41,6 +44,7 @@ from tests.multiprocess import free_port, spawn_ranks, train_one_process, train_
 from tests.tiny import DETERMINISTIC, tiny_model
 
 LAYERS, MICRO = 6, 4
+SCHEDULE_NAMES = tuple(SCHEDULES)
 # Accumulation of 4 micro-batches of 2 sequences: the micro-step graph the stages are cut from.
 ARGS = ["--config", "llama3_debug", "--model.n_layers", str(LAYERS), "--training.seq_len", "32"]
 ARGS += ["--training.local_batch_size", "2", "--training.global_batch_size", str(2 * MICRO)]
@@ -67,11 +71,12 @@ def _traced(ac: str = "none", extra: tuple[str, ...] = (), layers: int = LAYERS)
     }  # fmt: skip
 
 
-def _stages(ref: dict, pp: int) -> tuple[list[GraphStage], list[torch.Tensor]]:
+def _stages(ref: dict, pp: int, defer_weights: bool = False) -> tuple[list[GraphStage], list[torch.Tensor]]:
     traced, params = ref["traced"], ref["params"]
     accums = [torch.zeros_like(params[n]) for n in traced.layout.grad_names]
     feed = step_inputs(traced.layout, params, ref["buffers"], accums)
-    stages = [GraphStage(g, pp, feed) for g in cut_stages(traced.gm, traced.layout, ref["layers"], pp)]
+    graphs = cut_stages(traced.gm, traced.layout, ref["layers"], pp)
+    stages = [GraphStage(g, pp, feed, defer_weights=defer_weights) for g in graphs]
     for stage in stages:
         stage.begin_step(ref["micro"])
     return stages, accums
@@ -107,9 +112,10 @@ def _schedules_on_ranks(rank: int, world: int, port: int, out: str) -> None:
     try:
         # 8 blocks: 2 stages of 4 (GPipe, 1F1B), or 4 stages of 2, two on each rank (Interleaved1F1B).
         ref, result = _traced(layers=8), {}
-        for schedule, per_rank in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)):
-            stages, accums = _stages(ref, world * per_rank)
-            local = [stages[s] for s in local_stages(world, per_rank, rank)]
+        for schedule in SCHEDULE_NAMES:
+            per_rank = stages_per_rank(schedule, 2)
+            stages, accums = _stages(ref, world * per_rank, defer_weights=schedule in DEFERS_WEIGHTS)
+            local = [stages[s] for s in local_stages(world, per_rank, rank, schedule)]
             run = build_schedule(local, schedule, MICRO, None, torch.device("cpu"))
             losses = run_schedule(run, local, ref["micro"])
             names = ref["traced"].layout.grad_names
@@ -120,7 +126,12 @@ def _schedules_on_ranks(rank: int, world: int, port: int, out: str) -> None:
                 "others_untouched": all(not accums[i].any() for i in range(len(names)) if i not in mine),
                 "losses_equal": [torch.equal(a, b) for a, b in zip(losses, ref["losses"], strict=False)],
                 "losses": len(losses),
-            }
+                # A weights' part run after a later micro-batch's backward: the zero-bubble schedules defer them.
+                "deferred": any(
+                    stage.ran.index(("weights", m)) > stage.ran.index(("backward", m + 1))
+                    for stage in local for m in range(MICRO - 1) if ("weights", m) in stage.ran
+                ),
+            }  # fmt: skip
         with open(f"{out}/rank{rank}.json", "w") as f:
             json.dump(result, f)
     finally:
@@ -128,15 +139,19 @@ def _schedules_on_ranks(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.integration
-def test_gpipe_1f1b_and_interleaved_1f1b_on_two_ranks_are_one_process_accumulating_bitwise(tmp_path):
+def test_every_schedule_on_two_ranks_is_one_process_accumulating_bitwise(tmp_path):
+    """GPipe, 1F1B, Interleaved1F1B and the two zero-bubble schedules (weight gradients run apart from the input
+    gradients, later), under torch's own schedules."""
     spawn_ranks(_schedules_on_ranks, 2, (2, free_port(), str(tmp_path)), timeout_s=300)
     first, last = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    for schedule in ("GPipe", "1F1B", "Interleaved1F1B"):
+    for schedule in SCHEDULE_NAMES:
         for rank in (first, last):
             assert rank[schedule]["grads_equal"] and all(rank[schedule]["grads_equal"]), schedule
             assert rank[schedule]["others_untouched"], schedule
-        assert first[schedule]["losses"] == 0 and last[schedule]["losses"] == MICRO
-        assert all(last[schedule]["losses_equal"]), schedule
+        losing = first if schedule in V_SHAPED else last  # the rank of the last stage (rank 0 under a V)
+        assert losing[schedule]["losses"] == MICRO and all(losing[schedule]["losses_equal"]), schedule
+        assert (last if losing is first else first)[schedule]["losses"] == 0, schedule
+        assert any(rank[schedule]["deferred"] for rank in (first, last)) == (schedule in DEFERS_WEIGHTS), schedule
 
 
 def test_a_pass_run_twice_in_a_step_is_refused():
@@ -165,7 +180,7 @@ def test_tied_embeddings_are_refused_by_the_cut():
         (lambda: micro_batch_count(8, 3, 2, "GPipe"), "pp_microbatch_size = 3 does not divide"),
         (lambda: micro_batch_count(8, 4, 4, "1F1B"), "1F1B needs at least pp = 4 micro-batches and gets 2"),
         (lambda: micro_batch_count(8, 8, 2, "GPipe"), "makes one micro-batch"),
-        (lambda: micro_batch_count(8, 1, 2, "ZBVZeroBubble"), "is not supported yet"),
+        (lambda: stages_per_rank("ZBVZeroBubble", 3), "runs two stages on each rank .* set it to 2"),
         (lambda: micro_batch_count(8, 1, 2, "Zigzag"), "is unknown"),
     ],
 )
@@ -180,8 +195,7 @@ def test_gpipe_may_run_fewer_micro_batches_than_stages_and_1f1b_as_many():
 
 
 # The trainer at pp 2: 4 micro-batches of 2 sequences a step, against one process accumulating 4 micro-batches of 2.
-# 8 blocks: 2 stages of 4 (GPipe, 1F1B) or 4 stages of 2, two a rank (Interleaved1F1B).
-SCHEDULE_NAMES = ("GPipe", "1F1B", "Interleaved1F1B")
+# 8 blocks: 2 stages of 4 (GPipe, 1F1B) or 4 stages of 2, two a rank (the interleaved and zero-bubble schedules).
 TRAIN = ["--config", "llama3_debug", *tiny_model(8), "--training.seq_len", "32", *DETERMINISTIC]
 TRAIN += ["--training.steps", "3"]
 PIPELINE = [
@@ -280,7 +294,7 @@ def _pp_mesh() -> Mesh:
         (["--model.n_layers", "5"], "2 pipeline stages .* do not divide model.n_layers = 5"),
         (["--parallelism.pp_schedule", "Interleaved1F1B"], "4 pipeline stages .* do not divide model.n_layers = 6"),
         (["--parallelism.pp_microbatch_size", "16"], "makes one micro-batch"),
-        (["--parallelism.pp_schedule", "ZBVZeroBubble"], "is not supported yet"),
+        (["--parallelism.pp_schedule", "ZBVZeroBubble", "--parallelism.pp_stages_per_rank", "3"], "set it to 2"),
     ],
 )
 def test_the_trainer_refuses_what_pp_cannot_run_yet_in_one_line(flags, words):
