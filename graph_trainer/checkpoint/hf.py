@@ -183,14 +183,17 @@ def load_hf_weights(
 ) -> LoadReport:
     """Materialize `model` (built on the meta device, its parallelisms applied) on `device` from `folder`.
 
-    Every parameter gets this rank's part of its Hugging Face tensor, in its own dtype; tied parameters stay
-    one tensor; the buffers are computed by `model.init_buffers()`. Raises UserError naming the first tensor
-    that is missing, extra, or of another shape.
+    Every parameter gets this rank's part of its Hugging Face tensor, in its own dtype (a pipeline stage's rank:
+    its stages' parameters only, the folder checked against the whole model); tied parameters stay one tensor;
+    the buffers are computed by `model.init_buffers()`. Raises UserError naming the first tensor that is missing,
+    extra, or of another shape.
     """
     start = time.perf_counter()
     params = _unique_parameters(model, adapter)
     held_buffers = adapter.buffers([n for n, _ in model.named_buffers()])  # the ones the files hold
-    _check_names(folder, adapter, [*params, *held_buffers])
+    # The folder is checked against the whole model: a pipeline stage holds only its blocks, and reads only them.
+    whole = _unique_parameters(parallel.traced_model(), adapter)
+    _check_names(folder, adapter, [*whole, *held_buffers])
     total = 0
     full_shapes = parallel.full_shapes()
     for name, (param, slots) in params.items():

@@ -280,6 +280,42 @@ def test_a_pp_checkpoint_resumes_bitwise_under_another_schedule(tmp_path):
         assert resumed["step"] == 4 and resumed["held"] == whole["held"], rank
 
 
+def _fine_tune(rank: int, port: int, out: str, folder: str) -> None:
+    load = [
+        "--checkpoint.initial_load_path",
+        folder,
+        "--training.seq_len",
+        "32",
+        "--training.steps",
+        "2",
+        *DETERMINISTIC,
+    ]
+    pp = ["--training.local_batch_size", "4", "--parallelism.pp", "2", "--parallelism.pp_microbatch_size", "2"]
+    for name, trainer, result in train_runs(rank, 2, port, {"pp": pp}, load, out):
+        held = sorted(n for n, _ in trainer.model.named_parameters())
+        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps({"losses": result.losses, "held": held}))
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+def test_a_pretrained_hugging_face_folder_fine_tunes_at_pp_2_as_one_process(tmp_path):
+    """A 6-layer Llama folder as transformers writes it (untied, safetensors): each rank checks the folder against
+    the whole model and reads its stage's blocks; the losses equal one process accumulating the same micro-batches
+    from the same folder. (The folder check once refused a stage's model: the other stage's tensors were 'extra'.)"""
+    from tests.checkpoint.test_hf_weights import hf_llama
+
+    folder = tmp_path / "tiny-llama"
+    hf_llama(layers=LAYERS).save_pretrained(folder)
+    one = ["--checkpoint.initial_load_path", str(folder), "--training.seq_len", "32", "--training.steps", "2"]
+    one += [*DETERMINISTIC, "--training.local_batch_size", "2", "--training.global_batch_size", "4"]
+    _, reference = train_one_process(one, str(tmp_path / "one"))
+    spawn_ranks(_fine_tune, 2, (free_port(), str(tmp_path), str(folder)), timeout_s=300)
+    ranks = [json.loads((tmp_path / f"pp.rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["losses"] == reference.losses for r in ranks)
+    blocks = [{int(n.split(".")[1]) for n in r["held"] if n.startswith("layers.")} for r in ranks]
+    assert blocks == [{0, 1, 2}, {3, 4, 5}]
+
+
 def _pp_mesh() -> Mesh:
     return Mesh(ParallelDims(pp=2), 0, torch.device("cpu"))
 
