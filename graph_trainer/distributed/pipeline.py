@@ -16,11 +16,16 @@ norm, output and loss with the last. What crosses a cut is found from the graph'
   refused, naming the op.
 
 `GraphStage` is the `nn.Module` torch's `PipelineStage` drives: its forward runs the stage's forward graph inside
-an autograd function whose backward runs the stage's backward graph, so torch's own schedules (`ScheduleGPipe`,
-`Schedule1F1B`) order the micro-batches and move activations and gradients between ranks by point-to-point
+an autograd function whose backward runs the stage's backward graph, so torch's own schedules (`SCHEDULES`:
+GPipe, 1F1B, Interleaved1F1B and the zero-bubble ones, for which `split_backward` cuts the backward into its input
+and weight gradients) order the micro-batches and move activations and gradients between ranks by point-to-point
 sends. The graphs run ops the whole graph runs, in the same order per stage, and each backward adds into the
 accumulators in micro-batch order, so the gradients are bitwise those of one process accumulating the same
 micro-batches (tests/distributed/test_pipeline.py).
+
+`PipelineParallel` is the parallelism (`parallelism.pp`): a rank keeps only its stages' parameters, the step
+traces a meta copy of the whole model, and `PipelinedStep` runs each training step around torch's schedule
+(micro-batches, clipping by the norm over every stage, the update). docs/pipeline.md has the whole story.
 """
 
 from __future__ import annotations
@@ -58,7 +63,6 @@ MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 # Zero-bubble schedules run each stage's weight gradients apart from (later than) its input gradients.
 DEFERS_WEIGHTS = ("InterleavedZeroBubble", "ZBVZeroBubble")
 V_SHAPED = ("ZBVZeroBubble",)  # rank r runs stages r and 2 pp - 1 - r (two a rank)
-NOT_YET: tuple[str, ...] = ()  # torchtitan's names accepted as options but not run yet
 
 
 def stages_per_rank(schedule: str, asked: int) -> int:
@@ -111,14 +115,10 @@ def micro_batch_count(local_batch_size: int, microbatch_size: int, pp: int, sche
     cuts it).
 
     Raises:
-        UserError: a schedule not run yet, a micro-batch size that does not divide the local batch, or fewer
-            micro-batches than stages under 1F1B (torch's schedule needs one in flight per stage).
+        UserError: an unknown schedule, a micro-batch size that does not divide the local batch, one micro-batch,
+            fewer micro-batches than stages (all but GPipe: one in flight per stage), or a count the interleaved
+            schedules' rounds do not divide.
     """
-    if schedule in NOT_YET:
-        raise UserError(
-            f"parallelism.pp_schedule = {schedule} (weight gradients deferred) is not supported yet: use one of "
-            f"{', '.join(SCHEDULES)}"
-        )
     if schedule not in SCHEDULES:
         raise UserError(f"parallelism.pp_schedule = {schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
     if microbatch_size < 1 or local_batch_size % microbatch_size:
@@ -614,7 +614,15 @@ class PipelinedStep:
         self.pp, self.per_rank = mesh.size("pp"), per_rank
         self.local = local_stages(self.pp, per_rank, mesh.coordinate("pp"), schedule)
         self._traced: TracedStep | None = None
-        self._accums: list[torch.Tensor | None] = []  # refilled each step; the stage's feed reads it
+        # Refilled each step, read by the stages' feed: the accumulators, and the model's tensors by name (read
+        # again each step, so a parameter replaced between steps is the one the graphs read).
+        self._accums: list[torch.Tensor | None] = []
+        self._params: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.stages: list[GraphStage] = []  # this rank's, made at the first trace's cut (`_cut`)
+        self.mine: set[str] = set()  # the trained parameters this rank holds
+        self.rank_parameters: list[list[str]] = []  # every rank's, in the whole model's gradient order
+        self.schedule_s: float | None = None  # the last step's time in torch's schedule
 
     def _cut(self, traced: TracedStep) -> None:
         """This rank's stages of `traced`, torch's schedule around them, and each rank's parameter names (in the
@@ -626,8 +634,7 @@ class PipelinedStep:
         self.rank_parameters = [[n for n in traced.layout.grad_names if n in names] for names in held]
         self.mine = set(self.rank_parameters[self.mesh.coordinate("pp")])
         keep_only(self.model, self.mine, self.optimizer)
-        model = self.model
-        feed = step_inputs(traced.layout, dict(model.named_parameters()), dict(model.named_buffers()), self._accums)
+        feed = step_inputs(traced.layout, self._params, self._buffers, self._accums)
         defer = self.schedule_name in DEFERS_WEIGHTS
         self.stages = [GraphStage(stages[s], n_stages, feed, defer_weights=defer) for s in self.local]
         group = self.mesh.group("pp")
@@ -641,6 +648,10 @@ class PipelinedStep:
         if traced is not self._traced:
             self._cut(traced)
         params = dict(self.model.named_parameters())
+        self._params.clear()
+        self._params.update(params)
+        self._buffers.clear()
+        self._buffers.update(self.model.named_buffers())
         mine = self.mine
         self._accums[:] = [torch.zeros_like(params[n]) if n in mine else None for n in traced.layout.grad_names]
         for name in mine:
@@ -787,7 +798,7 @@ class PipelineParallel(Parallelism):
         """`pp_bubble_pct`: the share of the last schedule's time a rank spent outside its stages' graphs, the
         largest over the ranks (a collective)."""
         step = self.step
-        if step is None or not hasattr(step, "schedule_s"):
+        if step is None or step.schedule_s is None:
             return {}
         busy = sum(stage.busy_s for stage in step.stages)
         idle = torch.tensor(100.0 * max(step.schedule_s - busy, 0.0) / step.schedule_s, device=self.mesh.device)
@@ -823,7 +834,6 @@ class PipelineParallel(Parallelism):
 
 
 __all__ = [
-    "NOT_YET",
     "SCHEDULES",
     "split_backward",
     "GraphStage",
