@@ -778,6 +778,9 @@ class PipelineParallel(Parallelism):
             (accumulation_steps(cfg) > 1, "gradient accumulation (its micro-batches are the pipeline's)",
              "--training.global_batch_size -1"),
             (cfg.validation.enable, "validation", "--validation.enable false"),
+            # Its target is a share of a rank's peak, which needs the per-stage plan (not built yet).
+            (cfg.activation_checkpoint.mode == "budget", "activation_checkpoint.mode budget",
+             "--activation_checkpoint.mode selective"),
         ]  # fmt: skip
         for bad, what, fix in refused:
             if bad:
