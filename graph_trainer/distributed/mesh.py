@@ -172,7 +172,8 @@ class Mesh:
 
     def loss_average(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss averaged over the data-parallel ranks, the same on every rank: under pipeline
-        parallelism only the last stage holds it (the others pass zeros, which add nothing). For logging."""
+        parallelism one copy per pipeline is taken (the last stage's rank's; the others pass zeros, which add
+        nothing). For logging."""
         if not self.is_distributed:
             return loss
         total = loss.detach().clone()

@@ -37,6 +37,7 @@ EXPECTED_TAGS = {
     "moe/mean_tokens_per_expert",
     "moe/max_over_mean_load",
     "moe/dropped_tokens",
+    "pipeline/bubble(%)",
 }
 
 
@@ -71,6 +72,7 @@ def _record(step: int) -> dict:
         "mean_tokens_per_expert": 64.0,
         "max_over_mean": 1.5,
         "dropped_tokens": 3.0,
+        "pp_bubble_pct": 12.5,
     }
 
 
@@ -97,6 +99,7 @@ def test_tensorboard_tags_are_the_published_names_and_values(tmp_path):
     assert acc.Scalars("memory/rss_peak(GiB)")[0].value == 5.0
     assert acc.Scalars("trace/count")[-1].value == 1.0
     assert acc.Scalars("mfu(%)")[-1].value == 12.5
+    assert acc.Scalars("pipeline/bubble(%)")[-1].value == 12.5
 
 
 def test_summary_json_has_every_step_with_exact_losses(tmp_path):
