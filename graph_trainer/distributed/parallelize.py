@@ -31,11 +31,12 @@ from graph_trainer.distributed.tp import TensorParallel
 # top of TP does; its reduce-scatters run in the backward, before any gradient hook). The norm hooks chain in this
 # order too: TP's counts its replicated gradients once on this rank's FSDP shards, before FSDP sums over dp_shard.
 # The MoE balancing counts are summed over whichever data-parallel dimension is used.
-# Pipeline parallelism changes no parameter (a rank runs its stage's part of the traced step): it is listed first.
+# Pipeline parallelism removes other stages' parameters from a rank's model: after replication, whose averaging
+# hook is built for the whole model (it leaves a parameter this rank does not hold alone), before the others.
 PARALLELISMS: tuple[type[Parallelism], ...] = (
-    PipelineParallel,
     ExpertParallel,
     Replicate,
+    PipelineParallel,
     TensorParallel,
     FSDP,
     ExpertBalance,

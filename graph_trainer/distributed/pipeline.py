@@ -659,7 +659,10 @@ class PipelinedStep:
         start = time.perf_counter()
         losses = run_schedule(self.schedule, self.stages, micro)
         self.schedule_s = time.perf_counter() - start
-        grads = [a for a in self._accums if a is not None]  # this rank's, in the whole model's order
+        # Averaged over the replicas of this pipeline (dp_replicate), a gradient of another stage left None.
+        reduce = self.graph_step.grad_reduce
+        summed = reduce(list(self._accums)) if reduce is not None else self._accums
+        grads = [g for g in summed if g is not None]  # this rank's, in the whole model's order
         grad_norm = self._clip(traced.layout.grad_names, grads)
         for name, grad in zip([n for n in traced.layout.grad_names if n in mine], grads, strict=True):
             params[name].grad = grad

@@ -41,7 +41,8 @@ KIND = "dp_replicate"
 class GradAverager:
     """`GradReduce` hook: each gradient all-reduced (sum) over `group`, then divided by the world size.
 
-    One all-reduce per gradient (no bucketing). Sum-then-divide rather than the
+    One all-reduce per gradient (no bucketing); a None gradient (a parameter this rank's pipeline stage does not
+    hold) stays None. Sum-then-divide rather than the
     "avg" reduce op so that every backend (gloo, nccl) runs the same arithmetic.
     `owners[i]` is gradient i's parameter's module and block, which its reduction is tagged with.
     """
@@ -57,6 +58,9 @@ class GradAverager:
         # the division waits on the AsyncCollectiveTensor it returns.
         averaged = []
         for g, owner in zip(grads, self.owners, strict=True):
+            if g is None:  # a parameter another pipeline stage holds: its peers over the replicas hold it too
+                averaged.append(None)
+                continue
             tag = node_meta.collective_tag(KIND, node_meta.GRAD_REDUCE, layer=owner[1])
             with fx_traceback.annotate({node_meta.COLLECTIVE: tag, **owned_by(owner)}):
                 averaged.append(funcol.all_reduce(g, "sum", self.group) / self.world_size)

@@ -314,7 +314,7 @@ class ParallelismConfig:
         1,
         "pipeline-parallel degree (processes): the traced micro-step cut into pp stages of model.n_layers / pp "
         "blocks each, run under torch's pipeline schedules (docs/pipeline.md); stage peers read the same batch; "
-        "not yet combined with the other degrees",
+        "combines with dp_replicate (replicas of the pipeline), not yet with dp_shard, tp or ep",
         alias="pipeline_parallel_degree",
         ge=1,
     )

@@ -316,6 +316,32 @@ def test_a_pretrained_hugging_face_folder_fine_tunes_at_pp_2_as_one_process(tmp_
     assert blocks == [{0, 1, 2}, {3, 4, 5}]
 
 
+# Two replicas of a 2-stage pipeline against dp_replicate 2 alone, both accumulating 4 micro-batches of 2 a rank.
+REPLICAS = [*TRAIN, "--model.n_layers", str(LAYERS), "--parallelism.dp_replicate", "2"]
+REPLICATED_PIPELINE = [*REPLICAS, "--training.local_batch_size", "8", "--parallelism.pp", "2"]
+REPLICATED_PIPELINE += ["--parallelism.pp_microbatch_size", "2"]
+REPLICATED = [*REPLICAS, "--training.local_batch_size", "2", "--training.global_batch_size", "16"]
+
+
+def _train_replicas(rank: int, world: int, port: int, out: str, args: list[str]) -> None:
+    for name, _, result in train_runs(rank, world, port, {f"world{world}": []}, args, out):
+        record = {"losses": result.losses, "grad_norms": [r["grad_norm"] for r in result.records]}
+        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+def test_two_replicas_of_a_pipeline_are_dp_replicate_accumulating_bitwise(tmp_path):
+    """pp 2 x dp_replicate 2 (4 ranks; the replicas read different data and average their stages' gradients)
+    against dp_replicate 2 alone (2 ranks) on the same global batch: every rank's losses and clipped norms equal."""
+    spawn_ranks(_train_replicas, 2, (2, free_port(), str(tmp_path), REPLICATED), timeout_s=300)
+    spawn_ranks(_train_replicas, 4, (4, free_port(), str(tmp_path), REPLICATED_PIPELINE), timeout_s=300)
+    reference = json.loads((tmp_path / "world2.rank0.json").read_text())
+    assert max(reference["grad_norms"]) > 1.0  # clipping scaled the gradients
+    for rank in range(4):
+        assert json.loads((tmp_path / f"world4.rank{rank}.json").read_text()) == reference, rank
+
+
 def _pp_mesh() -> Mesh:
     return Mesh(ParallelDims(pp=2), 0, torch.device("cpu"))
 
@@ -343,6 +369,9 @@ def test_the_trainer_refuses_what_pp_cannot_run_yet_in_one_line(flags, words):
 
 
 def test_pp_with_another_degree_is_refused_and_pp_1_applies_nothing():
+    cfg, _ = load_config(["--config", "llama3_debug", "--parallelism.pp", "2", "--parallelism.tp", "2"])
+    with pytest.raises(UserError, match="parallelism.pp > 1 with parallelism.tp = 2 is not supported yet"):
+        ParallelDims.from_config(cfg.parallelism)
     cfg, _ = load_config(["--config", "llama3_debug", "--parallelism.pp", "2", "--parallelism.dp_shard", "2"])
     with pytest.raises(UserError, match="parallelism.pp > 1 with parallelism.dp_shard = 2 is not supported yet"):
         ParallelDims.from_config(cfg.parallelism)
