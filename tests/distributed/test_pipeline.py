@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import types
 from pathlib import Path
 
@@ -259,25 +260,46 @@ def _resume_pipelines(rank: int, port: int, out: str) -> None:
         "resumed": [*half, "--parallelism.pp_schedule", "1F1B", "--checkpoint.resume", "true"],
     }
     for name, trainer, result in train_runs(rank, 2, port, runs, RESUMABLE, out):
-        held = sorted(n for n, _ in trainer.model.named_parameters())
-        record = {"losses": result.losses, "step": trainer.step, "held": held}
-        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
+        _record_resume(out, name, rank, trainer, result)
+        if name == "first_half":  # the step-2 checkpoint for the pp 4 resume, before `resumed` adds step 4
+            if rank == 0:
+                shutil.copytree(f"{out}/half", f"{out}/half4")
+            dist.barrier()
+
+
+def _reshard_pipelines(rank: int, port: int, out: str) -> None:
+    runs = {"resharded": ["--job.dump_folder", f"{out}/half4", "--parallelism.pp", "4", "--checkpoint.resume", "true"]}
+    for name, trainer, result in train_runs(rank, 4, port, runs, [*RESUMABLE, "--checkpoint.enable", "true"], out):
+        _record_resume(out, name, rank, trainer, result)
+
+
+def _record_resume(out: str, name: str, rank: int, trainer, result) -> None:
+    held = sorted(n for n, _ in trainer.model.named_parameters())
+    record = {"losses": result.losses, "step": trainer.step, "held": held}
+    Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
 
 
 @pytest.mark.integration
 @pytest.mark.multiprocess
-def test_a_pp_checkpoint_resumes_bitwise_under_another_schedule(tmp_path):
-    """Each rank writes its stage's parameters and AdamW state under their whole-model names (DCP); the run resumed
+def test_a_pp_checkpoint_resumes_bitwise_under_another_schedule_and_reshards_to_pp_4(tmp_path):
+    """Each rank writes its stage's parameters and AdamW state under their whole-model names (DCP). The run resumed
     from step 2 ends on the uninterrupted run's losses exactly, though it resumed under 1F1B (every schedule is
-    one process accumulating the same micro-batches, so the schedule may change on resume)."""
+    one process accumulating the same micro-batches, so the schedule may change on resume); so does the same
+    checkpoint resumed at pp 4 on 4 ranks, each reading its 2 blocks by name."""
     spawn_ranks(_resume_pipelines, 2, (free_port(), str(tmp_path)), timeout_s=600)
+    spawn_ranks(_reshard_pipelines, 4, (free_port(), str(tmp_path)), timeout_s=600)
     dcp = tmp_path / "half" / "checkpoint" / "step-00000002.dcp"
     assert (dcp / ".metadata").is_file() and {p.name for p in dcp.glob("rank*.pt")} == {"rank0.pt", "rank1.pt"}
+    whole = [json.loads((tmp_path / f"whole.rank{rank}.json").read_text()) for rank in (0, 1)]
     for rank in (0, 1):
-        whole, first, resumed = (json.loads((tmp_path / f"{n}.rank{rank}.json").read_text()) for n in
-                                 ("whole", "first_half", "resumed"))  # fmt: skip
-        assert first["losses"] == whole["losses"][:2] and resumed["losses"] == whole["losses"][2:], rank
-        assert resumed["step"] == 4 and resumed["held"] == whole["held"], rank
+        first, resumed = (json.loads((tmp_path / f"{n}.rank{rank}.json").read_text()) for n in
+                          ("first_half", "resumed"))  # fmt: skip
+        assert first["losses"] == whole[rank]["losses"][:2] and resumed["losses"] == whole[rank]["losses"][2:], rank
+        assert resumed["step"] == 4 and resumed["held"] == whole[rank]["held"], rank
+    resharded = [json.loads((tmp_path / f"resharded.rank{rank}.json").read_text()) for rank in range(4)]
+    for rank, run in enumerate(resharded):
+        assert run["losses"] == whole[0]["losses"][2:] and run["step"] == 4, rank
+        assert {int(n.split(".")[1]) for n in run["held"] if n.startswith("layers.")} == {2 * rank, 2 * rank + 1}
 
 
 def _fine_tune(rank: int, port: int, out: str, folder: str) -> None:
