@@ -728,8 +728,10 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 
 class PipelineParallel(Parallelism):
-    """Pipeline parallelism (`parallelism.pp`): each rank runs one stage of the traced micro-step under torch's
-    schedule (`PipelinedStep`) and holds only that stage's parameters and optimizer state. The step traces a meta
+    """Pipeline parallelism (`parallelism.pp`): each rank runs its stages of the traced micro-step (one, or several
+    under the interleaved and zero-bubble schedules) under torch's schedule (`PipelinedStep`) and holds only their
+    parameters and optimizer state. With dp_replicate, replicas of the pipeline average their gradients with
+    replication's own hook (applied before this, so built for the whole model). The step traces a meta
     copy of the whole model (`traced_model`); the blocks of other stages are removed from the rank's model as the
     parallelism applies (before the optimizer makes their state), the rest of what other stages read (embedding,
     final norm, output) once the first trace's cut says which stage reads it."""
