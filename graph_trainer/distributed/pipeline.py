@@ -432,7 +432,7 @@ class GraphStage(nn.Module):
         self,
         graphs: StageGraphs,
         num_stages: int,
-        feed: Callable[[int, dict[str, Any]], torch.Tensor],
+        feed: Callable[[int, list[torch.Tensor]], torch.Tensor],
         *,
         defer_weights: bool = False,
     ):
@@ -444,7 +444,7 @@ class GraphStage(nn.Module):
         if defer_weights and graphs.weight_backward is None:
             split_backward(graphs)
         self._deferred: Callable[[], None] | None = None
-        self.micro_batches: list[dict[str, Any]] = []
+        self.micro_batches: list[list[torch.Tensor]] = []  # each micro-batch's tensors (`begin_step`)
         self.busy_s = 0.0  # time inside this stage's graphs this step (the rest of the schedule's is the bubble)
         self.ran: list[tuple[str, int]] = []  # the passes run this step, in order (see `count`)
         # Makes each stage's output need a gradient, so autograd runs its backward graph (the first stage reads no
@@ -456,7 +456,7 @@ class GraphStage(nn.Module):
         return self.graphs.index == self.num_stages - 1
 
     def begin_step(self, micro_batches: list[dict[str, Any]]) -> None:
-        self.micro_batches = micro_batches
+        self.micro_batches = [batch_tensors(m) for m in micro_batches]  # flattened once, read by every pass
         self.ran = []
         self.busy_s = 0.0
 
@@ -558,12 +558,13 @@ def run_schedule(schedule: Any, stages: list[GraphStage], micro_batches: list[di
 
 def step_inputs(
     layout: InputLayout, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], accums: list
-) -> Callable[[int, dict[str, Any]], torch.Tensor]:
+) -> Callable[[int, list[torch.Tensor]], torch.Tensor]:
     """`GraphStage`'s feed: the whole micro-step graph's i-th input, from the live parameters and buffers (by name),
-    the micro-batch, and the accumulators (`accums`, one per trainable parameter, a list the caller refills)."""
+    the micro-batch's tensors (`batch_tensors` order), and the accumulators (`accums`, one per trainable parameter,
+    a list the caller refills)."""
     n_params, n_buffers, n_batch = len(layout.param_names), len(layout.buffer_names), layout.num_batch
 
-    def feed(i: int, batch: dict[str, Any]) -> torch.Tensor:
+    def feed(i: int, batch: list[torch.Tensor]) -> torch.Tensor:
         if i < n_params:
             return params[layout.param_names[i]]
         i -= n_params
@@ -571,7 +572,7 @@ def step_inputs(
             return buffers[layout.buffer_names[i]]
         i -= n_buffers
         if i < n_batch:
-            return batch_tensors(batch)[i]
+            return batch[i]
         return accums[i - n_batch - layout.num_opt_state - layout.num_scalars]
 
     return feed
@@ -701,10 +702,9 @@ class PipelinedStep:
         return None
 
 
-def keep_only(model: nn.Module, names: set[str], optimizer: torch.optim.Optimizer | None = None) -> list[str]:
+def keep_only(model: nn.Module, names: set[str], optimizer: torch.optim.Optimizer | None = None) -> None:
     """Remove from `model` (and from `optimizer`, its state included) every trainable parameter not in `names`,
-    so that a rank holds its stage's parameters and their state only; the rest keep their whole-model names. The
-    names removed."""
+    so that a rank holds its stage's parameters and their state only; the rest keep their whole-model names."""
     gone = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in names]
     for name, param in gone:
         owner, _, attr = name.rpartition(".")
@@ -713,7 +713,6 @@ def keep_only(model: nn.Module, names: set[str], optimizer: torch.optim.Optimize
             optimizer.state.pop(param, None)
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if p is not param]
-    return [n for n, _ in gone]
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
