@@ -125,6 +125,11 @@ class TrainStep(Protocol):
         one graph (eager)."""
         ...
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Tensors the step itself keeps from one step to the next (not the model's nor the optimizer's): memory
+        the CPU figure counts as alive when a step starts, as the CUDA allocator does."""
+        ...
+
 
 class EvalStep(Protocol):
     """The loss on a batch without gradients (forward and loss only), and a report of what it cost."""

@@ -276,7 +276,7 @@ class Trainer:
     def _live_tensors(self, batch: Any) -> list[torch.Tensor]:
         """Tensors alive when a step starts: what the CPU memory figure counts besides the step's own."""
         state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        return [*self.model.parameters(), *self.model.buffers(), *batch.values(), *state]
+        return [*self.model.parameters(), *self.model.buffers(), *batch.values(), *state, *self.step_fn.held_tensors()]
 
     def train_step(self, batch: dict[str, torch.Tensor], *, record_ops: bool = False) -> dict[str, Any]:
         """One optimizer step on `batch`; returns the step's metrics record. `record_ops`: keep the live bytes

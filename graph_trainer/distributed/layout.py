@@ -46,6 +46,15 @@ def not_searched(options: Any) -> str | None:
     return f"the layout search does not search parallelism.{d} yet (its cost is not modelled); drop --parallelism.{d}"
 
 
+def planned_apart(degrees: Degrees) -> list[int] | None:
+    """The ranks of a job of `degrees` to plan apart, when a parallelism it uses `plans_apart` (their plans differ:
+    `Parallelism.planned_ranks`), or None (rank 0's plan is every rank's)."""
+    for p in PARALLELISMS:
+        if p.plans_apart and degrees.get(p.mesh_dim, 1) > 1:
+            return p.planned_ranks(world_size(degrees), degrees[p.mesh_dim])
+    return None
+
+
 def unplanned(degrees: Degrees) -> str | None:
     """Why a job of `degrees` gets no memory plan (a parallelism whose plan is not built: `unplanned`), or None."""
     return next((p.unplanned for p in PARALLELISMS if p.unplanned and degrees.get(p.mesh_dim, 1) > 1), None)
@@ -174,6 +183,7 @@ __all__ = [
     "not_searched",
     "searched_dims",
     "unplanned",
+    "planned_apart",
     "carved",
     "canonical",
     "carved_choices",

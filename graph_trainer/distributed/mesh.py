@@ -221,9 +221,10 @@ def _split_dp_shard(name: str, degree: int, ep: int) -> list[tuple[str, int]]:
 
 
 @contextlib.contextmanager
-def planning_mesh(dims: ParallelDims, device: torch.device) -> Iterator[Mesh]:
-    """Rank 0 of a job of `dims.world_size` ranks, for planning (--dry-run): torch's fake process group inside
-    this one process, which traces collectives but never communicates. One process: the plain mesh."""
+def planning_mesh(dims: ParallelDims, device: torch.device, rank: int = 0) -> Iterator[Mesh]:
+    """Rank `rank` (0 unless said) of a job of `dims.world_size` ranks, for planning (--dry-run): torch's fake
+    process group inside this one process, which runs collectives but never communicates. One process: the plain
+    mesh."""
     if dims.world_size == 1:
         yield Mesh(dims, 0, device)
         return
@@ -235,10 +236,10 @@ def planning_mesh(dims: ParallelDims, device: torch.device) -> Iterator[Mesh]:
         raise UserError(
             f"--dry-run with {dims.describe()} needs torch's fake process group ({e}); plan one process instead"
         ) from None
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dims.world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
     try:
         # The fake backend has no device of its own: the mesh is laid out on the CPU, whatever device is planned.
-        mesh = build_mesh(dims, 0, torch.device("cpu"))
+        mesh = build_mesh(dims, rank, torch.device("cpu"))
         yield dataclasses.replace(mesh, device=device)
     finally:
         dist.destroy_process_group()

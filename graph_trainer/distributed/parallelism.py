@@ -115,8 +115,15 @@ class Parallelism:
     # Why no memory plan is made for a job that uses it (the preflight says so and skips; --dry-run refuses), or
     # "" when its plan is made as every other step's.
     unplanned: str = ""
+    plans_apart: bool = False  # --dry-run plans its ranks apart (`planned_ranks`, `plan.stage_plan`), not rank 0
     searched_options: tuple[str, ...] = ()  # its [parallelism] options the search may set (`search_options`)
     step_options: tuple[str, ...] = ()  # those of the whole step, not of one micro-batch's plan
+
+    @classmethod
+    def planned_ranks(cls, world_size: int, degree: int) -> list[int]:
+        """When it `plans_apart`: the ranks of a job of `world_size` ranks and this `degree` whose plans differ
+        (one a position along its mesh dimension), in order."""
+        raise NotImplementedError
 
     @classmethod
     def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> Parallelism | None:

@@ -447,6 +447,11 @@ class GraphStage(nn.Module):
         self.micro_batches: list[list[torch.Tensor]] = []  # each micro-batch's tensors (`begin_step`)
         self.busy_s = 0.0  # time inside this stage's graphs this step (the rest of the schedule's is the bubble)
         self.ran: list[tuple[str, int]] = []  # the passes run this step, in order (see `count`)
+        self.torch_stage: Any = None  # torch's `PipelineStage` around this one (`build_schedule`)
+        # Called with (stage index, pass, micro-batch) as each pass starts, and run in place of a graph's call (node
+        # by node): the plan notes where its peak is.
+        self.on_pass: Callable[[int, str, int], None] | None = None
+        self.run_graph: Callable[[fx.GraphModule, list[torch.Tensor]], Sequence[torch.Tensor]] | None = None
         # Makes each stage's output need a gradient, so autograd runs its backward graph (the first stage reads no
         # activation that needs one).
         self.anchor = torch.zeros((), requires_grad=True)
@@ -488,9 +493,14 @@ class GraphStage(nn.Module):
         if (what, micro) in self.ran:
             raise RuntimeError(f"pipeline stage {self.graphs.index} ran the {what} of micro-batch {micro} twice")
         self.ran.append((what, micro))
+        if self.on_pass is not None:
+            self.on_pass(self.graphs.index, what, micro)
 
     def forward(self, *received: torch.Tensor, micro: torch.Tensor) -> Any:
-        return _RunStage.apply(self, int(micro), self.anchor, *received)
+        # `micro` is torch's chunk of the step's `arange(M)` index (`run_schedule`): a view whose offset into it is
+        # the micro-batch's index. Read from the view, not the data, so that the plan's run on fake tensors
+        # (`plan_stages`) runs it as well.
+        return _RunStage.apply(self, micro.storage_offset(), self.anchor, *received)
 
     def run(
         self,
@@ -508,7 +518,7 @@ class GraphStage(nn.Module):
         args = [self.feed(j, batch) if kind == "step" else given[kind][j] for kind, j in sources]
         start = time.perf_counter()
         with torch.no_grad():
-            out = list(gm(*args))
+            out = list(gm(*args) if self.run_graph is None else self.run_graph(gm, args))
         self.busy_s += time.perf_counter() - start
         return out
 
@@ -539,6 +549,8 @@ def build_schedule(stages: list[GraphStage], schedule: str, n_micro: int, group:
         )
         for stage in stages
     ]  # fmt: skip
+    for stage, torch_stage in zip(stages, torch_stages, strict=True):
+        stage.torch_stage = torch_stage
     run = torch_stages if schedule in MULTI_STAGE else torch_stages[0]
     return getattr(schedules, SCHEDULES[schedule])(run, n_micro, loss_fn=the_loss, scale_grads=False)
 
@@ -549,7 +561,7 @@ def run_schedule(schedule: Any, stages: list[GraphStage], micro_batches: list[di
     stage ([] elsewhere)."""
     for stage in stages:
         stage.begin_step(micro_batches)
-    index = torch.arange(len(micro_batches))  # torch's schedule cuts it into one index per micro-batch
+    index = torch.arange(len(micro_batches))  # torch's schedule cuts it into one view per micro-batch
     losses: list[torch.Tensor] = []
     last = any(stage.is_last for stage in stages)
     schedule.step(micro=index, target=index if last else None, losses=losses, return_outputs=False)
@@ -620,12 +632,12 @@ class PipelinedStep:
         self._accums: list[torch.Tensor | None] = []
         self._params: dict[str, torch.Tensor] = {}
         self._buffers: dict[str, torch.Tensor] = {}
-        self.stages: list[GraphStage] = []  # this rank's, made at the first trace's cut (`_cut`)
+        self.stages: list[GraphStage] = []  # this rank's, made at the first trace's cut (`cut`)
         self.mine: set[str] = set()  # the trained parameters this rank holds
         self.rank_parameters: list[list[str]] = []  # every rank's, in the whole model's gradient order
         self.schedule_s: float | None = None  # the last step's time in torch's schedule
 
-    def _cut(self, traced: TracedStep) -> None:
+    def cut(self, traced: TracedStep) -> None:
         """This rank's stages of `traced`, torch's schedule around them, and each rank's parameter names (in the
         whole model's gradient order)."""
         n_stages = self.pp * self.per_rank
@@ -646,8 +658,13 @@ class PipelinedStep:
         step = self.graph_step
         micro = micro_batches(batch, self.n_micro, step.count_reduce)
         traced = step.ensure_traced(micro[0])
+        return self.run(traced, micro)
+
+    def run(self, traced: TracedStep, micro: list[dict[str, Any]], *, update: bool = True) -> StepOutput:
+        """The step on its `micro`-batches with `traced` (cut first if it is new), the update left out when
+        `update` is False (the per-stage plan adds it: torch's AdamW does not run on fake tensors)."""
         if traced is not self._traced:
-            self._cut(traced)
+            self.cut(traced)
         params = dict(self.model.named_parameters())
         self._params.clear()
         self._params.update(params)
@@ -668,7 +685,7 @@ class PipelinedStep:
         for name, grad in zip([n for n in traced.layout.grad_names if n in mine], grads, strict=True):
             params[name].grad = grad
         self._accums[:] = []
-        if self.optimizer is not None:
+        if self.optimizer is not None and update:
             self.optimizer.step()
         # The last stage's rank holds the losses (rank 0 under a V); every rank returns their sum (0 + x is x).
         loss = sum_losses(losses) if losses else torch.zeros((), device=self.mesh.device)
@@ -691,7 +708,7 @@ class PipelinedStep:
         return total
 
     def report(self) -> StepReport:
-        """Trace counts; no estimated peak: the per-stage memory plan is not built yet (docs/pipeline.md)."""
+        """Trace counts; no estimated peak: `--dry-run` plans each stage (`plan.stage_plan`), the step does not."""
         s = self.graph_step.stats
         return StepReport(
             updates_inside=False, trace_count=s.count, trace_time_s=s.total_time_s, retrace_reasons=list(s.reasons)
@@ -700,6 +717,18 @@ class PipelinedStep:
     def graph_nodes(self) -> None:
         """None: the step is several stage graphs, not one graph with an estimate at each node."""
         return None
+
+    def held_blocks(self) -> list[int]:
+        """The blocks this rank's stages hold, in order."""
+        per_stage = stage_blocks(self.n_layers, self.pp * self.per_rank)
+        return sorted(b for s in self.local for b in per_stage[s])
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """torch's receive buffers: each stage made at its first step one per micro-batch for the activation it
+        receives and one for the gradient (`PipelineStage.args_recv_info`, `grad_recv_info`), and keeps them."""
+        tables = [t for s in self.stages for t in (s.torch_stage.args_recv_info, s.torch_stage.grad_recv_info)]
+        infos = [info for table in tables for chunk in table.values() for info in chunk]
+        return [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
 
 
 def keep_only(model: nn.Module, names: set[str], optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -739,9 +768,12 @@ class PipelineParallel(Parallelism):
     label = "pipeline"
     mesh_dim = "pp"
     searched = False  # the search's cost model has no bubble or stage traffic yet (issue #34, item 7)
+    # The per-stage plan (`plan.stage_plan`) runs each rank's schedule on torch's fake process group, which cannot
+    # be made beside the job's real one: `--dry-run` plans a pipeline, the running job's preflight does not.
+    plans_apart = True
     unplanned = (
-        "pipeline parallelism: the per-stage memory plan is not built yet (docs/pipeline.md), so the preflight "
-        "does not predict this step's peak"
+        "pipeline parallelism: the running job does not plan its stages; plan every rank's with --dry-run "
+        "(docs/pipeline.md)"
     )
 
     def __init__(
@@ -797,6 +829,15 @@ class PipelineParallel(Parallelism):
         stage_blocks(n_layers, p.pp * per_rank)
         layers = plan.layers if plan is not None else None
         return cls(mesh, model, layers, n_layers, p.pp_schedule, n_micro, per_rank)
+
+    @classmethod
+    def planned_ranks(cls, world_size: int, degree: int) -> list[int]:
+        """Each stage position's first rank (pp is the outermost mesh dimension): the replicas' plans are the same."""
+        return [r * (world_size // degree) for r in range(degree)]
+
+    def held_blocks(self) -> list[int]:
+        """The blocks this rank's stages hold."""
+        return self.step.held_blocks() if self.step is not None else []
 
     def traced_model(self, model: nn.Module) -> nn.Module:
         return self.whole

@@ -62,6 +62,10 @@ class EagerStep:
         """No graph: the memory timeline of an eager step has measured bytes per op only."""
         return None
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """None: what a step makes is freed or left in `param.grad`."""
+        return []
+
     def __call__(self, batch: Any) -> StepOutput:
         """Run one step; returns (loss, grad_norm) with the clipped grads in `param.grad`."""
         # The model's trainable parameters now, not when the step was built: a state dict loaded with assign=True

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from graph_trainer.builder import Job, adamw_implementation_for, build_job, optimizer_in_graph
-from graph_trainer.distributed.layout import unplanned
+from graph_trainer.distributed.layout import planned_apart, unplanned
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.batching import accumulation_steps
@@ -29,6 +29,7 @@ from graph_trainer.plan.budget_frontier import (
     write_frontier,
 )
 from graph_trainer.plan.preflight import available_bytes
+from graph_trainer.plan.stage_plan import print_stage_plans
 from graph_trainer.plan.step_plan import AC_MODES, StepPlan
 from graph_trainer.runtime.device import compute_dtype, resolve_device
 from graph_trainer.runtime.gc_pause import gc_paused
@@ -49,6 +50,10 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
     """
     device = device or resolve_device(cfg.training.device)
     dims = ParallelDims.from_config(cfg.parallelism)
+    if planned_apart(dims.degrees()) is not None:  # every stage's plan differs (`plan.stage_plan`)
+        print_stage_plans(cfg, device, print_fn)
+        print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")
+        return
     if (why := unplanned(dims.degrees())) is not None:
         raise UserError(f"--dry-run has no plan to print: {why}")
     with planning_mesh(dims, device) as mesh:

@@ -403,6 +403,10 @@ class GraphStep:
             out.saved_activation_bytes = est.saved_bytes
         return out
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """None: the graph's outputs are the loss, the norm and the gradients (left in `param.grad`)."""
+        return []
+
     def graph_nodes(self) -> list[GraphNode] | None:
         """The current graph's nodes with the estimate's live bytes at each (see `graph_trainer.step.GraphNode`).
 

@@ -39,6 +39,7 @@ from graph_trainer.distributed.pipeline import (
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.loss import IGNORE_INDEX
+from graph_trainer.plan.stage_plan import plan_pipeline
 from graph_trainer.step import micro_batches
 from graph_trainer.tracer import node_meta
 from tests.multiprocess import free_port, spawn_ranks, train_one_process, train_runs
@@ -95,10 +96,11 @@ def test_the_stages_run_one_after_another_are_the_whole_micro_step_bitwise(pp, a
     ref = _traced(ac)
     stages, accums = _stages(ref, pp)
     assert [_blocks_in(s) for s in stages] == [set(r) for r in stage_blocks(LAYERS, pp)]  # >1 block each
+    index = torch.arange(MICRO)  # a micro-batch is its view of the step's index, as torch's schedule cuts it
     for i in range(MICRO):
         out: tuple = ()
         for stage in stages:
-            out = (stage(*out, micro=torch.tensor([i])),)
+            out = (stage(*out, micro=index[i : i + 1]),)
         assert torch.equal(out[0], ref["losses"][i]), i
         out[0].backward()
     assert all(torch.equal(a, b) for a, b in zip(accums, ref["grads"], strict=True))
@@ -223,16 +225,22 @@ def _train_pipelines(rank: int, port: int, out: str) -> None:
             "updated": sorted(n for n, p in trainer.model.named_parameters() if float(state[p]["step"]) == 3),
             "states": len(state),
             "stage": sorted(trainer.step_fn.mine),
+            "peaks": [r["peak_active_bytes"] for r in result.records],  # the CPU live-tensor figure
         }
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
 
 
 @pytest.mark.integration
 @pytest.mark.multiprocess
-def test_the_trainer_at_pp_2_under_each_schedule_is_one_process_accumulating_bitwise(tmp_path):
+def test_the_trainer_at_pp_2_under_each_schedule_is_one_process_accumulating_bitwise_and_planned_to_the_byte(tmp_path):
     """Three steps with clipping (max_norm 1; the norms are about 2) and AdamW: every loss after the first depends
     on every stage's update, so equal losses and norms at steps 2 and 3 say each stage's clipped gradients and
-    update were one process's to the bit. Each rank holds only its stage's parameters and their optimizer state."""
+    update were one process's to the bit. Each rank holds only its stage's parameters and their optimizer state.
+
+    Each rank's measured peak at steps 2 and 3 is its per-stage plan's (`plan_pipeline`, what --dry-run prints) to
+    the byte, under GPipe (every micro-batch in flight), 1F1B and ZBVZeroBubble (two stages a rank, weight
+    gradients deferred). The first step is not: torch makes its receive buffers in it, and the cut prunes the
+    other stages' embedding, norm and output with their optimizer state."""
     _, reference = train_one_process(ONE_PROCESS, str(tmp_path / "one"))
     norms = [r["grad_norm"] for r in reference.records]
     assert max(norms) > 1.0  # clipping scaled the gradients
@@ -245,6 +253,12 @@ def test_the_trainer_at_pp_2_under_each_schedule_is_one_process_accumulating_bit
             assert rank["held"] == rank["updated"] == sorted(rank["stage"]), schedule
             assert rank["states"] == len(rank["stage"]) and rank["trace_count"] == 2, schedule
         assert not set(ranks[0]["stage"]) & set(ranks[1]["stage"]), schedule
+        if schedule in ("GPipe", "1F1B", "ZBVZeroBubble"):
+            cfg, _ = load_config([*PIPELINE, "--parallelism.pp_schedule", schedule])
+            plans = list(plan_pipeline(cfg, torch.device("cpu")))
+            assert sorted(b for p in plans for b in p.blocks) == list(range(8)), schedule  # 4 blocks a rank
+            for plan, rank in zip(plans, ranks, strict=True):
+                assert rank["peaks"][1:] == [plan.peak_bytes] * 2, (schedule, plan)
 
 
 # Four steps at pp 2 with GPipe; the same run saved at step 2 and resumed under 1F1B to step 4. No LR decay
@@ -401,13 +415,20 @@ def test_pp_with_another_degree_is_refused_and_pp_1_applies_nothing():
     assert PipelineParallel.apply(None, Mesh(ParallelDims(), 0, torch.device("cpu")), cfg, None) is None
 
 
-def test_the_dry_run_says_the_per_stage_plan_is_not_built_and_the_search_leaves_pp_out(capsys):
+def test_the_dry_run_prints_every_stage_plan_and_the_search_leaves_pp_out(capsys):
     from graph_trainer.layouts.search import offered_degrees
     from graph_trainer.plan.dry_run import dry_run
 
-    cfg, _ = load_config(["--config", "llama3_debug", "--parallelism.pp", "2"])
-    with pytest.raises(UserError, match="--dry-run has no plan to print: pipeline parallelism: the per-stage"):
-        dry_run(cfg)
+    cfg, _ = load_config(
+        [*ARGS, "--parallelism.pp", "2", "--training.local_batch_size", "4", "--training.global_batch_size", "-1"]
+    )
+    lines: list[str] = []
+    dry_run(cfg, print_fn=lines.append)
+    rows = [line.split() for line in lines[2:4]]
+    # pp rank, stages, blocks (3 a stage), then the peak (GiB), the micro-batches in flight (1F1B: stage 0 runs a
+    # second forward before its first backward), and where the peak is.
+    assert [r[:3] for r in rows] == [["0", "0", "0-2"], ["1", "1", "3-5"]], lines
+    assert all(float(r[3]) > 0 for r in rows) and rows[0][7] == "2" and "backward of micro-batch" in lines[2]
     assert "pp" not in offered_degrees() and "dp_shard" in offered_degrees()
     from graph_trainer.plan.__main__ import main as plan_main
 
