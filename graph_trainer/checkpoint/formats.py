@@ -18,12 +18,16 @@ SINGLE_FILE = re.compile(r"^step-(\d{8,})\.pt$")  # group 1 is the step
 SHARDED = re.compile(r"^step-(\d{8,})\.dcp$")
 
 
-def refuse_other_format(folder: Path, *, sharded: bool) -> None:
-    """UserError when `folder` holds checkpoints only in the format this job does not write.
+def holds_sharded(folder: Path) -> bool:
+    """Whether `folder` holds a sharded checkpoint (a `step-*.dcp` folder)."""
+    return folder.is_dir() and any(SHARDED.match(p.name) for p in folder.iterdir())
 
-    A sharded (`step-*.dcp`) checkpoint needs a `parallelism.dp_shard` job to load it; a
-    single-file one (`step-*.pt`) a single-process or `dp_replicate` job.
-    """
+
+def refuse_other_format(folder: Path, *, sharded: bool) -> None:
+    """UserError when `folder` holds checkpoints only in the format this job does not write: a single-file one
+    (`step-*.pt`) needs a job of whole state (one process or `dp_replicate`). A sharded one (`step-*.dcp`) any job
+    resumes (a job of whole state writes sharded ones into such a folder: `checkpointer.build_checkpointer`), so a
+    job of whole state is never refused here."""
     if not folder.is_dir():
         return
     names = sorted(p.name for p in folder.iterdir())
@@ -33,12 +37,6 @@ def refuse_other_format(folder: Path, *, sharded: bool) -> None:
             "parallelism.dp_replicate), which a parallelism.dp_shard job cannot resume; resume it "
             "without --parallelism.dp_shard, or start a new job.dump_folder"
         )
-    if not sharded and any(SHARDED.match(n) for n in names):
-        raise UserError(
-            f"{folder} holds sharded checkpoints (step-*.dcp, from a parallelism.dp_shard job), which "
-            "only a parallelism.dp_shard job can resume; launch with `torchrun --nproc_per_node N` and "
-            "--parallelism.dp_shard N, or export the weights with `python -m graph_trainer.export`"
-        )
 
 
-__all__ = ["SHARDED", "SINGLE_FILE", "refuse_other_format"]
+__all__ = ["SHARDED", "SINGLE_FILE", "holds_sharded", "refuse_other_format"]

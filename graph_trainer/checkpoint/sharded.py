@@ -32,9 +32,11 @@ saved run had the same position; their RNG streams cannot be mapped onto other r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +116,18 @@ class ShardedCheckpointManager(CheckpointManager):
     def _temp(self, step: int) -> Path:
         return self.folder / f".{self.path(step).name}{TEMP_SUFFIX}"
 
+    @contextlib.contextmanager
+    def _dcp_call(self) -> Iterator[None]:
+        """Around a DCP save or load: in one process (`no_dist`), without torch's warning that it assumes so, which
+        it gives even when told."""
+        with warnings.catch_warnings():
+            if not self.parallel.mesh.is_distributed:
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            yield
+
     def _barrier(self) -> None:
-        dist.barrier(group=self.group)
+        if self.parallel.mesh.is_distributed:  # one process (a sharded folder resumed alone): nothing to wait for
+            dist.barrier(group=self.group)
 
     # --- the tensors, as DCP sees them -------------------------------------------------------------------
 
@@ -183,11 +195,13 @@ class ShardedCheckpointManager(CheckpointManager):
         (a full disk) raises `WriteError` (naming `path`) on every rank, after rank 0 removed the torn `temp`."""
         failure: WriteError | None = None
         try:
-            dcp.save(
-                self._tensors(state[_MODEL], state[_OPTIMIZER]),
-                storage_writer=dcp.FileSystemWriter(temp),
-                process_group=self.group,
-            )
+            with self._dcp_call():
+                dcp.save(
+                    self._tensors(state[_MODEL], state[_OPTIMIZER]),
+                    storage_writer=dcp.FileSystemWriter(temp),
+                    process_group=self.group,
+                    no_dist=not self.parallel.mesh.is_distributed,
+                )
         except CheckpointException as e:  # DCP gathers every rank's failure and raises on all of them
             failure = _write_error(e, path)
         if failure is None:
@@ -230,7 +244,11 @@ class ShardedCheckpointManager(CheckpointManager):
         if before_tensors is not None:
             before_tensors(plain)
         model_state, optimizer_state = self.parallel.model.state_dict(), self.optimizer.state_dict()
-        dcp.load(self._tensors(model_state, optimizer_state), storage_reader=reader, process_group=self.group)
+        with self._dcp_call():
+            dcp.load(
+                self._tensors(model_state, optimizer_state), storage_reader=reader, process_group=self.group,
+                no_dist=not self.parallel.mesh.is_distributed,
+            )  # fmt: skip
         if saved_world != self.world_size:
             logger.info(
                 f"resume: {path} was written by {saved_world} ranks, now {self.world_size}: the shards were "

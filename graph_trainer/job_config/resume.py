@@ -94,6 +94,9 @@ def _as_flag(key: str, value: Any) -> str:
 
 _RESHARD = ("parallelism.dp_replicate", "parallelism.dp_shard", "training.local_batch_size")
 _DATA_PARALLEL = _RESHARD[:2]  # their product is the number of data ranks
+# A new layout of the same step: the data ranks, or the pipeline's stages (whose micro-batches are accumulation's:
+# a pp checkpoint resumed in one process accumulates them).
+_LAYOUT = (*_DATA_PARALLEL, "parallelism.pp")
 
 
 def _data_ranks(config: dict[str, Any]) -> int:
@@ -174,8 +177,8 @@ def compare_on_resume(
 ) -> list[str]:
     """Lines naming each honoured change against the checkpoint's config; UserError if any change is refused.
 
-    With `reshardable` (a sharded checkpoint), `parallelism.dp_shard` and `training.local_batch_size`
-    may change together when their product, the global batch, stays the same.
+    With `reshardable` (a sharded checkpoint), the layout (`parallelism.dp_shard`, `dp_replicate`, `pp`), the
+    local batch and the accumulation steps may change together when the global batch stays the same.
     """
     before, now = _flatten(saved), _flatten(stored_config(cfg))
     if before["data.source"] in ("embedded", "synthetic"):
@@ -183,7 +186,7 @@ def compare_on_resume(
         now.pop("data.path", None)
     changed = [k for k in now if k not in _NOT_COMPARED and k in before and before[k] != now[k]]
     _check_held_out(before, now, checkpoint)
-    new_layout = any(k in changed for k in _DATA_PARALLEL)
+    new_layout = any(k in changed for k in _LAYOUT)
     if _accumulation_steps(before) != _accumulation_steps(now) and not (reshardable and new_layout):
         raise _accumulation_refusal(before, now, checkpoint)
     resharded = reshardable and new_layout

@@ -221,14 +221,26 @@ def test_a_different_model_shape_is_refused_in_one_line(two):
     assert "has shape" in message and "model expects" in message
 
 
-def test_a_single_process_cannot_resume_a_sharded_checkpoint(two, tmp_path):
+def test_one_process_resumes_a_sharded_checkpoint_at_the_same_global_batch(two, tmp_path):
+    """The 2-rank step-2 checkpoint resumed by one process: at the 2-rank run's local batch the global batch would
+    halve, refused in one line naming the local batch that keeps it; with it, DCP reads the shards as whole tensors
+    and steps 3 and 4 continue the 2-rank run's losses (one process sums what two ranks summed apart: 1e-5)."""
     dump = tmp_path / "run"
-    shutil.copytree(two / "half", dump)
-    cfg, _ = load_config([*ARGS, "--compile.mode", "eager", "--checkpoint.resume", "true", *_dump(dump)])
-    with pytest.raises(UserError, match=r"sharded checkpoints .* only a parallelism.dp_shard job") as e:
-        Trainer(cfg)
-    torch.use_deterministic_algorithms(False)
-    assert "\n" not in str(e.value)
+    (dump / "checkpoint").mkdir(parents=True)
+    shutil.copytree(two / "half" / "checkpoint" / "step-00000002.dcp", dump / "checkpoint" / "step-00000002.dcp")
+    shutil.copy(two / "half" / "config.toml", dump)
+    data = ["--data.source", "hf_datasets", "--data.path", str(two / "documents.parquet")]
+    resume = [*ARGS, *data, "--checkpoint.resume", "true", *_dump(dump)]
+    try:
+        with pytest.raises(UserError, match=r"on 1 data ranks .* would be 2 instead of 4.*local_batch_size 4") as e:
+            Trainer(load_config(resume)[0])
+        assert "\n" not in str(e.value)
+        trainer = Trainer(load_config([*resume, "--training.local_batch_size", "4"])[0])
+        result = trainer.train()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert trainer.step == 4 and (dump / "checkpoint" / "step-00000004.dcp" / ".metadata").is_file()
+    assert result.losses == pytest.approx(_record(two, "straight")["losses"][2:], rel=1e-5)
 
 
 def test_resume_on_4_ranks_then_2_continues_the_loss(two, resharded):

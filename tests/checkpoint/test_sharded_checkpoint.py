@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from graph_trainer.checkpoint.formats import refuse_other_format
+from graph_trainer.checkpoint.formats import holds_sharded, refuse_other_format
 from graph_trainer.checkpoint.run_folder import MANIFEST_FILE, Manifest, remove_run
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.resume import compare_on_resume, stored_config
@@ -77,12 +77,14 @@ def test_hsdp_counts_both_data_parallel_dimensions_in_the_global_batch(tmp_path)
         compare_on_resume(_saved(1, 2, dp_replicate=2), _now(1, 2, dp_replicate=4), tmp_path)
 
 
-def test_a_job_refuses_a_folder_of_the_other_checkpoint_format_in_one_line(tmp_path):
-    _checkpoint_folder(tmp_path / "step-00000002.dcp")
-    refuse_other_format(tmp_path, sharded=True)
-    with pytest.raises(UserError, match="only a parallelism.dp_shard job can resume") as e:
-        refuse_other_format(tmp_path, sharded=False)
+def test_a_sharded_job_refuses_a_folder_of_single_file_checkpoints_and_a_whole_job_takes_sharded_ones(tmp_path):
+    (tmp_path / "step-00000002.pt").write_bytes(b"")
+    with pytest.raises(UserError, match="which a parallelism.dp_shard job cannot resume") as e:
+        refuse_other_format(tmp_path, sharded=True)
     assert "\n" not in str(e.value)
+    sharded = tmp_path / "sharded"
+    _checkpoint_folder(sharded / "step-00000002.dcp")
+    assert holds_sharded(sharded) and not holds_sharded(tmp_path)  # a job of whole state goes on writing DCP there
 
 
 def test_the_guard_checks_the_norm_summed_over_the_ranks():
@@ -107,3 +109,17 @@ def test_a_checkpoint_folder_outside_the_dump_folder_is_owned_below_its_recorded
     assert not manifest.owns(outside / "notes.txt")
     remove_run(manifest)
     assert sorted(p.name for p in outside.iterdir()) == ["notes.txt"]
+
+
+def test_a_pp_checkpoint_resumed_by_one_process_accumulating_its_micro_batches_is_a_reshard(tmp_path):
+    """A pp 2 run of local batch 8 (micro-batches of 2) read 8 sequences a step; one process reading them as 4
+    accumulated micro-batches of 2 keeps the global batch, so it resumes (the schedule's micro-batches are
+    accumulation's); a single-file checkpoint could not change the layout so."""
+    pipeline = _now(1, 8)
+    pipeline.parallelism.pp, pipeline.parallelism.pp_microbatch_size = 2, 2
+    alone = _now(1, 2)
+    alone.training.global_batch_size = 8
+    lines = compare_on_resume(stored_config(pipeline), alone, tmp_path, reshardable=True)
+    assert any(line.startswith("parallelism.pp: 2 in the checkpoint, 1 now") for line in lines), lines
+    with pytest.raises(UserError, match="training.global_batch_size 8"):
+        compare_on_resume(stored_config(pipeline), alone, tmp_path)

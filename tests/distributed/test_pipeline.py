@@ -275,9 +275,10 @@ def _resume_pipelines(rank: int, port: int, out: str) -> None:
     }
     for name, trainer, result in train_runs(rank, 2, port, runs, RESUMABLE, out):
         _record_resume(out, name, rank, trainer, result)
-        if name == "first_half":  # the step-2 checkpoint for the pp 4 resume, before `resumed` adds step 4
+        if name == "first_half":  # the step-2 checkpoint for the pp 4 and pp 1 resumes, before `resumed` adds step 4
             if rank == 0:
                 shutil.copytree(f"{out}/half", f"{out}/half4")
+                shutil.copytree(f"{out}/half", f"{out}/half1")
             dist.barrier()
 
 
@@ -295,13 +296,17 @@ def _record_resume(out: str, name: str, rank: int, trainer, result) -> None:
 
 @pytest.mark.integration
 @pytest.mark.multiprocess
-def test_a_pp_checkpoint_resumes_bitwise_under_another_schedule_and_reshards_to_pp_4(tmp_path):
+def test_a_pp_checkpoint_resumes_bitwise_under_another_schedule_and_reshards_to_pp_4_and_to_one_process(tmp_path):
     """Each rank writes its stage's parameters and AdamW state under their whole-model names (DCP). The run resumed
     from step 2 ends on the uninterrupted run's losses exactly, though it resumed under 1F1B (every schedule is
     one process accumulating the same micro-batches, so the schedule may change on resume); so does the same
-    checkpoint resumed at pp 4 on 4 ranks, each reading its 2 blocks by name."""
+    checkpoint resumed at pp 4 on 4 ranks, each reading its 2 blocks by name, and resumed by one process that
+    accumulates the same 4 micro-batches of 2 (it reads the folder with DCP and goes on writing DCP there)."""
     spawn_ranks(_resume_pipelines, 2, (free_port(), str(tmp_path)), timeout_s=600)
     spawn_ranks(_reshard_pipelines, 4, (free_port(), str(tmp_path)), timeout_s=600)
+    one = ["--lr_scheduler.decay_type", "none", "--training.steps", "4", "--checkpoint.enable", "true"]
+    alone, result = train_one_process([*ONE_PROCESS, *one, "--checkpoint.resume", "true"], str(tmp_path / "half1"))
+    assert alone.step == 4 and len(list(alone.model.parameters())) == 75  # the whole model (8 blocks), in one process
     dcp = tmp_path / "half" / "checkpoint" / "step-00000002.dcp"
     assert (dcp / ".metadata").is_file() and {p.name for p in dcp.glob("rank*.pt")} == {"rank0.pt", "rank1.pt"}
     whole = [json.loads((tmp_path / f"whole.rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -310,6 +315,8 @@ def test_a_pp_checkpoint_resumes_bitwise_under_another_schedule_and_reshards_to_
                           ("first_half", "resumed"))  # fmt: skip
         assert first["losses"] == whole[rank]["losses"][:2] and resumed["losses"] == whole[rank]["losses"][2:], rank
         assert resumed["step"] == 4 and resumed["held"] == whole[rank]["held"], rank
+    assert result.losses == whole[0]["losses"][2:]
+    assert (tmp_path / "half1" / "checkpoint" / "step-00000004.dcp" / ".metadata").is_file()
     resharded = [json.loads((tmp_path / f"resharded.rank{rank}.json").read_text()) for rank in range(4)]
     for rank, run in enumerate(resharded):
         assert run["losses"] == whole[0]["losses"][2:] and run["step"] == 4, rank
