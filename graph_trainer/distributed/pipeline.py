@@ -616,11 +616,6 @@ class PipelinedStep:
         optimizer: torch.optim.Optimizer | None,
         max_norm: float,
     ):
-        if graph_step.step_update is not None:
-            raise UserError(
-                "parallelism.pp > 1 with a model that updates its buffers once a step (a mixture of experts' "
-                "balancing bias) is not supported yet; run it without pipeline parallelism"
-            )
         self.graph_step, self.mesh, self.model, self.n_layers = graph_step, mesh, model, n_layers
         self.schedule_name, self.n_micro = schedule, n_micro
         self.optimizer, self.max_norm = optimizer, max_norm
@@ -680,6 +675,9 @@ class PipelinedStep:
         # Averaged over the replicas of this pipeline (dp_replicate), a gradient of another stage left None.
         reduce = self.graph_step.grad_reduce
         summed = reduce(list(self._accums)) if reduce is not None else self._accums
+        if self.graph_step.step_update is not None:  # a MoE's balancing bias: its stages' routers counted their tokens
+            with torch.no_grad():
+                self.graph_step.step_update(self.model)
         grads = [g for g in summed if g is not None]  # this rank's, in the whole model's order
         grad_norm = self._clip(traced.layout.grad_names, grads)
         for name, grad in zip([n for n in traced.layout.grad_names if n in mine], grads, strict=True):

@@ -359,6 +359,54 @@ def test_a_pretrained_hugging_face_folder_fine_tunes_at_pp_2_as_one_process(tmp_
     assert blocks == [{0, 1, 2}, {3, 4, 5}]
 
 
+# DeepSeek-V3's debug model at 8 blocks (the first dense, the rest routed experts with the balancing bias).
+MOE = ["--config", "deepseek_v3_debug", "--model.n_layers", "8", "--training.seq_len", "32", *DETERMINISTIC]
+MOE += ["--training.steps", "3"]
+MOE_SCHEDULES = ("1F1B", "ZBVZeroBubble")
+
+
+def _train_moe_pipelines(rank: int, port: int, out: str) -> None:
+    args = [*MOE, "--training.local_batch_size", "8", "--parallelism.pp", "2", "--parallelism.pp_microbatch_size", "2"]
+    runs = {s: ["--parallelism.pp_schedule", s] for s in MOE_SCHEDULES}
+    for name, trainer, result in train_runs(rank, 2, port, runs, args, out):
+        held = set(trainer.step_fn.held_blocks())
+        bias = {n: b.tolist() for n, b in trainer.model.named_buffers() if n.endswith("expert_bias")}
+        record = {
+            "losses": result.losses, "grad_norms": [r["grad_norm"] for r in result.records],
+            "bias": {n: b for n, b in bias.items() if int(n.split(".")[1]) in held}, "blocks": sorted(held),
+        }  # fmt: skip
+        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+def test_a_mixture_of_experts_with_its_balancing_bias_at_pp_2_is_one_process_accumulating_bitwise(tmp_path):
+    """DeepSeek-V3's routers count their tokens in each stage's graphs and move their bias once a step, after the
+    schedule (the family's step update, run by each rank on its own routers): losses, clipped norms and every
+    router's bias after 3 steps equal one process accumulating the same 4 micro-batches, under 1F1B and under a
+    V with its weight gradients deferred. Once refused beside pp."""
+    one = [*MOE, "--training.local_batch_size", "2", "--training.global_batch_size", "8"]
+    threads = torch.get_num_threads()
+    # One thread, as each rank runs (`train_runs`): with two, this model's logged loss (a sum over the tokens) came
+    # out 1 ulp apart at step 2 while the gradients stayed equal.
+    torch.set_num_threads(1)
+    try:
+        trainer, reference = train_one_process(one, str(tmp_path / "one"))
+    finally:
+        torch.set_num_threads(threads)
+    biases = {n: b.tolist() for n, b in trainer.model.named_buffers() if n.endswith("expert_bias")}
+    assert len(biases) == 7 and len({str(b) for b in biases.values()}) > 1  # 7 routers, moved apart
+    spawn_ranks(_train_moe_pipelines, 2, (free_port(), str(tmp_path)), timeout_s=600)
+    for schedule in MOE_SCHEDULES:
+        ranks = [json.loads((tmp_path / f"{schedule}.rank{r}.json").read_text()) for r in (0, 1)]
+        assert sorted(b for r in ranks for b in r["blocks"]) == list(range(8)), schedule
+        for rank in ranks:
+            assert rank["losses"] == reference.losses, schedule
+            assert rank["grad_norms"] == [r["grad_norm"] for r in reference.records], schedule
+            assert rank["bias"] == {n: biases[n] for n in rank["bias"]}, schedule
+        assert len(ranks[0]["bias"]) + len(ranks[1]["bias"]) == 7, schedule
+
+
 # Two replicas of a 2-stage pipeline against dp_replicate 2 alone, both accumulating 4 micro-batches of 2 a rank.
 REPLICAS = [*TRAIN, "--model.n_layers", str(LAYERS), "--parallelism.dp_replicate", "2"]
 REPLICATED_PIPELINE = [*REPLICAS, "--training.local_batch_size", "8", "--parallelism.pp", "2"]
