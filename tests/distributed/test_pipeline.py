@@ -359,6 +359,33 @@ def test_a_pretrained_hugging_face_folder_fine_tunes_at_pp_2_as_one_process(tmp_
     assert blocks == [{0, 1, 2}, {3, 4, 5}]
 
 
+def _train_masked(rank: int, port: int, out: str, masked: list[str]) -> None:
+    for name, _, result in train_runs(rank, 2, port, {"masked": masked}, PIPELINE, out):
+        record = {"losses": result.losses, "grad_norms": [r["grad_norm"] for r in result.records]}
+        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+def test_document_masking_at_pp_2_is_one_process_accumulating_bitwise(tmp_path):
+    """Packed documents masked from each other (DECISIONS.md: a row's document ids travel with the micro-batch to
+    every stage that runs attention): each stage reads its micro-batch's ids as a step input, so the masks and RoPE
+    positions of every block are one process's, to the bit. Documents of 2 to 20 characters: each row of 32
+    tokens holds several, at boundaries that move every step."""
+    from tests.test_document_masking import short_documents
+
+    data = ["--data.source", "jsonl", "--data.path", str(short_documents(tmp_path / "docs.jsonl"))]
+    masked = [*data, "--data.document_masking", "true"]
+    _, reference = train_one_process([*ONE_PROCESS, *masked], str(tmp_path / "one"))
+    _, unmasked = train_one_process([*ONE_PROCESS, *data], str(tmp_path / "plain"))
+    assert reference.losses != unmasked.losses  # the mask changes the step
+    spawn_ranks(_train_masked, 2, (free_port(), str(tmp_path), masked), timeout_s=300)
+    for rank in (0, 1):
+        run = json.loads((tmp_path / f"masked.rank{rank}.json").read_text())
+        assert run["losses"] == reference.losses, rank
+        assert run["grad_norms"] == [r["grad_norm"] for r in reference.records], rank
+
+
 # DeepSeek-V3's debug model at 8 blocks (the first dense, the rest routed experts with the balancing bias).
 MOE = ["--config", "deepseek_v3_debug", "--model.n_layers", "8", "--training.seq_len", "32", *DETERMINISTIC]
 MOE += ["--training.steps", "3"]
