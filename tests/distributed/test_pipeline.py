@@ -445,11 +445,14 @@ def _train_replicas(rank: int, world: int, port: int, out: str, args: list[str])
     for name, _, result in train_runs(rank, world, port, {f"world{world}": []}, args, out):
         record = {"losses": result.losses, "grad_norms": [r["grad_norm"] for r in result.records]}
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
+        Path(out, f"{name}.rank{rank}.peaks.json").write_text(
+            json.dumps([r["peak_active_bytes"] for r in result.records])
+        )
 
 
 @pytest.mark.integration
 @pytest.mark.multiprocess
-def test_two_replicas_of_a_pipeline_are_dp_replicate_accumulating_bitwise(tmp_path):
+def test_two_replicas_of_a_pipeline_are_dp_replicate_accumulating_bitwise_and_planned_to_the_byte(tmp_path):
     """pp 2 x dp_replicate 2 (4 ranks; the replicas read different data and average their stages' gradients)
     against dp_replicate 2 alone (2 ranks) on the same global batch: every rank's losses and clipped norms equal."""
     spawn_ranks(_train_replicas, 2, (2, free_port(), str(tmp_path), REPLICATED), timeout_s=300)
@@ -458,6 +461,13 @@ def test_two_replicas_of_a_pipeline_are_dp_replicate_accumulating_bitwise(tmp_pa
     assert max(reference["grad_norms"]) > 1.0  # clipping scaled the gradients
     for rank in range(4):
         assert json.loads((tmp_path / f"world4.rank{rank}.json").read_text()) == reference, rank
+    # Each stage's plan (made on the first replica's rank of it) is its measured peak at steps 2 and 3 on both
+    # replicas' ranks of it (pp outermost: ranks 0 and 1 run stage 0), the replicas' gradient averaging included.
+    plans = list(plan_pipeline(load_config(REPLICATED_PIPELINE)[0], torch.device("cpu")))
+    assert plans[0].peak_bytes != plans[1].peak_bytes
+    for rank in range(4):
+        peaks = json.loads((tmp_path / f"world4.rank{rank}.peaks.json").read_text())
+        assert peaks[1:] == [plans[rank // 2].peak_bytes] * 2, (rank, plans[rank // 2])
 
 
 def _pp_mesh() -> Mesh:
