@@ -41,6 +41,8 @@ from graph_trainer.observability.profiling import StepProfiler
 from graph_trainer.observability.units import to_gib
 from graph_trainer.optimizer.lr_schedule import resync_lr
 from graph_trainer.plan.preflight import preflight
+from graph_trainer.plan.stage_plan import StagePlan
+from graph_trainer.plan.step_plan import StepPlan
 from graph_trainer.runtime.device import compute_dtype, peak_flops, resolve_dtype, set_determinism
 from graph_trainer.runtime.folder_lock import in_use_message, lock_folder, release_folder
 from graph_trainer.runtime.fsutil import WriteError, atomic_write_text
@@ -115,15 +117,17 @@ class Trainer:
         self.dataloader = data.loader
         set_determinism(cfg.training.seed, cfg.training.deterministic, self.device)
         with cli_trace_errors():
-            plan = preflight(cfg, self.mesh)  # None: a layout whose plan is not built yet (said)
-        if plan is not None:
+            plan = preflight(cfg, self.mesh)
+        self.preflight = plan
+        self.steps_run = 0  # by this process (a resumed run's first step is its first too)
+        if isinstance(plan, StepPlan):  # a stage plan said its own line
             logger.info(
                 f"preflight: predicted step peak {to_gib(plan.peak_bytes):.3f} GiB "
                 f"(activations saved for backward {to_gib(plan.saved_bytes):.3f} GiB)"
             )
         # The job the preflight planned, materialized: from here on a sharded parameter is this rank's part of it.
         job = build_job(cfg, self.mesh, vocab_needed=data.tokenizer.vocab_size)
-        job = job.with_budget_choice(plan.budget_choice if plan is not None else None)
+        job = job.with_budget_choice(plan.budget_choice if isinstance(plan, StepPlan) else None)
         self.model, self.parallel = job.model, job.parallel
         self.optimizer, self.scheduler = job.optimizer, job.scheduler
         self.model_args = self.model.args
@@ -139,7 +143,7 @@ class Trainer:
         self.step_fn = job.build_step(
             dump_dir=self.dump_folder / "graphs" if self.rank == 0 else None,
             failure_dir=self.dump_folder / "graphs",
-            planned_graph=plan.step_graph if plan is not None else None,
+            planned_graph=plan.step_graph if isinstance(plan, StepPlan) else None,
         )
         self.memory = MemoryMonitor(self.device, track=cfg.metrics.track_memory)
         self.validator = None
@@ -283,6 +287,7 @@ class Trainer:
         after every op (`self.memory.last_ops`) for the memory timeline."""
         lr = self.optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
+        self.steps_run += 1
         with self.memory.measure_step(self._live_tensors(batch), record_ops=record_ops) as mem:
             with cli_trace_errors():
                 loss, grad_norm = self.step_fn(batch)  # the optimizer update included
@@ -309,6 +314,10 @@ class Trainer:
         record.update(self.parallel.step_metrics())  # its own figures (expert parallelism's dropped rows)
         report = self.step_fn.report()
         record.update(report.as_record())
+        if isinstance(self.preflight, StagePlan) and self.steps_run > 1:
+            # A pipeline stage's step has no graph estimate of its own: its preflight planned it, a step after the
+            # first (which makes torch's receive buffers and prunes the other stages' state).
+            record["estimated_peak_bytes"] = self.preflight.peak_bytes
         if report.cuda_graphs and "peak_reserved_bytes" in record:
             # A CUDA-graph replay uses its private pool without allocator calls, so the active
             # peak can miss it; the reserved peak includes the pool: report that upper bound.

@@ -55,11 +55,6 @@ def planned_apart(degrees: Degrees) -> list[int] | None:
     return None
 
 
-def unplanned(degrees: Degrees) -> str | None:
-    """Why a job of `degrees` gets no memory plan (a parallelism whose plan is not built: `unplanned`), or None."""
-    return next((p.unplanned for p in PARALLELISMS if p.unplanned and degrees.get(p.mesh_dim, 1) > 1), None)
-
-
 def degree_options() -> tuple[str, ...]:
     """Every degree a searched layout sets: the mesh's searched dimensions, outermost first, then the carved ones
     (a dimension the search leaves out, such as pp, stays at the user's value: 1 unless asked)."""
@@ -182,7 +177,6 @@ __all__ = [
     "bf16_settings",
     "not_searched",
     "searched_dims",
-    "unplanned",
     "planned_apart",
     "carved",
     "canonical",

@@ -112,9 +112,6 @@ class Parallelism:
     # its once-a-step collectives added: `reference_comm`).
     screened_as: str = "itself"
     searched: bool = True  # whether the search offers its degrees (False until its cost is modelled)
-    # Why no memory plan is made for a job that uses it (the preflight says so and skips; --dry-run refuses), or
-    # "" when its plan is made as every other step's.
-    unplanned: str = ""
     plans_apart: bool = False  # --dry-run plans its ranks apart (`planned_ranks`, `plan.stage_plan`), not rank 0
     searched_options: tuple[str, ...] = ()  # its [parallelism] options the search may set (`search_options`)
     step_options: tuple[str, ...] = ()  # those of the whole step, not of one micro-batch's plan

@@ -766,13 +766,7 @@ class PipelineParallel(Parallelism):
     label = "pipeline"
     mesh_dim = "pp"
     searched = False  # the search's cost model has no bubble or stage traffic yet (issue #34, item 7)
-    # The per-stage plan (`plan.stage_plan`) runs each rank's schedule on torch's fake process group, which cannot
-    # be made beside the job's real one: `--dry-run` plans a pipeline, the running job's preflight does not.
-    plans_apart = True
-    unplanned = (
-        "pipeline parallelism: the running job does not plan its stages; plan every rank's with --dry-run "
-        "(docs/pipeline.md)"
-    )
+    plans_apart = True  # each stage's plan differs: `plan.stage_plan` plans each (--dry-run) or its own (preflight)
 
     def __init__(
         self,

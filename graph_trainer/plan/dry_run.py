@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from graph_trainer.builder import Job, adamw_implementation_for, build_job, optimizer_in_graph
-from graph_trainer.distributed.layout import planned_apart, unplanned
+from graph_trainer.distributed.layout import planned_apart
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.batching import accumulation_steps
@@ -54,8 +54,6 @@ def dry_run(cfg: JobConfig, *, device: torch.device | None = None, print_fn: Cal
         print_stage_plans(cfg, device, print_fn)
         print_fn(f"available on {device.type}: {to_gib(available_bytes(device)):.2f} GiB")
         return
-    if (why := unplanned(dims.degrees())) is not None:
-        raise UserError(f"--dry-run has no plan to print: {why}")
     with planning_mesh(dims, device) as mesh:
         depth = resolve_model_args(cfg).n_layers
         short = copy.deepcopy(cfg)  # only for the header: what the parallelisms are (no deep model is built)

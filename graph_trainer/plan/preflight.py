@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from graph_trainer.builder import build_job
-from graph_trainer.distributed.layout import unplanned
+from graph_trainer.distributed.layout import planned_apart
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args
@@ -13,6 +13,7 @@ from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.units import KIB, to_gib
 from graph_trainer.plan.block_plan import plan_modes, short_depths
+from graph_trainer.plan.stage_plan import StagePlan, plan_stage, stage_position
 from graph_trainer.plan.step_plan import StepPlan, plan_step
 from graph_trainer.runtime.gc_pause import gc_paused
 
@@ -32,16 +33,15 @@ def available_bytes(device: torch.device) -> int:
 
 
 @gc_paused()  # the plan's objects live until it is done: see runtime/gc_pause.py
-def preflight(cfg: JobConfig, mesh: Mesh) -> StepPlan | None:
-    """This rank's plan of `cfg`'s step; UserError (exit 2) when its predicted peak exceeds the free memory. None,
-    said in one line, for a layout whose plan is not built yet (`layout.unplanned`).
+def preflight(cfg: JobConfig, mesh: Mesh) -> StepPlan | StagePlan:
+    """This rank's plan of `cfg`'s step; UserError (exit 2) when its predicted peak exceeds the free memory. A
+    layout whose ranks plan apart (pipeline stages) gets this rank's own `StagePlan` (`plan.stage_plan`).
 
     The message gives predicted vs available, the biggest contributors at the peak, and what would fit: a
     smaller batch (activations scale with it) or another activation-checkpointing mode.
     """
-    if (why := unplanned(mesh.dims.degrees())) is not None:
-        (logger.warning if mesh.rank == 0 else logger.debug)(f"preflight skipped: {why}")  # said once
-        return None
+    if planned_apart(mesh.dims.degrees()) is not None:
+        return _preflight_stage(cfg, mesh)
     depth = resolve_model_args(cfg).n_layers
     if depth > short_depths(cfg)[-1]:  # deep: the depth-free plan (its graph is not kept)
         mode = cfg.activation_checkpoint.mode
@@ -59,6 +59,29 @@ def preflight(cfg: JobConfig, mesh: Mesh) -> StepPlan | None:
     if plan.peak_bytes <= available:
         return plan
     raise UserError(_does_not_fit(cfg, mesh, plan, available))
+
+
+def _preflight_stage(cfg: JobConfig, mesh: Mesh) -> StagePlan:
+    """This rank's stage plan, made inside the job on fake tensors (`plan_stage`: no peer takes part), said in one
+    line; UserError when it does not fit."""
+    plan, _ = plan_stage(cfg, mesh, stage_position(mesh))
+    blocks = f"blocks {plan.blocks[0]}-{plan.blocks[-1]}" if plan.blocks else "no blocks"
+    logger.info(
+        f"preflight: pipeline position {plan.rank} (stages {', '.join(map(str, plan.stages))}, {blocks}): "
+        f"predicted step peak {to_gib(plan.peak_bytes):.3f} GiB at {plan.at}, {plan.in_flight} micro-batches in "
+        f"flight (planned in {plan.plan_s:.1f} s)"
+    )
+    available = available_bytes(mesh.device)
+    if plan.peak_bytes <= available:
+        return plan
+    raise UserError(
+        f"pipeline position {plan.rank} ({blocks}) needs about {to_gib(plan.peak_bytes):.2f} GiB but "
+        f"{mesh.device.type} has {to_gib(available):.2f} GiB available (at the peak {plan.in_flight} micro-batches "
+        f"in flight, optimizer state {to_gib(plan.state_bytes):.2f} GiB); fewer micro-batches in flight "
+        "(--parallelism.pp_schedule 1F1B rather than GPipe, or a smaller --training.local_batch_size), "
+        "--activation_checkpoint.mode full, or a larger --parallelism.pp would need less; --dry-run prints every "
+        "stage's plan"
+    )
 
 
 def _does_not_fit(cfg: JobConfig, mesh: Mesh, plan: StepPlan, available: int) -> str:

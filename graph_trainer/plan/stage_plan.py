@@ -18,14 +18,18 @@ Two things of torch's runtime differ on the fake process group and are put back 
 - a real send or receive (gloo's, NCCL's) holds its tensor until its work object is dropped, which torch's
   1F1B keeps for a while (the last warm-up forward's send); the fake group's works hold nothing, so the plan's
   works hold their tensors as the real ones do.
-Checked against the trainer's measured peak on 2 gloo ranks to the byte, every rank, GPipe and 1F1B
-(tests/distributed/test_pipeline.py).
+Checked against the trainer's measured peak on 2 gloo ranks to the byte, every rank, under every schedule, and
+on 4 ranks with dp_replicate (tests/distributed/test_pipeline.py).
+
+The same run plans one rank inside the running job (`plan_stage` on the job's own mesh, the preflight): on fake
+tensors a collective or a send goes to its fake kernel, which communicates nothing, so no peer takes part.
 
 The plan traces the whole micro-step at the model's depth (the depth-free short traces are not used under pp yet).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import time
@@ -38,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graph_trainer.builder import build_job
 from graph_trainer.distributed.layout import planned_apart
-from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
+from graph_trainer.distributed.mesh import Mesh, ParallelDims, planning_mesh
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.observability.memory import LiveTensorTracker
@@ -171,56 +175,64 @@ def plan_pipeline(cfg: Any, device: torch.device) -> Iterator[StagePlan]:
     dims = ParallelDims.from_config(cfg.parallelism)
     traced = None  # every rank cuts its stages from the same micro-step graph: traced once, by the first
     for position, rank in enumerate(planned_apart(dims.degrees()) or [0]):
-        plan, traced = _plan_rank(cfg, dims, device, rank, position, traced)
+        with planning_mesh(dims, device, rank=rank) as mesh:
+            plan, traced = plan_stage(cfg, mesh, position, traced)
         yield plan
 
 
-def _plan_rank(
-    cfg: Any, dims: ParallelDims, device: torch.device, rank: int, position: int, traced: Any
-) -> tuple[StagePlan, Any]:
-    """`rank`'s plan, and the micro-step graph its stages were cut from (`traced`, or traced here when None)."""
+def stage_position(mesh: Mesh) -> int:
+    """The position along the pipeline of `mesh`'s rank (the ranks of one position plan alike)."""
+    ranks = planned_apart(mesh.dims.degrees()) or [0]
+    return bisect.bisect_right(ranks, mesh.rank) - 1
+
+
+def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple[StagePlan, Any]:
+    """The plan of `mesh`'s rank (at `position` along the pipeline), and the micro-step graph its stages were cut
+    from (`traced`, or traced here when None). `mesh` is torch's fake process group's (`planning_mesh`) or the
+    running job's own: a collective or a send on fake tensors goes to its fake kernel, which communicates nothing,
+    so a rank plans its own step inside the job without its peers (the preflight)."""
     start = time.perf_counter()
-    with planning_mesh(dims, device, rank=rank) as mesh:
-        job = build_job(cfg, mesh, materialize=False)
-        step = job.build_step()
-        graph_step = step.graph_step
-        if traced is None:
-            traced = graph_step.ensure_traced(micro_batches(meta_batch(cfg), step.n_micro, graph_step.count_reduce)[0])
-        step.cut(traced)  # on the meta model: the optimizer state of what the rank does not hold goes with it
-        update = eager_update_of(job)
-        tracker = _PeakTracker(job.spec.parallel_plan.layers)
-        for stage in step.stages:
-            stage.on_pass, stage.run_graph = tracker.on_pass, tracker.run_graph
-        b, s = cfg.training.local_batch_size, cfg.training.seq_len
-        with FakeTensorMode(), _as_real_runtime(step.schedule):
-            _materialize_fake(job.model, device)
-            batch = {name: torch.zeros(b, s, dtype=torch.long, device=device) for name in meta_batch(cfg)}
-            step.run(traced, micro_batches(batch, step.n_micro, graph_step.count_reduce), update=False)
-            model = job.model
-            held = step.held_tensors()
-            # The first step made torch's buffers; the plan is of the next.
-            tracker.track_existing([list(model.parameters()), list(model.buffers()), batch, held])
-            tracker.begin()
-            try:
-                with tracker:  # the step cuts its batch (the token count is the step's) and runs the schedule
-                    step.run(traced, micro_batches(batch, step.n_micro, graph_step.count_reduce), update=False)
-                peak, in_update = peak_with_update(tracker.peak_bytes, tracker.current_bytes, update)
-            finally:
-                tracker.forget()
-        plan = StagePlan(
-            rank=position,
-            stages=tuple(stage.graphs.index for stage in step.stages),
-            blocks=tuple(step.held_blocks()),
-            peak_bytes=peak,
-            peak_in_update=in_update,
-            at="update" if in_update else tracker.at,
-            in_flight=0 if in_update else tracker.in_flight,
-            most_in_flight=tracker.most_in_flight,
-            held_bytes=sum(t.untyped_storage().nbytes() for t in held),
-            state_bytes=update.state_bytes,
-            plan_s=time.perf_counter() - start,
-        )
-        return plan, traced
+    device = mesh.device
+    job = build_job(cfg, mesh, materialize=False)
+    step = job.build_step()
+    graph_step = step.graph_step
+    if traced is None:
+        traced = graph_step.ensure_traced(micro_batches(meta_batch(cfg), step.n_micro, graph_step.count_reduce)[0])
+    step.cut(traced)  # on the meta model: the optimizer state of what the rank does not hold goes with it
+    update = eager_update_of(job)
+    tracker = _PeakTracker(job.spec.parallel_plan.layers)
+    for stage in step.stages:
+        stage.on_pass, stage.run_graph = tracker.on_pass, tracker.run_graph
+    b, s = cfg.training.local_batch_size, cfg.training.seq_len
+    with FakeTensorMode(), _as_real_runtime(step.schedule):
+        _materialize_fake(job.model, device)
+        batch = {name: torch.zeros(b, s, dtype=torch.long, device=device) for name in meta_batch(cfg)}
+        step.run(traced, micro_batches(batch, step.n_micro, graph_step.count_reduce), update=False)
+        model = job.model
+        held = step.held_tensors()
+        # The first step made torch's buffers; the plan is of the next.
+        tracker.track_existing([list(model.parameters()), list(model.buffers()), batch, held])
+        tracker.begin()
+        try:
+            with tracker:  # the step cuts its batch (the token count is the step's) and runs the schedule
+                step.run(traced, micro_batches(batch, step.n_micro, graph_step.count_reduce), update=False)
+            peak, in_update = peak_with_update(tracker.peak_bytes, tracker.current_bytes, update)
+        finally:
+            tracker.forget()
+    plan = StagePlan(
+        rank=position,
+        stages=tuple(stage.graphs.index for stage in step.stages),
+        blocks=tuple(step.held_blocks()),
+        peak_bytes=peak,
+        peak_in_update=in_update,
+        at="update" if in_update else tracker.at,
+        in_flight=0 if in_update else tracker.in_flight,
+        most_in_flight=tracker.most_in_flight,
+        held_bytes=sum(t.untyped_storage().nbytes() for t in held),
+        state_bytes=update.state_bytes,
+        plan_s=time.perf_counter() - start,
+    )
+    return plan, traced
 
 
 def print_stage_plans(cfg: Any, device: torch.device, print_fn: Callable[[str], None]) -> None:
@@ -247,4 +259,4 @@ def print_stage_plans(cfg: Any, device: torch.device, print_fn: Callable[[str], 
         )
 
 
-__all__ = ["StagePlan", "plan_pipeline", "print_stage_plans"]
+__all__ = ["StagePlan", "plan_pipeline", "plan_stage", "print_stage_plans", "stage_position"]

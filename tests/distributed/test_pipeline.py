@@ -226,6 +226,8 @@ def _train_pipelines(rank: int, port: int, out: str) -> None:
             "states": len(state),
             "stage": sorted(trainer.step_fn.mine),
             "peaks": [r["peak_active_bytes"] for r in result.records],  # the CPU live-tensor figure
+            "preflight": trainer.preflight.peak_bytes,  # this rank's own plan, made inside the job
+            "errors": [r.get("estimate_error_pct") for r in result.records],
         }
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
 
@@ -259,6 +261,8 @@ def test_the_trainer_at_pp_2_under_each_schedule_is_one_process_accumulating_bit
             assert sorted(b for p in plans for b in p.blocks) == list(range(8)), schedule  # 4 blocks a rank
             for plan, rank in zip(plans, ranks, strict=True):
                 assert rank["peaks"][1:] == [plan.peak_bytes] * 2, (schedule, plan)
+        for rank in ranks:  # every schedule: the preflight's plan (no estimate at step 1, which makes the buffers)
+            assert rank["peaks"][1:] == [rank["preflight"]] * 2 and rank["errors"] == [None, 0.0, 0.0], schedule
 
 
 # Four steps at pp 2 with GPipe; the same run saved at step 2 and resumed under 1F1B to step 4. No LR decay
@@ -468,6 +472,22 @@ def test_two_replicas_of_a_pipeline_are_dp_replicate_accumulating_bitwise_and_pl
     for rank in range(4):
         peaks = json.loads((tmp_path / f"world4.rank{rank}.peaks.json").read_text())
         assert peaks[1:] == [plans[rank // 2].peak_bytes] * 2, (rank, plans[rank // 2])
+
+
+def test_a_stage_that_does_not_fit_is_refused_by_its_preflight_in_one_line(monkeypatch):
+    """Each rank plans its own stage before anything is allocated (here as rank 1 of the planning mesh): a stage
+    that needs more than the free memory stops the job in one line, naming the stage and what would need less."""
+    from graph_trainer.distributed.mesh import planning_mesh
+    from graph_trainer.plan import preflight as preflight_module
+
+    cfg, _ = load_config([*PIPELINE, "--parallelism.pp_schedule", "GPipe"])
+    with planning_mesh(ParallelDims.from_config(cfg.parallelism), torch.device("cpu"), rank=1) as mesh:
+        plan = preflight_module.preflight(cfg, mesh)
+        assert plan.rank == 1 and plan.blocks == (4, 5, 6, 7) and plan.in_flight == 4  # GPipe: all 4 in flight
+        monkeypatch.setattr(preflight_module, "available_bytes", lambda device: plan.peak_bytes - 1)
+        with pytest.raises(UserError, match=r"pipeline position 1 \(blocks 4-7\) needs about .* 4 micro-batches") as e:
+            preflight_module.preflight(cfg, mesh)
+    assert "\n" not in str(e.value) and "--parallelism.pp_schedule 1F1B" in str(e.value)
 
 
 def _pp_mesh() -> Mesh:
