@@ -6,7 +6,8 @@ Every run is a real CLI run (torchrun for pp 2, gloo on CPU) of the debug model 
 global batch of 8 sequences of 256 tokens: one process on the whole batch, one process accumulating 8
 micro-batches of 1 (what every pp run equals bitwise), and pp 2 cutting the local batch into 8 micro-batches of
 1 under GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble (2 stages a rank) and ZBVZeroBubble. Step time is
-the median over the steps after the first (which traces). The bubble is the trainer's `pp_bubble_pct`: the share
+the median over the steps after the first (which traces), rank 0's peak the largest over them beside its plan (the
+graph's estimate in one process, the stage's preflight plan under pp). The bubble is the trainer's `pp_bubble_pct`: the share
 of the schedule's time the more idle rank spent outside its stages' graphs, median over the same steps; the model
 beside it is the classic one, (pp - 1) / (v x m + pp - 1) for m micro-batches and v stages a rank, stages of equal
 time and free communication (for the zero-bubble schedules an upper bound: their deferred weight gradients fill
@@ -75,24 +76,28 @@ def main() -> None:
         step_s = statistics.median(s["step_time_s"] for s in steps)
         bubble = statistics.median(s["pp_bubble_pct"] for s in steps) if ranks > 1 else None
         model = 100 * (PP - 1) / (per_rank * GLOBAL + PP - 1) if ranks > 1 else None
-        peak = max(s["peak_active_bytes"] for s in summary["steps"])
+        # After the first step, which traces and (under pp) makes torch's buffers and prunes the others' state.
+        peak = max(s["peak_active_bytes"] for s in steps)
+        planned = max(s["estimated_peak_bytes"] for s in steps)  # the step's own estimate, or the stage's plan
         losses = [s["loss"] for s in summary["steps"]]
-        rows.append((name, step_s, bubble, model, peak, losses))
+        rows.append((name, step_s, bubble, model, peak, planned, losses))
     base = rows[1][1]
     header = ["run", "step s", "vs one process accumulating", "bubble % measured", "bubble % model",
-              "rank 0 peak MiB"]  # fmt: skip
+              "rank 0 peak MiB", "rank 0 planned MiB"]  # fmt: skip
     table = []
-    for name, step_s, bubble, model, peak, _ in rows:
+    for name, step_s, bubble, model, peak, planned, _ in rows:
         cells = [name, f"{step_s:.3f}", f"{step_s / base:.2f}"]
         cells += [f"{bubble:.1f}" if bubble is not None else "", f"{model:.1f}" if model is not None else ""]
-        table.append([*cells, f"{peak / 2**20:.1f}"])
+        table.append([*cells, f"{peak / 2**20:.3f}", f"{planned / 2**20:.3f}"])
         print(" | ".join(table[-1]))
-    same = all(r[5] == rows[1][5] for r in rows[2:])
+    same = all(r[6] == rows[1][6] for r in rows[2:])
     print(f"every pp run's losses equal to one process accumulating: {same}")
     if a.save:
         data = {"steps": a.steps, "layers": a.layers, "losses_equal_to_accumulation": same}
-        data["rows"] = {name: {"step_s": s, "bubble_pct": b, "model_pct": m, "peak_bytes": p, "losses": losses}
-                        for name, s, b, m, p, losses in rows}  # fmt: skip
+        data["rows"] = {
+            name: {"step_s": s, "bubble_pct": b, "model_pct": m, "peak_bytes": p, "planned_bytes": e, "losses": losses}
+            for name, s, b, m, p, e, losses in rows
+        }
         results.save("pipeline", {"pipeline": results.markdown_table(header, table)}, data)
 
 
