@@ -7,11 +7,11 @@ global batch of 8 sequences of 256 tokens: one process on the whole batch, one p
 micro-batches of 1 (what every pp run equals bitwise), and pp 2 cutting the local batch into 8 micro-batches of
 1 under GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble (2 stages a rank) and ZBVZeroBubble. Step time is
 the median over the steps after the first (which traces), rank 0's peak the largest over them beside its plan
-(the graph's estimate in one process, the stage's preflight plan under pp). The bubble is the trainer's `pp_bubble_pct`: the share
-of the schedule's time the more idle rank spent outside its stages' graphs, median over the same steps; the model
-beside it is the classic one, (pp - 1) / (v x m + pp - 1) for m micro-batches and v stages a rank, stages of equal
-time and free communication (for the zero-bubble schedules an upper bound: their deferred weight gradients fill
-part of it).
+(the graph's estimate in one process, the stage's preflight plan under pp). The bubble is the trainer's
+`pp_bubble_pct`: the share of the schedule's time the more idle rank spent outside its stages' graphs, median over
+the same steps; the model beside it is the classic one, (pp - 1) / (v x m + pp - 1) for m micro-batches and v
+stages a rank, stages of equal time and free communication (for the zero-bubble schedules an upper bound: their
+deferred weight gradients fill part of it).
 `--save` writes benchmarks/results/pipeline.json for docs/pipeline.md (times: on an idle machine; about 3
 minutes on an idle 2-core CPU).
 """
