@@ -175,9 +175,13 @@ class LiveTensorTracker(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
 
+    def _size(self, s: torch.UntypedStorage) -> int:
+        """Bytes `s` counts for: its own (a subclass may count what a device's allocator makes of it)."""
+        return s.nbytes()
+
     def _add(self, s: torch.UntypedStorage) -> None:
         key = s._cdata
-        nbytes = s.nbytes()
+        nbytes = self._size(s)
         entry = self._live.get(key)
         if entry is not None:
             if entry[0] != nbytes:  # resized in place (resize_)

@@ -45,14 +45,14 @@ from graph_trainer.distributed.layout import planned_apart
 from graph_trainer.distributed.mesh import Mesh, ParallelDims, planning_mesh
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.pretrained import model_name
-from graph_trainer.observability.memory import LiveTensorTracker
+from graph_trainer.observability.memory import LiveTensorTracker, allocated_bytes
 from graph_trainer.observability.units import MIB, to_gib
 from graph_trainer.optimizer.update_memory import peak_with_update
 from graph_trainer.plan.eager_baseline import _materialize_fake
 from graph_trainer.plan.step_plan import eager_update_of, meta_batch
 from graph_trainer.step import micro_batches
 from graph_trainer.tracer import node_meta
-from graph_trainer.tracer.memory_estimate import op_name
+from graph_trainer.tracer.memory_estimate import op_name, workspace_bytes
 
 
 @dataclasses.dataclass
@@ -76,9 +76,9 @@ class _PeakTracker(LiveTensorTracker):
     """The live-tensor tracker on fake tensors, which also notes the pass and graph node running when the peak rises
     (the stages' graphs run node by node: `run_graph`) and the micro-batches in flight then."""
 
-    def __init__(self, layers: str | None) -> None:
+    def __init__(self, layers: str | None, device_type: str) -> None:
         super().__init__(count_fake=True)
-        self.layers = layers
+        self.layers, self.device_type = layers, device_type
         self.now, self.op = "", ""
         self.node: fx.Node | None = None
         self.at, self.in_flight, self.most_in_flight = "", 0, 0
@@ -96,6 +96,9 @@ class _PeakTracker(LiveTensorTracker):
             return NoteNodes(gm).run(*args)
         finally:
             self.node = None
+
+    def _size(self, s: torch.UntypedStorage) -> int:
+        return allocated_bytes(s.nbytes(), self.device_type)  # as CUDA's allocator rounds each block
 
     def on_pass(self, stage: int, what: str, micro: int) -> None:
         """A pass starts: a micro-batch is in flight from its forward's start to its backward's end (the next pass's
@@ -200,7 +203,7 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
         traced = graph_step.ensure_traced(micro_batches(meta_batch(cfg), step.n_micro, graph_step.count_reduce)[0])
     step.cut(traced)  # on the meta model: the optimizer state of what the rank does not hold goes with it
     update = eager_update_of(job)
-    tracker = _PeakTracker(job.spec.parallel_plan.layers)
+    tracker = _PeakTracker(job.spec.parallel_plan.layers, device.type)
     for stage in step.stages:
         stage.on_pass, stage.run_graph = tracker.on_pass, tracker.run_graph
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
@@ -219,6 +222,8 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
             peak, in_update = peak_with_update(tracker.peak_bytes, tracker.current_bytes, update)
         finally:
             tracker.forget()
+    # cuBLAS's workspace on CUDA: made by the process's first matmul, held from then on (0 on CPU).
+    peak += max(workspace_bytes(g) for stage in step.stages for g in (stage.graphs.forward, stage.graphs.backward))
     plan = StagePlan(
         rank=position,
         stages=tuple(stage.graphs.index for stage in step.stages),
@@ -228,7 +233,7 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
         at="update" if in_update else tracker.at,
         in_flight=0 if in_update else tracker.in_flight,
         most_in_flight=tracker.most_in_flight,
-        held_bytes=sum(t.untyped_storage().nbytes() for t in held),
+        held_bytes=sum(allocated_bytes(t.untyped_storage().nbytes(), device.type) for t in held),
         state_bytes=update.state_bytes,
         plan_s=time.perf_counter() - start,
     )
