@@ -499,7 +499,7 @@ class GraphStage(nn.Module):
     def forward(self, *received: torch.Tensor, micro: torch.Tensor) -> Any:
         # `micro` is torch's chunk of the step's `arange(M)` index (`run_schedule`): a view whose offset into it is
         # the micro-batch's index. Read from the view, not the data, so that the plan's run on fake tensors
-        # (`plan_stages`) runs it as well.
+        # (`plan.stage_plan`) runs it as well.
         return _RunStage.apply(self, micro.storage_offset(), self.anchor, *received)
 
     def run(
@@ -706,7 +706,7 @@ class PipelinedStep:
         return total
 
     def report(self) -> StepReport:
-        """Trace counts; no estimated peak: `--dry-run` plans each stage (`plan.stage_plan`), the step does not."""
+        """Trace counts; no estimated peak of its own: the preflight plans the rank's stage (`plan.stage_plan`)."""
         s = self.graph_step.stats
         return StepReport(
             updates_inside=False, trace_count=s.count, trace_time_s=s.total_time_s, retrace_reasons=list(s.reasons)
@@ -826,10 +826,6 @@ class PipelineParallel(Parallelism):
     def planned_ranks(cls, world_size: int, degree: int) -> list[int]:
         """Each stage position's first rank (pp is the outermost mesh dimension): the replicas' plans are the same."""
         return [r * (world_size // degree) for r in range(degree)]
-
-    def held_blocks(self) -> list[int]:
-        """The blocks this rank's stages hold."""
-        return self.step.held_blocks() if self.step is not None else []
 
     def traced_model(self, model: nn.Module) -> nn.Module:
         return self.whole

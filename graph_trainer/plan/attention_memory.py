@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter
 
 from graph_trainer.builder import Job
-from graph_trainer.plan.eager_baseline import _materialize_fake
+from graph_trainer.plan.eager_baseline import materialize_fake
 from graph_trainer.plan.step_plan import batch_names
 from graph_trainer.tracer.graph_utils import is_attention
 
@@ -61,7 +61,7 @@ def attention_memory(job: Job, seq_lens: list[int]) -> list[AttentionMemory]:
     cfg, device = job.cfg, job.device
     found = []
     with FakeTensorMode(), torch.no_grad():
-        _materialize_fake(job.model, device)
+        materialize_fake(job.model, device)
         for seq_len in seq_lens:
             shape = (cfg.training.local_batch_size, seq_len)
             batch = {name: torch.zeros(shape, dtype=torch.long, device=device) for name in batch_names(cfg)}

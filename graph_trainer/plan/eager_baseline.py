@@ -33,7 +33,7 @@ class EagerStepPeak:
     step_events_from: int = 0  # events[:this] are the tensors alive before the step (and the optimizer state)
 
 
-def _materialize_fake(model: nn.Module, device: torch.device) -> None:
+def materialize_fake(model: nn.Module, device: torch.device) -> None:
     """Give a meta model fake tensors on `device` in place; a tensor shared by modules (tied weights) stays shared."""
     fakes: dict[int, torch.Tensor] = {}
     for module in model.modules():
@@ -153,7 +153,7 @@ def _fake_step_peak(
     # One step's batch: with gradient accumulation, every micro-batch of it (the step cuts it).
     b, s = cfg.training.local_batch_size * accumulation_steps(cfg), cfg.training.seq_len
     with FakeTensorMode():
-        _materialize_fake(job.model, device)
+        materialize_fake(job.model, device)
         step = job.eager_step(optimizer_update=False)
         batch = {name: torch.zeros(b, s, dtype=torch.long, device=device) for name in batch_names(cfg)}
         model = job.model
@@ -179,4 +179,11 @@ def _fake_step_peak(
             tracker.forget()
 
 
-__all__ = ["EagerStepPeak", "EagerWholeStep", "eager_step_peak", "eager_whole_step_peak", "repeated_steps"]
+__all__ = [
+    "EagerStepPeak",
+    "EagerWholeStep",
+    "eager_step_peak",
+    "eager_whole_step_peak",
+    "materialize_fake",
+    "repeated_steps",
+]

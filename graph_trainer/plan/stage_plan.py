@@ -48,7 +48,7 @@ from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.observability.memory import LiveTensorTracker, allocated_bytes
 from graph_trainer.observability.units import MIB, to_gib
 from graph_trainer.optimizer.update_memory import peak_with_update
-from graph_trainer.plan.eager_baseline import _materialize_fake
+from graph_trainer.plan.eager_baseline import materialize_fake
 from graph_trainer.plan.step_plan import eager_update_of, meta_batch
 from graph_trainer.step import micro_batches
 from graph_trainer.tracer import node_meta
@@ -76,9 +76,9 @@ class _PeakTracker(LiveTensorTracker):
     """The live-tensor tracker on fake tensors, which also notes the pass and graph node running when the peak rises
     (the stages' graphs run node by node: `run_graph`) and the micro-batches in flight then."""
 
-    def __init__(self, layers: str | None, device_type: str) -> None:
+    def __init__(self, device_type: str) -> None:
         super().__init__(count_fake=True)
-        self.layers, self.device_type = layers, device_type
+        self.device_type = device_type
         self.now, self.op = "", ""
         self.node: fx.Node | None = None
         self.at, self.in_flight, self.most_in_flight = "", 0, 0
@@ -203,12 +203,12 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
         traced = graph_step.ensure_traced(micro_batches(meta_batch(cfg), step.n_micro, graph_step.count_reduce)[0])
     step.cut(traced)  # on the meta model: the optimizer state of what the rank does not hold goes with it
     update = eager_update_of(job)
-    tracker = _PeakTracker(job.spec.parallel_plan.layers, device.type)
+    tracker = _PeakTracker(device.type)
     for stage in step.stages:
         stage.on_pass, stage.run_graph = tracker.on_pass, tracker.run_graph
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
     with FakeTensorMode(), _as_real_runtime(step.schedule):
-        _materialize_fake(job.model, device)
+        materialize_fake(job.model, device)
         batch = {name: torch.zeros(b, s, dtype=torch.long, device=device) for name in meta_batch(cfg)}
         step.run(traced, micro_batches(batch, step.n_micro, graph_step.count_reduce), update=False)
         model = job.model
