@@ -88,6 +88,22 @@ def _storage_of(t: torch.Tensor, count_fake: bool = False) -> torch.UntypedStora
     return t.untyped_storage()
 
 
+def _real_alias(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The fake argument a functional collective returns when it runs for real (`wait_tensor` its input, an `_out`
+    collective its `out=` tensor), where its fake kernel returns a new tensor; None for any other op."""
+    if getattr(func, "namespace", None) != "_c10d_functional":
+        return None
+    if func is torch.ops._c10d_functional.wait_tensor.default:
+        alias = args[0]
+    else:
+        written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        if len(written) != 1:
+            return None
+        names = [a.name for a in func._schema.arguments]
+        alias = kwargs.get(written[0], args[names.index(written[0])] if names.index(written[0]) < len(args) else None)
+    return alias if isinstance(alias, FakeTensor) else None
+
+
 class LiveTensorTracker(TorchDispatchMode):
     """Exact peak of live tensor storage bytes while the mode is active.
 
@@ -210,6 +226,10 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.count_fake and (alias := _real_alias(func, args, kwargs or {})) is not None:
+            # A collective's fake kernel returns a new tensor where the real op returns its `out=` tensor or its
+            # input: the plan's run goes on with that one, holding what the real run holds (nothing new).
+            return alias
         input_keys: set[int] | None = None
         for t in tree_iter(out):
             if not isinstance(t, torch.Tensor):
