@@ -307,8 +307,9 @@ class ShardedCheckpointManager(CheckpointManager):
             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
         }
         # The whole model's tensors: a pipeline stage's checkpoint holds every stage's (the traced model is whole).
+        shapes = self.parallel.whole_shapes()
         expected = {
-            name: torch.empty(self.full_shapes.get(name, t.shape), dtype=t.dtype, device="meta")
+            name: torch.empty(shapes[name], dtype=t.dtype, device="meta")
             for name, t in self.parallel.traced_model().state_dict().items()
         }
         check_compatible(expected, found)

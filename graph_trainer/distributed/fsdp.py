@@ -10,7 +10,11 @@ flat ATen graph: each collective is a `_c10d_functional` node a pass can see,
 count and move, with no tensor subclass for make_fx to desugar.
 
 Units: each transformer layer is one unit, and everything else (embeddings,
-final norm, output projection, tied weights) is the root unit. A unit's shards
+final norm, output projection, tied weights) is the root unit. Under pipeline
+parallelism the root is cut into one unit per module outside the layers (the
+embedding, the final norm, the output projection), since the first stage reads
+the embedding and the last the rest: each stage then gathers and reduces only
+its own. The gradients are the same elementwise sums either way. A unit's shards
 are concatenated into one flat buffer and all-gathered at once (one collective
 per unit), then cut back into full parameters that are put in the modules'
 parameter slots for the duration of the unit's forward:
@@ -236,6 +240,8 @@ class FSDP(Parallelism):
             param_dtype = None
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self._by_name = {u.name: u for u in units}
+        # Gathered around the loss function: the root, or its parts (the units outside the layers).
+        self.root_units = [u.name for u in units if u.layer is None]
         self._full_shapes = self.full_shapes()
         self.defers_grad_sync = False  # fsdp_grad_sync = "step" with accumulation: see `defer_grad_sync`
 
@@ -251,6 +257,7 @@ class FSDP(Parallelism):
             param_dtype=DTYPES[t.mixed_precision_param],
             reduce_dtype=DTYPES[t.mixed_precision_reduce],
             layers=plan.layers,
+            split_root=mesh.size("pp") > 1,  # the stages hold different parts of it
         )
         if cfg.parallelism.fsdp_grad_sync == "step" and accumulation_steps(cfg) > 1:
             fsdp.defer_grad_sync()
@@ -355,16 +362,34 @@ class FSDP(Parallelism):
                     module._parameters[attr] = s
 
     def wrap_loss(self, loss_fn: Callable) -> Callable:
-        """`loss_fn` run with the root unit gathered (the layers gather in their own forward)."""
-        if ROOT not in self._by_name:
+        """`loss_fn` run with the root unit (or its parts) gathered (the layers gather in their own forward)."""
+        if not self.root_units:
             return loss_fn
 
         @functools.wraps(loss_fn)
         def loss(model: nn.Module, batch: Any) -> torch.Tensor:
-            with self.gathered(ROOT):
+            with contextlib.ExitStack() as stack:
+                for name in self.root_units:
+                    stack.enter_context(self.gathered(name))
                 return loss_fn(model, batch)
 
         return loss
+
+    def release(self, names: Collection[str]) -> None:
+        """Forget the parameters `names`, which this rank no longer holds (pipeline parallelism removed another
+        stage's embedding or output after FSDP sharded them): their units, emptied, go too."""
+        kept = []
+        for unit in self.units:
+            keep = [i for i, n in enumerate(unit.param_names) if n not in names]
+            if keep:
+                unit.shapes = [unit.shapes[i] for i in keep]
+                unit.slots = [unit.slots[i] for i in keep]
+                unit.param_names = [unit.param_names[i] for i in keep]
+                kept.append(unit)
+        self.units = kept
+        self._by_name = {u.name: u for u in kept}
+        self.root_units = [n for n in self.root_units if n in self._by_name]
+        self._full_shapes = {n: s for n, s in self._full_shapes.items() if n not in names}
 
     def norm_reduce(self) -> Callable[[torch.Tensor], torch.Tensor]:
         return self._global_sq_norm
@@ -466,6 +491,7 @@ def fully_shard_model(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     layers: str | None = None,
+    split_root: bool = False,
 ) -> FSDP:
     """Replace every parameter of `model` by this rank's shard, in place, and install the gathers.
 
@@ -473,14 +499,22 @@ def fully_shard_model(
     and order (`model.named_parameters()`) are unchanged; only shapes change.
     `param_dtype` / `reduce_dtype`: mixed precision as FSDP2's `MixedPrecisionPolicy`
     (see the module docstring); None keeps the parameters' dtype. `layers` names the
-    container of the transformer blocks, each one unit (None: found as the tracer finds it).
+    container of the transformer blocks, each one unit (None: found as the tracer finds it). `split_root`: the
+    parameters outside the blocks make one unit per top-level module holding them (named by it), and one for the
+    model's own, rather than one root unit.
 
     Raises:
         ValueError: a 0-dimensional parameter (it has no dim 0 to shard).
     """
     layer_index = transformer_layers(model, layers)
     blocks = list(layer_index)
-    groups = [(name, model.get_submodule(name), set()) for name in blocks] + [(ROOT, model, set(blocks))]
+    groups = [(name, model.get_submodule(name), set()) for name in blocks]
+    if split_root:
+        outside = [name for name, _ in model.named_children() if not any(b.startswith(name + ".") for b in blocks)]
+        groups += [(name, model.get_submodule(name), set()) for name in outside]
+        groups.append((ROOT, model, set(blocks) | set(outside)))  # the model's own parameters, if any
+    else:
+        groups.append((ROOT, model, set(blocks)))
     units = []
     for name, module, skip in groups:
         found = _param_slots(module, name, skip)

@@ -30,7 +30,7 @@ do", so the trainer, the builder and the planner never ask whether a model is sh
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -201,11 +201,18 @@ class Parallelism:
         traced graph is then one micro-batch's (`trace_step`'s "micro" part); None when it cuts none."""
         return None
 
-    def wrap_step(self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float) -> Any:
+    def wrap_step(
+        self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float, release: Callable[[set[str]], None]
+    ) -> Any:
         """The training step the job runs around the traced `step` (a `GraphStep`, which then runs no update of
         its own when this parallelism runs the step: it is given the `optimizer` and the clipping norm). `step`
-        itself for a parallelism that leaves the step to the graph."""
+        itself for a parallelism that leaves the step to the graph. `release` tells every parallelism of the job
+        which parameters the rank stops holding (`release`)."""
         return step
+
+    def release(self, names: Collection[str]) -> None:
+        """Forget the parameters `names`, removed from the rank's model after this parallelism split them
+        (pipeline stages drop another stage's embedding or output once the cut says which stage reads them)."""
 
     def runs_step(self) -> bool:
         """Whether `wrap_step` runs the step around the traced graph (then the graph runs no update)."""
@@ -263,10 +270,23 @@ class Parallelism:
 
 
 class ParallelModel:
-    """A model and the parallelisms applied to it, answering for all of them (see the module docstring)."""
+    """A model and the parallelisms applied to it, answering for all of them (see the module docstring).
 
-    def __init__(self, model: nn.Module, mesh: Mesh, parts: Sequence[Parallelism] = ()):
+    When the step traces another model than the rank's (pipeline stages trace a meta copy of the whole model), the
+    parallelisms applied after the one that made the copy are applied to the copy as well (`traced_parts`): the
+    traced graph then gathers, shards and reduces as the rank runs it. What the trace runs (the loss as the
+    parallelisms wrap it, the checks of the traced graph) comes from the copy's; everything about the parameters the
+    rank holds (gradients, norms, checkpoints) from the rank's own (`parts`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        parts: Sequence[Parallelism] = (),
+        traced_parts: Sequence[Parallelism] | None = None,
+    ):
         self.model, self.mesh, self.parts = model, mesh, list(parts)
+        self.tracing_parts = self.parts if traced_parts is None else list(traced_parts)
 
     @property
     def shards_state(self) -> bool:
@@ -279,7 +299,8 @@ class ParallelModel:
         return " + ".join(p.label for p in self.parts) or "one process"
 
     def wrap_loss(self, loss_fn: LossFn) -> LossFn:
-        for part in self.parts:
+        """The loss as the traced model runs it."""
+        for part in self.tracing_parts:
             loss_fn = part.wrap_loss(loss_fn)
         return loss_fn
 
@@ -298,8 +319,13 @@ class ParallelModel:
 
     def wrap_step(self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float) -> Any:
         for part in self.parts:
-            step = part.wrap_step(step, optimizer, max_norm)
+            step = part.wrap_step(step, optimizer, max_norm, self.release)
         return step
+
+    def release(self, names: Collection[str]) -> None:
+        """Tell every parallelism that the rank no longer holds the parameters `names` (`Parallelism.release`)."""
+        for part in self.parts:
+            part.release(names)
 
     def grad_reduce(self) -> GradReduce | None:
         makers = [p for p in self.parts if p.makes_grads()]  # first: the others reduce the gradients they make
@@ -318,7 +344,7 @@ class ParallelModel:
         return metrics
 
     def check_traced(self, traced: TracedStep) -> TracedStep:
-        for part in self.parts:
+        for part in self.tracing_parts:
             traced = part.check_traced(traced)
         return traced
 
@@ -326,10 +352,14 @@ class ParallelModel:
         return _chain([p.shard_sum() for p in self.parts])
 
     def full_shapes(self) -> dict[str, torch.Size]:
-        shapes: dict[str, torch.Size] = {}
-        for part in reversed(self.parts):  # a later part shards the parts an earlier one made: the earlier knows
-            shapes.update(part.full_shapes())  # the logical shape
-        return shapes
+        """The logical shape of every parameter the rank holds that some parallelism splits."""
+        return _logical_shapes(self.parts)
+
+    def whole_shapes(self) -> dict[str, torch.Size]:
+        """The logical shape of every tensor of the whole model's state dict (the traced model's: every stage's
+        under pipeline parallelism), by name: what a checkpoint of the job holds."""
+        logical = _logical_shapes(self.tracing_parts)
+        return {name: logical.get(name, t.shape) for name, t in self.traced_model().state_dict().items()}
 
     def local_slices(self, name: str, local: torch.Tensor) -> tuple[slice, ...]:
         """The part of the full parameter `name` that this rank's `local` holds, padding left out (the whole of
@@ -348,6 +378,13 @@ class ParallelModel:
         for part in reversed(self.parts):  # undo the last split first (FSDP's shards of TP's blocks)
             state = part.full_state(state)
         return state
+
+
+def _logical_shapes(parts: Sequence[Parallelism]) -> dict[str, torch.Size]:
+    shapes: dict[str, torch.Size] = {}
+    for part in reversed(parts):  # a later part shards the parts an earlier one made: the earlier knows the logical
+        shapes.update(part.full_shapes())  # shape
+    return shapes
 
 
 def _within(outer: slice, inner: slice) -> slice:
@@ -381,8 +418,20 @@ def parallelize(
     `plan` is the model family's `ParallelPlan` (models/common/spec.py): which modules are the layers, and
     later which are column- or row-parallel. `apply` returns None when its degree is 1.
     """
-    parts = [part for kind in parallelisms if (part := kind.apply(model, mesh, cfg, plan)) is not None]
-    return ParallelModel(model, mesh, parts)
+    parts: list[Parallelism] = []
+    traced, traced_parts = model, None
+    for kind in parallelisms:
+        part = kind.apply(model, mesh, cfg, plan)
+        if part is None:
+            continue
+        parts.append(part)
+        if traced_parts is not None:  # the step traces a copy: it is split alike (`ParallelModel`)
+            copied = kind.apply(traced, mesh, cfg, plan)
+            assert copied is not None, f"{kind.__name__} applies to the rank's model but not to the traced copy"
+            traced_parts.append(copied)
+        elif (copy := part.traced_model(model)) is not model:
+            traced, traced_parts = copy, list(parts)
+    return ParallelModel(model, mesh, parts, traced_parts)
 
 
 __all__ = [

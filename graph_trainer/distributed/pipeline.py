@@ -238,32 +238,31 @@ def cut_stages(gm: fx.GraphModule, layout: InputLayout, n_layers: int, pp: int) 
         UserError: an edge the cut cannot carry (a parameter read by two stages, an activation that skips a stage,
             more than one activation between two stages), said with the op that makes it.
     """
-    blocks = stage_blocks(n_layers, pp)
-    per = len(blocks[0])
+    per = len(stage_blocks(n_layers, pp)[0])
     nodes = list(gm.graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     first_backward = next(i for i, n in enumerate(nodes) if node_meta.is_backward(n))
     # (stage, in the backward) of each op; None for an op free to run anywhere (reads only the step's inputs).
     where: dict[fx.Node, tuple[int, bool] | None] = {n: None for n in inputs}
-    for pos, n in enumerate(nodes):
-        if n.op in ("placeholder", "output"):
+    _place(nodes, where, per, first_backward)
+    # A collective that reads only the step's inputs (FSDP's gather of a unit's shards) is not free: copied into each
+    # stage that reads it, it would run there again (in the backward too, whatever the gather policy decided). It
+    # runs once, in the first stage and pass that reads it (through free ops too: the embedding reads its gather),
+    # and the free ops after it are placed again from there.
+    consumer: dict[fx.Node, tuple[int, bool]] = {}
+    for n in reversed(nodes):
+        if n.op in ("placeholder", "output") or where[n] is not None:
             continue
-        backward, layer = pos >= first_backward, node_meta.layer_id(n)
-        stages = {where[a][0] for a in n.all_input_nodes if where[a] is not None}
-        if layer is not None:
-            stage = layer // per
-        elif stages:
-            # Activations flow up the stages in the forward and gradients down them in the backward: an op outside
-            # the blocks runs where the last of its inputs is made (the loss after the last block, a gradient sum
-            # in the stage that makes its terms).
-            stage = min(stages) if backward else max(stages)
-        else:
-            if node_meta.is_random(n) or node_meta.written_input(n) is not None:
-                raise UserError(f"cannot cut the step into pipeline stages: {n.name} ({n.target}) draws random numbers "
-                                "or writes its input outside every block; keep such ops inside a block")  # fmt: skip
-            where[n] = None
-            continue
-        where[n] = (stage, backward)
+        reads = [where[u] or consumer.get(u) for u in n.users]
+        if reads := [r for r in reads if r is not None]:
+            consumer[n] = min(reads)
+            if node_meta.collective(n) is not None:
+                where[n] = consumer[n]
+    _place(nodes, where, per, first_backward)
+    for n in nodes:
+        if where.get(n, 0) is None and n.op != "placeholder" and (node_meta.is_random(n) or _writes_step_input(n)):
+            raise UserError(f"cannot cut the step into pipeline stages: {n.name} ({n.target}) draws random numbers "
+                            "or writes the step's input outside every block; keep such ops inside a block")  # fmt: skip
     loss = gm.graph.find_nodes(op="output")[0].args[0][0]
     if where.get(loss) != (pp - 1, False):
         raise UserError(f"cannot cut the step into pipeline stages: the loss ({loss.name}) is not made by the last "
@@ -274,6 +273,34 @@ def cut_stages(gm: fx.GraphModule, layout: InputLayout, n_layers: int, pp: int) 
             parts[where[n]].append(n)
     trainable = {i: name for i, name in enumerate(layout.param_names) if name in set(layout.grad_names)}
     return _Cutter(gm, inputs, where, parts, pp, loss, trainable).stages()
+
+
+def _place(nodes: list[fx.Node], where: dict[fx.Node, tuple[int, bool] | None], per: int, first_backward: int) -> None:
+    """Place each of `nodes` not placed yet (`where`: (stage, in the backward), None for a free op) from its block, or
+    else from what it reads (`per` blocks a stage; the backward starts at position `first_backward` of the graph)."""
+    position = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    for n in nodes:
+        if n.op in ("placeholder", "output") or where.get(n) is not None:
+            continue
+        backward, layer = position[n] >= first_backward, node_meta.layer_id(n)
+        stages = {where[a][0] for a in n.all_input_nodes if where[a] is not None}
+        if layer is not None:
+            stage = layer // per
+        elif stages:
+            # Activations flow up the stages in the forward and gradients down them in the backward: an op outside
+            # the blocks runs where the last of its inputs is made (the loss after the last block, a gradient sum
+            # in the stage that makes its terms).
+            stage = min(stages) if backward else max(stages)
+        else:
+            where[n] = None
+            continue
+        where[n] = (stage, backward)
+
+
+def _writes_step_input(n: fx.Node) -> bool:
+    """Whether `n` writes into one of the step's inputs (a copy of it in each stage would write it again)."""
+    written = node_meta.written_input(n)
+    return written is not None and written.op == "placeholder"
 
 
 class _Cutter:
@@ -615,8 +642,10 @@ class PipelinedStep:
         per_rank: int = 1,
         optimizer: torch.optim.Optimizer | None,
         max_norm: float,
+        release: Callable[[set[str]], None] | None = None,
     ):
         self.graph_step, self.mesh, self.model, self.n_layers = graph_step, mesh, model, n_layers
+        self.release = release  # tells the job's other parallelisms which parameters the cut removed
         self.schedule_name, self.n_micro = schedule, n_micro
         self.optimizer, self.max_norm = optimizer, max_norm
         self.pp, self.per_rank = mesh.size("pp"), per_rank
@@ -641,7 +670,9 @@ class PipelinedStep:
         held = [{n for s in ranks for n in stages[s].parameters} for ranks in placed]
         self.rank_parameters = [[n for n in traced.layout.grad_names if n in names] for names in held]
         self.mine = set(self.rank_parameters[self.mesh.coordinate("pp")])
-        keep_only(self.model, self.mine, self.optimizer)
+        removed = keep_only(self.model, self.mine, self.optimizer)
+        if self.release is not None and removed:
+            self.release(removed)
         feed = step_inputs(traced.layout, self._params, self._buffers, self._accums)
         defer = self.schedule_name in DEFERS_WEIGHTS
         self.stages = [GraphStage(stages[s], n_stages, feed, defer_weights=defer) for s in self.local]
@@ -702,6 +733,8 @@ class PipelinedStep:
             n: g[i] for g, names in zip(gathered, self.rank_parameters, strict=True) for i, n in enumerate(names)
         }
         total = torch.linalg.vector_norm(torch.stack([by_name[n] for n in names]), 2.0)
+        if (reduce := self.graph_step.norm_reduce) is not None:  # sharded gradients: the stage's norm over its shards
+            total = torch.sqrt(reduce(total * total))
         scale_to_norm_(grads, total, self.max_norm)
         return total
 
@@ -729,9 +762,10 @@ class PipelinedStep:
         return [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
 
 
-def keep_only(model: nn.Module, names: set[str], optimizer: torch.optim.Optimizer | None = None) -> None:
+def keep_only(model: nn.Module, names: set[str], optimizer: torch.optim.Optimizer | None = None) -> set[str]:
     """Remove from `model` (and from `optimizer`, its state included) every trainable parameter not in `names`,
-    so that a rank holds its stage's parameters and their state only; the rest keep their whole-model names."""
+    so that a rank holds its stage's parameters and their state only; the rest keep their whole-model names.
+    Returns the names removed."""
     gone = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in names]
     for name, param in gone:
         owner, _, attr = name.rpartition(".")
@@ -740,6 +774,7 @@ def keep_only(model: nn.Module, names: set[str], optimizer: torch.optim.Optimize
             optimizer.state.pop(param, None)
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if p is not param]
+    return {name for name, _ in gone}
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -861,10 +896,12 @@ class PipelineParallel(Parallelism):
     def runs_step(self) -> bool:
         return True
 
-    def wrap_step(self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float) -> PipelinedStep:
+    def wrap_step(
+        self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float, release: Callable[[set[str]], None]
+    ) -> PipelinedStep:
         self.step = PipelinedStep(
             step, self.mesh, self.model, n_layers=self.n_layers, schedule=self.schedule, n_micro=self.n_micro,
-            per_rank=self.per_rank, optimizer=optimizer, max_norm=max_norm,
+            per_rank=self.per_rank, optimizer=optimizer, max_norm=max_norm, release=release,
         )  # fmt: skip
         return self.step
 

@@ -16,7 +16,8 @@ of the final graph follow this pass (tests/distributed/test_fsdp.py counts them)
 
 Policies (`parallelism.fsdp_reshard_after_forward`, torchtitan's names):
 `default` re-gathers the layers and keeps the root unit (embeddings, final
-norm, output projection: the backward needs them first, right away),
+norm, output projection: the backward needs them first, right away; under
+pipeline parallelism its parts, one unit per module, likewise),
 `always` re-gathers every unit, `never` keeps every unit.
 
 The graph's ops are unchanged, so the pass preserves numerics bitwise; the
@@ -32,12 +33,12 @@ from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.graph_utils import is_view
 
 POLICIES = ("default", "always", "never")
-ROOT = ""  # graph_trainer.distributed.fsdp.ROOT (not imported: passes read metadata, not the FSDP machinery)
 
 
-def regathers(policy: str, unit: str) -> bool:
-    """Whether `policy` makes the backward gather `unit` again."""
-    return policy == "always" or (policy == "default" and unit != ROOT)
+def regathers(policy: str, in_layer: bool) -> bool:
+    """Whether `policy` makes the backward gather a unit again: one of the layers (`in_layer`), or the root (or a
+    part of it: a unit outside the layers)."""
+    return policy == "always" or (policy == "default" and in_layer)
 
 
 def gather_decisions(gm: torch.fx.GraphModule, policy: str) -> dict[torch.fx.Node, bool]:
@@ -50,9 +51,8 @@ def gather_decisions(gm: torch.fx.GraphModule, policy: str) -> dict[torch.fx.Nod
     for node in gm.graph.nodes:
         if not node_meta.is_forward(node):
             continue
-        unit = node_meta.gathered_unit(node)
-        if unit is not None:
-            decided[node] = regathers(policy, unit)
+        if node_meta.gathered_unit(node) is not None:
+            decided[node] = regathers(policy, node_meta.collective(node)["layer"] is not None)
         elif is_view(node) and any(decided.get(a) for a in node.all_input_nodes):
             decided[node] = True
     return decided
