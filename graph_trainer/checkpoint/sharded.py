@@ -133,7 +133,9 @@ class ShardedCheckpointManager(CheckpointManager):
 
     def _tensors(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> dict[str, Any]:
         """What DCP saves or loads into: sharded tensors as DTensors (views of `model_state`/`optimizer_state`)."""
-        model = {name: self._logical(name, t) for name, t in model_state.items()}
+        # A pipeline stage's rank leaves out the other stages' blocks' buffers it keeps unused: their live copies
+        # are the other ranks', and DCP writes one copy of a tensor several ranks hold.
+        model = {name: self._logical(name, t) for name, t in model_state.items() if self.parallel.holds(name)}
         optimizer, param_names = {}, self.param_names
         for index, state in optimizer_state["state"].items():
             name = param_names[index]

@@ -214,6 +214,12 @@ class Parallelism:
         """Forget the parameters `names`, removed from the rank's model after this parallelism split them
         (pipeline stages drop another stage's embedding or output once the cut says which stage reads them)."""
 
+    def holds(self, name: str) -> bool:
+        """Whether the rank's state dict entry `name` is this rank's to save and load: not another pipeline stage's
+        block's buffer, which the rank's model keeps but never updates (a stale copy of a tensor another rank
+        holds live)."""
+        return True
+
     def runs_step(self) -> bool:
         """Whether `wrap_step` runs the step around the traced graph (then the graph runs no update)."""
         return False
@@ -326,6 +332,10 @@ class ParallelModel:
         """Tell every parallelism that the rank no longer holds the parameters `names` (`Parallelism.release`)."""
         for part in self.parts:
             part.release(names)
+
+    def holds(self, name: str) -> bool:
+        """Whether the rank's state dict entry `name` is the rank's own to checkpoint (`Parallelism.holds`)."""
+        return all(part.holds(name) for part in self.parts)
 
     def grad_reduce(self) -> GradReduce | None:
         makers = [p for p in self.parts if p.makes_grads()]  # first: the others reduce the gradients they make

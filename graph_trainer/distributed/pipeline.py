@@ -821,6 +821,7 @@ class PipelineParallel(Parallelism):
         mine = {b for s in local_stages(mesh.size("pp"), per_rank, mesh.coordinate("pp"), schedule) for b in blocks[s]}
         others = tuple(f"{fqn}." for fqn, i in transformer_layers(model, layers).items() if i not in mine)
         keep_only(model, {n for n, _ in model.named_parameters() if not n.startswith(others)})
+        self.others = others  # the other stages' blocks, whose buffers the rank keeps unused (`holds`)
 
     @classmethod
     def apply(cls, model: nn.Module, mesh: Mesh, cfg: Any, plan: Any) -> PipelineParallel | None:
@@ -878,6 +879,11 @@ class PipelineParallel(Parallelism):
 
     def splits_model(self) -> bool:
         return True
+
+    def holds(self, name: str) -> bool:
+        """Not another stage's block's tensors: their buffers (a router's balancing bias) stay on the rank's model,
+        never updated there; the rank of their stage checkpoints them."""
+        return not name.startswith(self.others)
 
     def micro_batches_per_step(self) -> int:
         return self.n_micro

@@ -581,6 +581,50 @@ def test_fsdp_inside_each_stage_is_dp_shard_accumulating_bitwise_and_planned_to_
         assert len(blocks) == 8, schedule
 
 
+# DeepSeek-V3 (8 blocks, its balancing bias) with FSDP inside each of 2 stages, against dp_shard 2 alone.
+SHARDED_MOE = [*MOE, "--parallelism.dp_shard", "2"]
+
+
+def _train_sharded_moe(rank: int, world: int, port: int, out: str, args: list[str]) -> None:
+    for name, trainer, result in train_runs(rank, world, port, {f"moe{world}": []}, args, out):
+        biases = {n: b.tolist() for n, b in trainer.model.named_buffers() if n.endswith("expert_bias")}
+        record = {"losses": result.losses, "grad_norms": [r["grad_norm"] for r in result.records], "bias": biases}
+        if world == 4:  # the biases of its stage's blocks (a rank keeps no state of another stage's)
+            held = set(trainer.step_fn.held_blocks())
+            record["bias"] = {n: b for n, b in biases.items() if int(n.split(".")[1]) in held}
+            record["errors"] = [r.get("estimate_error_pct") for r in result.records]
+        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+def test_a_mixture_of_experts_with_fsdp_inside_each_stage_is_dp_shard_accumulating_bitwise(tmp_path):
+    """DeepSeek-V3 at pp 2 x dp_shard 2 under 1F1B against dp_shard 2 alone on the same global batch: losses,
+    clipped norms and every router's balancing bias (its counts summed over dp_shard) equal after 3 steps, and
+    every rank's peak is its plan. The step-3 checkpoint holds every router's live bias: a rank writes the state of
+    its own stage's blocks only (another stage's buffers, never updated on it, would be a second, stale copy of the
+    same tensor for DCP to pick from). Expert parallelism beside pp is refused (`test_pp_with_another_degree...`)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    one = [*SHARDED_MOE, "--training.local_batch_size", "2", "--training.global_batch_size", "16"]
+    spawn_ranks(_train_sharded_moe, 2, (2, free_port(), str(tmp_path), one), timeout_s=300)
+    pipe = [*SHARDED_MOE, "--training.local_batch_size", "8", "--parallelism.pp", "2"]
+    pipe += ["--parallelism.pp_microbatch_size", "2", "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
+    spawn_ranks(_train_sharded_moe, 4, (4, free_port(), str(tmp_path), pipe), timeout_s=600)
+    reference = json.loads((tmp_path / "moe2.rank0.json").read_text())
+    assert len({str(b) for b in reference["bias"].values()}) > 1  # the routers' biases moved apart
+    dcp_to_torch_save(tmp_path / "moe4" / "checkpoint" / "step-00000003.dcp", tmp_path / "whole.pt")
+    saved = torch.load(tmp_path / "whole.pt", weights_only=False)["model"]
+    assert {n: saved[n].tolist() for n in reference["bias"]} == reference["bias"]
+    held = []
+    for rank in range(4):
+        run = json.loads((tmp_path / f"moe4.rank{rank}.json").read_text())
+        assert run["losses"] == reference["losses"] and run["grad_norms"] == reference["grad_norms"], rank
+        assert run["bias"] == {n: reference["bias"][n] for n in run["bias"]} and run["errors"] == [None, 0.0, 0.0]
+        held.append(set(run["bias"]))
+    assert held[0] == held[1] and held[2] == held[3] and held[0] | held[2] == set(reference["bias"])
+
+
 def test_a_stage_that_does_not_fit_is_refused_by_its_preflight_in_one_line(monkeypatch):
     """Each rank plans its own stage before anything is allocated (here as rank 1 of the planning mesh): a stage
     that needs more than the free memory stops the job in one line, naming the stage and what would need less."""
@@ -629,6 +673,10 @@ def test_pp_with_another_degree_is_refused_and_pp_1_applies_nothing():
         ParallelDims.from_config(cfg.parallelism)
     cfg, _ = load_config(["--config", "llama3_debug", "--parallelism.pp", "2", "--parallelism.dp_shard", "2"])
     assert ParallelDims.from_config(cfg.parallelism).degrees()["dp_shard"] == 2  # FSDP inside each stage
+    ep = ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"]
+    cfg, _ = load_config(["--config", "deepseek_v3_debug", "--parallelism.pp", "2", *ep])
+    with pytest.raises(UserError, match="parallelism.pp > 1 with parallelism.ep = 2 is not supported yet"):
+        ParallelDims.from_config(cfg.parallelism)
     cfg, _ = load_config(["--config", "llama3_debug"])
     assert PipelineParallel.apply(None, Mesh(ParallelDims(), 0, torch.device("cpu")), cfg, None) is None
 
