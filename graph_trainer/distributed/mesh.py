@@ -69,7 +69,7 @@ class ParallelDims:
                 "parallelism.ep > 1 with parallelism.tp > 1 is not supported yet: use one of them "
                 "(set --parallelism.ep 1 or --parallelism.tp 1)"
             )
-        inside = [f"parallelism.{name} = {getattr(p, name)}" for name in ("tp", "ep") if getattr(p, name) > 1]
+        inside = [f"parallelism.{name} = {getattr(p, name)}" for name in ("ep",) if getattr(p, name) > 1]
         if p.pp > 1 and inside:
             # Stages are cut from one rank's micro-step graph; TP and EP inside a stage are not wired yet (expert
             # parallelism applies before pp, to the model the whole traced copy is made from).

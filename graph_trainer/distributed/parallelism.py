@@ -201,14 +201,18 @@ class Parallelism:
         traced graph is then one micro-batch's (`trace_step`'s "micro" part); None when it cuts none."""
         return None
 
-    def wrap_step(
-        self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float, release: Callable[[set[str]], None]
-    ) -> Any:
+    def wrap_step(self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float, parallel: Any) -> Any:
         """The training step the job runs around the traced `step` (a `GraphStep`, which then runs no update of
         its own when this parallelism runs the step: it is given the `optimizer` and the clipping norm). `step`
-        itself for a parallelism that leaves the step to the graph. `release` tells every parallelism of the job
-        which parameters the rank stops holding (`release`)."""
+        itself for a parallelism that leaves the step to the graph. `parallel` is the job's `ParallelModel`: a
+        step that runs the graph's parts itself tells the other parallelisms what they need (`release`,
+        `gathered_norms`)."""
         return step
+
+    def gathered_norms(self, norms: Mapping[str, torch.Tensor]) -> None:
+        """Under pipeline parallelism, before the clip's norm reduction: every trained parameter's gradient norm
+        (this rank's part of it), by name, every stage's, gathered over the pp ranks. A norm reduction that reads
+        the gradients themselves (TP's replicated norms, counted once) reads other stages' from here."""
 
     def release(self, names: Collection[str]) -> None:
         """Forget the parameters `names`, removed from the rank's model after this parallelism split them
@@ -325,8 +329,13 @@ class ParallelModel:
 
     def wrap_step(self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float) -> Any:
         for part in self.parts:
-            step = part.wrap_step(step, optimizer, max_norm, self.release)
+            step = part.wrap_step(step, optimizer, max_norm, self)
         return step
+
+    def gathered_norms(self, norms: Mapping[str, torch.Tensor]) -> None:
+        """Every stage's gradient norms, by name, to the hooks reducing the clip norm (`Parallelism.gathered_norms`)."""
+        for part in self.tracing_parts:
+            part.gathered_norms(norms)
 
     def release(self, names: Collection[str]) -> None:
         """Tell every parallelism that the rank no longer holds the parameters `names` (`Parallelism.release`)."""
@@ -337,15 +346,18 @@ class ParallelModel:
         """Whether the rank's state dict entry `name` is the rank's own to checkpoint (`Parallelism.holds`)."""
         return all(part.holds(name) for part in self.parts)
 
+    # The hooks on the step's gradients, norm and token count: the traced model's, whose gradients they are (the
+    # rank's own parts but for a pipeline's, whose gradients come in the whole model's order).
     def grad_reduce(self) -> GradReduce | None:
-        makers = [p for p in self.parts if p.makes_grads()]  # first: the others reduce the gradients they make
-        return _chain([p.grad_reduce() for p in makers + [p for p in self.parts if p not in makers]])
+        parts = self.tracing_parts
+        makers = [p for p in parts if p.makes_grads()]  # first: the others reduce the gradients they make
+        return _chain([p.grad_reduce() for p in makers + [p for p in parts if p not in makers]])
 
     def norm_reduce(self) -> NormReduce | None:
-        return _chain([p.norm_reduce() for p in self.parts])
+        return _chain([p.norm_reduce() for p in self.tracing_parts])
 
     def count_reduce(self) -> CountReduce | None:
-        return _chain([p.count_reduce() for p in self.parts])
+        return _chain([p.count_reduce() for p in self.tracing_parts])
 
     def step_metrics(self) -> dict[str, float]:
         metrics: dict[str, float] = {}

@@ -431,7 +431,8 @@ class _RunStage(torch.autograd.Function):
         stage.count("forward", micro)
         out = stage.run(stage.graphs.forward, stage.graphs.forward_inputs, micro, received=received)
         ctx.stage, ctx.micro, ctx.saved = stage, micro, out[stage.graphs.n_sent :]
-        sent = out[: stage.graphs.n_sent]
+        # torch's sends take contiguous tensors; a stage may end on a view (TP's reduce-scatter along the sequence).
+        sent = [t.contiguous() for t in out[: stage.graphs.n_sent]]
         return sent[0] if len(sent) == 1 else tuple(sent)
 
     @staticmethod
@@ -443,11 +444,11 @@ class _RunStage(torch.autograd.Function):
         given = grads if not stage.is_last else ()
         if not stage.defer_weights:
             out = stage.run(graphs.backward, graphs.backward_inputs, micro, saved=saved, grads=given)
-            return (None, None, None, *out)
+            return (None, None, None, *(t.contiguous() for t in out))
         out = stage.run(graphs.input_backward, graphs.input_backward_inputs, micro, saved=saved, grads=given)
         sent, stash = out[: graphs.n_received], out[graphs.n_received :]
         stage.defer(micro, saved, given, stash)
-        return (None, None, None, *sent)
+        return (None, None, None, *(t.contiguous() for t in sent))
 
 
 class GraphStage(nn.Module):
@@ -642,10 +643,11 @@ class PipelinedStep:
         per_rank: int = 1,
         optimizer: torch.optim.Optimizer | None,
         max_norm: float,
-        release: Callable[[set[str]], None] | None = None,
+        parallel: Any = None,
     ):
         self.graph_step, self.mesh, self.model, self.n_layers = graph_step, mesh, model, n_layers
-        self.release = release  # tells the job's other parallelisms which parameters the cut removed
+        # The job's parallelisms (`ParallelModel`): told which parameters the cut removed, and every stage's norms.
+        self.parallel = parallel
         self.schedule_name, self.n_micro = schedule, n_micro
         self.optimizer, self.max_norm = optimizer, max_norm
         self.pp, self.per_rank = mesh.size("pp"), per_rank
@@ -671,8 +673,8 @@ class PipelinedStep:
         self.rank_parameters = [[n for n in traced.layout.grad_names if n in names] for names in held]
         self.mine = set(self.rank_parameters[self.mesh.coordinate("pp")])
         removed = keep_only(self.model, self.mine, self.optimizer)
-        if self.release is not None and removed:
-            self.release(removed)
+        if self.parallel is not None and removed:
+            self.parallel.release(removed)
         feed = step_inputs(traced.layout, self._params, self._buffers, self._accums)
         defer = self.schedule_name in DEFERS_WEIGHTS
         self.stages = [GraphStage(stages[s], n_stages, feed, defer_weights=defer) for s in self.local]
@@ -733,7 +735,9 @@ class PipelinedStep:
             n: g[i] for g, names in zip(gathered, self.rank_parameters, strict=True) for i, n in enumerate(names)
         }
         total = torch.linalg.vector_norm(torch.stack([by_name[n] for n in names]), 2.0)
-        if (reduce := self.graph_step.norm_reduce) is not None:  # sharded gradients: the stage's norm over its shards
+        if self.parallel is not None:
+            self.parallel.gathered_norms(by_name)
+        if (reduce := self.graph_step.norm_reduce) is not None:  # sharded gradients: the norm over every shard
             total = torch.sqrt(reduce(total * total))
         scale_to_norm_(grads, total, self.max_norm)
         return total
@@ -903,11 +907,11 @@ class PipelineParallel(Parallelism):
         return True
 
     def wrap_step(
-        self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float, release: Callable[[set[str]], None]
+        self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float, parallel: Any
     ) -> PipelinedStep:
         self.step = PipelinedStep(
             step, self.mesh, self.model, n_layers=self.n_layers, schedule=self.schedule, n_micro=self.n_micro,
-            per_rank=self.per_rank, optimizer=optimizer, max_norm=max_norm, release=release,
+            per_rank=self.per_rank, optimizer=optimizer, max_norm=max_norm, parallel=parallel,
         )  # fmt: skip
         return self.step
 

@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -186,22 +186,31 @@ class ReplicatedGrads:
     gradients counted once: the split gradients' part is all-reduced, the replicated part added once.
     """
 
-    def __init__(self, group: ShardGroup, indices: list[int], owners: list[Owner]):
-        self.group, self.indices = group, indices
+    def __init__(self, group: ShardGroup, indices: list[int], owners: list[Owner], names: list[str]):
+        self.group, self.indices, self.names = group, indices, names  # `names`: each index's parameter
         self.owners = owners  # each index's (module FQN, layer): its reduction is tagged as that module's op
-        self._replicated: list[torch.Tensor] = []
+        self._replicated: list[torch.Tensor | None] = []
+        self._gathered: Mapping[str, torch.Tensor] = {}  # under pp, other stages' gradient norms (`gathered_norms`)
 
-    def reduce(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def reduce(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The replicated gradients summed over tp; under pp, None for another stage's (left as they are)."""
         grads = list(grads)
         for i, owner in zip(self.indices, self.owners, strict=True):
+            if grads[i] is None:
+                continue
             with _tagged(node_meta.GRAD_REDUCE, "", owner[1]), fx_traceback.annotate(owned_by(owner)):
                 grads[i] = _wait(c10d.all_reduce(grads[i], "sum", self.group.group_name))
         self._replicated = [grads[i] for i in self.indices]
         return grads
 
     def sq_norm(self, sq_norm: torch.Tensor) -> torch.Tensor:
-        once = sum((torch.linalg.vector_norm(g, 2.0) ** 2 for g in self._replicated), sq_norm.new_zeros(()))
-        self._replicated = []  # the clip has read them; hold no gradient past the step
+        # Another stage's gradient is its norm gathered over pp (the same value its rank computed here).
+        norms = [
+            torch.linalg.vector_norm(g, 2.0) if g is not None else self._gathered[name]
+            for g, name in zip(self._replicated, self.names, strict=True)
+        ]
+        once = sum((n**2 for n in norms), sq_norm.new_zeros(()))
+        self._replicated, self._gathered = [], {}  # the clip has read them; hold no gradient past the step
         with _tagged(node_meta.NORM_REDUCE, "", None):
             split = _wait(c10d.all_reduce((sq_norm - once).clamp(min=0), "sum", self.group.group_name))
         return split + once
@@ -279,6 +288,14 @@ class TensorParallel(Parallelism):
     def norm_reduce(self) -> Callable[[torch.Tensor], torch.Tensor]:
         return self.grads.sq_norm
 
+    def gathered_norms(self, norms: Mapping[str, torch.Tensor]) -> None:
+        self.grads._gathered = norms
+
+    def release(self, names: Collection[str]) -> None:
+        """Another stage's embedding or output projection, removed by the pipeline's cut: no longer this rank's."""
+        for name in names:
+            self.split.pop(name, None)
+
     def shard_sum(self) -> Callable[[float], float]:
         return self._sum_over_group
 
@@ -332,7 +349,9 @@ def indivisible(model: nn.Module, plan: Any, tp: int, seq_len: int) -> str | Non
 
 
 def _first_layer(model: nn.Module, layers: str) -> nn.Module:
-    return model.get_submodule(next(iter(transformer_layers(model, layers))))
+    """The first block that holds its parameters (a pipeline stage's rank holds only its own blocks')."""
+    blocks = [model.get_submodule(fqn) for fqn in transformer_layers(model, layers)]
+    return next(b for b in blocks if next(b.parameters(), None) is not None)
 
 
 def _block(length: int, group: ShardGroup) -> tuple[int, int]:
@@ -383,6 +402,8 @@ def tensor_parallelize(
     done: dict[int, nn.Parameter] = {}  # tied weights: one block for every slot
     split = []
     for fqn, module, dim in _iter_split(model, plan, layers):
+        if "weight" not in module._parameters:  # another pipeline stage's block, removed from this rank's model
+            continue
         whole = module.weight
         if id(whole) not in done:
             done[id(whole)] = _split_weight(module, dim, group)
@@ -397,7 +418,8 @@ def tensor_parallelize(
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     indices = [i for i, name in enumerate(names) if name in replicated]
     owners = gradient_owners(model, layers_name)
-    return TensorParallel(model, group, split, vocab, ReplicatedGrads(group, indices, [owners[i] for i in indices]))
+    grads = ReplicatedGrads(group, indices, [owners[i] for i in indices], [names[i] for i in indices])
+    return TensorParallel(model, group, split, vocab, grads)
 
 
 def _wrap_layer(layer: nn.Module, fqn: str, index: int, group: ShardGroup, plan: Any) -> None:
