@@ -284,9 +284,10 @@ class ParallelModel:
 
     When the step traces another model than the rank's (pipeline stages trace a meta copy of the whole model), the
     parallelisms applied after the one that made the copy are applied to the copy as well (`traced_parts`): the
-    traced graph then gathers, shards and reduces as the rank runs it. What the trace runs (the loss as the
-    parallelisms wrap it, the checks of the traced graph) comes from the copy's; everything about the parameters the
-    rank holds (gradients, norms, checkpoints) from the rank's own (`parts`)."""
+    traced graph then gathers, shards and reduces as the rank runs it. What the trace and the step run (the loss as
+    the parallelisms wrap it, the checks of the traced graph, the gradient, norm and token-count hooks, which take
+    the gradients in the traced model's order) comes from the copy's (`tracing_parts`); what the rank holds (shapes,
+    slices, full state, checkpoints) from the rank's own (`parts`)."""
 
     def __init__(
         self,

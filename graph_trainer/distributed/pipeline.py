@@ -11,7 +11,8 @@ norm, output and loss with the last. What crosses a cut is found from the graph'
 - what stage s's backward reads of its own forward is what it saves (the memory policy's decision, since the
   policy ran on the whole graph before the cut: recomputed ops sit in the backward graph);
 - an op outside the blocks that reads only the step's inputs (RoPE's table cut to the sequence) runs in every
-  stage that reads it, rather than being sent;
+  stage that reads it, rather than being sent; but a collective (FSDP's gather of a unit's shards, with FSDP inside
+  the stages) runs once, in the first stage and pass that reads it;
 - any other edge (a parameter read by two stages, as tied embeddings are; an activation skipping a stage) is
   refused, naming the op.
 
@@ -24,8 +25,9 @@ accumulators in micro-batch order, so the gradients are bitwise those of one pro
 micro-batches (tests/distributed/test_pipeline.py).
 
 `PipelineParallel` is the parallelism (`parallelism.pp`): a rank keeps only its stages' parameters, the step
-traces a meta copy of the whole model, and `PipelinedStep` runs each training step around torch's schedule
-(micro-batches, clipping by the norm over every stage, the update). docs/pipeline.md has the whole story.
+traces a meta copy of the whole model (split by FSDP and TP as the rank's model is: `parallelism.parallelize`),
+and `PipelinedStep` runs each training step around torch's schedule (micro-batches, clipping by the norm over every
+stage, the update). docs/pipeline.md has the whole story.
 """
 
 from __future__ import annotations
@@ -253,7 +255,7 @@ def cut_stages(gm: fx.GraphModule, layout: InputLayout, n_layers: int, pp: int) 
     for n in reversed(nodes):
         if n.op in ("placeholder", "output") or where[n] is not None:
             continue
-        reads = [where[u] or consumer.get(u) for u in n.users]
+        reads = [where.get(u) or consumer.get(u) for u in n.users]
         if reads := [r for r in reads if r is not None]:
             consumer[n] = min(reads)
             if node_meta.collective(n) is not None:

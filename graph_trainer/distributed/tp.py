@@ -203,6 +203,11 @@ class ReplicatedGrads:
         self._replicated = [grads[i] for i in self.indices]
         return grads
 
+    def use_gathered(self, norms: Mapping[str, torch.Tensor]) -> None:
+        """Under pp, before `sq_norm`: every stage's gradient norms by name, gathered over the pp ranks (`sq_norm`
+        reads another stage's replicated norms there, since this rank holds no gradient of them)."""
+        self._gathered = norms
+
     def sq_norm(self, sq_norm: torch.Tensor) -> torch.Tensor:
         # Another stage's gradient is its norm gathered over pp (the same value its rank computed here).
         norms = [
@@ -289,7 +294,7 @@ class TensorParallel(Parallelism):
         return self.grads.sq_norm
 
     def gathered_norms(self, norms: Mapping[str, torch.Tensor]) -> None:
-        self.grads._gathered = norms
+        self.grads.use_gathered(norms)
 
     def release(self, names: Collection[str]) -> None:
         """Another stage's embedding or output projection, removed by the pipeline's cut: no longer this rank's."""

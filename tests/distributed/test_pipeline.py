@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -522,26 +523,57 @@ def _units(graph, role: str) -> list[str]:
     return sorted({t["unit"] for t in tags if t is not None and t["kind"] == "fsdp" and t["role"] == role})
 
 
-def _train_sharded(rank: int, world: int, port: int, out: str, args: list[str]) -> None:
-    runs = {f"{s}.world{world}": ["--parallelism.pp_schedule", s] for s in SHARDED_SCHEDULES}
-    if world == 2:
-        runs = {"world2": []}
+def _fsdp_facts(trainer) -> dict:
+    """The FSDP units the rank's stage graphs gather (in the forward, again in the backward) and reduce, and its
+    parameters' shapes."""
+    stages = trainer.step_fn.stages
+    graphs = [g for s in stages for g in (s.graphs.forward, s.graphs.backward, s.graphs.weight_backward) if g]
+    return {
+        "gathered": sorted({u for g in graphs for u in _units(g, node_meta.PARAM_GATHER)}),
+        "regathered": sorted({u for s in stages for u in _units(s.graphs.backward, node_meta.PARAM_GATHER)}),
+        "reduced": sorted({u for g in graphs for u in _units(g, node_meta.GRAD_REDUCE)}),
+        "shapes": {n: list(p.shape) for n, p in trainer.model.named_parameters()},
+    }
+
+
+def _tp_facts(trainer) -> dict:
+    return {"shapes": {n: list(p.shape) for n, p in trainer.model.named_parameters()}}
+
+
+def _train_composed(rank: int, world: int, port: int, out: str, args: list[str], facts_of: Callable) -> None:
+    """The reference (2 ranks, one run) or the pipeline (4 ranks, one run a schedule): losses and norms, and for the
+    pipeline its peaks, blocks and `facts_of(trainer)`."""
+    runs = (
+        {f"{s}.world4": ["--parallelism.pp_schedule", s] for s in SHARDED_SCHEDULES} if world == 4 else {"world2": []}
+    )
     for name, trainer, result in train_runs(rank, world, port, runs, args, out):
         record = {"losses": result.losses, "grad_norms": [r["grad_norm"] for r in result.records]}
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
-        if world == 2:
-            continue
-        stages = trainer.step_fn.stages
-        graphs = [g for s in stages for g in (s.graphs.forward, s.graphs.backward, s.graphs.weight_backward) if g]
-        facts = {
-            "peaks": peaks(result.records),
-            "blocks": trainer.step_fn.held_blocks(),
-            "gathered": sorted({u for g in graphs for u in _units(g, node_meta.PARAM_GATHER)}),
-            "regathered": sorted({u for s in stages for u in _units(s.graphs.backward, node_meta.PARAM_GATHER)}),
-            "reduced": sorted({u for g in graphs for u in _units(g, node_meta.GRAD_REDUCE)}),
-            "shards": {n: list(p.shape) for n, p in trainer.model.named_parameters()},
-        }
-        Path(out, f"{name}.rank{rank}.facts.json").write_text(json.dumps(facts))
+        if world == 4:
+            facts = {"peaks": peaks(result.records), "blocks": trainer.step_fn.held_blocks(), **facts_of(trainer)}
+            Path(out, f"{name}.rank{rank}.facts.json").write_text(json.dumps(facts))
+
+
+def _composed_runs(
+    out: Path, one: list[str], pipeline: list[str], facts_of: Callable
+) -> Iterator[tuple[str, int, dict]]:
+    """Run the reference on 2 ranks and the pipeline on 4 under each of `SHARDED_SCHEDULES`; assert every pipeline
+    rank's losses and clipped norms are the reference's (which clips) and its peaks its plan's (`assert_peaks_match`);
+    yield (schedule, rank, facts) for each, then assert the ranks held all 8 blocks under each schedule."""
+    spawn_ranks(_train_composed, 2, (2, free_port(), str(out), one, facts_of), timeout_s=300)
+    spawn_ranks(_train_composed, 4, (4, free_port(), str(out), pipeline, facts_of), timeout_s=600)
+    reference = json.loads((out / "world2.rank0.json").read_text())
+    assert max(reference["grad_norms"]) > 1.0  # clipping scaled the gradients
+    for schedule in SHARDED_SCHEDULES:
+        blocks = set()
+        for rank in range(4):
+            name = f"{schedule}.world4.rank{rank}"
+            assert json.loads((out / f"{name}.json").read_text()) == reference, name
+            facts = json.loads((out / f"{name}.facts.json").read_text())
+            assert_peaks_match(facts["peaks"][1:], name)
+            blocks |= set(facts["blocks"])
+            yield schedule, rank, facts
+        assert blocks == set(range(8)), schedule
 
 
 @pytest.mark.integration
@@ -553,31 +585,19 @@ def test_fsdp_inside_each_stage_is_dp_shard_accumulating_bitwise_and_planned_to_
     gathered again in the backward (the default gather policy) and the root's parts not; each rank holds the
     shards of its stage's parameters only, and its measured peak is its preflight's plan to the byte, or above it by
     no more than gloo's thread freed late that step (a reduce-scatter's input, once, under load)."""
-    spawn_ranks(_train_sharded, 2, (2, free_port(), str(tmp_path), SHARDED_ONE_PIPELINE), timeout_s=300)
-    spawn_ranks(_train_sharded, 4, (4, free_port(), str(tmp_path), SHARDED_PIPELINE), timeout_s=600)
-    reference = json.loads((tmp_path / "world2.rank0.json").read_text())
-    assert max(reference["grad_norms"]) > 1.0  # clipping scaled the gradients
-    for schedule in SHARDED_SCHEDULES:
-        blocks = set()
-        for rank in range(4):
-            name = f"{schedule}.world4.rank{rank}"
-            assert json.loads((tmp_path / f"{name}.json").read_text()) == reference, name
-            facts = json.loads((tmp_path / f"{name}.facts.json").read_text())
-            assert_peaks_match(facts["peaks"][1:], name)
-            layers = [f"layers.{b}" for b in facts["blocks"]]
-            assert len(layers) == 4, name  # ranks 2p and 2p + 1 shard pipeline position p (pp outermost)
-            blocks |= set(layers)
-            # V-shaped ZBV: the first rank runs the first and the last stage, so the embedding and the output.
-            ends = {0: ["tok_embeddings"], 1: ["norm", "output"]}[rank // 2]
-            if schedule == "ZBVZeroBubble":
-                ends = {0: ["norm", "output", "tok_embeddings"], 1: []}[rank // 2]
-            assert facts["gathered"] == facts["reduced"] == sorted([*layers, *ends]), name
-            assert facts["regathered"] == sorted(layers), name
-            # Its stage's parameters only, each half the rows (vocabulary 258, dim 64).
-            assert all(n.startswith(tuple(f"{m}." for m in [*layers, *ends])) for n in facts["shards"]), name
-            assert facts["shards"][f"{layers[0]}.attention.wq.weight"] == [32, 64], name
-            assert all(facts["shards"][f"{m}.weight"][0] == {"norm": 32}.get(m, 129) for m in ends), name
-        assert len(blocks) == 8, schedule
+    for schedule, rank, facts in _composed_runs(tmp_path, SHARDED_ONE_PIPELINE, SHARDED_PIPELINE, _fsdp_facts):
+        name, layers = f"{schedule} rank {rank}", [f"layers.{b}" for b in facts["blocks"]]
+        assert len(layers) == 4, name  # ranks 2p and 2p + 1 shard pipeline position p (pp outermost)
+        # V-shaped ZBV: the first rank runs the first and the last stage, so the embedding and the output.
+        ends = {0: ["tok_embeddings"], 1: ["norm", "output"]}[rank // 2]
+        if schedule == "ZBVZeroBubble":
+            ends = {0: ["norm", "output", "tok_embeddings"], 1: []}[rank // 2]
+        assert facts["gathered"] == facts["reduced"] == sorted([*layers, *ends]), name
+        assert facts["regathered"] == sorted(layers), name
+        # Its stage's parameters only, each half the rows (vocabulary 258, dim 64).
+        assert all(n.startswith(tuple(f"{m}." for m in [*layers, *ends])) for n in facts["shapes"]), name
+        assert facts["shapes"][f"{layers[0]}.attention.wq.weight"] == [32, 64], name
+        assert all(facts["shapes"][f"{m}.weight"][0] == {"norm": 32}.get(m, 129) for m in ends), name
 
 
 # A 2-stage pipeline whose stages are tensor-parallel over 2 ranks each, against tp 2 alone accumulating the same 4
@@ -588,17 +608,6 @@ SPLIT_PIPELINE += ["--parallelism.pp_microbatch_size", "2"]
 SPLIT_ONE_PIPELINE = [*SPLIT, "--training.local_batch_size", "2", "--training.global_batch_size", "8"]
 
 
-def _train_split(rank: int, world: int, port: int, out: str, args: list[str]) -> None:
-    runs = {f"{s}.world{world}": ["--parallelism.pp_schedule", s] for s in SHARDED_SCHEDULES}
-    for name, trainer, result in train_runs(rank, world, port, runs if world == 4 else {"world2": []}, args, out):
-        record = {"losses": result.losses, "grad_norms": [r["grad_norm"] for r in result.records]}
-        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
-        if world == 4:
-            shapes = {n: list(p.shape) for n, p in trainer.model.named_parameters()}
-            facts = {"peaks": peaks(result.records), "blocks": trainer.step_fn.held_blocks(), "shapes": shapes}
-            Path(out, f"{name}.rank{rank}.facts.json").write_text(json.dumps(facts))
-
-
 @pytest.mark.integration
 @pytest.mark.multiprocess
 def test_tensor_parallel_stages_are_tp_accumulating_bitwise_and_planned(tmp_path):
@@ -607,22 +616,10 @@ def test_tensor_parallel_stages_are_tp_accumulating_bitwise_and_planned(tmp_path
     rank's losses and clipped norms equal. The clip counts the norms' replicated gradients once over tp, every
     stage's (their norms gathered over pp). Each rank holds its stage's blocks, split; its measured peak is its
     preflight's plan, or above it by no more than gloo freed late (TP's collectives are not in place)."""
-    spawn_ranks(_train_split, 2, (2, free_port(), str(tmp_path), SPLIT_ONE_PIPELINE), timeout_s=300)
-    spawn_ranks(_train_split, 4, (4, free_port(), str(tmp_path), SPLIT_PIPELINE), timeout_s=600)
-    reference = json.loads((tmp_path / "world2.rank0.json").read_text())
-    assert max(reference["grad_norms"]) > 1.0  # clipping scaled the gradients
-    for schedule in SHARDED_SCHEDULES:
-        blocks = set()
-        for rank in range(4):
-            name = f"{schedule}.world4.rank{rank}"
-            assert json.loads((tmp_path / f"{name}.json").read_text()) == reference, name
-            facts = json.loads((tmp_path / f"{name}.facts.json").read_text())
-            assert_peaks_match(facts["peaks"][1:], name)
-            blocks |= set(facts["blocks"])
-            layer = facts["blocks"][0]
-            assert facts["shapes"][f"layers.{layer}.attention.wq.weight"] == [32, 64], name  # 64 rows, halved
-            assert facts["shapes"][f"layers.{layer}.attention_norm.weight"] == [64], name  # whole on every rank
-        assert blocks == set(range(8)), schedule
+    for schedule, rank, facts in _composed_runs(tmp_path, SPLIT_ONE_PIPELINE, SPLIT_PIPELINE, _tp_facts):
+        name, layer = f"{schedule} rank {rank}", facts["blocks"][0]
+        assert facts["shapes"][f"layers.{layer}.attention.wq.weight"] == [32, 64], name  # 64 rows, halved
+        assert facts["shapes"][f"layers.{layer}.attention_norm.weight"] == [64], name  # whole on every rank
 
 
 # DeepSeek-V3 (8 blocks, its balancing bias) with FSDP inside each of 2 stages, against dp_shard 2 alone.
