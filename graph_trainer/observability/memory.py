@@ -96,11 +96,12 @@ def _real_alias(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
     if func is torch.ops._c10d_functional.wait_tensor.default:
         alias = args[0]
     else:
-        written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        schema = func._schema.arguments
+        written = [i for i, a in enumerate(schema) if a.alias_info is not None and a.alias_info.is_write]
         if len(written) != 1:
             return None
-        names = [a.name for a in func._schema.arguments]
-        alias = kwargs.get(written[0], args[names.index(written[0])] if names.index(written[0]) < len(args) else None)
+        i = written[0]  # the written argument, passed by keyword (`out=`) or by position
+        alias = kwargs[schema[i].name] if schema[i].name in kwargs else (args[i] if i < len(args) else None)
     return alias if isinstance(alias, FakeTensor) else None
 
 
