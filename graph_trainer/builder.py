@@ -312,15 +312,18 @@ class Job:
         from graph_trainer.eager.step import EagerStep
 
         apply_eager_checkpointing(self.model, self.cfg.activation_checkpoint)
-        return EagerStep(
+        optimizer = self.optimizer if optimizer_update else None
+        runs_step = self.parallel.runs_step()  # pipeline stages: the parallelism runs the step and the update
+        step = EagerStep(
             self.model,
             loss_fn=self.loss_fn,
             max_norm=self.cfg.training.max_norm,
             grad_reduce=self.parallel.grad_reduce(),
-            optimizer=self.optimizer if optimizer_update else None,
+            optimizer=None if runs_step else optimizer,
             norm_reduce=self.parallel.norm_reduce(),
             **self._accumulation(),
         )
+        return self.parallel.wrap_step(step, optimizer if runs_step else None, self.cfg.training.max_norm)
 
     def build_eval_step(self, *, failure_dir: Path | None = None) -> EvalStep:
         """The job's evaluation step (forward and loss, no gradients): eager with `compile.mode eager`, else its

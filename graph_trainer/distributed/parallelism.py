@@ -202,8 +202,9 @@ class Parallelism:
         return None
 
     def wrap_step(self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float, parallel: Any) -> Any:
-        """The training step the job runs around the traced `step` (a `GraphStep`, which then runs no update of
-        its own when this parallelism runs the step: it is given the `optimizer` and the clipping norm). `step`
+        """The training step the job runs around `step` (a traced `GraphStep`, or an `EagerStep` under `compile.mode
+        eager`, which then runs no update of its own when this parallelism runs the step: it is given the
+        `optimizer` and the clipping norm). `step`
         itself for a parallelism that leaves the step to the graph. `parallel` is the job's `ParallelModel`: a
         step that runs the graph's parts itself tells the other parallelisms what they need (`release`,
         `gathered_norms`)."""

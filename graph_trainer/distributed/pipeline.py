@@ -51,6 +51,7 @@ from graph_trainer.step import StepOutput, StepReport, micro_batches, sum_losses
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.capture import InputLayout, TracedStep, batch_tensors
 from graph_trainer.tracer.layers import transformer_layers
+from graph_trainer.tracer.memory_estimate import workspace_bytes
 
 # torchtitan's schedule names that run today, and the torch class that runs each.
 SCHEDULES = {
@@ -487,6 +488,10 @@ class GraphStage(nn.Module):
         self.anchor = torch.zeros((), requires_grad=True)
 
     @property
+    def index(self) -> int:
+        return self.graphs.index
+
+    @property
     def is_last(self) -> bool:
         return self.graphs.index == self.num_stages - 1
 
@@ -684,6 +689,18 @@ class PipelinedStep:
         self.schedule = build_schedule(self.stages, self.schedule_name, self.n_micro, group, self.mesh.device)
         self._traced = traced
 
+    def prepare(self, micro: dict[str, Any], traced: TracedStep | None = None) -> TracedStep:
+        """The micro-step graph (`traced`, or traced on `micro` when None), cut into this rank's stages."""
+        if traced is None:
+            traced = self.graph_step.ensure_traced(micro)
+        self.cut(traced)
+        return traced
+
+    def workspace_bytes(self) -> int:
+        """cuBLAS's workspace on CUDA, made by the process's first matmul and held from then on (0 on CPU)."""
+        graphs = [g for stage in self.stages for g in (stage.graphs.forward, stage.graphs.backward)]
+        return max(workspace_bytes(g) for g in graphs)
+
     def __call__(self, batch: Any) -> StepOutput:
         step = self.graph_step
         micro = micro_batches(batch, self.n_micro, step.count_reduce)
@@ -707,17 +724,26 @@ class PipelinedStep:
         start = time.perf_counter()
         losses = run_schedule(self.schedule, self.stages, micro)
         self.schedule_s = time.perf_counter() - start
+        return self._finish(traced.layout.grad_names, self._accums, losses, update=update)
+
+    def _finish(
+        self, names: Sequence[str], accums: list[torch.Tensor | None], losses: list[torch.Tensor], *, update: bool
+    ) -> StepOutput:
+        """After the schedule: reduce the gradients `accums` (one per trained parameter of the whole model, `names`
+        in its gradient order, None for another stage's; the list is emptied), run the model's step update, clip by
+        the norm over every stage, update, and return the step's loss on every rank."""
+        params = dict(self.model.named_parameters())
         # Averaged over the replicas of this pipeline (dp_replicate), a gradient of another stage left None.
         reduce = self.graph_step.grad_reduce
-        summed = reduce(list(self._accums)) if reduce is not None else self._accums
+        summed = reduce(list(accums)) if reduce is not None else list(accums)
+        accums.clear()  # the gradients live on in `summed` and `.grad` only
         if self.graph_step.step_update is not None:  # a MoE's balancing bias: its stages' routers counted their tokens
             with torch.no_grad():
                 self.graph_step.step_update(self.model)
         grads = [g for g in summed if g is not None]  # this rank's, in the whole model's order
-        grad_norm = self._clip(traced.layout.grad_names, grads)
-        for name, grad in zip([n for n in traced.layout.grad_names if n in mine], grads, strict=True):
+        grad_norm = self._clip(tuple(names), grads)
+        for name, grad in zip([n for n in names if n in self.mine], grads, strict=True):
             params[name].grad = grad
-        self._accums[:] = []
         if self.optimizer is not None and update:
             self.optimizer.step()
         # The last stage's rank holds the losses (rank 0 under a V); every rank returns their sum (0 + x is x).
@@ -825,7 +851,9 @@ class PipelineParallel(Parallelism):
         self.whole = meta_copy(model)
         blocks = stage_blocks(n_layers, mesh.size("pp") * per_rank)
         mine = {b for s in local_stages(mesh.size("pp"), per_rank, mesh.coordinate("pp"), schedule) for b in blocks[s]}
-        others = tuple(f"{fqn}." for fqn, i in transformer_layers(model, layers).items() if i not in mine)
+        fqns = transformer_layers(model, layers)
+        self.layers = next(iter(fqns)).rpartition(".")[0]  # the blocks' container (an eager stage's view keeps some)
+        others = tuple(f"{fqn}." for fqn, i in fqns.items() if i not in mine)
         keep_only(model, {n for n, _ in model.named_parameters() if not n.startswith(others)})
         self.others = others  # the other stages' blocks, whose buffers the rank keeps unused (`holds`)
 
@@ -842,7 +870,10 @@ class PipelineParallel(Parallelism):
             return None
         p, c = cfg.parallelism, cfg.compile
         refused = [
-            (c.mode != "trace", "compile.mode eager", "--compile.mode trace"),
+            # An eager stage is the model's own modules; FSDP's and TP's eager forms gather around the whole
+            # model's loss, which no stage but the last runs.
+            (c.mode == "eager" and (p.dp_shard > 1 or p.tp > 1), "compile.mode eager beside dp_shard or tp",
+             "--compile.mode trace"),
             (c.trace_optimizer, "compile.trace_optimizer", "--compile.trace_optimizer false"),
             (c.backend != "none", f"compile.backend {c.backend}", "--compile.backend none"),
             (accumulation_steps(cfg) > 1, "gradient accumulation (its micro-batches are the pipeline's)",
@@ -874,9 +905,9 @@ class PipelineParallel(Parallelism):
 
     def step_metrics(self, model: nn.Module) -> dict[str, float]:
         """`pp_bubble_pct`: the share of the last schedule's time a rank spent outside its stages' graphs, the
-        largest over the ranks (a collective)."""
+        largest over the ranks (a collective); none for eager stages, whose busy time is not measured."""
         step = self.step
-        if step is None or step.schedule_s is None:
+        if step is None or step.schedule_s is None or any(stage.busy_s is None for stage in step.stages):
             return {}
         busy = sum(stage.busy_s for stage in step.stages)
         idle = torch.tensor(100.0 * max(step.schedule_s - busy, 0.0) / step.schedule_s, device=self.mesh.device)
@@ -911,10 +942,16 @@ class PipelineParallel(Parallelism):
     def wrap_step(
         self, step: Any, optimizer: torch.optim.Optimizer | None, max_norm: float, parallel: Any
     ) -> PipelinedStep:
-        self.step = PipelinedStep(
-            step, self.mesh, self.model, n_layers=self.n_layers, schedule=self.schedule, n_micro=self.n_micro,
-            per_rank=self.per_rank, optimizer=optimizer, max_norm=max_norm, parallel=parallel,
+        """`step` run as this rank's pipeline stages: the traced step cut into stages (`PipelinedStep`), or a step
+        that builds its own (`step.pipelined`: the eager step's, `eager_pipeline`)."""
+        options = dict(
+            n_layers=self.n_layers, schedule=self.schedule, n_micro=self.n_micro, per_rank=self.per_rank,
+            optimizer=optimizer, max_norm=max_norm, parallel=parallel,
         )  # fmt: skip
+        if (pipelined := getattr(step, "pipelined", None)) is not None:
+            self.step = pipelined(self.mesh, self.model, self.whole, self.layers, **options)
+        else:
+            self.step = PipelinedStep(step, self.mesh, self.model, **options)
         return self.step
 
 

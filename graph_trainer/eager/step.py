@@ -54,6 +54,13 @@ class EagerStep:
         self.optimizer = optimizer
         self.norm_reduce = norm_reduce
 
+    def pipelined(self, mesh: Any, model: nn.Module, whole: nn.Module, layers: str, **options: Any) -> Any:
+        """This step run as `mesh`'s rank of a pipeline (`distributed.eager_pipeline.EagerPipelinedStep`): the
+        model's own modules as stages, under torch's schedule (`PipelineParallel.wrap_step` asks for it)."""
+        from graph_trainer.distributed.eager_pipeline import EagerPipelinedStep
+
+        return EagerPipelinedStep(self, mesh, model, whole, layers, **options)
+
     def report(self) -> StepReport:
         """Nothing is traced or estimated; the update (if any) runs eagerly after the backward."""
         return StepReport(updates_inside=False)

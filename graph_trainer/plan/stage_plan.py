@@ -24,6 +24,9 @@ on 4 ranks with dp_replicate (tests/distributed/test_pipeline.py).
 The same run plans one rank inside the running job (`plan_stage` on the job's own mesh, the preflight): on fake
 tensors a collective or a send goes to its fake kernel, which communicates nothing, so no peer takes part.
 
+Under `compile.mode eager` the rank's eager stages (`distributed.eager_pipeline`: the model's own modules) run
+instead, by autograd on fake tensors: the plan of the eager pipeline, to the byte too.
+
 The plan traces the whole micro-step at the model's depth (the depth-free short traces are not used under pp yet).
 """
 
@@ -52,7 +55,7 @@ from graph_trainer.plan.eager_baseline import materialize_fake
 from graph_trainer.plan.step_plan import eager_update_of, meta_batch
 from graph_trainer.step import micro_batches
 from graph_trainer.tracer import node_meta
-from graph_trainer.tracer.memory_estimate import op_name, workspace_bytes
+from graph_trainer.tracer.memory_estimate import op_name
 
 
 @dataclasses.dataclass
@@ -80,6 +83,7 @@ class _PeakTracker(LiveTensorTracker):
         super().__init__(count_fake=True)
         self.device_type = device_type
         self.now, self.op = "", ""
+        self.outside = "in torch's schedule"  # where an op outside the stages' graphs runs ("eagerly": no graphs)
         self.node: fx.Node | None = None
         self.at, self.in_flight, self.most_in_flight = "", 0, 0
         self.flight = self.ending = 0
@@ -125,7 +129,7 @@ class _PeakTracker(LiveTensorTracker):
         """The pass and the op running, in words: e.g. 'stage 1 backward of micro-batch 2: mm in
         layers.5.feed_forward.w2 (layer 5)', or torch's op outside the graphs."""
         if self.node is None:
-            return f"{self.now}: {self.op} in torch's schedule" if self.now else self.op
+            return f"{self.now}: {self.op} {self.outside}" if self.now else self.op
         layer = node_meta.layer_id(self.node)
         module = node_meta.module_fqn(self.node) or "the top level"
         return f"{self.now}: {op_name(self.node)} in {module}" + ("" if layer is None else f" (layer {layer})")
@@ -199,11 +203,13 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
     job = build_job(cfg, mesh, materialize=False)
     step = job.build_step()
     graph_step = step.graph_step
-    if traced is None:
-        traced = graph_step.ensure_traced(micro_batches(meta_batch(cfg), step.n_micro, graph_step.count_reduce)[0])
-    step.cut(traced)  # on the meta model: the optimizer state of what the rank does not hold goes with it
+    # Traced (unless given) and cut, or the eager stages built: on the meta model, so that the optimizer state of
+    # what the rank does not hold goes with it.
+    traced = step.prepare(micro_batches(meta_batch(cfg), step.n_micro, graph_step.count_reduce)[0], traced)
     update = eager_update_of(job)
     tracker = _PeakTracker(device.type)
+    if cfg.compile.mode == "eager":
+        tracker.outside = "(run eagerly)"
     for stage in step.stages:
         stage.on_pass, stage.run_graph = tracker.on_pass, tracker.run_graph
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
@@ -223,10 +229,10 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
         finally:
             tracker.forget()
     # cuBLAS's workspace on CUDA: made by the process's first matmul, held from then on (0 on CPU).
-    peak += max(workspace_bytes(g) for stage in step.stages for g in (stage.graphs.forward, stage.graphs.backward))
+    peak += step.workspace_bytes()
     plan = StagePlan(
         rank=position,
-        stages=tuple(stage.graphs.index for stage in step.stages),
+        stages=tuple(stage.index for stage in step.stages),
         blocks=tuple(step.held_blocks()),
         peak_bytes=peak,
         peak_in_update=in_update,
@@ -244,12 +250,13 @@ def print_stage_plans(cfg: Any, device: torch.device, print_fn: Callable[[str], 
     """Every pp rank's plan (`plan_pipeline`), one line each as it is made: the configured AC mode only, since
     each rank's plan runs its whole schedule on fake tensors."""
     p, t = cfg.parallelism, cfg.training
+    eager = ", its stages run eagerly (compile.mode eager)" if cfg.compile.mode == "eager" else ""
     print_fn(
         f"dry run: {model_name(cfg)}, {resolve_model_args(cfg).n_layers} blocks, "
         f"{ParallelDims.from_config(p).describe()} under "
         f"{p.pp_schedule}, local batch {t.local_batch_size} x seq {t.seq_len} in micro-batches of "
         f"{p.pp_microbatch_size}, AC {cfg.activation_checkpoint.mode}, device {device.type}: each rank's step run "
-        "on fake tensors under torch's schedule (the AdamW update added)"
+        f"on fake tensors under torch's schedule{eager} (the AdamW update added)"
     )
     print_fn(
         f"{'pp rank':7} {'stages':>7} {'blocks':>9} {'peak GiB':>9} {'state GiB':>9} {'buffers MiB':>11} "

@@ -232,14 +232,19 @@ PIPELINE = [
 ONE_PROCESS = [*TRAIN, "--training.local_batch_size", "2", "--training.global_batch_size", "8"]
 
 
+# Eager pp (`compile.mode eager`): the model's own modules as stages under torch's schedule.
+EAGER = {f"eager {s}": ["--parallelism.pp_schedule", s, "--compile.mode", "eager"] for s in ("GPipe", "1F1B")}
+
+
 def _train_pipelines(rank: int, port: int, out: str) -> None:
-    runs = {s: ["--parallelism.pp_schedule", s] for s in SCHEDULE_NAMES}
+    runs = {s: ["--parallelism.pp_schedule", s] for s in SCHEDULE_NAMES} | EAGER
     for name, trainer, result in train_runs(rank, 2, port, runs, PIPELINE, out):
         state = trainer.optimizer.state
         record = {
             "losses": result.losses,
             "grad_norms": [r["grad_norm"] for r in result.records],
             "trace_count": result.trace_count,
+            "held_blocks": trainer.step_fn.held_blocks(),
             "held": sorted(n for n, _ in trainer.model.named_parameters()),
             "updated": sorted(n for n, p in trainer.model.named_parameters() if float(state[p]["step"]) == 3),
             "states": len(state),
@@ -247,6 +252,7 @@ def _train_pipelines(rank: int, port: int, out: str) -> None:
             "peaks": [r["peak_active_bytes"] for r in result.records],  # the CPU live-tensor figure
             "preflight": trainer.preflight.peak_bytes,  # this rank's own plan, made inside the job
             "errors": [r.get("estimate_error_pct") for r in result.records],
+            "bubbles": [r.get("pp_bubble_pct") for r in result.records],
         }
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
 
@@ -266,16 +272,23 @@ def test_the_trainer_at_pp_2_under_each_schedule_is_one_process_accumulating_bit
     norms = [r["grad_norm"] for r in reference.records]
     assert max(norms) > 1.0  # clipping scaled the gradients
     spawn_ranks(_train_pipelines, 2, (free_port(), str(tmp_path)), timeout_s=600)
-    for schedule in SCHEDULE_NAMES:
+    for schedule in (*SCHEDULE_NAMES, *EAGER):
         ranks = [json.loads((tmp_path / f"{schedule}.rank{r}.json").read_text()) for r in (0, 1)]
         for rank in ranks:
             assert rank["losses"] == reference.losses and rank["grad_norms"] == norms, schedule
             # A rank holds its stage's parameters only, under their whole-model names, and their AdamW state.
             assert rank["held"] == rank["updated"] == sorted(rank["stage"]), schedule
-            assert rank["states"] == len(rank["stage"]) and rank["trace_count"] == 2, schedule
+            traces = 0 if schedule in EAGER else 2
+            assert rank["states"] == len(rank["stage"]) and rank["trace_count"] == traces, schedule
         assert not set(ranks[0]["stage"]) & set(ranks[1]["stage"]), schedule
-        if schedule in ("GPipe", "1F1B", "ZBVZeroBubble"):
-            cfg, _ = load_config([*PIPELINE, "--parallelism.pp_schedule", schedule])
+        if schedule in EAGER:  # the same split as the traced stages': the same blocks, embedding, norm and output
+            traced = [json.loads((tmp_path / f"{EAGER[schedule][1]}.rank{r}.json").read_text()) for r in (0, 1)]
+            assert [r["stage"] for r in ranks] == [r["stage"] for r in traced], schedule
+            assert [r["held_blocks"] for r in ranks] == [[0, 1, 2, 3], [4, 5, 6, 7]], schedule
+        # The bubble is measured inside the traced stages' graphs; an eager stage's backward has no end to time.
+        assert all((b is None) == (schedule in EAGER) for r in ranks for b in r["bubbles"]), schedule
+        if schedule in ("GPipe", "1F1B", "ZBVZeroBubble", "eager 1F1B"):
+            cfg, _ = load_config([*PIPELINE, *EAGER.get(schedule, ["--parallelism.pp_schedule", schedule])])
             plans = list(plan_pipeline(cfg, torch.device("cpu")))
             assert sorted(b for p in plans for b in p.blocks) == list(range(8)), schedule  # 4 blocks a rank
             for plan, rank in zip(plans, ranks, strict=True):
@@ -691,7 +704,10 @@ def _pp_mesh() -> Mesh:
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (["--compile.mode", "eager"], "with compile.mode eager is not supported yet; pass --compile.mode trace"),
+        (
+            ["--compile.mode", "eager", "--parallelism.dp_shard", "2"],
+            "with compile.mode eager beside dp_shard or tp is not supported yet; pass --compile.mode trace",
+        ),
         (["--compile.trace_optimizer", "true"], "compile.trace_optimizer"),
         (["--training.global_batch_size", "32"], "gradient accumulation"),
         (["--validation.enable", "true"], "validation"),
