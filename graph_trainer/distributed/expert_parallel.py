@@ -216,7 +216,13 @@ def _count_dropped(experts: nn.Module, kept: torch.Tensor) -> None:
 
 
 def _experts_modules(model: nn.Module, suffix: str) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if suffix and (n == suffix or n.endswith("." + suffix))]
+    """The routed-expert modules named `*.<suffix>` that hold their weights (another pipeline stage's, removed from
+    this rank's model, hold none)."""
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if suffix and (n == suffix or n.endswith("." + suffix)) and next(m.parameters(), None) is not None
+    ]
 
 
 def _layer_of(name: str, layers: str) -> int | None:

@@ -69,14 +69,6 @@ class ParallelDims:
                 "parallelism.ep > 1 with parallelism.tp > 1 is not supported yet: use one of them "
                 "(set --parallelism.ep 1 or --parallelism.tp 1)"
             )
-        inside = [f"parallelism.{name} = {getattr(p, name)}" for name in ("ep",) if getattr(p, name) > 1]
-        if p.pp > 1 and inside:
-            # Stages are cut from one rank's micro-step graph; TP and EP inside a stage are not wired yet (expert
-            # parallelism applies before pp, to the model the whole traced copy is made from).
-            raise UserError(
-                f"parallelism.pp > 1 with {', '.join(inside)} is not supported yet: pipeline parallelism runs with "
-                "dp_replicate and dp_shard for now; set the other degrees to 1 or --parallelism.pp 1"
-            )
         return cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep)
 
     def degrees(self) -> dict[str, int]:

@@ -23,20 +23,21 @@ from graph_trainer.distributed.pipeline import PipelineParallel
 from graph_trainer.distributed.replicate import Replicate
 from graph_trainer.distributed.tp import TensorParallel
 
-# Expert parallelism comes first: it splits the routed experts itself, and FSDP leaves what it holds alone.
 # Replication changes no parameter; its gradient hook (the average over the replicas) must run before TP's, which
 # sums the norms' gradients over tp and keeps them for the clip norm: kept before the average, they would differ
-# between the replicas, and so would the clip factor (dp_replicate x tp). Tensor parallelism splits parameters
-# itself; fully sharded data parallelism then shards what the others leave (FSDP shards the TP blocks, as FSDP2 on
-# top of TP does; its reduce-scatters run in the backward, before any gradient hook). The norm hooks chain in this
-# order too: TP's counts its replicated gradients once on this rank's FSDP shards, before FSDP sums over dp_shard.
-# The MoE balancing counts are summed over whichever data-parallel dimension is used.
-# Pipeline parallelism removes other stages' parameters from a rank's model: after replication, whose averaging
-# hook is built for the whole model (it leaves a parameter this rank does not hold alone), before the others.
+# between the replicas, and so would the clip factor (dp_replicate x tp). Pipeline parallelism removes other stages'
+# parameters from a rank's model: after replication, whose averaging hook is built for the whole model (it leaves a
+# parameter this rank does not hold alone), before the others, which then apply to the rank's model and to the
+# whole traced copy pp makes alike. Expert parallelism splits the routed experts itself, and FSDP leaves what it
+# holds alone. Tensor parallelism splits parameters itself; fully sharded data parallelism then shards what the
+# others leave (FSDP shards the TP blocks, as FSDP2 on top of TP does; its reduce-scatters run in the backward,
+# before any gradient hook). The norm hooks chain in this order too: TP's counts its replicated gradients once on
+# this rank's FSDP shards, before FSDP sums over dp_shard. The MoE balancing counts are summed over whichever
+# data-parallel dimension is used.
 PARALLELISMS: tuple[type[Parallelism], ...] = (
-    ExpertParallel,
     Replicate,
     PipelineParallel,
+    ExpertParallel,
     TensorParallel,
     FSDP,
     ExpertBalance,

@@ -636,7 +636,8 @@ def test_tensor_parallel_stages_are_tp_accumulating_bitwise_and_planned(tmp_path
 
 
 # DeepSeek-V3 (8 blocks, its balancing bias) with FSDP inside each of 2 stages, against dp_shard 2 alone.
-SHARDED_MOE = [*MOE, "--parallelism.dp_shard", "2"]
+# FSDP and expert parallelism inside each stage: 4 routed experts a rank of 8, the rest sharded over dp_shard.
+SHARDED_MOE = [*MOE, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]
 
 
 def _train_sharded_moe(rank: int, world: int, port: int, out: str, args: list[str]) -> None:
@@ -652,25 +653,35 @@ def _train_sharded_moe(rank: int, world: int, port: int, out: str, args: list[st
 
 @pytest.mark.integration
 @pytest.mark.multiprocess
-def test_a_mixture_of_experts_with_fsdp_inside_each_stage_is_dp_shard_accumulating_bitwise(tmp_path):
-    """DeepSeek-V3 at pp 2 x dp_shard 2 under 1F1B against dp_shard 2 alone on the same global batch: losses,
-    clipped norms and every router's balancing bias (its counts summed over dp_shard) equal after 3 steps, and
-    every rank's peak is its plan (`assert_peaks_match`). The step-3 checkpoint holds every router's live bias: a
-    rank writes the state of its own stage's blocks only (another stage's buffers, never updated on it, would be a
-    second, stale copy of the same tensor for DCP to pick from). Expert parallelism beside pp is refused
-    (`test_pp_with_ep_is_refused...`)."""
+def test_a_mixture_of_experts_with_fsdp_and_expert_parallelism_inside_each_stage_is_accumulating_bitwise(tmp_path):
+    """DeepSeek-V3 at pp 2 x dp_shard 2 x ep 2 under 1F1B against dp_shard 2 x ep 2 alone on the same global batch:
+    each stage's routed experts split over ep (the all-to-alls in its graphs), the rest sharded over dp_shard.
+    Losses, clipped norms and every router's balancing bias (its counts summed over dp_shard) equal after 3 steps,
+    and every rank's peak is its plan (`assert_peaks_match`). The step-3 checkpoints, read whole, are the same
+    tensors, experts and optimizer state included, and hold every router's live bias: a rank writes the state of its
+    own stage's blocks only (another stage's buffers, never updated on it, would be a second, stale copy of the
+    same tensor for DCP to pick from)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    one = [*SHARDED_MOE, "--training.local_batch_size", "2", "--training.global_batch_size", "16"]
+    saved = ["--checkpoint.enable", "true", "--checkpoint.interval", "3"]
+    one = [*SHARDED_MOE, *saved, "--training.local_batch_size", "2", "--training.global_batch_size", "16"]
     spawn_ranks(_train_sharded_moe, 2, (2, free_port(), str(tmp_path), one), timeout_s=300)
-    pipe = [*SHARDED_MOE, "--training.local_batch_size", "8", "--parallelism.pp", "2"]
-    pipe += ["--parallelism.pp_microbatch_size", "2", "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
+    pipe = [*SHARDED_MOE, *saved, "--training.local_batch_size", "8", "--parallelism.pp", "2"]
+    pipe += ["--parallelism.pp_microbatch_size", "2"]
     spawn_ranks(_train_sharded_moe, 4, (4, free_port(), str(tmp_path), pipe), timeout_s=600)
     reference = json.loads((tmp_path / "moe2.rank0.json").read_text())
     assert len({str(b) for b in reference["bias"].values()}) > 1  # the routers' biases moved apart
-    dcp_to_torch_save(tmp_path / "moe4" / "checkpoint" / "step-00000003.dcp", tmp_path / "whole.pt")
-    saved = torch.load(tmp_path / "whole.pt", weights_only=False)["model"]
-    assert {n: saved[n].tolist() for n in reference["bias"]} == reference["bias"]
+    whole = {}
+    for name in ("moe2", "moe4"):
+        dcp_to_torch_save(tmp_path / name / "checkpoint" / "step-00000003.dcp", tmp_path / f"{name}.pt")
+        whole[name] = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+    model, state = whole["moe4"]["model"], whole["moe4"]["optimizer"]  # the moments by parameter name
+    assert {n: model[n].tolist() for n in reference["bias"]} == reference["bias"]
+    assert any(".experts." in n for n in model) and model.keys() == whole["moe2"]["model"].keys()
+    assert all(torch.equal(model[n], whole["moe2"]["model"][n]) for n in model)
+    assert state.keys() == whole["moe2"]["optimizer"].keys()
+    for n, moments in state.items():
+        assert all(torch.equal(v, whole["moe2"]["optimizer"][n][k]) for k, v in moments.items()), n
     held = []
     for rank in range(4):
         run = json.loads((tmp_path / f"moe4.rank{rank}.json").read_text())
@@ -726,15 +737,14 @@ def test_the_trainer_refuses_what_pp_cannot_run_yet_in_one_line(flags, words):
     assert "\n" not in str(err.value)
 
 
-def test_pp_with_ep_is_refused_with_dp_shard_and_tp_allowed_and_pp_1_applies_nothing():
+def test_pp_composes_with_dp_shard_tp_and_ep_and_pp_1_applies_nothing():
     cfg, _ = load_config(["--config", "llama3_debug", "--parallelism.pp", "2", "--parallelism.tp", "2"])
     assert ParallelDims.from_config(cfg.parallelism).degrees()["tp"] == 2  # TP inside each stage
     cfg, _ = load_config(["--config", "llama3_debug", "--parallelism.pp", "2", "--parallelism.dp_shard", "2"])
     assert ParallelDims.from_config(cfg.parallelism).degrees()["dp_shard"] == 2  # FSDP inside each stage
     ep = ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"]
     cfg, _ = load_config(["--config", "deepseek_v3_debug", "--parallelism.pp", "2", *ep])
-    with pytest.raises(UserError, match="parallelism.pp > 1 with parallelism.ep = 2 is not supported yet"):
-        ParallelDims.from_config(cfg.parallelism)
+    assert ParallelDims.from_config(cfg.parallelism).ep == 2  # expert parallelism inside each stage
     cfg, _ = load_config(["--config", "llama3_debug"])
     assert PipelineParallel.apply(None, Mesh(ParallelDims(), 0, torch.device("cpu")), cfg, None) is None
 
