@@ -99,18 +99,30 @@ def local_stages(pp: int, per_rank: int, rank: int, schedule: str = "") -> list[
 
 
 def stage_blocks(n_layers: int, pp: int) -> list[range]:
-    """The blocks each of `pp` stages runs, in order, the same number each.
+    """The blocks each of `pp` stages runs, in order.
+
+    When `pp` divides the layers, the same number each. Otherwise the embedding and the output (with the final norm
+    and the loss) are counted as a block each, and the n_layers + 2 parts are dealt out as evenly as they go, the
+    first stages taking one more when they do not divide: the first and last stages then run one block fewer than
+    the stages between (as torchtitan balances an uneven split). Llama-3 405B's 126 blocks at pp 8: 15, 16 x 6, 15.
 
     Raises:
-        UserError: `pp` does not divide the model's layers, or leaves a stage without a block.
+        UserError: more stages than layers, or a split that would leave a stage without a block.
     """
-    if pp > n_layers or n_layers % pp:
+    if n_layers % pp == 0:
+        per = n_layers // pp
+        return [range(s * per, (s + 1) * per) for s in range(pp)]
+    parts, extra = divmod(n_layers + 2, pp)
+    sizes = [parts + (s < extra) for s in range(pp)]
+    sizes[0] -= 1
+    sizes[-1] -= 1
+    if pp > n_layers or min(sizes) < 1:
         raise UserError(
-            f"{pp} pipeline stages (parallelism.pp x pp_stages_per_rank) do not divide model.n_layers = {n_layers}: "
-            "each stage runs the same number of blocks; pick a pp that divides the layers"
+            f"{pp} pipeline stages (parallelism.pp x pp_stages_per_rank) leave a stage without a block of "
+            f"model.n_layers = {n_layers}: pick fewer stages"
         )
-    per = n_layers // pp
-    return [range(s * per, (s + 1) * per) for s in range(pp)]
+    starts = [sum(sizes[:s]) for s in range(pp)]
+    return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
 
 
 def micro_batch_count(local_batch_size: int, microbatch_size: int, pp: int, schedule: str) -> int:
@@ -241,13 +253,13 @@ def cut_stages(gm: fx.GraphModule, layout: InputLayout, n_layers: int, pp: int) 
         UserError: an edge the cut cannot carry (a parameter read by two stages, an activation that skips a stage,
             more than one activation between two stages), said with the op that makes it.
     """
-    per = len(stage_blocks(n_layers, pp)[0])
+    stage_of = [s for s, blocks in enumerate(stage_blocks(n_layers, pp)) for _ in blocks]  # by block index
     nodes = list(gm.graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     first_backward = next(i for i, n in enumerate(nodes) if node_meta.is_backward(n))
     # (stage, in the backward) of each op; None for an op free to run anywhere (reads only the step's inputs).
     where: dict[fx.Node, tuple[int, bool] | None] = {n: None for n in inputs}
-    _place(nodes, where, per, first_backward)
+    _place(nodes, where, stage_of, first_backward)
     # A collective that reads only the step's inputs (FSDP's gather of a unit's shards) is not free: copied into each
     # stage that reads it, it would run there again (in the backward too, whatever the gather policy decided). It
     # runs once, in the first stage and pass that reads it (through free ops too: the embedding reads its gather),
@@ -261,7 +273,7 @@ def cut_stages(gm: fx.GraphModule, layout: InputLayout, n_layers: int, pp: int) 
             consumer[n] = min(reads)
             if node_meta.collective(n) is not None:
                 where[n] = consumer[n]
-    _place(nodes, where, per, first_backward)
+    _place(nodes, where, stage_of, first_backward)
     for n in nodes:
         if where.get(n, 0) is None and n.op != "placeholder" and (node_meta.is_random(n) or _writes_step_input(n)):
             raise UserError(f"cannot cut the step into pipeline stages: {n.name} ({n.target}) draws random numbers "
@@ -278,9 +290,12 @@ def cut_stages(gm: fx.GraphModule, layout: InputLayout, n_layers: int, pp: int) 
     return _Cutter(gm, inputs, where, parts, pp, loss, trainable).stages()
 
 
-def _place(nodes: list[fx.Node], where: dict[fx.Node, tuple[int, bool] | None], per: int, first_backward: int) -> None:
+def _place(
+    nodes: list[fx.Node], where: dict[fx.Node, tuple[int, bool] | None], stage_of: list[int], first_backward: int
+) -> None:
     """Place each of `nodes` not placed yet (`where`: (stage, in the backward), None for a free op) from its block, or
-    else from what it reads (`per` blocks a stage; the backward starts at position `first_backward` of the graph)."""
+    else from what it reads (`stage_of`: each block's stage; the backward starts at position `first_backward` of the
+    graph)."""
     position = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
     for n in nodes:
         if n.op in ("placeholder", "output") or where.get(n) is not None:
@@ -288,7 +303,7 @@ def _place(nodes: list[fx.Node], where: dict[fx.Node, tuple[int, bool] | None], 
         backward, layer = position[n] >= first_backward, node_meta.layer_id(n)
         stages = {where[a][0] for a in n.all_input_nodes if where[a] is not None}
         if layer is not None:
-            stage = layer // per
+            stage = stage_of[layer]
         elif stages:
             # Activations flow up the stages in the forward and gradients down them in the backward: an op outside
             # the blocks runs where the last of its inputs is made (the loss after the last block, a gradient sum

@@ -90,13 +90,14 @@ def _blocks_in(stage: GraphStage) -> set[int]:
 
 
 @pytest.mark.parametrize("ac", ["none", "selective"])
-@pytest.mark.parametrize("pp", [2, 3])
-def test_the_stages_run_one_after_another_are_the_whole_micro_step_bitwise(pp, ac):
+@pytest.mark.parametrize("pp, layers", [(2, LAYERS), (3, LAYERS), (3, 8)])
+def test_the_stages_run_one_after_another_are_the_whole_micro_step_bitwise(pp, layers, ac):
     """The cut alone, without ranks: each micro-batch through the stages' forwards, then autograd back through
-    their backwards (the order GPipe runs one micro-batch in)."""
-    ref = _traced(ac)
+    their backwards (the order GPipe runs one micro-batch in). 8 blocks at pp 3 are cut unevenly: 3, 3, 2."""
+    ref = _traced(ac, layers=layers)
     stages, accums = _stages(ref, pp)
-    assert [_blocks_in(s) for s in stages] == [set(r) for r in stage_blocks(LAYERS, pp)]  # >1 block each
+    assert [_blocks_in(s) for s in stages] == [set(r) for r in stage_blocks(layers, pp)]
+    assert all(len(_blocks_in(s)) > 1 for s in stages)
     index = torch.arange(MICRO)  # a micro-batch is its view of the step's index, as torch's schedule cuts it
     for i in range(MICRO):
         out: tuple = ()
@@ -192,11 +193,20 @@ def test_an_op_outside_the_blocks_that_cannot_be_copied_into_each_stage_is_refus
     assert "\n" not in str(err.value)
 
 
+def test_an_uneven_split_counts_the_embedding_and_the_output_as_a_block_each():
+    """As torchtitan balances an uneven split: Llama-3 405B's 126 blocks at 8 stages and DeepSeek-V3 671B's 61."""
+    sizes = [len(r) for r in stage_blocks(126, 8)]
+    assert sizes == [15, 16, 16, 16, 16, 16, 16, 15]
+    assert [len(r) for r in stage_blocks(61, 8)] == [7, 8, 8, 8, 8, 8, 8, 6]
+    assert [len(r) for r in stage_blocks(8, 3)] == [3, 3, 2] and [len(r) for r in stage_blocks(8, 4)] == [2] * 4
+    assert [b for r in stage_blocks(126, 16) for b in r] == list(range(126))  # every block once, in order
+
+
 @pytest.mark.parametrize(
     "call, words",
     [
-        (lambda: stage_blocks(6, 4), "4 pipeline stages .* do not divide model.n_layers = 6"),
-        (lambda: stage_blocks(6, 12), "do not divide model.n_layers"),
+        (lambda: stage_blocks(5, 4), "4 pipeline stages .* leave a stage without a block of model.n_layers = 5"),
+        (lambda: stage_blocks(6, 12), "leave a stage without a block"),
         (lambda: stages_per_rank("Interleaved1F1B", 1), "pp_stages_per_rank = 1; set it to 2 or more"),
         (lambda: micro_batch_count(9, 1, 4, "Interleaved1F1B"), "9 is not a multiple of its 2 rounds"),
         (lambda: micro_batch_count(8, 3, 2, "GPipe"), "pp_microbatch_size = 3 does not divide"),
@@ -723,8 +733,11 @@ def _pp_mesh() -> Mesh:
         (["--training.global_batch_size", "32"], "gradient accumulation"),
         (["--validation.enable", "true"], "validation"),
         (["--activation_checkpoint.mode", "budget"], "activation_checkpoint.mode budget is not supported yet"),
-        (["--model.n_layers", "5"], "2 pipeline stages .* do not divide model.n_layers = 5"),
-        (["--parallelism.pp_schedule", "Interleaved1F1B"], "4 pipeline stages .* do not divide model.n_layers = 6"),
+        (["--model.n_layers", "1"], "2 pipeline stages .* leave a stage without a block of model.n_layers = 1"),
+        (
+            ["--parallelism.pp_schedule", "Interleaved1F1B", "--parallelism.pp_stages_per_rank", "4"],
+            "8 pipeline stages .* leave a stage without a block of model.n_layers = 6",
+        ),
         (["--parallelism.pp_microbatch_size", "16"], "makes one micro-batch"),
         (["--parallelism.pp_schedule", "ZBVZeroBubble", "--parallelism.pp_stages_per_rank", "3"], "set it to 2"),
     ],
