@@ -143,7 +143,7 @@ class Trainer:
         self.step_fn = job.build_step(
             dump_dir=self.dump_folder / "graphs" if self.rank == 0 else None,
             failure_dir=self.dump_folder / "graphs",
-            planned_graph=plan.step_graph if isinstance(plan, StepPlan) else None,
+            planned_graph=plan.step_graph,  # the preflight's trace (a stage plan's: its micro-step's)
         )
         self.memory = MemoryMonitor(self.device, track=cfg.metrics.track_memory)
         self.validator = None

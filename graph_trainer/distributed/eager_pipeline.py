@@ -116,9 +116,9 @@ class EagerStage(nn.Module):
 
 def _holder(name: str, layers: str, block_stage: dict[int, int], last: int) -> int:
     """The stage holding parameter `name` of the whole model."""
-    root, _, rest = name.partition(".")
-    if root == layers:
-        return block_stage[int(rest.split(".")[0])]
+    if name.startswith(layers + "."):
+        return block_stage[int(name[len(layers) + 1 :].split(".")[0])]
+    root = name.partition(".")[0]
     if root == EMBEDDING:
         return 0
     if root in (FINAL_NORM, OUTPUT):
@@ -150,6 +150,16 @@ class EagerPipelinedStep(PipelinedStep):
         block_stage = {b: s for s, bs in enumerate(blocks) for b in bs}
         placed = [local_stages(self.pp, self.per_rank, r, self.schedule_name) for r in range(self.pp)]
         holder = {n: _holder(n, self.layers, block_stage, n_stages - 1) for n in self.names}
+        first_name: dict[int, str] = {}
+        for name, param in self.whole.named_parameters(remove_duplicate=False):
+            seen = first_name.setdefault(id(param), name)
+            if _holder(seen, self.layers, block_stage, n_stages - 1) != _holder(
+                name, self.layers, block_stage, n_stages - 1
+            ):  # its gradient would be made on two ranks and only one would keep it
+                raise UserError(
+                    f"cannot run eager pipeline stages: parameter {seen} is also {name}, in another stage (tied "
+                    "embeddings?); untie them (model.tie_embeddings = false) or run without pipeline parallelism"
+                )
         self.rank_parameters = [[n for n in self.names if holder[n] in stages] for stages in placed]
         self.mine = set(self.rank_parameters[self.mesh.coordinate("pp")])
         removed = keep_only(self.model, self.mine, self.optimizer)

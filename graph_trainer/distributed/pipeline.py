@@ -711,6 +711,11 @@ class PipelinedStep:
         self.cut(traced)
         return traced
 
+    def reuse_trace(self, result: Any, source: str) -> None:
+        """The micro-step graph the preflight traced and transformed on the meta model (`StagePlan.step_graph`): the
+        first step cuts it rather than tracing again, when its signature fits (`GraphStep.reuse_trace`)."""
+        self.graph_step.reuse_trace(result, source)
+
     def workspace_bytes(self) -> int:
         """cuBLAS's workspace on CUDA, made by the process's first matmul and held from then on (0 on CPU)."""
         graphs = [g for stage in self.stages for g in (stage.graphs.forward, stage.graphs.backward)]

@@ -329,7 +329,8 @@ class ParallelismConfig:
     pp_stages_per_rank: int = _opt(
         2,
         "pp > 1 with Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble (2): stages each rank runs (rank r "
-        "runs stages r, r + pp, ...; r and 2 pp - 1 - r under ZBVZeroBubble); pp x this stages split model.n_layers, evenly when they divide it",
+        "runs stages r, r + pp, ...; r and 2 pp - 1 - r under ZBVZeroBubble); the pp x this stages split "
+        "model.n_layers, evenly when they divide it",
         ge=1,
     )
     pp_microbatch_size: int = _opt(

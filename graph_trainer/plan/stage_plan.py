@@ -52,9 +52,10 @@ from graph_trainer.observability.memory import LiveTensorTracker, allocated_byte
 from graph_trainer.observability.units import MIB, to_gib
 from graph_trainer.optimizer.update_memory import peak_with_update
 from graph_trainer.plan.eager_baseline import materialize_fake
-from graph_trainer.plan.step_plan import eager_update_of, meta_batch
+from graph_trainer.plan.step_plan import eager_update_of, for_device, meta_batch
 from graph_trainer.step import micro_batches
 from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.executor import Transformed
 from graph_trainer.tracer.memory_estimate import op_name
 
 
@@ -73,6 +74,9 @@ class StagePlan:
     held_bytes: int  # torch's receive buffers, kept from step to step
     state_bytes: int  # the optimizer state of the rank's parameters
     plan_s: float  # seconds the plan took
+    # The traced micro-step the stages were cut from (`Transformed`; None for eager stages): the job's first step
+    # reuses it rather than tracing again (`PipelinedStep.reuse_trace`).
+    step_graph: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
 class _PeakTracker(LiveTensorTracker):
@@ -206,6 +210,8 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
     # Traced (unless given) and cut, or the eager stages built: on the meta model, so that the optimizer state of
     # what the rank does not hold goes with it.
     traced = step.prepare(micro_batches(meta_batch(cfg), step.n_micro, graph_step.count_reduce)[0], traced)
+    if traced is not None:
+        for_device(traced, device)
     update = eager_update_of(job)
     tracker = _PeakTracker(device.type)
     if cfg.compile.mode == "eager":
@@ -242,6 +248,7 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
         held_bytes=sum(allocated_bytes(t.untyped_storage().nbytes(), device.type) for t in held),
         state_bytes=update.state_bytes,
         plan_s=time.perf_counter() - start,
+        step_graph=None if traced is None else Transformed(traced, graph_step.memory_estimate),
     )
     return plan, traced
 

@@ -33,6 +33,7 @@ from graph_trainer.passes.communication import communication_bytes
 from graph_trainer.runtime.device import resolve_device
 from graph_trainer.stages import TRANSFORM
 from graph_trainer.tracer import node_meta
+from graph_trainer.tracer.capture import TracedStep
 from graph_trainer.tracer.executor import Transformed
 from graph_trainer.tracer.graph_utils import node_flops
 from graph_trainer.tracer.memory_estimate import MemoryEstimate, op_name
@@ -95,6 +96,12 @@ def plan_step(job: Job, *, log_passes: bool = False) -> StepPlan:
     result = Transformed(step.traced, step.step_estimate())
     own = Transformed(step.traced, step.memory_estimate)
     return plan_of(job, result, elapsed, blocks_traced=job.model.args.n_layers, flops=_step_flops(step), graph=own)
+
+
+def for_device(traced: TracedStep, device: torch.device) -> None:
+    """A plan's trace, of a batch on the meta device, signed as a step's on `device` traces it: the step then
+    reuses it (`GraphStep.reuse_trace`) instead of tracing again."""
+    traced.signature = tuple((path, shape, dtype, device.type) for path, shape, dtype, _ in traced.signature)
 
 
 def meta_batch(cfg: JobConfig) -> dict[str, torch.Tensor]:
@@ -235,8 +242,7 @@ def plan_of(
     the graph with its own estimate for the trainer to reuse, when `result`'s estimate is the whole step's."""
     traced, est = result.traced, result.memory_estimate
     device = job.device
-    # The trace is of a batch on the meta device; the step's batches live on `device`.
-    traced.signature = tuple((path, shape, dtype, device.type) for path, shape, dtype, _ in traced.signature)
+    for_device(traced, device)
     est = dataclasses.replace(est, peak_bytes=est.peak_bytes + extra_compiled_bytes(job.cfg, traced.gm))
     peak_index = next((i for i, n in enumerate(traced.gm.graph.nodes) if n.name == est.peak_node), None)
     module = f" in {est.peak_module_fqn}" if est.peak_module_fqn else ""
@@ -279,6 +285,7 @@ __all__ = [
     "StepPlan",
     "eager_update_of",
     "finish_plan",
+    "for_device",
     "meta_batch",
     "node_blocks",
     "op_nodes",

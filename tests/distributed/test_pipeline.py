@@ -175,6 +175,21 @@ def test_tied_embeddings_are_refused_by_the_cut():
         cut_stages(ref["traced"].gm, ref["traced"].layout, LAYERS, 2)
 
 
+@pytest.mark.parametrize("mode", ["trace", "eager"])
+def test_tied_embeddings_are_refused_by_the_plan_of_traced_and_eager_stages_in_one_line(mode):
+    """The preflight plans each rank's stages before anything is allocated: tied embeddings (the first stage's
+    embedding is the last stage's output) stop it in one line, traced (the cut) or eager (its stages' placement,
+    which would otherwise leave the output's gradient on a rank that does not keep it)."""
+    from graph_trainer.distributed.mesh import planning_mesh
+    from graph_trainer.plan.stage_plan import plan_stage
+
+    cfg, _ = load_config([*PIPELINE, "--model.tie_embeddings", "true", "--compile.mode", mode])
+    with planning_mesh(ParallelDims.from_config(cfg.parallelism), torch.device("cpu"), rank=0) as mesh:
+        with pytest.raises(UserError, match="tied embeddings.*untie them") as err:
+            plan_stage(cfg, mesh, 0)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("kind", ["random", "writes"])
 def test_an_op_outside_the_blocks_that_cannot_be_copied_into_each_stage_is_refused_by_the_cut(kind):
     """An op outside every block that reads only the step's inputs is copied into each stage that reads it: refused
@@ -255,6 +270,9 @@ def _train_pipelines(rank: int, port: int, out: str) -> None:
             "grad_norms": [r["grad_norm"] for r in result.records],
             "trace_count": result.trace_count,
             "held_blocks": trainer.step_fn.held_blocks(),
+            # The first step cut the micro-step the preflight traced rather than tracing it again.
+            "reused": trainer.preflight.step_graph is not None
+            and trainer.step_fn.graph_step.traced.gm is trainer.preflight.step_graph.traced.gm,
             "held": sorted(n for n, _ in trainer.model.named_parameters()),
             "updated": sorted(n for n, p in trainer.model.named_parameters() if float(state[p]["step"]) == 3),
             "states": len(state),
@@ -288,8 +306,9 @@ def test_the_trainer_at_pp_2_under_each_schedule_is_one_process_accumulating_bit
             assert rank["losses"] == reference.losses and rank["grad_norms"] == norms, schedule
             # A rank holds its stage's parameters only, under their whole-model names, and their AdamW state.
             assert rank["held"] == rank["updated"] == sorted(rank["stage"]), schedule
-            traces = 0 if schedule in EAGER else 2
+            traces = 0 if schedule in EAGER else 2  # the micro-step (the preflight's) and the update
             assert rank["states"] == len(rank["stage"]) and rank["trace_count"] == traces, schedule
+            assert rank["reused"] == (schedule not in EAGER), schedule
         assert not set(ranks[0]["stage"]) & set(ranks[1]["stage"]), schedule
         if schedule in EAGER:  # the same split as the traced stages': the same blocks, embedding, norm and output
             traced = [json.loads((tmp_path / f"{EAGER[schedule][1]}.rank{r}.json").read_text()) for r in (0, 1)]
