@@ -5,7 +5,8 @@
 Every run is a real CLI run (torchrun for pp 2, gloo on CPU) of the debug model with `--layers` blocks, the same
 global batch of 8 sequences of 256 tokens: one process on the whole batch, one process accumulating 8
 micro-batches of 1 (what every pp run equals bitwise), and pp 2 cutting the local batch into 8 micro-batches of
-1 under GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble (2 stages a rank) and ZBVZeroBubble. Step time is
+1 under GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble (2 stages a rank) and ZBVZeroBubble, and 1F1B with
+eager stages (`--compile.mode eager`: the model's own modules under the same schedule). Step time is
 the median over the steps after the first (which traces), rank 0's peak the largest over them beside its plan
 (the graph's estimate in one process, the stage's preflight plan under pp). The bubble is the trainer's
 `pp_bubble_pct`: the share of the schedule's time the more idle rank spent outside its stages' graphs, median over
@@ -68,14 +69,17 @@ def main() -> None:
         ("pp 2, InterleavedZeroBubble (2 a rank)", PP, [*pipeline, "--parallelism.pp_schedule",
                                                        "InterleavedZeroBubble"], 2),
         ("pp 2, ZBVZeroBubble (a V)", PP, [*pipeline, "--parallelism.pp_schedule", "ZBVZeroBubble"], 2),
+        ("pp 2, 1F1B, eager stages", PP, [*pipeline, "--parallelism.pp_schedule", "1F1B", "--compile.mode", "eager"],
+         1),
     ]  # fmt: skip
     rows = []
     for name, ranks, options, per_rank in runs:
         summary = run(a.out, name.split(",")[0].replace(" ", "_") + f"_{len(rows)}", ranks, options, a.steps, a.layers)
         steps = summary["steps"][1:]
         step_s = statistics.median(s["step_time_s"] for s in steps)
-        bubble = statistics.median(s["pp_bubble_pct"] for s in steps) if ranks > 1 else None
-        model = 100 * (PP - 1) / (per_rank * GLOBAL + PP - 1) if ranks > 1 else None
+        # Eager stages measure no bubble (autograd gives an eager stage's backward no end to time).
+        bubble = statistics.median(s["pp_bubble_pct"] for s in steps) if "pp_bubble_pct" in steps[0] else None
+        model = 100 * (PP - 1) / (per_rank * GLOBAL + PP - 1) if bubble is not None else None
         # After the first step, which traces and (under pp) makes torch's buffers and prunes the others' state.
         peak = max(s["peak_active_bytes"] for s in steps)
         planned = max(s["estimated_peak_bytes"] for s in steps)  # the step's own estimate, or the stage's plan
