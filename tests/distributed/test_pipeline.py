@@ -414,7 +414,8 @@ def _fine_tune(rank: int, port: int, out: str, folder: str) -> None:
         *DETERMINISTIC,
     ]
     pp = ["--training.local_batch_size", "4", "--parallelism.pp", "2", "--parallelism.pp_microbatch_size", "2"]
-    for name, trainer, result in train_runs(rank, 2, port, {"pp": pp}, load, out):
+    runs = {"pp": pp, "eager pp": [*pp, "--compile.mode", "eager"]}
+    for name, trainer, result in train_runs(rank, 2, port, runs, load, out):
         held = sorted(n for n, _ in trainer.model.named_parameters())
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps({"losses": result.losses, "held": held}))
 
@@ -424,7 +425,8 @@ def _fine_tune(rank: int, port: int, out: str, folder: str) -> None:
 def test_a_pretrained_hugging_face_folder_fine_tunes_at_pp_2_as_one_process(tmp_path):
     """A 6-layer Llama folder as transformers writes it (untied, safetensors): each rank checks the folder against
     the whole model and reads its stage's blocks; the losses equal one process accumulating the same micro-batches
-    from the same folder. (The folder check once refused a stage's model: the other stage's tensors were 'extra'.)"""
+    from the same folder, traced and eager. (The folder check once refused a stage's model: the other stage's tensors
+    were 'extra'.)"""
     from tests.checkpoint.test_hf_weights import hf_llama
 
     folder = tmp_path / "tiny-llama"
@@ -433,10 +435,11 @@ def test_a_pretrained_hugging_face_folder_fine_tunes_at_pp_2_as_one_process(tmp_
     one += [*DETERMINISTIC, "--training.local_batch_size", "2", "--training.global_batch_size", "4"]
     _, reference = train_one_process(one, str(tmp_path / "one"))
     spawn_ranks(_fine_tune, 2, (free_port(), str(tmp_path), str(folder)), timeout_s=300)
-    ranks = [json.loads((tmp_path / f"pp.rank{r}.json").read_text()) for r in (0, 1)]
-    assert all(r["losses"] == reference.losses for r in ranks)
-    blocks = [{int(n.split(".")[1]) for n in r["held"] if n.startswith("layers.")} for r in ranks]
-    assert blocks == [{0, 1, 2}, {3, 4, 5}]
+    for name in ("pp", "eager pp"):
+        ranks = [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]
+        assert all(r["losses"] == reference.losses for r in ranks), name
+        blocks = [{int(n.split(".")[1]) for n in r["held"] if n.startswith("layers.")} for r in ranks]
+        assert blocks == [{0, 1, 2}, {3, 4, 5}], name
 
 
 def _train_masked(rank: int, port: int, out: str, masked: list[str]) -> None:
