@@ -143,7 +143,7 @@ def write_picture(path: Path, screened, final, cluster: Cluster, seq: int) -> No
 
 def nothing_fits(cfg: JobConfig, cluster: Cluster, global_seqs: int, cands, screened, exact) -> str:
     """One line: why nothing fits (the state alone, or the activations at the smallest local batch), the
-    smallest GPU count or memory per GPU that would fit, and whether only pipeline parallelism would help."""
+    smallest GPU count or memory per GPU that would fit."""
     where = f"nothing fits on {cluster.gpus} x {cluster.device.name} ({cluster.device.memory_gib:.0f} GiB each)"
     limit = cluster.memory_bytes
     if screened and any(r.peak <= limit for r in screened):  # the screen's fitting candidates were planned low
@@ -169,8 +169,9 @@ def nothing_fits(cfg: JobConfig, cluster: Cluster, global_seqs: int, cands, scre
     if act >= limit:
         return (
             f"{where}: the activations at the smallest local batch ({what}) alone take {to_gib(act):.1f} GiB per "
-            f"GPU, and more GPUs do not lower them: only pipeline parallelism (which this trainer lacks) or "
-            f"--cluster.memory_gib {to_gib(low.peak) * 1.05:.0f} would make it fit"
+            f"GPU, and more GPUs do not lower them (nor does pipeline parallelism: under 1F1B its first stage holds "
+            f"pp micro-batches of 1/pp of the model each); --cluster.memory_gib {to_gib(low.peak) * 1.05:.0f} or a "
+            "shorter --training.seq_len would make it fit"
         )
     gpus = cluster.gpus
     while state * cluster.gpus / gpus + act > limit and gpus < 1 << 20:

@@ -237,7 +237,7 @@ def test_nothing_fits_names_the_activations_when_the_state_fits():
     cluster = Cluster(device, 4, 4)
     over = search.Screened(cand, state + 2 * cluster.memory_bytes, None)  # activations alone above the memory
     line = nothing_fits(cfg, cluster, 4, [cand], [over], [])
-    assert "activations at the smallest local batch" in line and "only pipeline parallelism" in line
+    assert "activations at the smallest local batch" in line and "nor does pipeline parallelism" in line
     some = search.Screened(cand, cluster.memory_bytes + 2**20, None)  # state + activations just above it
     line = nothing_fits(cfg, cluster, 4, [cand], [some], [])
     assert "of activations" in line and "--cluster.gpus 8" in line and "pipeline" not in line
