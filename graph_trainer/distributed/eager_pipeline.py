@@ -19,7 +19,7 @@ and 1F1B (tests/distributed/test_pipeline.py).
 from __future__ import annotations
 
 import copy
-import time
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,16 +27,7 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.distributed.mesh import Mesh
-from graph_trainer.distributed.pipeline import (
-    MULTI_STAGE,
-    SCHEDULES,
-    PipelinedStep,
-    keep_only,
-    local_stages,
-    run_schedule,
-    stage_blocks,
-    the_loss,
-)
+from graph_trainer.distributed.pipeline import PipelinedStep, build_schedule, keep_only, local_stages, stage_blocks
 from graph_trainer.errors import UserError
 from graph_trainer.loss import model_inputs
 from graph_trainer.observability.memory import process_cublas_workspace_bytes
@@ -80,6 +71,10 @@ class EagerStage(nn.Module):
     def __init__(self, view: nn.Module, index: int, num_stages: int, loss_fn: LossFn):
         super().__init__()
         self.view, self.index, self.num_stages, self.loss_fn = view, index, num_stages, loss_fn
+        # What it receives and sends, as meta examples (`build_schedule` gives torch their shapes); set at the build.
+        self.received: list[torch.Tensor] = []
+        self.sent: list[torch.Tensor] = []
+        self.dw_builder = None  # torch splits an eager stage's backward itself under a zero-bubble schedule
         self.micro_batches: list[dict[str, Any]] = []
         # Not measured: autograd runs an eager stage's backward with no hook at its end, so the bubble metric
         # (`pp_bubble_pct`) is the traced stages' only.
@@ -149,13 +144,12 @@ class EagerPipelinedStep(PipelinedStep):
         blocks = stage_blocks(self.n_layers, n_stages)
         block_stage = {b: s for s, bs in enumerate(blocks) for b in bs}
         placed = [local_stages(self.pp, self.per_rank, r, self.schedule_name) for r in range(self.pp)]
-        holder = {n: _holder(n, self.layers, block_stage, n_stages - 1) for n in self.names}
+        holder_of = functools.partial(_holder, layers=self.layers, block_stage=block_stage, last=n_stages - 1)
+        holder = {n: holder_of(n) for n in self.names}
         first_name: dict[int, str] = {}
         for name, param in self.whole.named_parameters(remove_duplicate=False):
             seen = first_name.setdefault(id(param), name)
-            if _holder(seen, self.layers, block_stage, n_stages - 1) != _holder(
-                name, self.layers, block_stage, n_stages - 1
-            ):  # its gradient would be made on two ranks and only one would keep it
+            if holder_of(seen) != holder_of(name):  # its gradient would be made on two ranks, one keeping it
                 raise UserError(
                     f"cannot run eager pipeline stages: parameter {seen} is also {name}, in another stage (tied "
                     "embeddings?); untie them (model.tie_embeddings = false) or run without pipeline parallelism"
@@ -170,7 +164,12 @@ class EagerPipelinedStep(PipelinedStep):
             EagerStage(stage_view(self.model, self.layers, blocks[s], s == 0, s == n_stages - 1), s, n_stages, loss_fn)
             for s in self.local
         ]
-        self.schedule = self._schedule(self._boundaries(micro, [blocks[s] for s in range(n_stages)], loss_fn))
+        sent = self._boundaries(micro, blocks, loss_fn)
+        for stage in self.stages:  # a stage receives what the one before sends
+            stage.received = [sent[stage.index - 1]] if stage.index else []
+            stage.sent = [sent[stage.index]]
+        group = self.mesh.group("pp")
+        self.schedule = build_schedule(self.stages, self.schedule_name, self.n_micro, group, self.mesh.device)
 
     def _boundaries(self, micro: dict[str, Any], blocks: Sequence[range], loss_fn: LossFn) -> list[torch.Tensor]:
         """What each stage sends (meta tensors): the output of its last block, and the last stage's loss, from one
@@ -189,26 +188,6 @@ class EagerPipelinedStep(PipelinedStep):
                 hook.remove()
         return [outputs[s] for s in range(len(blocks) - 1)] + [loss]
 
-    def _schedule(self, sent: list[torch.Tensor]) -> Any:
-        """torch's `PipelineStage` around each local stage, every shape given (torch infers none by running a
-        stage), under torch's schedule; gradients not scaled (each loss is its share of the step's mean)."""
-        from torch.distributed.pipelining import PipelineStage, schedules
-
-        device, group = self.mesh.device, self.mesh.group("pp")
-
-        def like(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=True)
-
-        for stage in self.stages:
-            s = stage.index
-            received = () if s == 0 else (like(sent[s - 1]),)
-            stage.torch_stage = PipelineStage(
-                stage, s, stage.num_stages, device, input_args=received, output_args=(like(sent[s]),), group=group
-            )
-        torch_stages = [stage.torch_stage for stage in self.stages]
-        run = torch_stages if self.schedule_name in MULTI_STAGE else torch_stages[0]
-        return getattr(schedules, SCHEDULES[self.schedule_name])(run, self.n_micro, loss_fn=the_loss, scale_grads=False)
-
     def workspace_bytes(self) -> int:
         """cuBLAS's workspace on CUDA, made by the process's first matmul and held from then on (0 on CPU)."""
         return process_cublas_workspace_bytes(self.mesh.device) if self.mesh.device.type == "cuda" else 0
@@ -222,9 +201,7 @@ class EagerPipelinedStep(PipelinedStep):
         params = dict(self.model.named_parameters())
         for name in self.mine:
             params[name].grad = None
-        start = time.perf_counter()
-        losses = run_schedule(self.schedule, self.stages, micro)
-        self.schedule_s = time.perf_counter() - start
+        losses = self._run_schedule(micro)
         accums = [params[n].grad if n in self.mine else None for n in self.names]
         with torch.no_grad():
             return self._finish(self.names, accums, losses, update=update)

@@ -507,6 +507,20 @@ class GraphStage(nn.Module):
         return self.graphs.index
 
     @property
+    def received(self) -> list[torch.Tensor]:
+        """The activations it receives, as traced (their shapes and dtypes: `build_schedule`)."""
+        return self.graphs.received
+
+    @property
+    def sent(self) -> list[torch.Tensor]:
+        return self.graphs.sent
+
+    @property
+    def dw_builder(self) -> Callable[[], Callable[[], None]] | None:
+        """torch's `dw_builder` under a zero-bubble schedule (`weight_pass`), else None."""
+        return self.weight_pass if self.defer_weights else None
+
+    @property
     def is_last(self) -> bool:
         return self.graphs.index == self.num_stages - 1
 
@@ -579,23 +593,24 @@ def the_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
     return output
 
 
-def build_schedule(stages: list[GraphStage], schedule: str, n_micro: int, group: Any, device: torch.device) -> Any:
-    """torch's `PipelineStage` around each of this rank's `stages` on `group` (the pp ranks), under torch's
-    `schedule` (`SCHEDULES`: one stage, or several under a `MULTI_STAGE` one) for `n_micro` micro-batches a step.
+def build_schedule(stages: list[Any], schedule: str, n_micro: int, group: Any, device: torch.device) -> Any:
+    """torch's `PipelineStage` around each of this rank's `stages` (`GraphStage`s, or the eager pipeline's stages:
+    each gives its `index`, `num_stages`, the tensors it `received` and `sent` as examples, and its `dw_builder`) on
+    `group` (the pp ranks), under torch's `schedule` (`SCHEDULES`: one stage, or several under a `MULTI_STAGE` one)
+    for `n_micro` micro-batches a step.
 
-    Every shape is given (the activations each stage receives and sends, from the trace), so torch runs no
-    forward or backward of its own to infer them; gradients are not scaled by the micro-batch count, since each
-    micro-batch's loss is already its share of the step's mean."""
+    Every shape is given (the activations each stage receives and sends), so torch runs no forward or backward of
+    its own to infer them; gradients are not scaled by the micro-batch count, since each micro-batch's loss is
+    already its share of the step's mean."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
-    def like(values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def like(values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return tuple(torch.empty(v.shape, dtype=v.dtype, device=device, requires_grad=True) for v in values)
 
     torch_stages = [
         PipelineStage(
-            stage, stage.graphs.index, stage.num_stages, device,
-            input_args=like(stage.graphs.received), output_args=like(stage.graphs.sent), group=group,
-            dw_builder=stage.weight_pass if stage.defer_weights else None,
+            stage, stage.index, stage.num_stages, device, input_args=like(stage.received),
+            output_args=like(stage.sent), group=group, dw_builder=stage.dw_builder,
         )
         for stage in stages
     ]  # fmt: skip
@@ -741,10 +756,14 @@ class PipelinedStep:
         self._accums[:] = [torch.zeros_like(params[n]) if n in mine else None for n in traced.layout.grad_names]
         for name in mine:
             params[name].grad = None  # as zero_grad(set_to_none=True)
+        return self._finish(traced.layout.grad_names, self._accums, self._run_schedule(micro), update=update)
+
+    def _run_schedule(self, micro: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """The micro-batches through torch's schedule (its time kept for the bubble metric); the losses."""
         start = time.perf_counter()
         losses = run_schedule(self.schedule, self.stages, micro)
         self.schedule_s = time.perf_counter() - start
-        return self._finish(traced.layout.grad_names, self._accums, losses, update=update)
+        return losses
 
     def _finish(
         self, names: Sequence[str], accums: list[torch.Tensor | None], losses: list[torch.Tensor], *, update: bool
