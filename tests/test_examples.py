@@ -15,6 +15,7 @@ from graph_trainer.eager.step import EagerStep
 from graph_trainer.optimizer import GraphAdamW
 from graph_trainer.passes import memory_policy_transform
 from graph_trainer.tracer import GraphStep, trace_step
+from tests.extras import child_pythonpath
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "bring_your_own_model.py"
@@ -34,7 +35,11 @@ def test_tracer_api_page_shows_the_example_verbatim():
 
 @pytest.mark.integration  # the example in a subprocess (the docs' command, verbatim)
 def test_example_runs_as_a_script_and_traces_once():
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": child_pythonpath(REPO),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=300, env=env, cwd=REPO / "examples"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 
@@ -53,7 +54,7 @@ def test_the_small_check_runs_every_part_and_saves_its_one_table(tmp_path, capsy
     assert finetune["tokens_per_s"] > 0 and finetune["peak_active_bytes"] > 0
 
 
-def test_the_gpu_sizes_run_every_mode_and_ac_mode_within_eight_minutes():
+def test_the_gpu_sizes_run_every_mode_and_ac_mode_within_a_third_of_a_lease_less_than_nine_minutes():
     config_ac = load_config(["--config", gpu_check.GPU.config])[0].activation_checkpoint.mode
     runs = gpu_check.planned_runs(gpu_check.GPU, config_ac)
     keys = [key for key, _, _ in runs]
@@ -62,7 +63,19 @@ def test_the_gpu_sizes_run_every_mode_and_ac_mode_within_eight_minutes():
     # The budget row runs no simulator: it would solve the plan a second time.
     assert [key for key, _, spec in runs if spec["simulate"]] == [("trace", ac) for ac in ("selective", "none", "full")]
     caps = sum(cap for _, cap, _ in runs) + gpu_check.GPU.caps_s["pytest"] + gpu_check.GPU.caps_s["finetune"]
-    assert caps <= gpu_check.GPU.budget_s <= 8 * 60
+    # A lease is 15 minutes of device time, a start one to two of them: the check leaves room to rerun a part.
+    assert caps <= gpu_check.GPU.budget_s <= 500
+    # The budget row asks for a budget the 1B can reach (the default 0.5 is refused on CUDA: "0.734 or more").
+    assert gpu_check.GPU.budget == ("--activation_checkpoint.memory_budget", "0.8")
+
+
+def test_a_child_trainer_keeps_the_callers_pythonpath_after_the_checkout(monkeypatch, tmp_path):
+    from tests.extras import child_pythonpath
+
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")  # where the GPU image's carried wheels were installed
+    assert child_pythonpath(tmp_path).split(os.pathsep) == [str(tmp_path), "/tmp/site"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert child_pythonpath(tmp_path) == str(tmp_path)
 
 
 def test_a_spent_budget_starts_nothing_and_a_part_past_its_cap_is_killed_with_its_children(tmp_path):

@@ -19,6 +19,7 @@ import torch
 
 from graph_trainer.distributed.launch import trainer_command
 from tests.checkpoint.test_run_folder import REPO, TINY, cli, one_line_error
+from tests.extras import child_pythonpath
 
 # Every test here drives whole runs of `python -m graph_trainer` (resume, signals): over a few seconds each.
 pytestmark = pytest.mark.integration
@@ -39,7 +40,7 @@ def checkpoints(dump: Path) -> list[str]:
 
 def start(*args: str, cwd: Path, python: list[str] | None = None) -> subprocess.Popen:
     """Start the trainer (or `python` + args) with SIGINT at its default: a background child inherits it ignored."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO)}
     command = python or [sys.executable, "-m", "graph_trainer"]
     return subprocess.Popen(
         [*command, *TINY, *args],
@@ -265,7 +266,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves(tmp_
     in its next collective nor leave the checkpoint without the step they all reached (rank 0's file
     when replicated, every rank's shards in one DCP folder with FSDP)."""
     dump = tmp_path / "dp2"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(
         [
             *trainer_command(2),

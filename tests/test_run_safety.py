@@ -31,6 +31,7 @@ import torch
 
 from graph_trainer.checkpoint.dcp_reader import read_dcp_metadata
 from tests.checkpoint.test_run_folder import REPO, TINY, cli, one_line_error
+from tests.extras import child_pythonpath
 from tests.multiprocess import free_port
 from tests.test_run_lifecycle import CKPT, start, wait_for_step
 
@@ -39,7 +40,7 @@ ONE_LAYER = ["--model.n_layers", "1"]  # the cheapest model that still checkpoin
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+    return {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1", **extra}
 
 
 def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:

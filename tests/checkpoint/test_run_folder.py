@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from graph_trainer.checkpoint.run_folder import MANIFEST_FILE, Manifest, remove_run
+from tests.extras import child_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
@@ -40,7 +41,7 @@ TINY = [
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO)}
     return subprocess.run(
         [sys.executable, "-m", "graph_trainer", *TINY, *args],
         cwd=cwd,

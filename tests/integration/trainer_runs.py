@@ -12,6 +12,7 @@ import torch
 
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.trainer import Trainer, TrainResult
+from tests.extras import child_pythonpath
 from tests.tiny import TINY as TINY_RUN
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +56,7 @@ def train_in_own_process(folder: Path, *overrides: str, steps: int = 5, base: li
     "steps"). On CUDA the allocator's figures are the process's, not the step's: a trainer of the same process
     that ran before (its state, its cached blocks) counts in the next one's peaks."""
     args = ["--config", "llama3_debug", *base, "--training.steps", str(steps), "--job.dump_folder", str(folder)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO)}
     proc = subprocess.run([sys.executable, "-m", "graph_trainer", *args, *overrides], env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
