@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from graph_trainer.distributed.mesh import DATA_PARALLEL, DIMS
-from graph_trainer.distributed.parallelism import Parallelism
+from graph_trainer.distributed.parallelism import Parallelism, ScheduleModel
 from graph_trainer.distributed.parallelize import PARALLELISMS
 
 Degrees = Mapping[str, int]
@@ -168,6 +168,31 @@ def reference_comm(degrees: Degrees, gradient_bytes: int) -> dict[str, int]:
     return out
 
 
+def schedule_model(
+    degrees: Degrees, options: Mapping[str, Any], local_batch: int, sequence_bytes: int
+) -> ScheduleModel | None:
+    """The model of a rank's step when a parallelism at `degrees` runs each micro-batch through stages
+    (`Parallelism.schedule_model`), or None."""
+    models = (p.schedule_model(degrees, options, local_batch, sequence_bytes) for p in PARALLELISMS)
+    return next((m for m in models if m is not None), None)
+
+
+def staged_dims() -> tuple[str, ...]:
+    """The mesh dimensions whose ranks plan apart (pipeline stages: `Parallelism.plans_apart`)."""
+    return tuple(p.mesh_dim for p in PARALLELISMS if p.plans_apart)
+
+
+def unstaged(degrees: Degrees) -> dict[str, int]:
+    """`degrees` with the parallelisms whose ranks plan apart (pipeline stages) at 1: one process's layout."""
+    return {d: 1 if d in staged_dims() else n for d, n in degrees.items()}
+
+
+def options_at(degrees: Degrees, options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` without those of the parallelisms `degrees` leaves at 1 (a reference planned without them)."""
+    unused = {o for p in PARALLELISMS if p.mesh_dim and degrees.get(p.mesh_dim, 1) == 1 for o in p.searched_options}
+    return {k: v for k, v in options.items() if k not in unused}
+
+
 def _screened_as(dim: str) -> str:
     p = _by_dim().get(dim)
     return p.screened_as if p is not None else "itself"
@@ -177,7 +202,10 @@ __all__ = [
     "bf16_settings",
     "not_searched",
     "searched_dims",
+    "options_at",
     "planned_apart",
+    "schedule_model",
+    "unstaged",
     "carved",
     "canonical",
     "carved_choices",
@@ -190,6 +218,7 @@ __all__ = [
     "searched_options",
     "sharded_degree",
     "spans_nodes",
+    "staged_dims",
     "state_divisor",
     "step_options",
     "words",

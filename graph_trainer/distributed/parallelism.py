@@ -95,6 +95,25 @@ class MicroSteps:
     exact: bool | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class ScheduleModel:
+    """The layout search's model of a rank's step under a parallelism that runs each micro-batch through stages
+    (pipeline parallelism), read off a one-process plan of one micro-batch of `micro_batch` sequences: in a step
+    the rank does `work` times that micro-batch's work (its stages' share of every micro-batch), holds `state` of
+    its state, keeps `in_flight` times its activations at its peak and `held_bytes` of receive buffers, idles `idle`
+    of its compute time (the bubble), and sends `p2p_bytes` to its neighbours, counted as `p2p_key` ('<kind>
+    send_recv')."""
+
+    micro_batch: int
+    work: float
+    state: float
+    in_flight: float
+    held_bytes: int
+    idle: float
+    p2p_bytes: int
+    p2p_key: str
+
+
 class Parallelism:
     """One way of splitting the work over a mesh dimension. Every method's default does nothing."""
 
@@ -127,6 +146,13 @@ class Parallelism:
         """This parallelism applied to `model` in place for the job `cfg` on `mesh`; None when the job does not
         use it. `plan` is the model family's `ParallelPlan` (models/common/spec.py)."""
         raise NotImplementedError
+
+    @classmethod
+    def refuses(cls, cfg: Any, n_layers: int) -> str | None:
+        """Why the job `cfg` (a model of `n_layers` blocks) cannot run with this parallelism's degree above 1,
+        beyond what `allows` reads off the model: options it cannot run beside yet, in the one line `apply` raises;
+        None when it can. The layout search skips a candidate for it (`parallelize.config_refusal`)."""
+        return None
 
     @classmethod
     def allows(cls, block: nn.Module, plan: Any, degrees: Mapping[str, int], seq_len: int) -> str | None:
@@ -169,6 +195,15 @@ class Parallelism:
     def bf16_settings(cls, degrees: Mapping[str, int]) -> dict[str, str] | None:
         """The [training] options that run a bf16 step at `degrees` when this parallelism decides them (FSDP:
         bf16 gathered parameters, which set the compute dtype); None when it has no say."""
+        return None
+
+    @classmethod
+    def schedule_model(
+        cls, degrees: Mapping[str, int], options: Mapping[str, Any], local_batch: int, sequence_bytes: int
+    ) -> ScheduleModel | None:
+        """When it runs each micro-batch through stages at `degrees` (the search's screen plans it at 1): its
+        model of the step with the [parallelism] `options` and `local_batch` sequences, each of whose activation
+        between two stages is `sequence_bytes`; None when it does not."""
         return None
 
     @classmethod
@@ -460,6 +495,7 @@ def parallelize(
 
 __all__ = [
     "MicroSteps",
+    "ScheduleModel",
     "Owner",
     "ParallelModel",
     "Parallelism",

@@ -56,10 +56,17 @@ def refusal(block: nn.Module, plan: Any, degrees: Mapping[str, int], seq_len: in
     return next((why for p in PARALLELISMS if (why := p.allows(block, plan, degrees, seq_len)) is not None), None)
 
 
+def config_refusal(cfg: Any, n_layers: int) -> str | None:
+    """The first reason of a parallelism the job `cfg` uses (its degree above 1) not to run with the job's other
+    options (`Parallelism.refuses`), None when none refuses: the search skips a candidate for it."""
+    used = [p for p in PARALLELISMS if p.mesh_dim and getattr(cfg.parallelism, p.mesh_dim, 1) > 1]
+    return next((why for p in used if (why := p.refuses(cfg, n_layers)) is not None), None)
+
+
 def collective_rings(degrees: Mapping[str, int]) -> dict[str, tuple[int, int]]:
     """Each parallelism's collective kind -> (size, stride) of its rings in a layout of `degrees`, from the mesh
     dimension it declares, or its own `ring` (the cost model prices each collective on its ring)."""
     return {p.kind: p.ring(degrees) for p in PARALLELISMS if p.kind}
 
 
-__all__ = ["PARALLELISMS", "collective_rings", "parallelize_model", "refusal"]
+__all__ = ["PARALLELISMS", "collective_rings", "config_refusal", "parallelize_model", "refusal"]

@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graph_trainer.distributed.mesh import Mesh
-from graph_trainer.distributed.parallelism import Parallelism
+from graph_trainer.distributed.parallelism import Parallelism, ScheduleModel
 from graph_trainer.errors import UserError
 from graph_trainer.optimizer.clip import grad_norms, scale_to_norm_
 from graph_trainer.step import StepOutput, StepReport, micro_batches, sum_losses
@@ -871,8 +871,12 @@ class PipelineParallel(Parallelism):
     kind = "pp"
     label = "pipeline"
     mesh_dim = "pp"
-    searched = False  # the search's cost model has no bubble or stage traffic yet (issue #34, item 7)
+    shards_state = True  # a rank holds its stages' parameters and their state: about 1 / pp of them
+    # The screen plans one process (`schedule_model` turns its plan into a rank's); exact rows plan every stage.
+    screened_as = "left_out"
     plans_apart = True  # each stage's plan differs: `plan.stage_plan` plans each (--dry-run) or its own (preflight)
+    searched_options = ("pp_schedule",)
+    SEARCHED_SCHEDULES = ("1F1B", "Interleaved1F1B")  # GPipe holds more for the same bubble; zero-bubble: not modelled
 
     def __init__(
         self,
@@ -901,12 +905,25 @@ class PipelineParallel(Parallelism):
         """None at pp 1; else the stages' layout, after refusing in one line what cannot run with it yet.
 
         Raises:
-            UserError: see `stage_blocks`, `micro_batch_count`, and the options refused beside pp.
+            UserError: see `refuses`.
         """
-        from graph_trainer.job_config.batching import accumulation_steps
-
         if mesh.size("pp") == 1:
             return None
+        if (why := cls.refuses(cfg, model.args.n_layers)) is not None:
+            raise UserError(why)
+        p = cfg.parallelism
+        n_layers = model.args.n_layers
+        n_micro = micro_batch_count(cfg.training.local_batch_size, p.pp_microbatch_size, p.pp, p.pp_schedule)
+        per_rank = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+        layers = plan.layers if plan is not None else None
+        return cls(mesh, model, layers, n_layers, p.pp_schedule, n_micro, per_rank)
+
+    @classmethod
+    def refuses(cls, cfg: Any, n_layers: int) -> str | None:
+        """What pp > 1 cannot run with yet, its micro-batch count and its stages' split, in one line each (the
+        trainer raises it, the layout search skips the candidate for it)."""
+        from graph_trainer.job_config.batching import accumulation_steps
+
         p, c = cfg.parallelism, cfg.compile
         refused = [
             # An eager stage is the model's own modules; FSDP's and TP's eager forms gather around the whole
@@ -924,15 +941,66 @@ class PipelineParallel(Parallelism):
         ]  # fmt: skip
         for bad, what, fix in refused:
             if bad:
-                raise UserError(
-                    f"parallelism.pp > 1 with {what} is not supported yet; pass {fix} or --parallelism.pp 1"
-                )
-        n_layers = model.args.n_layers
-        n_micro = micro_batch_count(cfg.training.local_batch_size, p.pp_microbatch_size, p.pp, p.pp_schedule)
-        per_rank = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
-        stage_blocks(n_layers, p.pp * per_rank)
-        layers = plan.layers if plan is not None else None
-        return cls(mesh, model, layers, n_layers, p.pp_schedule, n_micro, per_rank)
+                return f"parallelism.pp > 1 with {what} is not supported yet; pass {fix} or --parallelism.pp 1"
+        try:
+            micro_batch_count(cfg.training.local_batch_size, p.pp_microbatch_size, p.pp, p.pp_schedule)
+            stage_blocks(n_layers, p.pp * stages_per_rank(p.pp_schedule, p.pp_stages_per_rank))
+        except UserError as e:
+            return str(e)
+        return None
+
+    @classmethod
+    def search_options(
+        cls, degrees: Mapping[str, int], accumulation: int, offered: Mapping[str, tuple[Any, ...]]
+    ) -> dict[str, tuple[Any, ...]]:
+        """The schedules the search models (`SEARCHED_SCHEDULES`, or those asked for), at micro-batches of one
+        sequence (the most micro-batches: the smallest bubble and in-flight activations)."""
+        if degrees.get(cls.mesh_dim, 1) == 1:
+            return {}
+        return {"pp_schedule": offered.get("pp_schedule", cls.SEARCHED_SCHEDULES)}
+
+    @classmethod
+    def describe_options(cls, options: Mapping[str, Any]) -> tuple[str, str]:
+        """', 1F1B': the schedule, in the shape's words."""
+        return (f", {options['pp_schedule']}" if "pp_schedule" in options else ""), ""
+
+    @classmethod
+    def schedule_model(
+        cls, degrees: Mapping[str, int], options: Mapping[str, Any], local_batch: int, sequence_bytes: int
+    ) -> ScheduleModel | None:
+        """A rank's step under the schedule, from one process's plan of one micro-batch (docs/planner.md, "Pipeline
+        parallelism"). With P stages positions, v stages a rank and M micro-batches, position 0 holds the most:
+        - in flight, P micro-batches of 1 / P of the blocks under 1F1B (the whole model's activations of one
+          micro-batch), all M under GPipe, and under Interleaved1F1B its (v - 1) P + 2 (P - 1) warm-up forwards
+          and one more, each of 1 / (v P) of the blocks (torch's warm-up count);
+        - the bubble is (P - 1) / (v M) of the compute (P - 1 stage-times at the start and end of the step);
+        - each micro-batch's activation goes forward and its gradient back across every boundary of its stages;
+          torch's stage keeps a receive buffer per micro-batch (held from step to step).
+        The state is 1 / P of the whole model's (the embedding and output ride on the end stages), and the work
+        M / P micro-batches' worth."""
+        pp = degrees.get(cls.mesh_dim, 1)
+        if pp == 1:
+            return None
+        schedule = options.get("pp_schedule", "1F1B")
+        micro = options.get("pp_microbatch_size", 1)
+        per_rank = stages_per_rank(schedule, options.get("pp_stages_per_rank", 2))
+        count = max(local_batch // micro, 1)
+        if schedule == "GPipe":
+            in_flight = count / pp
+        elif per_rank == 1:
+            in_flight = min(pp, count) / pp
+        else:
+            in_flight = min(count * per_rank, (per_rank - 1) * pp + 2 * (pp - 1) + 1) / (per_rank * pp)
+        return ScheduleModel(
+            micro_batch=micro,
+            work=count / pp,
+            state=1 / pp,
+            in_flight=in_flight,
+            held_bytes=count * per_rank * micro * sequence_bytes,
+            idle=(pp - 1) / (per_rank * count),
+            p2p_bytes=2 * per_rank * count * micro * sequence_bytes,
+            p2p_key=f"{cls.kind} send_recv",
+        )
 
     @classmethod
     def planned_ranks(cls, world_size: int, degree: int) -> list[int]:

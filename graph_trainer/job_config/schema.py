@@ -313,8 +313,9 @@ class ParallelismConfig:
     pp: int = _opt(
         1,
         "pipeline-parallel degree (processes): the traced micro-step cut into pp stages of model.n_layers / pp "
-        "blocks each, run under torch's pipeline schedules (docs/pipeline.md); stage peers read the same batch; "
-        "combines with dp_replicate (replicas of the pipeline), not yet with dp_shard, tp or ep",
+        "blocks each (the embedding and output counted as a block each when pp does not divide them), run under "
+        "torch's pipeline schedules (docs/pipeline.md); stage peers read the same batch; combines with "
+        "dp_replicate, dp_shard (FSDP within each stage), tp and ep",
         alias="pipeline_parallel_degree",
         ge=1,
     )

@@ -10,6 +10,10 @@ the published rows the planner is compared with (docs/planner.md, "The cost mode
   reduce-scatter take (n-1)/n x bytes / busbw, all-reduce twice that. A group within one node runs at NVLink's rate;
   a group across nodes runs at its ranks' NICs together (k ranks of the group in a node use k NICs, and NVLink
   carries the rest of the ring), at most NVLink's rate. Large messages reach the link rate (`BUS_EFFICIENCY`).
+- Pipeline stages (`parallelism.pp`): a stage sends each micro-batch's activation to the next and its gradient
+  back, point to point, at NVLink's rate while the whole pipeline sits in one node and at one NIC's rate once it
+  spans nodes (the slowest boundary sets the pace), on the critical path. The bubble, the share of compute a rank
+  idles while the schedule fills and drains (`idle`, from the parallelism's schedule model), is added to the step.
 - Overlap, as FSDP2 runs: with `parallelism.fsdp_prefetch`, FSDP's all-gathers (issued a layer ahead) and
   reduce-scatters (on their own stream, while the layers before run their backward) hide behind compute, up to the
   compute time. Tensor parallelism's collectives sit on the critical path (plain TP, not async TP), and so do the
@@ -35,6 +39,7 @@ BUS_EFFICIENCY = 1.0
 # FSDP2's collectives that overlap compute (PyTorch's FSDP notes: all-gathers on their own stream, prefetched).
 OVERLAPPED = ("fsdp all_gather", "fsdp reduce_scatter")
 PREFETCH = "fsdp_prefetch"  # the option that issues them ahead (without it they are exposed)
+POINT_TO_POINT = "send_recv"  # pipeline stages' sends to their neighbours (bytes sent a step, each way counted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +50,11 @@ class StepTime:
     comm_s: dict[str, float]
     exposed_comm_s: float
     counted_s: float = 0.0  # the part of compute_s the counted FLOPs take at the matmul rate
+    bubble_s: float = 0.0  # time idle in a pipeline schedule's fill and drain
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s
+        return self.compute_s + self.exposed_comm_s + self.bubble_s
 
 
 def group_link_gbps(cluster: Cluster, group: int, stride: int) -> float:
@@ -61,6 +67,14 @@ def group_link_gbps(cluster: Cluster, group: int, stride: int) -> float:
     return min(per_node * device.inter_gbps, device.intra_gbps) * BUS_EFFICIENCY
 
 
+def point_to_point_gbps(cluster: Cluster, group: int, stride: int) -> float:
+    """The rate (GB/s) of a send between neighbours along a dimension of `group` ranks `stride` apart: NVLink while
+    the whole dimension sits in a node, else one NIC (each rank sends on its own)."""
+    if group * stride <= cluster.gpus_per_node:
+        return cluster.device.intra_gbps * BUS_EFFICIENCY
+    return cluster.device.inter_gbps * BUS_EFFICIENCY
+
+
 def step_time(
     cluster: Cluster,
     flops: int,
@@ -68,11 +82,14 @@ def step_time(
     degrees: dict[str, int],
     efficiency: float,
     options: Mapping[str, Any],
+    *,
+    idle: float = 0.0,
 ) -> StepTime:
     """The step time of a plan with `flops` and `comm` bytes by '<parallelism> <collective>' on a layout of
     `degrees` (mesh order: dp_replicate outermost, then dp_shard, then tp innermost; ep, when given, is carved out
     of dp_shard) with the [parallelism] `options` the step sets (`PREFETCH` overlaps FSDP's collectives).
-    `efficiency`: the kernel-level matmul efficiency (the device's unless overridden)."""
+    `efficiency`: the kernel-level matmul efficiency (the device's unless overridden). `idle`: the share of the
+    compute time a pipeline schedule leaves the rank idle (its bubble)."""
     device = cluster.device
     counted = flops / (device.peak_tflops * 1e12 * efficiency * device.clock)
     compute = counted / device.contraction_share
@@ -84,11 +101,23 @@ def step_time(
         if n <= 1:
             times[key] = 0.0
             continue
+        if collective == POINT_TO_POINT:
+            times[key] = nbytes / (point_to_point_gbps(cluster, n, stride) * 1e9)
+            continue
         gbps = group_link_gbps(cluster, n, stride)
         times[key] = BUS_FACTOR.get(collective, 1.0) * (n - 1) / n * nbytes / (gbps * 1e9)
     overlapped = sum(times.get(key, 0.0) for key in OVERLAPPED) if options.get(PREFETCH) else 0.0
     hidden = min(overlapped, compute)
-    return StepTime(compute, times, sum(times.values()) - hidden, counted)
+    return StepTime(compute, times, sum(times.values()) - hidden, counted, compute * idle)
 
 
-__all__ = ["BUS_EFFICIENCY", "BUS_FACTOR", "OVERLAPPED", "StepTime", "group_link_gbps", "step_time"]
+__all__ = [
+    "BUS_EFFICIENCY",
+    "BUS_FACTOR",
+    "OVERLAPPED",
+    "POINT_TO_POINT",
+    "StepTime",
+    "group_link_gbps",
+    "point_to_point_gbps",
+    "step_time",
+]

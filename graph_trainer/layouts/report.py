@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from graph_trainer.distributed import layout
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.layouts import search
 from graph_trainer.layouts.cluster import Cluster
@@ -18,6 +19,7 @@ COLUMNS = (
     ("tp-rs", lambda key: key == "tp reduce_scatter"),
     ("ar", lambda key: key.endswith(" all_reduce")),
     ("a2a", lambda key: key.endswith(" all_to_all")),
+    ("p2p", lambda key: key.endswith(" send_recv")),  # pipeline stages' sends
 )
 
 
@@ -40,6 +42,7 @@ def _row(r: search.Screened, cluster: Cluster, seq: int) -> dict:
         "step_s": t.total_s,
         "compute_s": t.compute_s,
         "exposed_comm_s": t.exposed_comm_s,
+        "bubble_s": t.bubble_s,  # idle in a pipeline schedule's fill and drain
         "tokens_per_s_per_gpu": tokens_per_gpu,
         "mfu": plan.flops / t.total_s / (cluster.device.peak_tflops * 1e12),
         "tflop_per_step": plan.flops / 1e12,
@@ -53,17 +56,19 @@ def _row(r: search.Screened, cluster: Cluster, seq: int) -> dict:
 def print_table(rows: list[search.Screened], cluster: Cluster, seq: int) -> None:
     """The ranked table of exactly planned candidates, fastest first."""
     table = [_row(r, cluster, seq) for r in rows]
-    wide = max([26] + [len(x["layout"]) for x in table])  # HSDP with tp: "dp_replicate 2 x dp_shard 16 x tp 2"
+    # The layout with its options' words: "pp 8 x dp_shard 8 x tp 8, 1F1B, prefetch".
+    shown = [x["layout"] + layout.describe_options(dict(r.cand.options))[0] for r, x in zip(rows, table, strict=True)]
+    wide = max([26] + [len(text) for text in shown])  # HSDP with tp: "dp_replicate 2 x dp_shard 16 x tp 2"
     print(
         f"{'#':>2} {'layout':<{wide}} {'ac':<9} {'lb x acc':>8} {'peak GiB':>8} {'free GiB':>8} {'step s':>7} "
         f"{'tok/s/gpu':>9} {'MFU':>5}  comm GiB/step ({' '.join(name for name, _ in COLUMNS)})"
     )
-    for i, (r, x) in enumerate(zip(rows, table, strict=True), 1):
+    for i, (r, x, text) in enumerate(zip(rows, table, shown, strict=True), 1):
         comm = " ".join(f"{sum(v for k, v in x['comm_gib'].items() if counts(k)):.1f}" for _, counts in COLUMNS)
         batch = r.cand.batch()
         peak = ("~" if x["peak_approximate"] else "") + f"{x['peak_gib']:.2f}"  # ~: an upper bound
         print(
-            f"{i:>2} {x['layout']:<{wide}} {x['ac_mode']:<9} {batch:>8} {peak:>8} "
+            f"{i:>2} {text:<{wide}} {x['ac_mode']:<9} {batch:>8} {peak:>8} "
             f"{x['headroom_gib']:8.2f} {x['step_s']:7.2f} {x['tokens_per_s_per_gpu']:9.0f} {x['mfu']:5.1%}  {comm}"
         )
 

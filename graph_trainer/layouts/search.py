@@ -24,7 +24,8 @@ import torch
 from graph_trainer.builder import build_model
 from graph_trainer.distributed import layout
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
-from graph_trainer.distributed.parallelize import refusal
+from graph_trainer.distributed.parallelism import ScheduleModel
+from graph_trainer.distributed.parallelize import config_refusal, refusal
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args, validate
 from graph_trainer.job_config.model_args import get_model_spec
@@ -35,6 +36,7 @@ from graph_trainer.layouts.progress import silent
 from graph_trainer.observability.log import get_logger
 from graph_trainer.plan.accumulate import accumulated
 from graph_trainer.plan.block_plan import APPROXIMATE_MODES, plan_batches, short_depths
+from graph_trainer.plan.stage_plan import StagePlan, plan_pipeline
 from graph_trainer.plan.step_plan import StepPlan
 
 logger = get_logger(__name__)
@@ -184,7 +186,8 @@ def trainer_refuses(cfg: JobConfig, cand: Candidate) -> str | None:
     proposes a combination (tp with accumulation, ep below dp_shard, HSDP) as soon as the trainer takes it.
 
     It runs the trainer's own checks: the config validation (`job_config.load.validate`), the mesh's
-    (`ParallelDims.from_config`) and each parallelism's at the candidate's degrees, ep included
+    (`ParallelDims.from_config`), what a parallelism cannot run beside (`parallelize.config_refusal`: pp beside
+    accumulation or the optimizer in the graph) and each parallelism's at the candidate's degrees, ep included
     (`parallelize.refusal`, which the trainer's parallelisms run when they split the model).
     """
     trial = cand.apply(cfg)
@@ -193,6 +196,9 @@ def trainer_refuses(cfg: JobConfig, cand: Candidate) -> str | None:
         ParallelDims.from_config(trial.parallelism)
     except UserError as e:
         return str(e).split(";")[0].split(":")[0]
+    why = config_refusal(trial, resolve_model_args(trial).n_layers)  # what a parallelism cannot run beside yet
+    if why is not None:
+        return why.split(";")[0].split(":")[0]
     if any(name in layout.carved() for name, _ in cand.degrees):  # the mesh's degrees were checked by `layouts`
         plan = get_model_spec(trial.model.name).parallel_plan
         why = refusal(_one_block(trial), plan, dict(cand.degrees), trial.training.seq_len)
@@ -201,13 +207,18 @@ def trainer_refuses(cfg: JobConfig, cand: Candidate) -> str | None:
     return None
 
 
-def layouts(cfg: JobConfig, cluster: Cluster) -> tuple[list[dict[str, int]], list[str]]:
-    """(the layouts to search, 'layout: why' for each one skipped)."""
+def layouts(cfg: JobConfig, cluster: Cluster, *, pipelines: bool = True) -> tuple[list[dict[str, int]], list[str]]:
+    """(the layouts to search, 'layout: why' for each one skipped); without `pipelines`, none whose ranks plan
+    apart (pipeline stages: `layout.planned_apart`), left out unsaid here (the planner says so once)."""
     keep, skipped = [], []
     for degrees in factorizations(cluster.gpus, offered_degrees()):
+        if not pipelines and layout.planned_apart(degrees) is not None:
+            continue
         why = model_allows(cfg, degrees, cluster.gpus_per_node)
         if why is None:
-            why = trainer_refuses(cfg, Candidate(tuple(degrees.items()), "none", 1, 0, False))
+            # A local batch every schedule takes (2 micro-batches a stage), so that only the layout is judged here.
+            probe = Candidate(tuple(degrees.items()), "none", 2 * layout.world_size(degrees), 0, False)
+            why = trainer_refuses(cfg, probe)
             why = why and f"the trainer refuses it ({why})"
         (skipped.append(f"{layout.words(degrees)}: {why}") if why else keep.append(degrees))
     return keep, skipped
@@ -390,7 +401,7 @@ def screen(cfg: JobConfig, cluster: Cluster, cands: list[Candidate], efficiency:
         refs.setdefault(key, ref)
 
     def ref_of(c: Candidate) -> Candidate:
-        return dataclasses.replace(refs[_reference(c)[0]], local_batch=c.local_batch)
+        return dataclasses.replace(refs[_reference(c)[0]], local_batch=_reference_batch(cfg, c))
 
     plans.plan([ref_of(c) for c in cands], modes, screen=True)
     out = []
@@ -400,8 +411,19 @@ def screen(cfg: JobConfig, cluster: Cluster, cands: list[Candidate], efficiency:
         if isinstance(plan, UserError):
             plans.fail(cand, "screen", plan)
             continue
-        out.append(_screened(cluster, cand, ref, plan, efficiency, plans.device.type))
+        out.append(_screened(cluster, cand, ref, plan, efficiency, plans.device.type, sequence_bytes(cfg)))
     return out
+
+
+def sequence_bytes(cfg: JobConfig) -> int:
+    """One sequence's activation between two pipeline stages: seq_len x dim in the compute dtype."""
+    return cfg.training.seq_len * resolve_model_args(cfg).dim * (2 if cfg.training.dtype == "bfloat16" else 4)
+
+
+def _reference_batch(cfg: JobConfig, c: Candidate) -> int:
+    """The local batch `c`'s reference plan is made at: one micro-batch under a pipeline schedule, else c's."""
+    model = layout.schedule_model(dict(c.degrees), dict(c.options), c.local_batch, sequence_bytes(cfg))
+    return c.local_batch if model is None else model.micro_batch
 
 
 _SHALLOW = "no deeper than the short traces: traced whole"
@@ -418,14 +440,16 @@ def _reference(c: Candidate) -> tuple[tuple, Candidate]:
     """(key, reference) of `c` for the screen: the layout's (`layout.reference`) with the shape's other parts."""
     key, degrees = layout.reference(dict(c.degrees))
     micro = c.micro()
+    options = tuple(layout.options_at(degrees, dict(micro.options)).items())
     ref = Candidate(
-        layout.canonical(degrees), c.ac_mode, c.local_batch, c.loss_chunk_size, c.trace_optimizer,
-        options=micro.options,
-    )  # fmt: skip
-    return (key, c.loss_chunk_size, c.trace_optimizer, micro.options), ref
+        layout.canonical(degrees), c.ac_mode, c.local_batch, c.loss_chunk_size, c.trace_optimizer, options=options
+    )
+    return (key, c.loss_chunk_size, c.trace_optimizer, options), ref
 
 
-def _screened(cluster, cand: Candidate, ref: Candidate, p: StepPlan, efficiency, device_type: str) -> Screened:
+def _screened(
+    cluster, cand: Candidate, ref: Candidate, p: StepPlan, efficiency, device_type: str, seq_bytes: int
+) -> Screened:
     d, r = dict(cand.degrees), dict(ref.degrees)
     scale = layout.sharded_degree(r) / layout.sharded_degree(d)
     sharded = sum(p.peak_by_category.get(k, 0) for k in SHARDED)
@@ -433,24 +457,85 @@ def _screened(cluster, cand: Candidate, ref: Candidate, p: StepPlan, efficiency,
     micro = dataclasses.replace(p, peak_bytes=p.peak_bytes + int(sharded * scale) - sharded, peak_by_category=cats)
     options = dict(cand.options)
     plan = accumulated(micro, cand.accumulation, options, d, device_type)
+    plan, idle = scheduled(plan, layout.schedule_model(d, options, cand.local_batch, seq_bytes))
     comm = {**plan.comm_bytes, **layout.reference_comm(d, p.num_params * 4 // layout.state_divisor(d))}
-    t = step_time(cluster, plan.flops, comm, d, efficiency, options)
+    t = step_time(cluster, plan.flops, comm, d, efficiency, options, idle=idle)
     return Screened(cand, plan.peak_bytes, t)
+
+
+STATE = ("parameter", "optimizer_state", "gradient")  # what a pipeline rank holds a share of (its stages')
+
+
+def scheduled(plan: StepPlan, model: ScheduleModel | None) -> tuple[StepPlan, float]:
+    """(a rank's step, its idle share of compute) under a pipeline schedule `model`, from one process's plan of one
+    micro-batch (`Parallelism.schedule_model`): an estimate (`approximate`; an exact row plans every stage).
+    `plan` itself and no idle time without a schedule."""
+    if model is None:
+        return plan, 0.0
+    cats = plan.peak_by_category
+    state = sum(cats.get(k, 0) for k in STATE)
+    # The rank's gradients, summed over its micro-batches, are whole from the first backward on (one process's
+    # peak, in its only backward, holds few of them).
+    summed = cats.get("parameter", 0) * model.state
+    activations = (plan.peak_bytes - state) * max(model.in_flight, 1.0)
+    peak = int(state * model.state + summed + activations) + model.held_bytes
+    comm = {k: int(v * model.work) for k, v in plan.comm_bytes.items()}
+    comm[model.p2p_key] = comm.get(model.p2p_key, 0) + model.p2p_bytes
+    out = dataclasses.replace(
+        plan,
+        peak_bytes=peak,
+        peak_by_category={k: int(v * model.state) if k in STATE else v for k, v in cats.items()},
+        flops=int(plan.flops * model.work),
+        comm_bytes=comm,
+        step_graph=None,
+        approximate=True,
+    )
+    return out, model.idle
 
 
 def plan_exactly(cfg: JobConfig, cluster: Cluster, rows: list[Screened], efficiency: float, plans: Plans) -> None:
     """Fill in each row's exact plan: its micro-step's depth-free plan (cached, every AC mode of a shape at once)
     accumulated over its micro-steps (`accumulate.accumulated`)."""
-    plans.plan([r.cand for r in rows], {r.cand.ac_mode for r in rows})
+    seq_bytes = sequence_bytes(cfg)
     for row in rows:
         c = row.cand
-        plan = plans.get(c, {c.ac_mode})[c.ac_mode]
+        d, options = dict(c.degrees), dict(c.options)
+        model = layout.schedule_model(d, options, c.local_batch, seq_bytes)
+        micro = c if model is None else _one_process(c, model.micro_batch)
+        plan = plans.get(micro, {c.ac_mode})[c.ac_mode]
         if isinstance(plan, UserError):
             plans.fail(c, "exact", plan)
             continue
-        d, options = dict(c.degrees), dict(c.options)
-        row.exact = accumulated(plan, c.accumulation, options, d, plans.device.type)
-        row.exact_time = step_time(cluster, row.exact.flops, row.exact.comm_bytes, d, efficiency, options)
+        plan, idle = scheduled(accumulated(plan, c.accumulation, options, d, plans.device.type), model)
+        if model is not None:  # the peak is the worst stage's, each planned on fake tensors under the schedule
+            try:
+                plan = _stages_peak(plan, plan_pipeline(c.apply(cfg), plans.device))
+            except UserError as e:
+                plans.fail(c, "exact", e)
+                continue
+        row.exact = plan
+        row.exact_time = step_time(cluster, plan.flops, plan.comm_bytes, d, efficiency, options, idle=idle)
+
+
+def _one_process(c: Candidate, micro_batch: int) -> Candidate:
+    """`c` without its pipeline (`layout.unstaged`), at one micro-batch: the plan its schedule model reads."""
+    degrees = layout.unstaged(dict(c.degrees))
+    options = tuple(layout.options_at(degrees, dict(c.options)).items())
+    return dataclasses.replace(c, degrees=layout.canonical(degrees), local_batch=micro_batch, options=options)
+
+
+def _stages_peak(plan: StepPlan, stages: Iterable[StagePlan]) -> StepPlan:
+    """`plan` with the peak of its worst pipeline position (`plan.stage_plan`: every rank's step run on fake
+    tensors under torch's schedule, exact on CPU), and where that is."""
+    worst = max(stages, key=lambda s: s.peak_bytes)
+    return dataclasses.replace(
+        plan,
+        peak_bytes=worst.peak_bytes,
+        peak_by_category={},
+        peak_where=f"pp rank {worst.rank}: {worst.at}",
+        peak_location=(None, f"pp rank {worst.rank}", worst.at),
+        approximate=False,
+    )
 
 
 def plan_best(

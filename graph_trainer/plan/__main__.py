@@ -19,9 +19,10 @@ EXIT_USER_ERROR = 2
 
 
 DESCRIPTION = """\
-Find the fastest layout of a model that fits a cluster: every dp_replicate x dp_shard x tp (x ep) of the GPU
-count, local batch x accumulation, AC mode, loss chunk and optimizer placement the trainer accepts is screened
-with depth-free plans of its step on fake tensors, the best are planned exactly and ranked (docs/planner.md).
+Find the fastest layout of a model that fits a cluster: every pp x dp_replicate x dp_shard x tp (x ep) of the
+GPU count (pp under 1F1B or Interleaved1F1B), local batch x accumulation, AC mode, loss chunk and optimizer
+placement the trainer accepts is screened with depth-free plans of its step on fake tensors, the best are planned
+exactly (pipeline stages: every stage's step on fake tensors) and ranked (docs/planner.md).
 
 Any trainer option (--section.key VALUE, see python -m graph_trainer --help) sets the job, e.g.
 --training.seq_len 8192; --plan.require_depth_free makes a whole-depth fallback an error."""
@@ -89,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="parallelism.fsdp_prefetch values")  # fmt: skip
     space.add_argument("--search.exact", dest="exact", type=int, default=4, metavar="N",
                        help="exact plans that fit to rank")  # fmt: skip
+    # Off by default: a pp row's exact plan runs every stage's step on fake tensors at the model's depth, minutes a
+    # row at 70B (docs/planner.md, "Pipeline parallelism"); the screen's estimate alone is never ranked.
+    space.add_argument("--search.pp", dest="pipelines", choices=("true", "false"), default="false",
+                       help="search pipeline parallelism too (parallelism.pp and its schedule)")  # fmt: skip
     return p
 
 
@@ -141,6 +146,11 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     cfg, _ = load_config(rest)
     if (why := layout.not_searched(cfg.parallelism)) is not None:
         raise UserError(why)
+    pipelines = opts.pipelines == "true"
+    staged = [d for d in layout.staged_dims() if getattr(cfg.parallelism, d) > 1]
+    if staged and not pipelines:
+        d = staged[0]
+        raise UserError(f"--parallelism.{d} is searched only with --search.pp true; pass it, or drop --parallelism.{d}")
     if opts.device != "cpu":  # the bf16 plan: as the trainer runs on a GPU (bf16 compute, bf16 FSDP gathers)
         cfg.training.dtype = "bfloat16"
     seq = cfg.training.seq_len
@@ -152,7 +162,7 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     chunks = tuple(opts.chunks) if opts.chunks else (cfg.training.loss_chunk_size,)
     in_graph = tuple(v.lower() == "true" for v in opts.in_graph)
     prefetch = tuple(v.lower() == "true" for v in opts.prefetch)
-    layouts, skipped = search.layouts(cfg, cluster)
+    layouts, skipped = search.layouts(cfg, cluster, pipelines=pipelines)
     offered = {PREFETCH: prefetch}  # the option --search.fsdp_prefetch tries
     space = search.candidates(cfg, layouts, global_seqs, tuple(opts.ac_modes), chunks, in_graph, offered)
     cands = space.cands
@@ -170,6 +180,8 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     )
     out = Path(opts.out)
     details = out / "plan.json"
+    if not pipelines:
+        print(PP_NOT_SEARCHED)
     if skipped:
         print(f"skipped {len(skipped)} layouts the model or the trainer refuses, e.g. {skipped[0]} ({details})")
     refused = sum(space.refused.values())
@@ -233,6 +245,12 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     print(f"wrote {details} and {out / 'plan.png'}")
     return 0
 
+
+# Said once when pp is left out of the search.
+PP_NOT_SEARCHED = (
+    "pipeline parallelism not searched: --search.pp true adds it (each pp row's exact plan runs every stage's step "
+    "on fake tensors, minutes a row at 70B)"
+)
 
 # Why the ranked best is preferred to a faster upper bound, in one line.
 BOUNDS_EXPLAINED = (

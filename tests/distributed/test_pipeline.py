@@ -784,7 +784,7 @@ def test_pp_composes_with_dp_shard_tp_and_ep_and_pp_1_applies_nothing():
     assert PipelineParallel.apply(None, Mesh(ParallelDims(), 0, torch.device("cpu")), cfg, None) is None
 
 
-def test_the_dry_run_prints_every_stage_plan_and_the_search_leaves_pp_out(capsys):
+def test_the_dry_run_prints_every_stage_plan_and_the_search_takes_pp_when_asked(capsys):
     from graph_trainer.layouts.search import offered_degrees
     from graph_trainer.plan.dry_run import dry_run
 
@@ -798,8 +798,9 @@ def test_the_dry_run_prints_every_stage_plan_and_the_search_leaves_pp_out(capsys
     # second forward before its first backward), and where the peak is.
     assert [r[:3] for r in rows] == [["0", "0", "0-2"], ["1", "1", "3-5"]], lines
     assert all(float(r[3]) > 0 for r in rows) and rows[0][7] == "2" and "backward of micro-batch" in lines[2]
-    assert "pp" not in offered_degrees() and "dp_shard" in offered_degrees()
+    # The layout search offers pp only when asked (`--search.pp true`: its exact plans run every stage's step).
+    assert "pp" in offered_degrees() and "dp_shard" in offered_degrees()
     from graph_trainer.plan.__main__ import main as plan_main
 
     assert plan_main(["--config", "llama3_debug", "--parallelism.pp", "2", "--cluster.gpus", "2"]) == 2
-    assert "does not search parallelism.pp yet" in capsys.readouterr().err
+    assert "--parallelism.pp is searched only with --search.pp true" in capsys.readouterr().err

@@ -74,3 +74,41 @@ def test_each_collective_is_priced_on_the_ring_its_parallelism_declares():
     rings = {"tp": (8, 1), "fsdp": (4, 8), "dp_replicate": (2, 32), "ep": (2, 8), "expert_balance": (4, 8)}
     rings["pp"] = (1, 64)  # outermost: its stages' sends would cross the whole 64-rank layout (degree 1 here)
     assert collective_rings(degrees) == rings  # the MoE counts: no dimension of their own, the shards' ring
+
+
+def test_a_pipeline_send_runs_on_nvlink_inside_a_node_and_on_one_nic_once_the_pipeline_spans_nodes():
+    """Stage s's rank sends to rank + world / pp: within a node while the whole pipeline fits one, else over one NIC
+    (each rank its own), whatever the ranks beside it do."""
+    sent = {"pp send_recv": 10 * GIB}
+    inside = _time(comm=sent, degrees={"pp": 2, "dp_shard": 4})  # stride 4: both stages in one node of 8
+    across = _time(comm=sent, degrees={"pp": 2, "dp_shard": 8}, gpus=16)  # stride 8: the next node
+    assert inside.comm_s["pp send_recv"] == pytest.approx(10 * GIB / (H100.intra_gbps * 1e9), rel=1e-12)
+    assert across.comm_s["pp send_recv"] == pytest.approx(10 * GIB / (H100.inter_gbps * 1e9), rel=1e-12)
+    # On the critical path: nothing hides it, prefetch or not.
+    assert across.exposed_comm_s == pytest.approx(across.comm_s["pp send_recv"], rel=1e-12)
+
+
+def test_the_bubble_is_the_idle_share_of_compute_added_to_the_step():
+    cluster = Cluster(H100, 8, 8)
+    busy = step_time(cluster, FLOPS, {}, {"pp": 8}, H100.efficiency, {})
+    idle = step_time(cluster, FLOPS, {}, {"pp": 8}, H100.efficiency, {}, idle=7 / 16)
+    assert idle.bubble_s == pytest.approx(busy.compute_s * 7 / 16, rel=1e-12) and busy.bubble_s == 0
+    assert idle.total_s == pytest.approx(busy.total_s + idle.bubble_s, rel=1e-12)
+
+
+def test_the_schedule_model_of_each_searched_schedule():
+    """Position 0 of P = 4 stage positions, 8 micro-batches of one sequence (docs/planner.md, "Pipeline
+    parallelism"): 1F1B holds P micro-batches of 1 / P of the model, GPipe all 8, Interleaved1F1B (2 stages a rank)
+    its (2 - 1) 4 + 2 (4 - 1) = 10 warm-up forwards and one more of 1 / 8 each; the bubble is (P - 1) / (v M)."""
+    from graph_trainer.distributed.pipeline import PipelineParallel
+
+    def model(schedule):
+        return PipelineParallel.schedule_model({"pp": 4, "dp_shard": 2}, {"pp_schedule": schedule}, 8, 100)
+
+    one, gpipe, looped = model("1F1B"), model("GPipe"), model("Interleaved1F1B")
+    assert (one.in_flight, gpipe.in_flight, looped.in_flight) == (1.0, 2.0, 11 / 8)
+    assert (one.idle, gpipe.idle, looped.idle) == (3 / 8, 3 / 8, 3 / 16)
+    assert one.work == 2 and one.state == 1 / 4 and one.micro_batch == 1
+    # Every micro-batch's activation out and its gradient back, once a stage; a receive buffer each, kept.
+    assert (one.p2p_bytes, looped.p2p_bytes, one.held_bytes) == (1600, 3200, 800)
+    assert PipelineParallel.schedule_model({"pp": 1, "dp_shard": 8}, {}, 8, 100) is None
