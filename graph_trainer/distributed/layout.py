@@ -141,13 +141,15 @@ def bf16_settings(degrees: Degrees) -> dict[str, str]:
 
 
 def reference(degrees: Degrees) -> tuple[tuple, dict[str, int]]:
-    """(key, degrees) of the screen's reference for a layout: the parallelisms left out of the screen at 1, and
-    a sharding one (`screened_as = "sharded"`) keyed only by being on; the reference of a key is its layout of
-    the smallest `sharded_degree`."""
+    """(key, degrees) of the screen's reference for a layout: the parallelisms left out of the screen at 1, a
+    staged one (`screened_as = "staged"`) at 1 but keyed by its degree, and a sharding one (`"sharded"`) keyed only
+    by being on; the reference of a key is its layout of the smallest `sharded_degree`. Keying the stages keeps a
+    pipeline's references (whose small dp_shard the pipeline's share of the state lets through pruning, and whose
+    one-process plan can peak in the update) from standing for the layouts without one."""
     key, ref = [], {}
     for d in degree_options():
         n, how = degrees.get(d, 1), _screened_as(d)
-        ref[d] = 1 if how == "left_out" else n
+        ref[d] = 1 if how in ("left_out", "staged") else n
         if how != "left_out":
             key.append((d, n > 1 if how == "sharded" else n))
     return tuple(key), ref

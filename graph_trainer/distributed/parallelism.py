@@ -127,8 +127,9 @@ class Parallelism:
     shards_state: bool = False  # parameters, gradients and optimizer state divided by its degree
     within_node: bool = False  # its rings must stay inside a node (a collective in every layer)
     # How the search's screen stands for its degree: "itself" (the reference plan has the same degree), "sharded"
-    # (one degree > 1 stands for every other: the sharded state scales with 1 / degree) or "left_out" (planned at 1,
-    # its once-a-step collectives added: `reference_comm`).
+    # (one degree > 1 stands for every other: the sharded state scales with 1 / degree), "left_out" (planned at 1,
+    # its once-a-step collectives added: `reference_comm`) or "staged" (planned at 1, one micro-batch, and turned
+    # into a rank's step by its `schedule_model`; references are not shared across its degrees).
     screened_as: str = "itself"
     searched: bool = True  # whether the search offers its degrees (False until its cost is modelled)
     plans_apart: bool = False  # --dry-run plans its ranks apart (`planned_ranks`, `plan.stage_plan`), not rank 0

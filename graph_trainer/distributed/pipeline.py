@@ -163,6 +163,18 @@ def micro_batch_count(local_batch_size: int, microbatch_size: int, pp: int, sche
     return count
 
 
+def short_counts(cfg: Any) -> tuple[int, list[int]]:
+    """(the job's micro-batch count, three smaller counts whose stage plans extend to it, or [] when it is not larger
+    than them): from the first count past pp that the schedule takes, 1 apart (pp apart under a schedule of several
+    stages a rank, whose counts are multiples of pp). Past its warm-up a schedule repeats (`plan.stage_plan`)."""
+    p = cfg.parallelism
+    count = micro_batch_count(cfg.training.local_batch_size, p.pp_microbatch_size, p.pp, p.pp_schedule)
+    step = p.pp if stages_per_rank(p.pp_schedule, p.pp_stages_per_rank) > 1 else 1
+    first = step * (p.pp // step + 1)
+    counts = [first, first + step, first + 2 * step]
+    return count, (counts if count > counts[-1] else [])
+
+
 # Where a stage graph's input comes from: ("step", i) the whole graph's i-th input (a parameter, buffer, batch
 # tensor or accumulator), ("recv", j) the j-th activation from the stage before, ("saved", k) the k-th tensor its
 # own forward saved, ("grad", j) the gradient of its j-th sent activation, from the stage after.
@@ -873,7 +885,7 @@ class PipelineParallel(Parallelism):
     mesh_dim = "pp"
     shards_state = True  # a rank holds its stages' parameters and their state: about 1 / pp of them
     # The screen plans one process (`schedule_model` turns its plan into a rank's); exact rows plan every stage.
-    screened_as = "left_out"
+    screened_as = "staged"
     plans_apart = True  # each stage's plan differs: `plan.stage_plan` plans each (--dry-run) or its own (preflight)
     searched_options = ("pp_schedule",)
     SEARCHED_SCHEDULES = ("1F1B", "Interleaved1F1B")  # GPipe holds more for the same bubble; zero-bubble: not modelled
@@ -1077,6 +1089,7 @@ __all__ = [
     "micro_batch_count",
     "run_schedule",
     "stage_blocks",
+    "short_counts",
     "stages_per_rank",
     "step_inputs",
     "the_loss",

@@ -36,7 +36,7 @@ from graph_trainer.layouts.progress import silent
 from graph_trainer.observability.log import get_logger
 from graph_trainer.plan.accumulate import accumulated
 from graph_trainer.plan.block_plan import APPROXIMATE_MODES, plan_batches, short_depths
-from graph_trainer.plan.stage_plan import StagePlan, plan_pipeline
+from graph_trainer.plan.stage_plan import StagePlan, plan_positions
 from graph_trainer.plan.step_plan import StepPlan
 
 logger = get_logger(__name__)
@@ -175,9 +175,11 @@ def model_allows(cfg: JobConfig, degrees: dict[str, int], gpus_per_node: int) ->
 
 
 def _one_block(cfg: JobConfig) -> torch.nn.Module:
-    """`cfg`'s model with one block, on the meta device: the sizes tp splits, whatever the depth, at no cost."""
+    """`cfg`'s model with one block of each kind, on the meta device: the sizes tp splits, whatever the depth, at
+    no cost. A family with leading dense blocks (DeepSeek-V3's `n_dense_layers`, 3 at 671B) keeps them, and one
+    block after them: its arguments refuse fewer blocks than dense ones."""
     short = copy.deepcopy(cfg)
-    short.model.n_layers = 1
+    short.model.n_layers = getattr(resolve_model_args(cfg), "n_dense_layers", 0) + 1
     return build_model(short, None)
 
 
@@ -495,13 +497,16 @@ def scheduled(plan: StepPlan, model: ScheduleModel | None) -> tuple[StepPlan, fl
 
 def plan_exactly(cfg: JobConfig, cluster: Cluster, rows: list[Screened], efficiency: float, plans: Plans) -> None:
     """Fill in each row's exact plan: its micro-step's depth-free plan (cached, every AC mode of a shape at once)
-    accumulated over its micro-steps (`accumulate.accumulated`)."""
+    accumulated over its micro-steps (`accumulate.accumulated`); under a pipeline schedule, the schedule model's
+    FLOPs and bytes (`scheduled`) with the peak of its worst stage position, every one planned (`plan_positions`)."""
     seq_bytes = sequence_bytes(cfg)
-    for row in rows:
+    models = [layout.schedule_model(dict(r.cand.degrees), dict(r.cand.options), r.cand.local_batch, seq_bytes)
+              for r in rows]  # fmt: skip
+    micros = [r.cand if m is None else _one_process(r.cand, m.micro_batch) for r, m in zip(rows, models, strict=True)]
+    plans.plan(micros, {r.cand.ac_mode for r in rows})  # a shape's local batches in one depth-free plan
+    for row, model, micro in zip(rows, models, micros, strict=True):
         c = row.cand
         d, options = dict(c.degrees), dict(c.options)
-        model = layout.schedule_model(d, options, c.local_batch, seq_bytes)
-        micro = c if model is None else _one_process(c, model.micro_batch)
         plan = plans.get(micro, {c.ac_mode})[c.ac_mode]
         if isinstance(plan, UserError):
             plans.fail(c, "exact", plan)
@@ -509,7 +514,7 @@ def plan_exactly(cfg: JobConfig, cluster: Cluster, rows: list[Screened], efficie
         plan, idle = scheduled(accumulated(plan, c.accumulation, options, d, plans.device.type), model)
         if model is not None:  # the peak is the worst stage's, each planned on fake tensors under the schedule
             try:
-                plan = _stages_peak(plan, plan_pipeline(c.apply(cfg), plans.device))
+                plan = _stages_peak(plan, plan_positions(c.apply(cfg), plans.device, plans.say))
             except UserError as e:
                 plans.fail(c, "exact", e)
                 continue

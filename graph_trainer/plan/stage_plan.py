@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import copy
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
@@ -46,8 +47,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from graph_trainer.builder import build_job
 from graph_trainer.distributed.layout import planned_apart
 from graph_trainer.distributed.mesh import Mesh, ParallelDims, planning_mesh
+from graph_trainer.distributed.pipeline import short_counts
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.pretrained import model_name
+from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.memory import LiveTensorTracker, allocated_bytes
 from graph_trainer.observability.units import MIB, to_gib
 from graph_trainer.optimizer.update_memory import peak_with_update
@@ -57,6 +60,8 @@ from graph_trainer.step import micro_batches
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.executor import Transformed
 from graph_trainer.tracer.memory_estimate import op_name
+
+logger = get_logger(__name__)
 
 
 @dataclasses.dataclass
@@ -191,6 +196,38 @@ def plan_pipeline(cfg: Any, device: torch.device) -> Iterator[StagePlan]:
         yield plan
 
 
+def plan_positions(cfg: Any, device: torch.device, say: Callable[[str], None] | None = None) -> list[StagePlan]:
+    """Every stage position's plan at the job's micro-batch count M (`plan_pipeline`'s), made from three smaller
+    counts when M is larger (`pipeline.short_counts`): past its warm-up a schedule repeats, each micro-batch adding
+    the same bytes to a position's peak (its receive buffer, its slice of the batch; under GPipe its activations
+    too, and one more micro-batch in flight), so two counts give the slope and a third checks it. A position whose
+    three plans are not evenly spaced is planned at M itself, said through `say` (`layouts/search.py`'s exact rows;
+    equal to the plan at M to the byte: tests/plan/test_stage_plan_counts.py)."""
+    count, counts = short_counts(cfg)
+    if not counts:
+        return list(plan_pipeline(cfg, device))
+    planned = []
+    for n in counts:
+        short = copy.deepcopy(cfg)
+        short.training.local_batch_size = n * cfg.parallelism.pp_microbatch_size
+        planned.append(list(plan_pipeline(short, device)))
+    out = []
+    more, off = divmod(count - counts[-1], counts[1] - counts[0])
+    grown = ("peak_bytes", "held_bytes", "in_flight", "most_in_flight")  # each a line in the count, or planned whole
+    for position, plans in enumerate(zip(*planned, strict=True)):
+        a, b, c = ({name: getattr(p, name) for name in grown} for p in plans)
+        even = all(b[name] - a[name] == c[name] - b[name] for name in grown)
+        if off or not even:
+            why = "not a whole number of steps past them" if off else "not evenly spaced there"
+            (say or logger.warning)(
+                f"stage plan: position {position}'s {count} micro-batches are {why} ({counts}); planned whole"
+            )
+            return list(plan_pipeline(cfg, device))
+        extended = {name: c[name] + more * (c[name] - b[name]) for name in grown}
+        out.append(dataclasses.replace(plans[-1], **extended, plan_s=sum(p.plan_s for p in plans), step_graph=None))
+    return out
+
+
 def stage_position(mesh: Mesh) -> int:
     """The position along the pipeline of `mesh`'s rank (the ranks of one position plan alike)."""
     ranks = planned_apart(mesh.dims.degrees()) or [0]
@@ -278,4 +315,4 @@ def print_stage_plans(cfg: Any, device: torch.device, print_fn: Callable[[str], 
         )
 
 
-__all__ = ["StagePlan", "plan_pipeline", "plan_stage", "print_stage_plans", "stage_position"]
+__all__ = ["StagePlan", "plan_pipeline", "plan_positions", "plan_stage", "print_stage_plans", "stage_position"]

@@ -335,3 +335,15 @@ def test_a_pipeline_wins_across_a_slow_network_and_trains_at_its_planned_peak(tm
             or 0 < step["peak_active_bytes"] - best["peak_bytes"] <= late
         )
         assert step["estimated_peak_bytes"] == best["peak_bytes"], step
+
+
+def test_pipeline_layouts_screen_on_references_of_their_own():
+    """A pipeline's share of the state lets a small dp_shard through pruning; its one-process reference can then
+    peak in the AdamW update. As the reference of the layouts without a pipeline it screened Llama-3 405B's
+    dp_shard 64 x tp 8 at 14.7 GiB against an exact 41.3 (-64%): the stages are keyed apart."""
+    from graph_trainer.distributed import layout
+
+    piped_key, piped_ref = layout.reference({"pp": 32, "dp_shard": 2, "tp": 8})
+    flat_key, flat_ref = layout.reference({"pp": 1, "dp_shard": 64, "tp": 8})
+    assert piped_key != flat_key and piped_ref["pp"] == 1 == flat_ref["pp"]
+    assert layout.reference({"pp": 32, "dp_shard": 4, "tp": 8})[0] == piped_key  # FSDP's degrees still share one
