@@ -19,10 +19,10 @@ EXIT_USER_ERROR = 2
 
 
 DESCRIPTION = """\
-Find the fastest layout of a model that fits a cluster: every pp x dp_replicate x dp_shard x tp (x ep) of the
-GPU count (pp under 1F1B or Interleaved1F1B), local batch x accumulation, AC mode, loss chunk and optimizer
-placement the trainer accepts is screened with depth-free plans of its step on fake tensors, the best are planned
-exactly (pipeline stages: every stage's step on fake tensors) and ranked (docs/planner.md).
+Find the fastest layout of a model that fits a cluster: every dp_replicate x dp_shard x tp (x ep) of the GPU
+count (and with --search.pp true, pp under 1F1B or Interleaved1F1B), local batch x accumulation, AC mode, loss
+chunk and optimizer placement the trainer accepts is screened with depth-free plans of its step on fake tensors,
+the best are planned exactly (pipeline stages: every stage's step on fake tensors) and ranked (docs/planner.md).
 
 Any trainer option (--section.key VALUE, see python -m graph_trainer --help) sets the job, e.g.
 --training.seq_len 8192; --plan.require_depth_free makes a whole-depth fallback an error."""
