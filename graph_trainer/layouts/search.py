@@ -38,6 +38,7 @@ from graph_trainer.plan.accumulate import accumulated
 from graph_trainer.plan.block_plan import APPROXIMATE_MODES, plan_batches, short_depths
 from graph_trainer.plan.stage_plan import StagePlan, plan_positions
 from graph_trainer.plan.step_plan import StepPlan
+from graph_trainer.runtime.device import compute_dtype
 
 logger = get_logger(__name__)
 
@@ -418,8 +419,11 @@ def screen(cfg: JobConfig, cluster: Cluster, cands: list[Candidate], efficiency:
 
 
 def sequence_bytes(cfg: JobConfig) -> int:
-    """One sequence's activation between two pipeline stages: seq_len x dim in the compute dtype."""
-    return cfg.training.seq_len * resolve_model_args(cfg).dim * (2 if cfg.training.dtype == "bfloat16" else 4)
+    """One sequence's activation between two pipeline stages: seq_len x dim in the compute dtype (`compute_dtype`:
+    FSDP's bf16 parameters or autocast's)."""
+    t = cfg.training
+    dtype = compute_dtype(t.dtype, torch.device("cpu"), t.mixed_precision_param)
+    return t.seq_len * resolve_model_args(cfg).dim * dtype.itemsize
 
 
 def _reference_batch(cfg: JobConfig, c: Candidate) -> int:
