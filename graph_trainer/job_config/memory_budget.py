@@ -94,28 +94,18 @@ def parse_memory_budget(value: str | float) -> MemoryBudget:
 
 
 def check_memory_budget(cfg: JobConfig) -> None:
-    """Refuse a whole-step size budget where the policy's graph is not the whole step, and a budget of any kind that
-    FSDP's prefetch would break after it was decided.
+    """Refuse a whole-step size budget where the policy's graph is not the whole step. (FSDP's prefetch, which moves
+    gathers after the budget is decided, is allowed: the policy keeps room for it, `passes/budget.py`.)
 
     The policy decides on one graph, and a size budget promises the whole step's peak. That graph is the whole step
     only with the update traced into it and without accumulation or Inductor: the eager update's state and
     scratch, an accumulated step's update graph and a compiled graph's buffers lie outside the graph it plans.
 
     Raises:
-        ConfigError: a size budget with an eager update, gradient accumulation or `compile.backend inductor`; the
-            budget mode with `parallelism.fsdp_prefetch` under FSDP.
+        ConfigError: a size budget with an eager update, gradient accumulation or `compile.backend inductor`.
     """
     ac = cfg.activation_checkpoint
     budget = parse_memory_budget(ac.memory_budget)
-    p = cfg.parallelism
-    if ac.mode == "budget" and p.shards_parameters and p.fsdp_prefetch:
-        # The policy's model applies FSDP's re-gathers where remat puts them; the prefetch pass then moves each one
-        # a layer earlier (one more layer's parameters alive), after the budget was decided.
-        raise ConfigError(
-            "activation_checkpoint.mode budget decides the step before parallelism.fsdp_prefetch moves each "
-            "re-gather a layer earlier, so its budget would not hold: set --parallelism.fsdp_prefetch false, or "
-            "use --activation_checkpoint.mode selective or full with the prefetch"
-        )
     if ac.mode != "budget" or budget.peak_bytes is None:
         return
     outside = [

@@ -263,8 +263,8 @@ def candidates(
             for options in layout.option_choices(dict(degrees), acc, offered or {}):
                 for mode, chunk, in_graph in itertools.product(ac_modes, chunks, optimizer_in_graph):
                     cand = Candidate(degrees, mode, lb, chunk, in_graph, acc, tuple(options.items()))
-                    # The AC mode and the update's placement are part of the verdict: the trainer refuses the
-                    # budget mode beside FSDP's prefetch, and a size budget beside an eager update.
+                    # The AC mode and the update's placement are part of the verdict: the trainer refuses a size
+                    # budget beside an eager update.
                     key = (degrees, acc > 1, cand.options, mode, in_graph)
                     if key not in verdicts:
                         verdicts[key] = trainer_refuses(cfg, cand)

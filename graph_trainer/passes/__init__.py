@@ -94,6 +94,11 @@ def _prefetching(config: PassConfig) -> bool:
     return _sharded(config) and config.parallelism.fsdp_prefetch
 
 
+def fsdp_prefetch_of(cfg: JobConfig) -> bool:
+    """Whether the `fsdp_prefetch` pass runs on `cfg`'s step, for the budget's model to keep room for it."""
+    return _prefetching(PassConfig(cfg.activation_checkpoint, cfg.parallelism))
+
+
 REGISTRY: tuple[GraphPass, ...] = (
     GraphPass(
         "dce",
@@ -118,12 +123,13 @@ REGISTRY: tuple[GraphPass, ...] = (
             ctx.config.ac,
             input_categories=ctx.input_categories,
             fsdp_policy=_fsdp_policy(ctx.config),
+            fsdp_prefetch=_prefetching(ctx.config),
             budget_choice=ctx.config.budget_choice,
         ),
         True,
         _policy_asked,
         "tag save/recompute per op (selective / full / budget, plus overrides)",
-        reads=("activation_checkpoint", "parallelism.fsdp_reshard_after_forward"),
+        reads=("activation_checkpoint", "parallelism.fsdp_reshard_after_forward", "parallelism.fsdp_prefetch"),
         gives=(RECOMPUTE_TAGS,),
     ),
     GraphPass(
@@ -273,6 +279,7 @@ __all__ = [
     "available_passes",
     "build_pipeline",
     "fsdp_policy_of",
+    "fsdp_prefetch_of",
     "memory_policy_transform",
     "pipeline_for",
 ]

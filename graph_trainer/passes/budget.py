@@ -57,6 +57,7 @@ from graph_trainer.passes.activation_checkpoint import (
 )
 from graph_trainer.passes.budget_depth import BlockChoice, Key, candidate_keys, extend_in_depth, signature
 from graph_trainer.passes.fsdp_gather import gather_decisions, tag_fsdp_gathers
+from graph_trainer.passes.fsdp_prefetch import prefetch_reserve
 from graph_trainer.passes.op_patterns import parse_overrides
 from graph_trainer.passes.remat import peak_after_remat
 from graph_trainer.passes.remat_model import (
@@ -167,9 +168,19 @@ def _no_ac_peak(
     return no_ac.input_bytes, no_ac.peak_bytes if model is None else model.peak([])
 
 
-def _infeasible(model: RematModel, ac: ActivationCheckpointConfig, input_bytes: int, no_ac_peak: int, status: str):
-    """The one-line refusal of a budget no choice of `model` fits, with the smallest feasible budget."""
+def _reserve(gm: torch.fx.GraphModule, fsdp_policy: str | None, fsdp_prefetch: bool) -> int:
+    """Bytes the budget keeps for FSDP's prefetch, which moves gathers after the budget is decided (0 without it):
+    the most one unit's gathers in flight add (`fsdp_prefetch.prefetch_reserve`)."""
+    return prefetch_reserve(gm) if fsdp_policy is not None and fsdp_prefetch else 0
+
+
+def _infeasible(
+    model: RematModel, ac: ActivationCheckpointConfig, input_bytes: int, no_ac_peak: int, status: str, reserve: int
+):
+    """The one-line refusal of a budget no choice of `model` fits, with the smallest feasible budget (`reserve`
+    bytes above the model's lowest peak: FSDP's prefetch, `_reserve`)."""
     smallest, proven = smallest_peak(model, time_limit_s=SOLVE_TIME_LIMIT_S)
+    smallest += reserve
     needed = parse_memory_budget(ac.memory_budget).smallest(smallest, input_bytes=input_bytes, no_ac_peak=no_ac_peak)
     which = "the smallest reachable peak" if proven else f"the lowest peak found in {SOLVE_TIME_LIMIT_S:g} s"
     if status != INFEASIBLE:  # not proven: say what stopped the solver
@@ -192,14 +203,17 @@ def tag_memory_budget(
     *,
     input_categories: list[str] | None = None,
     fsdp_policy: str | None = None,
+    fsdp_prefetch: bool = False,
     block_choice: BlockChoice | None = None,
 ) -> torch.fx.GraphModule:
     """Tag `gm` so its estimated peak fits `ac.memory_budget` with the fewest recompute FLOPs (see module docstring).
     `fsdp_policy`: with FSDP, `parallelism.fsdp_reshard_after_forward`, which the model applies to the gathers as
     the later `fsdp_gather` pass will (`_remat_model`); the no-AC peak is then that of the graph with no other
-    recompute. `block_choice`: the choice the plan solved on this model's short traces (`solve_in_depth`), applied
-    by block class instead of solving this graph whole; a graph it was not solved for (a
-    retrace at another shape) is solved whole, which is said.
+    recompute. `fsdp_prefetch`: with FSDP, `parallelism.fsdp_prefetch`, whose later pass can hold one unit's
+    gathers more than the graph decided here: the choice is solved that much below the target (`_reserve`), and the
+    no-AC peak a fraction refers to counts it. `block_choice`: the choice the plan solved on this model's short
+    traces (`solve_in_depth`), applied by block class instead of solving this graph whole; a graph it was not solved
+    for (a retrace at another shape) is solved whole, which is said.
 
     In place; returns `gm`.
 
@@ -211,31 +225,38 @@ def tag_memory_budget(
     if block_choice is not None and _apply_block_choice(gm, structure, ac, input_categories, fsdp_policy, block_choice):
         return gm
     built = None if fsdp_policy is None else _remat_model(gm, structure, ac, input_categories, fsdp_policy)
+    reserve = _reserve(gm, fsdp_policy, fsdp_prefetch)
     input_bytes, no_ac_peak = _no_ac_peak(gm, built and built[0], input_categories)
+    no_ac_peak += reserve
     target = parse_memory_budget(ac.memory_budget).target(input_bytes=input_bytes, no_ac_peak=no_ac_peak)
     if no_ac_peak <= target:
         write_tags(gm, structure, {})  # the no-AC graph fits: recompute nothing
         logger.info(
-            f"memory_budget: the no-AC peak {no_ac_peak / GIB:.4f} GiB fits the target "
+            f"memory_budget: the no-AC peak {no_ac_peak / GIB:.4f} GiB{_kept(reserve)} fits the target "
             f"{target / GIB:.4f} GiB; nothing recomputed"
         )
         return gm
 
     model, always, pinned = built or _remat_model(gm, structure, ac, input_categories, fsdp_policy)
     candidates = model.candidates
-    solution = solve(model, target, time_limit_s=SOLVE_TIME_LIMIT_S)
+    solution = solve(model, target - reserve, time_limit_s=SOLVE_TIME_LIMIT_S)
     if solution.recompute is None:
-        raise _infeasible(model, ac, input_bytes, no_ac_peak, solution.status)
+        raise _infeasible(model, ac, input_bytes, no_ac_peak, solution.status, reserve)
     chosen = set(solution.recompute)
     _write_choice(gm, structure, always, pinned, chosen)
     _check_estimate(gm, input_categories, fsdp_policy, solution.peak_bytes)
     say = logger.info if solution.optimal else logger.warning  # a choice short of the optimum is a fallback
     say(
-        f"memory_budget: target peak {target / GIB:.4f} GiB; recompute {len(chosen)}/{len(candidates)} candidates, "
-        f"{solution.recompute_flops / 1e9:.3f} GFLOP of recompute, peak {solution.peak_bytes / GIB:.4f} GiB "
-        f"({_proof(solution.optimal, solution.status, solution.gap)}, {solution.solve_s:.1f} s)"
+        f"memory_budget: target peak {target / GIB:.4f} GiB{_kept(reserve)}; recompute {len(chosen)}/{len(candidates)}"
+        f" candidates, {solution.recompute_flops / 1e9:.3f} GFLOP of recompute, peak {solution.peak_bytes / GIB:.4f}"
+        f" GiB ({_proof(solution.optimal, solution.status, solution.gap)}, {solution.solve_s:.1f} s)"
     )
     return gm
+
+
+def _kept(reserve: int) -> str:
+    """The log lines' words for the bytes kept for FSDP's prefetch (none without it)."""
+    return f" (with {reserve / GIB:.4f} GiB kept for FSDP's prefetch)" if reserve else ""
 
 
 def _write_choice(
@@ -299,10 +320,10 @@ def _apply_block_choice(
     c = block_choice
     say = logger.info if c.optimal else logger.warning
     say(
-        f"memory_budget: target peak {c.target_bytes / GIB:.4f} GiB; recompute {c.recomputed}/{c.candidates} "
-        f"candidates, one choice per block class solved on the {' + '.join(map(str, c.short_depths))}-block "
-        f"traces, {c.recompute_flops / 1e9:.3f} GFLOP of recompute, peak {c.peak_bytes / GIB:.4f} GiB "
-        f"({_proof(c.optimal, c.status, c.gap)}, {c.solve_s:.1f} s)"
+        f"memory_budget: target peak {c.target_bytes / GIB:.4f} GiB{_kept(c.reserve_bytes)}; recompute "
+        f"{c.recomputed}/{c.candidates} candidates, one choice per block class solved on the "
+        f"{' + '.join(map(str, c.short_depths))}-block traces, {c.recompute_flops / 1e9:.3f} GFLOP of recompute, "
+        f"peak {c.peak_bytes / GIB:.4f} GiB ({_proof(c.optimal, c.status, c.gap)}, {c.solve_s:.1f} s)"
     )
     return True
 
@@ -317,6 +338,7 @@ class DeepModel:
     input_bytes: int
     depth: int
     lead: int
+    reserve: int = 0  # bytes kept for FSDP's prefetch (`_reserve`)
 
     def count(self, candidates: Iterable[torch.fx.Node]) -> int:
         """How many candidates of the deep step `candidates` of the short model's stand for (a middle block's for
@@ -335,9 +357,11 @@ def deep_model(
     lead: int,
     depth: int,
     fsdp_policy: str | None = None,
+    fsdp_prefetch: bool = False,
 ) -> DeepModel:
     """The budget's model of the `depth`-block step from its `lead`+3- and `lead`+4-block steps (`short`, after
-    clean-up), as `solve_in_depth` solves it.
+    clean-up), as `solve_in_depth` solves it. `fsdp_policy`, `fsdp_prefetch`: as `tag_memory_budget`'s (a unit's
+    gathers are the same at every depth, so the short step's reserve is the deep one's).
 
     Raises:
         NotExtendable: the short steps' models do not extend in depth (`budget_depth`).
@@ -350,7 +374,8 @@ def deep_model(
     pairs = zip(short, input_categories, strict=True)
     inputs = [estimate_peak_memory(gm, input_categories=c).input_bytes for gm, c in pairs]
     input_bytes = inputs[1] + (depth - lead - 4) * (inputs[1] - inputs[0])
-    return DeepModel(model, candidate_keys(model.candidates, lead + 4, lead), input_bytes, depth, lead)
+    reserve = _reserve(short[1], fsdp_policy, fsdp_prefetch)
+    return DeepModel(model, candidate_keys(model.candidates, lead + 4, lead), input_bytes, depth, lead, reserve)
 
 
 def solve_in_depth(deep: DeepModel, ac: ActivationCheckpointConfig) -> BlockChoice:
@@ -360,22 +385,23 @@ def solve_in_depth(deep: DeepModel, ac: ActivationCheckpointConfig) -> BlockChoi
     Raises:
         ConfigError: no choice fits the budget at the deep step's depth (with the smallest feasible budget).
     """
-    model, input_bytes = deep.model, deep.input_bytes
-    no_ac_peak = model.peak([])
+    model, input_bytes, reserve = deep.model, deep.input_bytes, deep.reserve
+    no_ac_peak = model.peak([]) + reserve
     target = parse_memory_budget(ac.memory_budget).target(input_bytes=input_bytes, no_ac_peak=no_ac_peak)
+    solved_at = target - reserve  # the model's peak bound: the target less what FSDP's prefetch may add
     if no_ac_peak <= target:
-        solution = Solution([], no_ac_peak, 0, 0.0, "the no-AC peak fits", True)
+        solution = Solution([], model.peak([]), 0, 0.0, "the no-AC peak fits", True)
     else:
-        solution = solve(model, target, time_limit_s=SOLVE_TIME_LIMIT_S)
+        solution = solve(model, solved_at, time_limit_s=SOLVE_TIME_LIMIT_S)
         if solution.recompute is None:
-            raise _infeasible(model, ac, input_bytes, no_ac_peak, solution.status)
+            raise _infeasible(model, ac, input_bytes, no_ac_peak, solution.status, reserve)
         if not solution.optimal:  # the whole solve stopped at its limits: improve its choice class by class
 
             def fewer_flops(fixed: dict[torch.fx.Node, bool], seconds: float) -> Solution:
-                return solve(model, target, time_limit_s=seconds, fixed=fixed)
+                return solve(model, solved_at, time_limit_s=seconds, fixed=fixed)
 
             def better(found: Solution, best: Solution) -> bool:
-                return found.peak_bytes <= target and found.recompute_flops < best.recompute_flops
+                return found.peak_bytes <= solved_at and found.recompute_flops < best.recompute_flops
 
             found, note = descend(deep, solution, fewer_flops, better, SOLVE_TIME_LIMIT_S)
             solution = dataclasses.replace(found, status=f"{solution.status}; {note}")
@@ -515,6 +541,7 @@ def _block_choice(deep: DeepModel, solution: Solution, target: float) -> BlockCh
         status=solution.status,
         short_depths=(lead + 3, lead + 4),
         lead=lead,
+        reserve_bytes=deep.reserve,
     )
 
 
@@ -531,6 +558,9 @@ class FrontierPoint:
     optimal: bool  # HiGHS proved it; else the best choice found within the solver's limits
     gap: float | None
     solve_s: float
+    # With FSDP's prefetch: bytes the policy keeps below `budget_bytes` for the gathers the prefetch moves later
+    # (`_reserve`); `peak_bytes` is then the step's before they move, and at most this much more after.
+    reserve_bytes: int = 0
 
 
 def budget_frontier(
@@ -542,6 +572,7 @@ def budget_frontier(
     on_point: Callable[[FrontierPoint], None] | None = None,
     time_limit_s: float = SOLVE_TIME_LIMIT_S,
     fsdp_policy: str | None = None,
+    fsdp_prefetch: bool = False,
 ) -> list[FrontierPoint]:
     """The budget policy's answers at `points` budgets evenly spread from the lowest peak a choice reaches (the
     lowest found within `time_limit_s` on a deep graph) to the no-AC peak, both included: what each whole-step peak
@@ -550,14 +581,15 @@ def budget_frontier(
     solve, as `SOLVE_TIME_LIMIT_S` bounds the pass's: a point stopped by it says so (not optimal, with the solver's
     gap). A choice that fits a budget fits every larger one, so a stopped solve whose choice costs more FLOPs than
     the point before (or that found none) takes that point's choice, also said not optimal: the frontier never
-    rises. `fsdp_policy`: as `tag_memory_budget`'s.
+    rises. `fsdp_policy`, `fsdp_prefetch`: as `tag_memory_budget`'s.
     """
     structure = analyze(gm)
     model, _always, _pinned = _remat_model(gm, structure, ac, input_categories, fsdp_policy)
     no_ac = estimate_peak_memory(gm, input_categories=input_categories)
     highest = no_ac.peak_bytes if fsdp_policy is None else model.peak([])
+    reserve = _reserve(gm, fsdp_policy, fsdp_prefetch)
     return model_frontier(
-        model, no_ac.input_bytes, highest, points=points, on_point=on_point, time_limit_s=time_limit_s
+        model, no_ac.input_bytes, highest, points=points, on_point=on_point, time_limit_s=time_limit_s, reserve=reserve
     )
 
 
@@ -570,9 +602,11 @@ def model_frontier(
     on_point: Callable[[FrontierPoint], None] | None = None,
     time_limit_s: float = SOLVE_TIME_LIMIT_S,
     count: Callable[[list[torch.fx.Node]], int] = len,
+    reserve: int = 0,
 ) -> list[FrontierPoint]:
     """`budget_frontier` on a model (`input_bytes`: its graph's inputs; `highest`: its no-AC peak); `count`: how
-    many of the step's candidates a choice of the model's stands for (`DeepModel.count` on a deep model)."""
+    many of the step's candidates a choice of the model's stands for (`DeepModel.count` on a deep model);
+    `reserve`: what the policy keeps for FSDP's prefetch, added to each point's budget (what asks for its choice)."""
     if points < 2:
         raise ValueError(f"a frontier needs at least 2 points, got {points}")
     # The low end is the lowest peak the solver finds within the limit: proven the lowest on small graphs, the best
@@ -584,7 +618,7 @@ def model_frontier(
             f"budget frontier: its first budget, {lowest / GIB:.4f} GiB, is the lowest peak the solver found in "
             f"{time_limit_s:g} s, not one it proved the lowest"
         )
-    activations = max(highest - input_bytes, 1)
+    activations = max(highest + reserve - input_bytes, 1)
     out = []
     # The best choice known to fit: the lowest-peak choice fits every budget here, and each point's choice fits the
     # next (budgets rise). A solve stopped by its limits with more FLOPs than it, or with no choice, takes it.
@@ -596,8 +630,8 @@ def model_frontier(
             found = dataclasses.replace(known, solve_s=found.solve_s, optimal=False, gap=None)
         known = found
         point = FrontierPoint(
-            budget_bytes=budget,
-            fraction=(budget - input_bytes) / activations,
+            budget_bytes=budget + reserve,
+            fraction=(budget + reserve - input_bytes) / activations,
             peak_bytes=found.peak_bytes,
             recompute_flops=found.recompute_flops,
             recomputed=count(found.recompute),
@@ -605,6 +639,7 @@ def model_frontier(
             optimal=found.optimal,
             gap=found.gap,
             solve_s=found.solve_s,
+            reserve_bytes=reserve,
         )
         out.append(point)
         if on_point is not None:

@@ -35,6 +35,7 @@ def memory_policy(
     *,
     input_categories: list[str] | None = None,
     fsdp_policy: str | None = None,
+    fsdp_prefetch: bool = False,
     budget_choice: BlockChoice | None = None,
 ) -> torch.fx.GraphModule:
     """Tag `gm`'s layer ops save/recompute as `ac.mode` asks (see module docstring). In place; returns `gm`.
@@ -46,6 +47,8 @@ def memory_policy(
             compare estimated peaks, which need them).
         fsdp_policy: with FSDP, `parallelism.fsdp_reshard_after_forward`: the budget's model re-gathers as the
             later `fsdp_gather` pass will, so the budget holds for the final graph.
+        fsdp_prefetch: with FSDP, `parallelism.fsdp_prefetch`: the budget keeps room for the one unit's gathers
+            the later `fsdp_prefetch` pass may hold early.
         budget_choice: budget only: the choice planned on a deep model's short traces (`passes.budget_depth`).
 
     Raises:
@@ -56,7 +59,12 @@ def memory_policy(
         return gm
     if ac.mode == "budget":
         return tag_memory_budget(
-            gm, ac, input_categories=input_categories, fsdp_policy=fsdp_policy, block_choice=budget_choice
+            gm,
+            ac,
+            input_categories=input_categories,
+            fsdp_policy=fsdp_policy,
+            fsdp_prefetch=fsdp_prefetch,
+            block_choice=budget_choice,
         )
     if ac.mode in ("selective", "full"):
         return tag_activation_checkpoint(gm, ac, input_categories=input_categories)

@@ -61,7 +61,7 @@ from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger, quiet
 from graph_trainer.optimizer.update_memory import EagerUpdate
-from graph_trainer.passes import CLEAN_UP, build_pipeline, fsdp_policy_of
+from graph_trainer.passes import CLEAN_UP, build_pipeline, fsdp_policy_of, fsdp_prefetch_of
 from graph_trainer.passes.activation_checkpoint import (
     attention_choices,
     choose_attention,
@@ -154,7 +154,7 @@ def plan_modes(
 
 def _refused_modes(cfg: JobConfig, modes: list[str]) -> tuple[list[str], dict[str, UserError]]:
     """(the modes a job could run, {mode: why not} for those its other options rule out, as the trainer would at
-    load: the budget with FSDP's prefetch, or a size budget with a graph that is not the whole step)."""
+    load: a size budget with a graph that is not the whole step)."""
     refused: dict[str, UserError] = {}
     for mode in modes:
         try:
@@ -387,7 +387,7 @@ def _budget_choice(
     args, kwargs = _short_budget_args(cfg, four.job, three.clean, four.clean)
     try:
         with quiet():
-            deep = deep_model(*args, **kwargs, depth=depth, fsdp_policy=fsdp_policy_of(with_ac_mode(cfg, "budget")))
+            deep = deep_model(*args, **kwargs, depth=depth)
             choice = solve_in_depth(deep, args[2])
     except NotExtendable as e:
         say(f"the budget plan is approximate: its choice cannot be solved on the short traces ({e})")
@@ -401,7 +401,8 @@ def _budget_choice(
 
 def _short_budget_args(cfg: JobConfig, job: Job, three: TracedStep, four: TracedStep) -> tuple[tuple, dict]:
     """What `deep_model` reads of the two short steps (`three`, `four`: cleaned up), before
-    the depth: the graphs, their input categories, the budget's section, and each op's counterpart and block."""
+    the depth: the graphs, their input categories, the budget's section, each op's counterpart and block, and what
+    FSDP does to the gathers after the budget (its gather policy and prefetch)."""
     lead, layers = leading_blocks(cfg), job.spec.parallel_plan.layers
     gm3, gm4 = three.gm, four.gm
     keys3, keys4 = _keys(gm3, lead + 3, layers, lead), _keys(gm4, lead + 4, layers, lead)
@@ -421,6 +422,8 @@ def _short_budget_args(cfg: JobConfig, job: Job, three: TracedStep, four: Traced
         "counterpart": counterpart,
         "block_of": {n: b for _, n, b in node_blocks(gm4, layers)},
         "lead": lead,
+        "fsdp_policy": fsdp_policy_of(with_ac_mode(cfg, "budget")),
+        "fsdp_prefetch": fsdp_prefetch_of(cfg),
     }
 
 
@@ -438,7 +441,7 @@ def deep_budget_model(cfg: JobConfig, mesh: Mesh) -> DeepModel:
         traced, _ = _trace(job)
         cleaned.append(stages.transform(job, traced, until=CLEAN_UP).traced)
     args, kwargs = _short_budget_args(cfg, job, *cleaned)
-    return deep_model(*args, **kwargs, depth=depth, fsdp_policy=fsdp_policy_of(with_ac_mode(cfg, "budget")))
+    return deep_model(*args, **kwargs, depth=depth)
 
 
 def _short_config(cfg: JobConfig, blocks: int, batch: int) -> JobConfig:

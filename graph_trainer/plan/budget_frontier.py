@@ -29,7 +29,7 @@ from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger, quiet
 from graph_trainer.observability.memory_timeline import PLOTS_HINT
 from graph_trainer.observability.units import to_gib
-from graph_trainer.passes import CLEAN_UP
+from graph_trainer.passes import CLEAN_UP, fsdp_policy_of, fsdp_prefetch_of
 from graph_trainer.passes.budget import FrontierPoint, budget_frontier, model_frontier
 from graph_trainer.passes.budget_depth import NotExtendable
 from graph_trainer.plan.block_plan import deep_budget_model, short_depths
@@ -75,7 +75,7 @@ def plan_frontier(
                 deep = deep_budget_model(cfg, mesh)
             return model_frontier(
                 deep.model, deep.input_bytes, deep.model.peak([]), points=points, on_point=on_point,
-                time_limit_s=SOLVE_S, count=deep.count,
+                time_limit_s=SOLVE_S, count=deep.count, reserve=deep.reserve,
             )  # fmt: skip
         except NotExtendable as e:
             logger.warning(f"budget frontier: solved on every block instead (the short steps do not extend: {e})")
@@ -90,7 +90,8 @@ def plan_frontier(
         points=points,
         on_point=on_point,
         time_limit_s=SOLVE_S,
-        fsdp_policy=p.fsdp_reshard_after_forward if (p := cfg.parallelism).shards_parameters else None,
+        fsdp_policy=fsdp_policy_of(cfg),
+        fsdp_prefetch=fsdp_prefetch_of(cfg),
     )
     return found
 

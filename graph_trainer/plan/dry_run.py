@@ -117,6 +117,11 @@ def _print_frontier(cfg: JobConfig, mesh, print_fn: Callable[[str], None]) -> No
     )
     print_fn(HEADER)
     found = plan_frontier(cfg, mesh, on_point=lambda p: print_fn(frontier_row(p)))
+    if reserve := found[0].reserve_bytes:
+        print_fn(
+            f"budget frontier: with FSDP's prefetch each budget keeps {to_gib(reserve):.4f} GiB for the gathers the "
+            "prefetch moves up, and each peak is the step's before they move (at most that much more after)"
+        )
     title = f"{model_name(cfg)}, batch {cfg.training.local_batch_size} x seq {cfg.training.seq_len}, {depth} blocks"
     for line in write_frontier(Path(cfg.job.dump_folder), found, title=title):
         print_fn(line)

@@ -62,6 +62,16 @@ RUNS = {
     "trace_always": [*TRACE, "--parallelism.fsdp_reshard_after_forward", "always"],
     "trace_never": [*TRACE, "--parallelism.fsdp_reshard_after_forward", "never"],
     "trace_prefetch": [*TRACE, "--parallelism.fsdp_prefetch", "true"],
+    # The budget keeps room for the gathers the prefetch moves after it decided (passes/budget.py).
+    "trace_budget_prefetch": [
+        *TRACE,
+        "--parallelism.fsdp_prefetch",
+        "true",
+        "--activation_checkpoint.mode",
+        "budget",
+        "--activation_checkpoint.memory_budget",
+        "0.9",
+    ],
     # Compiled region by region, the prefetched gathers cross region boundaries. Not bitwise: see its test.
     "trace_inductor": [
         *TRACE,

@@ -1,6 +1,6 @@
 """The budget policy under FSDP: its model applies FSDP's gather policy (re-gather in the backward, or keep) as the
-`fsdp_gather` pass does after it, so the budget holds for the final graph, and a prefetch that would move the
-re-gathers after the budget was decided is refused.
+`fsdp_gather` pass does after it, so the budget holds for the final graph, and it keeps room for the gathers FSDP's
+prefetch moves up after the budget is decided.
 
 Before, the model saw every gathered parameter kept: at a fraction of 0.6 it promised 0.0148 GiB against a
 0.0149 GiB target, and the final graph (with the re-gathers) peaked at 0.0159 GiB, above the budget, with nothing
@@ -18,7 +18,6 @@ import torch
 from graph_trainer import stages
 from graph_trainer.builder import build_job
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
-from graph_trainer.errors import ConfigError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.passes import CLEAN_UP
 from graph_trainer.passes.activation_checkpoint import RECOMPUTE, SAVE, analyze, finalize, write_tags
@@ -74,12 +73,16 @@ def test_with_fsdp_the_budget_holds_for_the_final_graph():
     assert budget.peak_bytes <= target < none.peak_bytes
 
 
-def test_the_budget_with_fsdp_prefetch_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="set --parallelism.fsdp_prefetch false") as e:
-        load_config([*FSDP_2, "--activation_checkpoint.mode", "budget", "--parallelism.fsdp_prefetch", "true"])
-    assert "\n" not in str(e.value)
-    cfg, _ = load_config([*FSDP_2, "--activation_checkpoint.mode", "selective", "--parallelism.fsdp_prefetch", "true"])
+@pytest.mark.parametrize("budget", [30_000_000, 28_000_000])
+def test_with_fsdp_prefetch_the_budget_keeps_room_for_the_gathers_it_moves(budget):
+    """FSDP's prefetch moves gathers up after the budget is decided: the policy solves one unit's gathers below the
+    budget (`fsdp_prefetch.prefetch_reserve`, 3.4 MB here), and the final graph fits. Solved at the budget itself
+    (reserve 0), these plans peaked at 31,913,040 and 31,388,752 B: the prefetch's gathers landed on the peak."""
+    prefetch = ["--parallelism.fsdp_prefetch", "true", "--compile.trace_optimizer", "true"]
+    cfg, _ = load_config([*FSDP_2, *prefetch, "--activation_checkpoint.mode", "budget",
+                          "--activation_checkpoint.memory_budget", f"{budget}B"])  # fmt: skip
     with planning_mesh(ParallelDims.from_config(cfg.parallelism), torch.device("cpu")) as mesh:
-        plans = plan_modes(cfg, mesh, ["none", "budget"])  # the dry run's rows: the budget's says why not
-    assert plans["none"].peak_bytes > 0 and isinstance(plans["budget"], ConfigError)
-    assert "set --parallelism.fsdp_prefetch false" in str(plans["budget"])
+        plans = plan_modes(cfg, mesh, ["none", "budget"])
+    none, chosen = plans["none"].peak_bytes, plans["budget"].peak_bytes
+    print(f"budget {budget:,}: no AC with prefetch {none:,}, budget plan {chosen:,}")
+    assert chosen <= budget < none
