@@ -35,6 +35,7 @@ from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.loss import build_lm_loss
 from graph_trainer.optimizer.adamw import GraphAdamW, build_optimizer, choose_adamw_implementation, init_adamw_state
 from graph_trainer.optimizer.lr_schedule import build_lr_scheduler
+from graph_trainer.optimizer.update_memory import EagerUpdate
 from graph_trainer.runtime.device import resolve_dtype
 from graph_trainer.stages import COMPILE, step_transform
 from graph_trainer.step import EvalStep, TrainStep
@@ -261,6 +262,12 @@ class Job:
     def flops_per_token(self) -> float:
         """Training FLOPs per token at the job's sequence length, from the family's own formula."""
         return self.spec.flops_per_token(self.model.args, self.cfg.training.seq_len)
+
+    def eager_update(self) -> EagerUpdate | None:
+        """What the AdamW update run after the graph costs in memory (None: the update is in the graph)."""
+        if optimizer_in_graph(self.cfg):
+            return None
+        return EagerUpdate.of(self.optimizer, adamw_implementation_for(self.cfg, self.device), self.device)
 
     def with_budget_choice(self, choice: Any) -> Job:
         """The same job, its budget pass applying `choice` (`StepPlan.budget_choice`; None: solving whole)."""

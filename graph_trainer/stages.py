@@ -35,14 +35,17 @@ TRACE, TRANSFORM, COMPILE = "trace", "transform", "compile"
 
 
 class StagedJob(Protocol):
-    """What the stages read of a job (`builder.Job`): its config, its parallelisms' check of a trace, its step, and
-    the memory budget's choice planned for it (`passes.budget_depth`; None: solved on each graph)."""
+    """What the stages read of a job (`builder.Job`): its config, its parallelisms' check of a trace, its step, the
+    memory budget's choice planned for it (`passes.budget_depth`; None: solved on each graph), and the update it runs
+    after the graph (which a whole-step size budget leaves room for)."""
 
     cfg: JobConfig
     parallel: ParallelModel
     budget_choice: Any
 
     def graph_step(self, *, until: str = COMPILE, **options: Any) -> GraphStep: ...
+
+    def eager_update(self) -> Any: ...
 
 
 def trace(job: StagedJob, batch: Mapping[str, torch.Tensor]) -> TracedStep:
@@ -69,7 +72,7 @@ def transform(
     Raises:
         UserError: what the parallelisms cannot run; ConfigError: a pass configuration that cannot run.
     """
-    pipeline = pipeline or build_pipeline(job.cfg, dump_dir=None, budget_choice=job.budget_choice)
+    pipeline = pipeline or _pipeline(job, dump_dir=None)
     if after is None:
         traced = job.parallel.check_traced(traced)  # e.g. with FSDP: every parameter read goes through its gather
     if until is None and after is None:
@@ -78,6 +81,11 @@ def transform(
     if until is None:
         return part(traced)
     return Transformed(dataclasses.replace(traced, gm=part.run_passes(traced.gm, traced.layout.categories)))
+
+
+def _pipeline(job: StagedJob, *, dump_dir: Path | None) -> Pipeline:
+    """`job`'s pass pipeline, with what its memory budget reads of the job beyond the config."""
+    return build_pipeline(job.cfg, dump_dir=dump_dir, budget_choice=job.budget_choice, eager_update=job.eager_update())
 
 
 def compile(job: StagedJob, result: Transformed) -> Transformed:  # noqa: A001 (the stage's name)
@@ -99,7 +107,7 @@ def step_transform(job: StagedJob, *, until: str = COMPILE, dump_dir: Path | Non
         raise ValueError(f"until must be one of {TRACE!r}, {TRANSFORM!r}, {COMPILE!r}; got {until!r}")
     if until == TRACE:
         return None
-    pipeline = build_pipeline(job.cfg, dump_dir=dump_dir, budget_choice=job.budget_choice)
+    pipeline = _pipeline(job, dump_dir=dump_dir)
     if until == TRANSFORM:
         return lambda traced: transform(job, traced, pipeline=pipeline)
     return lambda traced: compile(job, transform(job, traced, pipeline=pipeline))

@@ -8,8 +8,9 @@ with its unit for the whole step's per-rank peak.
   Binary units (KiB, MiB, GiB, TiB) are powers of 1024 and decimal ones (KB, MB, GB, TB) powers of 1000, as
   their names say; a bare "G" is refused, since it could mean either.
 
-For now a size budget needs the update traced into the step's graph, one micro-batch per step and no Inductor
-(`check_memory_budget`): the policy plans one graph, and only then is that graph the whole step.
+For now a size budget needs one micro-batch per step and no Inductor (`check_memory_budget`): the policy plans one
+graph, and only then is that graph, with the eager AdamW update after it (whose state and peak the policy counts),
+the whole step.
 
 A bare number above 1 once meant GiB of activation memory; it is refused with the unit to add, because the same
 number now read as the whole step's peak would plan something else without a word.
@@ -97,23 +98,19 @@ def check_memory_budget(cfg: JobConfig) -> None:
     """Refuse a whole-step size budget where the policy's graph is not the whole step. (FSDP's prefetch, which moves
     gathers after the budget is decided, is allowed: the policy keeps room for it, `passes/budget.py`.)
 
-    The policy decides on one graph, and a size budget promises the whole step's peak. That graph is the whole step
-    only with the update traced into it and without accumulation or Inductor: the eager update's state and
-    scratch, an accumulated step's update graph and a compiled graph's buffers lie outside the graph it plans.
+    The policy decides on one graph, and a size budget promises the whole step's peak. That graph and the eager
+    update after it (its state and scratch, which the policy counts: `passes/budget.py`, `Outside`) are the whole
+    step only without accumulation or Inductor: an accumulated step's update graph and a compiled graph's buffers
+    lie outside what it plans.
 
     Raises:
-        ConfigError: a size budget with an eager update, gradient accumulation or `compile.backend inductor`.
+        ConfigError: a size budget with gradient accumulation or `compile.backend inductor`.
     """
     ac = cfg.activation_checkpoint
     budget = parse_memory_budget(ac.memory_budget)
     if ac.mode != "budget" or budget.peak_bytes is None:
         return
     outside = [
-        (
-            not cfg.compile.trace_optimizer,
-            "the eager AdamW update (its state and scratch)",
-            "--compile.trace_optimizer true",
-        ),
         (accumulation_steps(cfg) > 1, "gradient accumulation (its update graph)", "one micro-batch per step"),
         (cfg.compile.backend == "inductor", "Inductor (the compiled graph's buffers)", "--compile.backend none"),
     ]

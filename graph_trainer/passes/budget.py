@@ -41,10 +41,11 @@ from collections.abc import Callable, Iterable
 import torch.fx
 
 from graph_trainer.errors import ConfigError
-from graph_trainer.job_config.memory_budget import parse_memory_budget
+from graph_trainer.job_config.memory_budget import MemoryBudget, parse_memory_budget
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.units import GIB
+from graph_trainer.optimizer.update_memory import EagerUpdate
 from graph_trainer.passes.activation_checkpoint import (
     RECOMPUTE,
     SAVE,
@@ -161,26 +162,86 @@ def _peak_after_gathers_and_remat(
 
 def _no_ac_peak(
     gm: torch.fx.GraphModule, model: RematModel | None, input_categories: list[str] | None
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """(the graph inputs' bytes, the no-AC peak a fraction budget refers to: with FSDP (`model` given), that of the
-    step FSDP runs, its gathers tagged, with nothing else recomputed)."""
+    step FSDP runs, its gathers tagged, with nothing else recomputed; the bytes the graph leaves alive)."""
     no_ac = estimate_peak_memory(gm, input_categories=input_categories)
-    return no_ac.input_bytes, no_ac.peak_bytes if model is None else model.peak([])
+    final = sum(no_ac.final_bytes_by_category.values())
+    return no_ac.input_bytes, no_ac.peak_bytes if model is None else model.peak([]), final
 
 
-def _reserve(gm: torch.fx.GraphModule, fsdp_policy: str | None, fsdp_prefetch: bool) -> int:
+def _reserve(gm: torch.fx.GraphModule, fsdp_policy: str | None, gathers_prefetched: bool) -> int:
     """Bytes the budget keeps for FSDP's prefetch, which moves gathers after the budget is decided (0 without it):
     the most one unit's gathers in flight add (`fsdp_prefetch.prefetch_reserve`)."""
-    return prefetch_reserve(gm) if fsdp_policy is not None and fsdp_prefetch else 0
+    return prefetch_reserve(gm) if fsdp_policy is not None and gathers_prefetched else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Outside:
+    """What the step holds beyond the graph the budget's model describes: `reserve`, room for the gathers FSDP's
+    prefetch moves up later (`_reserve`); with the update run eagerly after the graph, its state (`held`: alive
+    through the graph, not one of its inputs) and its own peak after the graph (`after`: the graph's final bytes,
+    the update's scratch and its state)."""
+
+    reserve: int = 0
+    held: int = 0
+    after: int = 0
+
+    def graph_target(self, budget: MemoryBudget, *, input_bytes: int, no_ac_peak: int) -> float:
+        """The peak the final graph may reach: a size budget is the whole step's, so the eager update's state comes
+        off it; a fraction is of the graph's own activations (`no_ac_peak` counting the reserve)."""
+        held = self.held if budget.peak_bytes is not None else 0
+        return budget.target(input_bytes=input_bytes, no_ac_peak=no_ac_peak) - held
+
+    def whole_step(self, budget: MemoryBudget, model_peak: int) -> int:
+        """The step's peak, in the budget's terms, of a choice whose model peak is `model_peak`."""
+        if budget.peak_bytes is None:
+            return model_peak + self.reserve
+        return max(model_peak + self.reserve + self.held, self.after)
+
+    def words(self) -> str:
+        """The log lines' words for what the target leaves room for (nothing without it)."""
+        parts = [f"{self.reserve / GIB:.4f} GiB kept for FSDP's prefetch"] if self.reserve else []
+        parts += [f"{self.held / GIB:.4f} GiB of eager AdamW state beside the graph"] if self.held else []
+        return f" (with {' and '.join(parts)})" if parts else ""
+
+
+def _outside(
+    gm: torch.fx.GraphModule,
+    fsdp_policy: str | None,
+    gathers_prefetched: bool,
+    eager_update: EagerUpdate | None,
+    final_bytes: int,
+) -> Outside:
+    """`gm`'s `Outside`: `final_bytes` is what the graph leaves alive (the eager update runs on it)."""
+    reserve = _reserve(gm, fsdp_policy, gathers_prefetched)
+    if eager_update is None:
+        return Outside(reserve)
+    held = eager_update.state_bytes
+    return Outside(reserve, held, final_bytes + eager_update.scratch_bytes + held)
+
+
+def _update_refusal(ac: ActivationCheckpointConfig, outside: Outside) -> ConfigError | None:
+    """The refusal of a size budget below the eager update's own peak, which no choice in the graph lowers."""
+    budget = parse_memory_budget(ac.memory_budget)
+    if budget.peak_bytes is None or outside.after <= budget.peak_bytes:
+        return None
+    smallest = budget.smallest(outside.after, input_bytes=0, no_ac_peak=0)
+    return ConfigError(
+        f"activation_checkpoint.memory_budget {ac.memory_budget} is infeasible: the eager AdamW update after the "
+        f"graph peaks at {outside.after / GIB:.4f} GiB (parameters, gradients, its state and scratch), whatever is "
+        f"recomputed; set --activation_checkpoint.memory_budget {smallest} or more, or shard the state "
+        "(--parallelism.dp_shard)"
+    )
 
 
 def _infeasible(
-    model: RematModel, ac: ActivationCheckpointConfig, input_bytes: int, no_ac_peak: int, status: str, reserve: int
+    model: RematModel, ac: ActivationCheckpointConfig, input_bytes: int, no_ac_peak: int, status: str, out: Outside
 ):
-    """The one-line refusal of a budget no choice of `model` fits, with the smallest feasible budget (`reserve`
-    bytes above the model's lowest peak: FSDP's prefetch, `_reserve`)."""
+    """The one-line refusal of a budget no choice of `model` fits, with the smallest feasible budget (in the
+    budget's terms: `Outside.whole_step` of the model's lowest peak)."""
     smallest, proven = smallest_peak(model, time_limit_s=SOLVE_TIME_LIMIT_S)
-    smallest += reserve
+    smallest = out.whole_step(parse_memory_budget(ac.memory_budget), smallest)
     needed = parse_memory_budget(ac.memory_budget).smallest(smallest, input_bytes=input_bytes, no_ac_peak=no_ac_peak)
     which = "the smallest reachable peak" if proven else f"the lowest peak found in {SOLVE_TIME_LIMIT_S:g} s"
     if status != INFEASIBLE:  # not proven: say what stopped the solver
@@ -203,15 +264,18 @@ def tag_memory_budget(
     *,
     input_categories: list[str] | None = None,
     fsdp_policy: str | None = None,
-    fsdp_prefetch: bool = False,
+    gathers_prefetched: bool = False,
+    eager_update: EagerUpdate | None = None,
     block_choice: BlockChoice | None = None,
 ) -> torch.fx.GraphModule:
     """Tag `gm` so its estimated peak fits `ac.memory_budget` with the fewest recompute FLOPs (see module docstring).
     `fsdp_policy`: with FSDP, `parallelism.fsdp_reshard_after_forward`, which the model applies to the gathers as
     the later `fsdp_gather` pass will (`_remat_model`); the no-AC peak is then that of the graph with no other
-    recompute. `fsdp_prefetch`: with FSDP, `parallelism.fsdp_prefetch`, whose later pass can hold one unit's
+    recompute. `gathers_prefetched`: with FSDP, `parallelism.fsdp_prefetch`, whose later pass can hold one unit's
     gathers more than the graph decided here: the choice is solved that much below the target (`_reserve`), and the
-    no-AC peak a fraction refers to counts it. `block_choice`: the choice the plan solved on this model's short
+    no-AC peak a fraction refers to counts it. `eager_update`: the AdamW update run after the graph (None: in it),
+    whose state a size budget leaves room for beside the graph, and whose own peak it must hold (`Outside`).
+    `block_choice`: the choice the plan solved on this model's short
     traces (`solve_in_depth`), applied by block class instead of solving this graph whole; a graph it was not solved
     for (a retrace at another shape) is solved whole, which is said.
 
@@ -225,38 +289,36 @@ def tag_memory_budget(
     if block_choice is not None and _apply_block_choice(gm, structure, ac, input_categories, fsdp_policy, block_choice):
         return gm
     built = None if fsdp_policy is None else _remat_model(gm, structure, ac, input_categories, fsdp_policy)
-    reserve = _reserve(gm, fsdp_policy, fsdp_prefetch)
-    input_bytes, no_ac_peak = _no_ac_peak(gm, built and built[0], input_categories)
-    no_ac_peak += reserve
-    target = parse_memory_budget(ac.memory_budget).target(input_bytes=input_bytes, no_ac_peak=no_ac_peak)
+    input_bytes, no_ac_peak, final_bytes = _no_ac_peak(gm, built and built[0], input_categories)
+    out = _outside(gm, fsdp_policy, gathers_prefetched, eager_update, final_bytes)
+    if refusal := _update_refusal(ac, out):
+        raise refusal
+    no_ac_peak += out.reserve
+    target = out.graph_target(parse_memory_budget(ac.memory_budget), input_bytes=input_bytes, no_ac_peak=no_ac_peak)
     if no_ac_peak <= target:
         write_tags(gm, structure, {})  # the no-AC graph fits: recompute nothing
         logger.info(
-            f"memory_budget: the no-AC peak {no_ac_peak / GIB:.4f} GiB{_kept(reserve)} fits the target "
-            f"{target / GIB:.4f} GiB; nothing recomputed"
+            f"memory_budget: the no-AC peak {no_ac_peak / GIB:.4f} GiB fits the graph's target "
+            f"{target / GIB:.4f} GiB{out.words()}; nothing recomputed"
         )
         return gm
 
     model, always, pinned = built or _remat_model(gm, structure, ac, input_categories, fsdp_policy)
     candidates = model.candidates
-    solution = solve(model, target - reserve, time_limit_s=SOLVE_TIME_LIMIT_S)
+    solution = solve(model, target - out.reserve, time_limit_s=SOLVE_TIME_LIMIT_S)
     if solution.recompute is None:
-        raise _infeasible(model, ac, input_bytes, no_ac_peak, solution.status, reserve)
+        raise _infeasible(model, ac, input_bytes, no_ac_peak, solution.status, out)
     chosen = set(solution.recompute)
     _write_choice(gm, structure, always, pinned, chosen)
     _check_estimate(gm, input_categories, fsdp_policy, solution.peak_bytes)
     say = logger.info if solution.optimal else logger.warning  # a choice short of the optimum is a fallback
+    s = solution
     say(
-        f"memory_budget: target peak {target / GIB:.4f} GiB{_kept(reserve)}; recompute {len(chosen)}/{len(candidates)}"
-        f" candidates, {solution.recompute_flops / 1e9:.3f} GFLOP of recompute, peak {solution.peak_bytes / GIB:.4f}"
-        f" GiB ({_proof(solution.optimal, solution.status, solution.gap)}, {solution.solve_s:.1f} s)"
+        f"memory_budget: the graph's target peak {target / GIB:.4f} GiB{out.words()}; recompute "
+        f"{len(chosen)}/{len(candidates)} candidates, {s.recompute_flops / 1e9:.3f} GFLOP of recompute, "
+        f"peak {s.peak_bytes / GIB:.4f} GiB ({_proof(s.optimal, s.status, s.gap)}, {s.solve_s:.1f} s)"
     )
     return gm
-
-
-def _kept(reserve: int) -> str:
-    """The log lines' words for the bytes kept for FSDP's prefetch (none without it)."""
-    return f" (with {reserve / GIB:.4f} GiB kept for FSDP's prefetch)" if reserve else ""
 
 
 def _write_choice(
@@ -320,7 +382,7 @@ def _apply_block_choice(
     c = block_choice
     say = logger.info if c.optimal else logger.warning
     say(
-        f"memory_budget: target peak {c.target_bytes / GIB:.4f} GiB{_kept(c.reserve_bytes)}; recompute "
+        f"memory_budget: the graph's target peak {c.target_bytes / GIB:.4f} GiB{c.room}; recompute "
         f"{c.recomputed}/{c.candidates} candidates, one choice per block class solved on the "
         f"{' + '.join(map(str, c.short_depths))}-block traces, {c.recompute_flops / 1e9:.3f} GFLOP of recompute, "
         f"peak {c.peak_bytes / GIB:.4f} GiB ({_proof(c.optimal, c.status, c.gap)}, {c.solve_s:.1f} s)"
@@ -338,7 +400,7 @@ class DeepModel:
     input_bytes: int
     depth: int
     lead: int
-    reserve: int = 0  # bytes kept for FSDP's prefetch (`_reserve`)
+    outside: Outside = Outside()  # what the step holds beside the graph at this depth
 
     def count(self, candidates: Iterable[torch.fx.Node]) -> int:
         """How many candidates of the deep step `candidates` of the short model's stand for (a middle block's for
@@ -357,11 +419,14 @@ def deep_model(
     lead: int,
     depth: int,
     fsdp_policy: str | None = None,
-    fsdp_prefetch: bool = False,
+    gathers_prefetched: bool = False,
+    eager_updates: tuple[EagerUpdate | None, EagerUpdate | None] = (None, None),
 ) -> DeepModel:
     """The budget's model of the `depth`-block step from its `lead`+3- and `lead`+4-block steps (`short`, after
-    clean-up), as `solve_in_depth` solves it. `fsdp_policy`, `fsdp_prefetch`: as `tag_memory_budget`'s (a unit's
-    gathers are the same at every depth, so the short step's reserve is the deep one's).
+    clean-up), as `solve_in_depth` solves it. `fsdp_policy`, `gathers_prefetched`: as `tag_memory_budget`'s (a unit's
+    gathers are the same at every depth, so the short step's reserve is the deep one's). `eager_updates`: the short
+    steps' eager updates (None: in the graph); their state and scratch, and the graph's final bytes, grow by the
+    same bytes a block, as the plan extends them (`plan/block_plan.py`).
 
     Raises:
         NotExtendable: the short steps' models do not extend in depth (`budget_depth`).
@@ -371,11 +436,22 @@ def deep_model(
         for gm, categories in zip(short, input_categories, strict=True)
     )
     model = extend_in_depth(four, three, counterpart=counterpart, block_of=block_of, lead=lead, depth=depth)
-    pairs = zip(short, input_categories, strict=True)
-    inputs = [estimate_peak_memory(gm, input_categories=c).input_bytes for gm, c in pairs]
-    input_bytes = inputs[1] + (depth - lead - 4) * (inputs[1] - inputs[0])
-    reserve = _reserve(short[1], fsdp_policy, fsdp_prefetch)
-    return DeepModel(model, candidate_keys(model.candidates, lead + 4, lead), input_bytes, depth, lead, reserve)
+    estimates = [estimate_peak_memory(gm, input_categories=c) for gm, c in zip(short, input_categories, strict=True)]
+
+    def at_depth(read: Callable[[int], int]) -> int:
+        return read(1) + (depth - lead - 4) * (read(1) - read(0))
+
+    input_bytes = at_depth(lambda i: estimates[i].input_bytes)
+    final_bytes = at_depth(lambda i: sum(estimates[i].final_bytes_by_category.values()))
+    update = None
+    if eager_updates[1] is not None:
+        update = EagerUpdate(
+            eager_updates[1].implementation,
+            at_depth(lambda i: eager_updates[i].state_bytes),
+            at_depth(lambda i: eager_updates[i].scratch_bytes),
+        )
+    outside = _outside(short[1], fsdp_policy, gathers_prefetched, update, final_bytes)
+    return DeepModel(model, candidate_keys(model.candidates, lead + 4, lead), input_bytes, depth, lead, outside)
 
 
 def solve_in_depth(deep: DeepModel, ac: ActivationCheckpointConfig) -> BlockChoice:
@@ -385,16 +461,18 @@ def solve_in_depth(deep: DeepModel, ac: ActivationCheckpointConfig) -> BlockChoi
     Raises:
         ConfigError: no choice fits the budget at the deep step's depth (with the smallest feasible budget).
     """
-    model, input_bytes, reserve = deep.model, deep.input_bytes, deep.reserve
-    no_ac_peak = model.peak([]) + reserve
-    target = parse_memory_budget(ac.memory_budget).target(input_bytes=input_bytes, no_ac_peak=no_ac_peak)
-    solved_at = target - reserve  # the model's peak bound: the target less what FSDP's prefetch may add
+    model, input_bytes, out = deep.model, deep.input_bytes, deep.outside
+    if refusal := _update_refusal(ac, out):
+        raise refusal
+    no_ac_peak = model.peak([]) + out.reserve
+    target = out.graph_target(parse_memory_budget(ac.memory_budget), input_bytes=input_bytes, no_ac_peak=no_ac_peak)
+    solved_at = target - out.reserve  # the model's peak bound: the target less what FSDP's prefetch may add
     if no_ac_peak <= target:
         solution = Solution([], model.peak([]), 0, 0.0, "the no-AC peak fits", True)
     else:
         solution = solve(model, solved_at, time_limit_s=SOLVE_TIME_LIMIT_S)
         if solution.recompute is None:
-            raise _infeasible(model, ac, input_bytes, no_ac_peak, solution.status, reserve)
+            raise _infeasible(model, ac, input_bytes, no_ac_peak, solution.status, out)
         if not solution.optimal:  # the whole solve stopped at its limits: improve its choice class by class
 
             def fewer_flops(fixed: dict[torch.fx.Node, bool], seconds: float) -> Solution:
@@ -541,7 +619,7 @@ def _block_choice(deep: DeepModel, solution: Solution, target: float) -> BlockCh
         status=solution.status,
         short_depths=(lead + 3, lead + 4),
         lead=lead,
-        reserve_bytes=deep.reserve,
+        room=deep.outside.words(),
     )
 
 
@@ -551,7 +629,7 @@ class FrontierPoint:
 
     budget_bytes: int  # the whole step's peak asked for
     fraction: float  # the same budget as a fraction of the no-AC activation memory (`memory_budget`'s other form)
-    peak_bytes: int  # the chosen plan's peak (the model's, equal to the estimate's to the byte)
+    peak_bytes: int  # the chosen plan's whole-step peak (the model's and the eager update's, equal to the estimate's)
     recompute_flops: int
     recomputed: int  # candidates recomputed, of `candidates`
     candidates: int
@@ -572,7 +650,8 @@ def budget_frontier(
     on_point: Callable[[FrontierPoint], None] | None = None,
     time_limit_s: float = SOLVE_TIME_LIMIT_S,
     fsdp_policy: str | None = None,
-    fsdp_prefetch: bool = False,
+    gathers_prefetched: bool = False,
+    eager_update: EagerUpdate | None = None,
 ) -> list[FrontierPoint]:
     """The budget policy's answers at `points` budgets evenly spread from the lowest peak a choice reaches (the
     lowest found within `time_limit_s` on a deep graph) to the no-AC peak, both included: what each whole-step peak
@@ -581,15 +660,15 @@ def budget_frontier(
     solve, as `SOLVE_TIME_LIMIT_S` bounds the pass's: a point stopped by it says so (not optimal, with the solver's
     gap). A choice that fits a budget fits every larger one, so a stopped solve whose choice costs more FLOPs than
     the point before (or that found none) takes that point's choice, also said not optimal: the frontier never
-    rises. `fsdp_policy`, `fsdp_prefetch`: as `tag_memory_budget`'s.
+    rises. `fsdp_policy`, `gathers_prefetched`, `eager_update`: as `tag_memory_budget`'s.
     """
     structure = analyze(gm)
     model, _always, _pinned = _remat_model(gm, structure, ac, input_categories, fsdp_policy)
     no_ac = estimate_peak_memory(gm, input_categories=input_categories)
     highest = no_ac.peak_bytes if fsdp_policy is None else model.peak([])
-    reserve = _reserve(gm, fsdp_policy, fsdp_prefetch)
+    out = _outside(gm, fsdp_policy, gathers_prefetched, eager_update, sum(no_ac.final_bytes_by_category.values()))
     return model_frontier(
-        model, no_ac.input_bytes, highest, points=points, on_point=on_point, time_limit_s=time_limit_s, reserve=reserve
+        model, no_ac.input_bytes, highest, points=points, on_point=on_point, time_limit_s=time_limit_s, outside=out
     )
 
 
@@ -602,11 +681,12 @@ def model_frontier(
     on_point: Callable[[FrontierPoint], None] | None = None,
     time_limit_s: float = SOLVE_TIME_LIMIT_S,
     count: Callable[[list[torch.fx.Node]], int] = len,
-    reserve: int = 0,
+    outside: Outside = Outside(),
 ) -> list[FrontierPoint]:
     """`budget_frontier` on a model (`input_bytes`: its graph's inputs; `highest`: its no-AC peak); `count`: how
     many of the step's candidates a choice of the model's stands for (`DeepModel.count` on a deep model);
-    `reserve`: what the policy keeps for FSDP's prefetch, added to each point's budget (what asks for its choice)."""
+    `outside`: what the step holds beside the graph (`Outside`): each point's budget and peak are the whole step's,
+    the budget being the size that asks for the point's choice."""
     if points < 2:
         raise ValueError(f"a frontier needs at least 2 points, got {points}")
     # The low end is the lowest peak the solver finds within the limit: proven the lowest on small graphs, the best
@@ -618,6 +698,7 @@ def model_frontier(
             f"budget frontier: its first budget, {lowest / GIB:.4f} GiB, is the lowest peak the solver found in "
             f"{time_limit_s:g} s, not one it proved the lowest"
         )
+    reserve, whole = outside.reserve, MemoryBudget(peak_bytes=0)  # a size budget: the whole step's peak
     activations = max(highest + reserve - input_bytes, 1)
     out = []
     # The best choice known to fit: the lowest-peak choice fits every budget here, and each point's choice fits the
@@ -630,9 +711,9 @@ def model_frontier(
             found = dataclasses.replace(known, solve_s=found.solve_s, optimal=False, gap=None)
         known = found
         point = FrontierPoint(
-            budget_bytes=budget + reserve,
+            budget_bytes=outside.whole_step(whole, budget),
             fraction=(budget + reserve - input_bytes) / activations,
-            peak_bytes=found.peak_bytes,
+            peak_bytes=max(found.peak_bytes + outside.held, outside.after),  # before the prefetch moves its gathers
             recompute_flops=found.recompute_flops,
             recomputed=count(found.recompute),
             candidates=count(model.candidates),

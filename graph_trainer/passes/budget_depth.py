@@ -86,7 +86,7 @@ class BlockChoice:
     status: str
     short_depths: tuple[int, int]
     lead: int  # leading blocks, each its own class (`block_class`)
-    reserve_bytes: int = 0  # kept below the target for FSDP's prefetch (`budget._reserve`)
+    room: str = ""  # what the target left room for beside the graph, in the log's words (`budget.Outside.words`)
 
     def decisions(self, keys: dict[torch.fx.Node, Key]) -> set[torch.fx.Node] | str:
         """The candidates of a graph (`keys`: theirs) this choice recomputes, or why it does not apply there."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch.fx
 
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
+from graph_trainer.optimizer.update_memory import EagerUpdate
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.budget import tag_memory_budget
 from graph_trainer.passes.budget_depth import BlockChoice
@@ -35,7 +36,8 @@ def memory_policy(
     *,
     input_categories: list[str] | None = None,
     fsdp_policy: str | None = None,
-    fsdp_prefetch: bool = False,
+    gathers_prefetched: bool = False,
+    eager_update: EagerUpdate | None = None,
     budget_choice: BlockChoice | None = None,
 ) -> torch.fx.GraphModule:
     """Tag `gm`'s layer ops save/recompute as `ac.mode` asks (see module docstring). In place; returns `gm`.
@@ -47,8 +49,10 @@ def memory_policy(
             compare estimated peaks, which need them).
         fsdp_policy: with FSDP, `parallelism.fsdp_reshard_after_forward`: the budget's model re-gathers as the
             later `fsdp_gather` pass will, so the budget holds for the final graph.
-        fsdp_prefetch: with FSDP, `parallelism.fsdp_prefetch`: the budget keeps room for the one unit's gathers
+        gathers_prefetched: with FSDP, `parallelism.fsdp_prefetch`: the budget keeps room for the one unit's gathers
             the later `fsdp_prefetch` pass may hold early.
+        eager_update: the AdamW update run after the graph (None: in it): a size budget is the whole step's, so
+            the budget leaves room for its state beside the graph and refuses a size below its own peak.
         budget_choice: budget only: the choice planned on a deep model's short traces (`passes.budget_depth`).
 
     Raises:
@@ -63,7 +67,8 @@ def memory_policy(
             ac,
             input_categories=input_categories,
             fsdp_policy=fsdp_policy,
-            fsdp_prefetch=fsdp_prefetch,
+            gathers_prefetched=gathers_prefetched,
+            eager_update=eager_update,
             block_choice=budget_choice,
         )
     if ac.mode in ("selective", "full"):

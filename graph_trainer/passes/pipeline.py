@@ -23,6 +23,7 @@ from graph_trainer.errors import ConfigError, did_you_mean
 from graph_trainer.job_config.schema import ActivationCheckpointConfig, ParallelismConfig
 from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.units import MIB
+from graph_trainer.optimizer.update_memory import EagerUpdate
 from graph_trainer.passes.activation_checkpoint import policy_name
 from graph_trainer.passes.budget_depth import BlockChoice
 from graph_trainer.tracer import node_meta
@@ -43,6 +44,9 @@ class PassConfig:
     parallelism: ParallelismConfig = dataclasses.field(default_factory=ParallelismConfig)
     # The budget's choice the plan solved on the short traces of a deep model (`passes.budget_depth`), or None.
     budget_choice: BlockChoice | None = None
+    # The AdamW update run after the graph (None: traced into it): its state is alive through the graph without
+    # being one of its inputs, which a whole-step size budget must leave room for (`passes/budget.py`).
+    eager_update: EagerUpdate | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.memory import MemoryEvent
 from graph_trainer.optimizer.update_memory import adamw_update_events
 from graph_trainer.plan.eager_baseline import repeated_steps
-from graph_trainer.plan.step_plan import StepPlan, eager_update_of, plan_step
+from graph_trainer.plan.step_plan import StepPlan, plan_step
 from graph_trainer.tracer.memory_estimate import allocation_events
 
 
@@ -29,7 +29,7 @@ def graph_step_stream(cfg: JobConfig, device: torch.device, steps: int = 2) -> t
     with planning_mesh(ParallelDims.from_config(cfg.parallelism), device) as mesh:
         job = build_job(cfg, mesh, materialize=False)
         plan = plan_step(job)
-        update = eager_update_of(job)
+        update = job.eager_update()
         state, scratch = adamw_update_events(job.optimizer, update.implementation, job.device) if update else ([], [])
     events, inputs = allocation_events(plan.step_graph.traced.gm)
     recorded = [*events[:inputs], *state, *events[inputs:]]

@@ -74,7 +74,6 @@ from graph_trainer.passes.communication import communication_bytes
 from graph_trainer.plan.step_plan import (
     AC_MODES,
     StepPlan,
-    eager_update_of,
     extra_compiled_bytes,
     finish_plan,
     meta_batch,
@@ -384,7 +383,7 @@ def _budget_choice(
     if any(isinstance(v, UserError) for v in variants.values()):
         return next(v for v in variants.values() if isinstance(v, UserError))
     three, four = (variants[p] for p in grid.points)
-    args, kwargs = _short_budget_args(cfg, four.job, three.clean, four.clean)
+    args, kwargs = _short_budget_args(cfg, (three.job, four.job), three.clean, four.clean)
     try:
         with quiet():
             deep = deep_model(*args, **kwargs, depth=depth)
@@ -399,11 +398,13 @@ def _budget_choice(
     return choice
 
 
-def _short_budget_args(cfg: JobConfig, job: Job, three: TracedStep, four: TracedStep) -> tuple[tuple, dict]:
+def _short_budget_args(
+    cfg: JobConfig, jobs: tuple[Job, Job], three: TracedStep, four: TracedStep
+) -> tuple[tuple, dict]:
     """What `deep_model` reads of the two short steps (`three`, `four`: cleaned up), before
     the depth: the graphs, their input categories, the budget's section, each op's counterpart and block, and what
-    FSDP does to the gathers after the budget (its gather policy and prefetch)."""
-    lead, layers = leading_blocks(cfg), job.spec.parallel_plan.layers
+    FSDP does to the gathers after the budget (its gather policy and prefetch), and the jobs' eager updates."""
+    lead, layers = leading_blocks(cfg), jobs[1].spec.parallel_plan.layers
     gm3, gm4 = three.gm, four.gm
     keys3, keys4 = _keys(gm3, lead + 3, layers, lead), _keys(gm4, lead + 4, layers, lead)
     nodes3, nodes4 = list(gm3.graph.nodes), list(gm4.graph.nodes)
@@ -423,7 +424,8 @@ def _short_budget_args(cfg: JobConfig, job: Job, three: TracedStep, four: Traced
         "block_of": {n: b for _, n, b in node_blocks(gm4, layers)},
         "lead": lead,
         "fsdp_policy": fsdp_policy_of(with_ac_mode(cfg, "budget")),
-        "fsdp_prefetch": fsdp_prefetch_of(cfg),
+        "gathers_prefetched": fsdp_prefetch_of(cfg),
+        "eager_updates": (jobs[0].eager_update(), jobs[1].eager_update()),
     }
 
 
@@ -435,12 +437,13 @@ def deep_budget_model(cfg: JobConfig, mesh: Mesh) -> DeepModel:
         NotExtendable: the short steps' models do not extend in depth.
     """
     depth = resolve_model_args(cfg).n_layers
-    cleaned = []
+    cleaned, jobs = [], []
     for blocks in short_depths(cfg):
         job = build_job(_short_config(cfg, blocks, cfg.training.local_batch_size), mesh, materialize=False)
         traced, _ = _trace(job)
         cleaned.append(stages.transform(job, traced, until=CLEAN_UP).traced)
-    args, kwargs = _short_budget_args(cfg, job, *cleaned)
+        jobs.append(job)
+    args, kwargs = _short_budget_args(cfg, tuple(jobs), *cleaned)
     return deep_model(*args, **kwargs, depth=depth)
 
 
@@ -519,7 +522,7 @@ class _Variant:
             _check_blocks(gm, k, layers, lead, f"after the passes of AC mode {job.cfg.activation_checkpoint.mode}")
             categories = self.clean.layout.categories
             self._short = _Short(
-                job, gm, result.memory_estimate, eager_update_of(job), _keys(gm, k, layers, lead), categories
+                job, gm, result.memory_estimate, job.eager_update(), _keys(gm, k, layers, lead), categories
             )
         return self._short
 

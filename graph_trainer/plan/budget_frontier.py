@@ -75,7 +75,7 @@ def plan_frontier(
                 deep = deep_budget_model(cfg, mesh)
             return model_frontier(
                 deep.model, deep.input_bytes, deep.model.peak([]), points=points, on_point=on_point,
-                time_limit_s=SOLVE_S, count=deep.count, reserve=deep.reserve,
+                time_limit_s=SOLVE_S, count=deep.count, outside=deep.outside,
             )  # fmt: skip
         except NotExtendable as e:
             logger.warning(f"budget frontier: solved on every block instead (the short steps do not extend: {e})")
@@ -91,7 +91,8 @@ def plan_frontier(
         on_point=on_point,
         time_limit_s=SOLVE_S,
         fsdp_policy=fsdp_policy_of(cfg),
-        fsdp_prefetch=fsdp_prefetch_of(cfg),
+        gathers_prefetched=fsdp_prefetch_of(cfg),
+        eager_update=job.eager_update(),
     )
     return found
 

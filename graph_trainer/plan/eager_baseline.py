@@ -19,7 +19,7 @@ from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.memory import ALLOC, FREE, AllocationRecorder, LiveTensorTracker, MemoryEvent
 from graph_trainer.optimizer.update_memory import EagerUpdate, adamw_update_events, peak_with_update
-from graph_trainer.plan.step_plan import batch_names, eager_update_of
+from graph_trainer.plan.step_plan import batch_names
 
 
 @dataclasses.dataclass
@@ -85,7 +85,7 @@ class EagerWholeStep:
 def eager_whole_step_peak(cfg: JobConfig, device: torch.device, record_events: bool = False) -> EagerWholeStep:
     """`eager_step_peak` of cfg's eager step plus its AdamW update, added as a graph plan adds an eager update
     (`optimizer.update_memory.whole_step_peak`): the state alive throughout, the update's scratch on what the step
-    leaves alive. The update is the one `compile.mode eager` runs (`step_plan.eager_update_of`), so with
+    leaves alive. The update is the one `compile.mode eager` runs (`builder.Job.eager_update`), so with
     `compile.trace_optimizer = false` it is the graph plan's own, and the two peaks count the same optimizer.
 
     With `record_events`, `events` is two such steps as an allocator sees them, in order (`repeated_steps`).
@@ -93,7 +93,7 @@ def eager_whole_step_peak(cfg: JobConfig, device: torch.device, record_events: b
     eager_cfg = copy.deepcopy(cfg)
     eager_cfg.compile.mode = "eager"  # the update runs eagerly after the step, whatever the graph would do
     with _planned_job(eager_cfg, device) as job:
-        update = eager_update_of(job)  # before the fake run, which swaps the model's parameters for fakes
+        update = job.eager_update()  # before the fake run, which swaps the model's parameters for fakes
         state, scratch = (
             adamw_update_events(job.optimizer, update.implementation, job.device) if record_events else ([], [])
         )

@@ -55,7 +55,7 @@ from graph_trainer.observability.memory import LiveTensorTracker, allocated_byte
 from graph_trainer.observability.units import MIB, to_gib
 from graph_trainer.optimizer.update_memory import peak_with_update
 from graph_trainer.plan.eager_baseline import materialize_fake
-from graph_trainer.plan.step_plan import eager_update_of, for_device, meta_batch
+from graph_trainer.plan.step_plan import for_device, meta_batch
 from graph_trainer.step import micro_batches
 from graph_trainer.tracer import node_meta
 from graph_trainer.tracer.executor import Transformed
@@ -249,7 +249,7 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
     traced = step.prepare(micro_batches(meta_batch(cfg), step.n_micro, graph_step.count_reduce)[0], traced)
     if traced is not None:
         for_device(traced, device)
-    update = eager_update_of(job)
+    update = job.eager_update()
     tracker = _PeakTracker(device.type)
     if cfg.compile.mode == "eager":
         tracker.outside = "(run eagerly)"

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.builder import Job, adamw_implementation_for, build_job, optimizer_in_graph
+from graph_trainer.builder import Job, build_job
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.schema import JobConfig
@@ -115,13 +115,6 @@ def batch_names(cfg: JobConfig) -> tuple[str, ...]:
     """The [B, S] int64 tensors of the job's batches: tokens and labels, and the rows' document ids when
     `data.document_masking` is on (so a plan holds the attention mask the step will build)."""
     return ("input", "labels", DOCUMENT_IDS) if cfg.data.document_masking else ("input", "labels")
-
-
-def eager_update_of(job: Job) -> EagerUpdate | None:
-    """What the AdamW update run after the graph costs (None: the update is in the graph)."""
-    if optimizer_in_graph(job.cfg):
-        return None
-    return EagerUpdate.of(job.optimizer, adamw_implementation_for(job.cfg, job.device), job.device)
 
 
 def extra_compiled_bytes(cfg: JobConfig, gm: torch.fx.GraphModule) -> int:
@@ -253,7 +246,7 @@ def plan_of(
     return finish_plan(
         job,
         est,
-        eager_update_of(job),
+        job.eager_update(),
         location,
         num_params=job.num_params(),
         flops=sum(node_flops(n) for n in traced.gm.graph.nodes) if flops is None else flops,
@@ -283,7 +276,6 @@ def plan_config(cfg: JobConfig, device: torch.device | None = None) -> StepPlan:
 __all__ = [
     "AC_MODES",
     "StepPlan",
-    "eager_update_of",
     "finish_plan",
     "for_device",
     "meta_batch",

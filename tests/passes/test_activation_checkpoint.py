@@ -13,6 +13,7 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.observability.memory import LiveTensorTracker
 from graph_trainer.trainer import Trainer
+from tests.multiprocess import assert_peaks_match, peaks
 
 TINY = [
     "--config",
@@ -188,6 +189,33 @@ def test_a_size_budget_bounds_the_whole_steps_measured_peak(tmp_path):
         "smallest", "--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", smallest
     )
     assert peak <= float(smallest.removesuffix("GiB")) * 2**30
+
+
+@pytest.mark.integration  # trains three budgets or modes for two steps each
+def test_a_size_budget_beside_the_eager_update_bounds_the_whole_steps_measured_peak(tmp_path):
+    """The default eager AdamW update runs after the graph: its state is alive beside the graph (not one of its
+    inputs), and its own peak (parameters, gradients, state and scratch) no choice in the graph lowers. A size budget
+    leaves room for the state, so the whole step's measured peak stays under it; a size below the update's own peak
+    is refused in one line with the smallest one. (Before, a size budget needed `--compile.trace_optimizer true`.)"""
+
+    def measured(name: str, *ac: str) -> int:
+        result = _trainer(tmp_path, name, "--metrics.track_memory", "true", "--training.steps", "2", *ac).train()
+        step_peaks = peaks(result.records)
+        assert_peaks_match(step_peaks, name)
+        return max(m for _, m, _ in step_peaks)
+
+    none = measured("none")
+    full = measured("full", "--activation_checkpoint.mode", "full")
+    budget = (none + full) // 2
+    peak = measured(
+        "mid", "--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", f"{budget}B"
+    )
+    print(f"whole step, eager update: no AC {none:,} B, full {full:,}, budget {budget:,}, its plan {peak:,}")
+    assert full <= peak <= budget < none
+
+    with pytest.raises(ConfigError, match="the eager AdamW update after the graph peaks at") as info:
+        measured("low", "--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", "1KiB")
+    assert "\n" not in str(info.value) and re.search(r"memory_budget \d+\.\d+GiB or more", str(info.value))
 
 
 def test_recompute_override_of_a_random_op_is_refused(tmp_path):

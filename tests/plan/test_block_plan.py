@@ -55,8 +55,9 @@ def _both(args: list[str], layers: int, modes: tuple[str, ...], whole: tuple[str
 
 def _check(
     args: list[str], layers: int, traced: int = sum(SHORT), *, budget: bool = True, optimum: bool = True
-) -> None:
-    """`optimum`: also solve the budget on the whole graph, per op, and compare the FLOPs (20-40 s more)."""
+) -> dict:
+    """`optimum`: also solve the budget on the whole graph, per op, and compare the FLOPs (20-40 s more). Returns
+    the depth-free plans, by mode."""
     fast, full = _both(args, layers, AC_MODES if budget else EXACT, AC_MODES if budget and optimum else EXACT)
     for mode in EXACT:
         assert fast[mode].blocks_traced == traced, mode  # extended, not a fallback to the full trace
@@ -67,6 +68,7 @@ def _check(
         assert isinstance(op, str) and op and (layer is None or f"layers.{layer}" in module or "AdamW" in op)
     if budget:
         _check_budget(args, layers, traced, fast, full if optimum else None)
+    return fast
 
 
 def _check_budget(args: list[str], layers: int, traced: int, fast: dict, full: dict | None) -> None:
@@ -100,6 +102,15 @@ def test_depth_free_plan_equals_the_full_trace_debug_8_blocks():
 @pytest.mark.integration
 def test_depth_free_budget_plan_equals_the_full_trace_debug_16_blocks():
     _check(BUDGET, 16, optimum=False)
+
+
+@pytest.mark.integration
+def test_depth_free_size_budget_beside_the_eager_update_equals_the_full_trace():
+    """A whole-step size with the eager AdamW update after the graph: the deep model leaves room for the update's
+    state at the model's depth (extended from the short steps, as the plan extends it), and the plan fits."""
+    size = 0.2 * 2**30  # between full's 0.12 GiB and no AC's 0.26 GiB at these widths
+    fast = _check([*BUDGET, "--activation_checkpoint.memory_budget", "0.2GiB"], 8, optimum=False)
+    assert fast["budget"].optimizer != "in graph" and fast["budget"].peak_bytes <= size < fast["none"].peak_bytes
 
 
 @pytest.mark.integration
