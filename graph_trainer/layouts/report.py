@@ -30,6 +30,7 @@ def _row(r: search.Screened, cluster: Cluster, seq: int) -> dict:
     return {
         "layout": r.cand.layout(),
         "ac_mode": r.cand.ac_mode,
+        "memory_budget": r.cand.memory_budget or None,  # AC budget: what it plans to
         "local_batch": r.cand.local_batch,
         "accumulation": r.cand.accumulation,
         **r.cand.parallelism_settings(),
@@ -59,8 +60,9 @@ def print_table(rows: list[search.Screened], cluster: Cluster, seq: int) -> None
     # The layout with its options' words: "pp 8 x dp_shard 8 x tp 8, 1F1B, prefetch".
     shown = [x["layout"] + layout.describe_options(dict(r.cand.options))[0] for r, x in zip(rows, table, strict=True)]
     wide = max([26] + [len(text) for text in shown])  # HSDP with tp: "dp_replicate 2 x dp_shard 16 x tp 2"
+    ac = max([9] + [len(r.cand.ac()) for r in rows])  # "budget 81920MiB": the budget it plans to
     print(
-        f"{'#':>2} {'layout':<{wide}} {'ac':<9} {'lb x acc':>8} {'peak GiB':>8} {'free GiB':>8} {'step s':>7} "
+        f"{'#':>2} {'layout':<{wide}} {'ac':<{ac}} {'lb x acc':>8} {'peak GiB':>8} {'free GiB':>8} {'step s':>7} "
         f"{'tok/s/gpu':>9} {'MFU':>5}  comm GiB/step ({' '.join(name for name, _ in COLUMNS)})"
     )
     for i, (r, x, text) in enumerate(zip(rows, table, shown, strict=True), 1):
@@ -68,7 +70,7 @@ def print_table(rows: list[search.Screened], cluster: Cluster, seq: int) -> None
         batch = r.cand.batch()
         peak = ("~" if x["peak_approximate"] else "") + f"{x['peak_gib']:.2f}"  # ~: an upper bound
         print(
-            f"{i:>2} {text:<{wide}} {x['ac_mode']:<9} {batch:>8} {peak:>8} "
+            f"{i:>2} {text:<{wide}} {r.cand.ac():<{ac}} {batch:>8} {peak:>8} "
             f"{x['headroom_gib']:8.2f} {x['step_s']:7.2f} {x['tokens_per_s_per_gpu']:9.0f} {x['mfu']:5.1%}  {comm}"
         )
 

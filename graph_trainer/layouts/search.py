@@ -58,6 +58,7 @@ class Candidate:
     trace_optimizer: bool
     accumulation: int = 1  # micro-steps per step: the global batch is local batch x dp degree x accumulation
     options: tuple[tuple[str, Any], ...] = ()  # the parallelisms' [parallelism] options it sets (`option_choices`)
+    memory_budget: str = ""  # AC budget only: `activation_checkpoint.memory_budget` (the search's: the device's memory)
 
     @property
     def dp(self) -> int:
@@ -78,8 +79,10 @@ class Candidate:
         per_step = layout.step_options()
         out = [f"--parallelism.{name} {n}" for name, n in self.degrees if n > 1]
         out += _option_overrides({k: v for k, v in self.options if k not in per_step})
+        out.append(f"--activation_checkpoint.mode {self.ac_mode}")
+        if self.memory_budget:
+            out.append(f"--activation_checkpoint.memory_budget {self.memory_budget}")
         out += [
-            f"--activation_checkpoint.mode {self.ac_mode}",
             f"--training.local_batch_size {self.local_batch}",
             f"--training.loss_chunk_size {self.loss_chunk_size}",
             f"--compile.trace_optimizer {str(self.trace_optimizer).lower()}",
@@ -105,9 +108,13 @@ class Candidate:
         """'local batch x accumulation', with the parallelisms' marks (a deferred gradient sync: 's')."""
         return f"{self.local_batch} x {self.accumulation}" + layout.describe_options(dict(self.options))[1]
 
+    def ac(self) -> str:
+        """The AC mode, with the budget it plans to: 'full', 'budget 81920MiB'."""
+        return f"{self.ac_mode} {self.memory_budget}" if self.memory_budget else self.ac_mode
+
     def label(self) -> str:
         """The candidate in a few words, for lists and progress: 'dp_shard 8, AC full, local batch 2 x 4'."""
-        return f"{self.layout()}, AC {self.ac_mode}, local batch {self.batch()}"
+        return f"{self.layout()}, AC {self.ac()}, local batch {self.batch()}"
 
     def apply(self, cfg: JobConfig) -> JobConfig:
         """`cfg` with this candidate's settings (a copy)."""
@@ -123,6 +130,8 @@ class Candidate:
             for name, value in layout.bf16_settings(degrees).items():
                 setattr(out.training, name, value)
         out.activation_checkpoint.mode = self.ac_mode
+        if self.memory_budget:
+            out.activation_checkpoint.memory_budget = self.memory_budget
         out.training.local_batch_size = self.local_batch
         out.training.loss_chunk_size = self.loss_chunk_size
         out.compile.trace_optimizer = self.trace_optimizer
@@ -248,7 +257,7 @@ def candidates(
     degree is the global batch x the parallelisms' options (FSDP's gradient sync when it accumulates, and the
     `offered` values of the options the user asks to try, e.g. `{"fsdp_prefetch": (True, False)}`) x AC mode x
     loss chunk x optimizer placement, each passed through `trainer_refuses` (once per distinct setting of the
-    options it reads)."""
+    options it reads). AC budget candidates carry the config's `memory_budget` (the planner's: the device's memory)."""
     space = Space([], {})
     verdicts: dict[tuple, str | None] = {}
     model_args = resolve_model_args(cfg)
@@ -262,7 +271,8 @@ def candidates(
             degrees = layout.canonical({**mesh_degrees, **carved})
             for options in layout.option_choices(dict(degrees), acc, offered or {}):
                 for mode, chunk, in_graph in itertools.product(ac_modes, chunks, optimizer_in_graph):
-                    cand = Candidate(degrees, mode, lb, chunk, in_graph, acc, tuple(options.items()))
+                    budget = cfg.activation_checkpoint.memory_budget if mode == "budget" else ""
+                    cand = Candidate(degrees, mode, lb, chunk, in_graph, acc, tuple(options.items()), str(budget))
                     # The AC mode and the update's placement are part of the verdict: the trainer refuses a size
                     # budget beside an eager update.
                     key = (degrees, acc > 1, cand.options, mode, in_graph)
@@ -320,6 +330,7 @@ class Plans:
         self.cfg, self.device, self.say, self.progress = cfg, device, say, progress
         self._plans: dict[tuple, dict[int, dict[str, StepPlan | UserError]]] = {}
         self._extrapolated: set[tuple] = set()  # (shape, local batch): extended below its grid, for the screen only
+        self._budgets_solved: set[tuple] = set()  # (shape, local batch) whose AC budget was planned alone
         # {"candidate", "stage" (screen or exact), "error"} for each candidate whose plan failed (a UserError)
         self.failed: list[dict[str, str]] = []
         self.depth_free = 0  # depth-free plans made (each a grid of short traces, for every mode and batch at once)
@@ -362,6 +373,26 @@ class Plans:
                     self._extrapolated.add((shape, batch))
                 else:
                     self._extrapolated.discard((shape, batch))
+        if "budget" in modes and not screen:
+            self._solve_budgets(cands)
+
+    def _solve_budgets(self, cands: Iterable[Candidate]) -> None:
+        """Plan the AC budget of each micro-step of `cands` at its own local batch alone, where the budget's choice
+        is solved (`block_plan.plan_batches` with one batch): a grid of several batches only reads the budget off
+        the none and full plans, an upper bound the ranking leaves out. Once a micro-step: a solve that still
+        comes out approximate (short traces that do not extend) stays so, and is said as the plan says it."""
+        for cand in cands:
+            micro = cand.micro()
+            shape, batch = self._shape(micro), micro.local_batch
+            if (shape, batch) in self._budgets_solved:
+                continue
+            self._budgets_solved.add((shape, batch))
+            cfg = micro.apply(self.cfg)
+            fallbacks: list[str] = []
+            with planning_mesh(ParallelDims.from_config(cfg.parallelism), self.device) as mesh:
+                planned = plan_batches(cfg, mesh, ["budget"], [batch], on_fallback=fallbacks.append)
+            self._count(f"{_shape_words(micro)}, local batch {batch}, AC budget solved", fallbacks)
+            self._plans.setdefault(shape, {}).setdefault(batch, {})["budget"] = planned[batch]["budget"]
 
     def _count(self, words: str, fallbacks: list[str]) -> None:
         """Count one plan as depth-free or whole-depth; the first whole-depth fallback is said (`block_plan.fall_back`

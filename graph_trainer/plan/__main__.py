@@ -80,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     space = p.add_argument_group("search space (each option takes one value or several)")
     space.add_argument("--search.ac_modes", dest="ac_modes", nargs="+", default=["none", "selective", "full"],
-                       metavar="MODE", help="activation_checkpoint.mode values")  # fmt: skip
+                       metavar="MODE",
+                       help="activation_checkpoint.mode values (budget: planned to the device's memory)")  # fmt: skip
     space.add_argument("--search.loss_chunk_sizes", dest="chunks", type=int, nargs="+", metavar="N",
                        help="training.loss_chunk_size values (default: the config's)")  # fmt: skip
     space.add_argument("--search.optimizer_in_graph", dest="in_graph", nargs="+", default=["false"], metavar="BOOL",
@@ -138,7 +139,7 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     from graph_trainer.layouts.cost_model import PREFETCH
     from graph_trainer.layouts.progress import Progress
     from graph_trainer.layouts.report import nothing_fits, print_table, write_json, write_picture
-    from graph_trainer.observability.units import to_gib
+    from graph_trainer.observability.units import MIB, to_gib
 
     start, cpu_start = time.perf_counter(), time.process_time()
     overrides = {k: getattr(opts, k) for k in ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "efficiency")}
@@ -153,6 +154,8 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
         raise UserError(f"--parallelism.{d} is searched only with --search.pp true; pass it, or drop --parallelism.{d}")
     if opts.device != "cpu":  # the bf16 plan: as the trainer runs on a GPU (bf16 compute, bf16 FSDP gathers)
         cfg.training.dtype = "bfloat16"
+    if "budget" in opts.ac_modes:  # the fewest recompute FLOPs that fit the device, whatever the layout
+        cfg.activation_checkpoint.memory_budget = f"{cluster.memory_bytes // MIB}MiB"
     seq = cfg.training.seq_len
     if opts.global_tokens is not None:
         if opts.global_tokens % seq:
@@ -182,6 +185,12 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     details = out / "plan.json"
     if not pipelines:
         print(PP_NOT_SEARCHED)
+    if "budget" in opts.ac_modes:
+        print(
+            f"AC budget planned to the device's memory, --activation_checkpoint.memory_budget "
+            f"{cfg.activation_checkpoint.memory_budget}: each layout's fewest recompute FLOPs that fit (less: "
+            "--cluster.memory_gib)"
+        )
     if skipped:
         print(f"skipped {len(skipped)} layouts the model or the trainer refuses, e.g. {skipped[0]} ({details})")
     refused = sum(space.refused.values())

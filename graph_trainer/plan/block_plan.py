@@ -364,7 +364,7 @@ def _extended(
         for mode in modes:
             mode_job = deep.for_mode(mode)
             part = parts[batch].get(mode) or _approximate_budget(
-                mode_job.cfg, parts[batch]["none"], parts[batch]["full"]
+                mode_job.cfg, parts[batch]["none"], parts[batch]["full"], parts[batch].get("selective")
             )
             if isinstance(part, _Parts) and batch < grid.batches[0]:  # extrapolated (see `_grids`)
                 part = dataclasses.replace(part, approximate=True)
@@ -754,25 +754,36 @@ def _extend(grid: _Grid, shorts: dict[_Point, _Short], depth: int, batch: int) -
     )
 
 
-def _approximate_budget(cfg: JobConfig, none: _Parts | UserError, full: _Parts | UserError) -> _Parts | UserError:
+def _approximate_budget(
+    cfg: JobConfig, none: _Parts | UserError, full: _Parts | UserError, selective: _Parts | UserError | None = None
+) -> _Parts | UserError:
     """The `budget` mode's plan where its choice is not solved, approximated from the deep none and full plans
     (marked approximate).
 
     The pass's exact policy fits its target (inputs + `memory_budget` of the no-AC activations, or the whole
-    step's peak the budget names) whenever any choice does, so the peak is taken as the target (at most none's):
-    an upper bound. Below full AC's peak it may still fit (it chooses per op, not per layer), so the target is
-    not refused here; the pass refuses an unreachable one at the trace, in one line with the smallest reachable
-    peak. FLOPs and saved bytes are interpolated between none and full in the same proportion (full's where the
-    target is below it). Used where the choice is not solved: batches extended from a grid of two, or short models
-    that do not extend in depth (said).
+    step's peak the budget names, less the eager update's state beside the graph) whenever any choice does, so
+    the peak is taken as the target (at most none's): an upper bound. Below full AC's peak it may still fit (it
+    chooses per op, not per layer), so the target is not refused here; the pass refuses an unreachable one at the
+    trace, in one line with the smallest reachable peak. FLOPs and saved bytes are interpolated, in the same
+    proportion, between the two planned modes whose peaks bracket the target: full and none, or with `selective`
+    planned (the search plans it) selective and whichever of the two lies on the target's side, since the policy
+    never costs more than a fixed mode that fits (full's where the target is below it). Used where the choice is
+    not solved: batches extended from a grid of two, or short models that do not extend in depth (said).
     """
     if isinstance(none, UserError):
         return none
     if isinstance(full, UserError):
         return full
-    budget = cfg.activation_checkpoint.memory_budget
-    target = parse_memory_budget(budget).target(input_bytes=none.est.input_bytes, no_ac_peak=none.est.peak_bytes)
+    budget = parse_memory_budget(cfg.activation_checkpoint.memory_budget)
+    target = budget.target(input_bytes=none.est.input_bytes, no_ac_peak=none.est.peak_bytes)
+    if budget.peak_bytes is not None and none.update is not None:  # the eager update's state is beside the graph
+        target -= none.update.state_bytes
     peak = int(min(target, none.est.peak_bytes))
+    if isinstance(selective, _Parts) and full.est.peak_bytes < selective.est.peak_bytes < none.est.peak_bytes:
+        if peak >= selective.est.peak_bytes:
+            full = selective  # between selective and none
+        else:
+            none = selective  # between full and selective
     span = none.est.peak_bytes - full.est.peak_bytes
     w = min((none.est.peak_bytes - peak) / span, 1.0) if span > 0 else 0.0  # 0: as none, 1: as full
 
