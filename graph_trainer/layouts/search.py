@@ -273,8 +273,8 @@ def candidates(
                 for mode, chunk, in_graph in itertools.product(ac_modes, chunks, optimizer_in_graph):
                     budget = cfg.activation_checkpoint.memory_budget if mode == "budget" else ""
                     cand = Candidate(degrees, mode, lb, chunk, in_graph, acc, tuple(options.items()), str(budget))
-                    # The AC mode and the update's placement are part of the verdict: the trainer refuses a size
-                    # budget beside an eager update.
+                    # The AC mode and accumulation are part of the verdict: the trainer refuses a size budget
+                    # beside accumulation (its update graph lies outside the graph the budget plans).
                     key = (degrees, acc > 1, cand.options, mode, in_graph)
                     if key not in verdicts:
                         verdicts[key] = trainer_refuses(cfg, cand)

@@ -275,9 +275,9 @@ def tag_memory_budget(
     gathers more than the graph decided here: the choice is solved that much below the target (`_reserve`), and the
     no-AC peak a fraction refers to counts it. `eager_update`: the AdamW update run after the graph (None: in it),
     whose state a size budget leaves room for beside the graph, and whose own peak it must hold (`Outside`).
-    `block_choice`: the choice the plan solved on this model's short
-    traces (`solve_in_depth`), applied by block class instead of solving this graph whole; a graph it was not solved
-    for (a retrace at another shape) is solved whole, which is said.
+    `block_choice`: the choice the plan solved on this model's short traces (`solve_in_depth`), applied by block
+    class instead of solving this graph whole; a graph it was not solved for (a retrace at another shape) is solved
+    whole, which is said.
 
     In place; returns `gm`.
 
