@@ -134,6 +134,7 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     from graph_trainer.errors import UserError
     from graph_trainer.job_config.cli import load_config
     from graph_trainer.job_config.pretrained import model_name
+    from graph_trainer.job_config.schema import ActivationCheckpointConfig
     from graph_trainer.layouts import search
     from graph_trainer.layouts.cluster import build_cluster
     from graph_trainer.layouts.cost_model import PREFETCH
@@ -154,7 +155,9 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
         raise UserError(f"--parallelism.{d} is searched only with --search.pp true; pass it, or drop --parallelism.{d}")
     if opts.device != "cpu":  # the bf16 plan: as the trainer runs on a GPU (bf16 compute, bf16 FSDP gathers)
         cfg.training.dtype = "bfloat16"
-    if "budget" in opts.ac_modes:  # the fewest recompute FLOPs that fit the device, whatever the layout
+    # AC budget: the fewest recompute FLOPs that fit the device, whatever the layout, unless the user gave a budget.
+    own_budget = cfg.activation_checkpoint.memory_budget != ActivationCheckpointConfig().memory_budget
+    if "budget" in opts.ac_modes and not own_budget:
         cfg.activation_checkpoint.memory_budget = f"{cluster.memory_bytes // MIB}MiB"
     seq = cfg.training.seq_len
     if opts.global_tokens is not None:
@@ -186,10 +189,10 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     if not pipelines:
         print(PP_NOT_SEARCHED)
     if "budget" in opts.ac_modes:
+        whose = "yours" if own_budget else "the device's memory; less: --cluster.memory_gib"
         print(
-            f"AC budget planned to the device's memory, --activation_checkpoint.memory_budget "
-            f"{cfg.activation_checkpoint.memory_budget}: each layout's fewest recompute FLOPs that fit (less: "
-            "--cluster.memory_gib)"
+            f"AC budget planned to --activation_checkpoint.memory_budget {cfg.activation_checkpoint.memory_budget} "
+            f"({whose}): each layout's fewest recompute FLOPs under it"
         )
     if skipped:
         print(f"skipped {len(skipped)} layouts the model or the trainer refuses, e.g. {skipped[0]} ({details})")

@@ -154,7 +154,7 @@ def test_candidates_whose_plan_fails_are_counted_and_listed(capsys, tmp_path):
     (line,) = [x for x in out.splitlines() if "could not be planned" in x]
     assert line.startswith(f"{len(failed)} candidates could not be planned") and len(failed) == 2  # 1 x 2 and 2 x 1
     assert all(f["stage"] == "screen" and "memory_budget 0.01 is infeasible" in f["error"] for f in failed)
-    assert all(", AC budget, " in f["candidate"] for f in failed)
+    assert all(", AC budget 0.01, " in f["candidate"] for f in failed)  # the budget it was planned to
 
 
 def test_progress_says_stage_item_of_total_and_elapsed_at_most_every_interval():
