@@ -35,7 +35,7 @@ from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.loss import build_lm_loss
 from graph_trainer.optimizer.adamw import GraphAdamW, build_optimizer, choose_adamw_implementation, init_adamw_state
 from graph_trainer.optimizer.lr_schedule import build_lr_scheduler
-from graph_trainer.optimizer.update_memory import EagerUpdate
+from graph_trainer.optimizer.update_memory import Accumulation, EagerUpdate
 from graph_trainer.runtime.device import resolve_dtype
 from graph_trainer.stages import COMPILE, step_transform
 from graph_trainer.step import EvalStep, TrainStep
@@ -268,6 +268,16 @@ class Job:
         if optimizer_in_graph(self.cfg):
             return None
         return EagerUpdate.of(self.optimizer, adamw_implementation_for(self.cfg, self.device), self.device)
+
+    def accumulation(self) -> Accumulation | None:
+        """The step's micro-batches, as the memory budget reads them (None: one micro-batch a step, or a pipeline
+        whose schedule runs the micro-batches around its stages' graphs)."""
+        steps = accumulation_steps(self.cfg)
+        if steps == 1 or self.parallel.runs_step():
+            return None
+        traced = optimizer_in_graph(self.cfg)
+        state = sum(t.numel() * t.element_size() for t in GraphAdamW(self.optimizer).state_tensors()) if traced else 0
+        return Accumulation(steps, state)
 
     def with_budget_choice(self, choice: Any) -> Job:
         """The same job, its budget pass applying `choice` (`StepPlan.budget_choice`; None: solving whole)."""

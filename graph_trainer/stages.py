@@ -36,8 +36,8 @@ TRACE, TRANSFORM, COMPILE = "trace", "transform", "compile"
 
 class StagedJob(Protocol):
     """What the stages read of a job (`builder.Job`): its config, its parallelisms' check of a trace, its step, the
-    memory budget's choice planned for it (`passes.budget_depth`; None: solved on each graph), and the update it runs
-    after the graph (which a whole-step size budget leaves room for)."""
+    memory budget's choice planned for it (`passes.budget_depth`; None: solved on each graph), the update it runs
+    after the graph and its micro-batches (what a whole-step size budget leaves room for)."""
 
     cfg: JobConfig
     parallel: ParallelModel
@@ -46,6 +46,8 @@ class StagedJob(Protocol):
     def graph_step(self, *, until: str = COMPILE, **options: Any) -> GraphStep: ...
 
     def eager_update(self) -> Any: ...
+
+    def accumulation(self) -> Any: ...
 
 
 def trace(job: StagedJob, batch: Mapping[str, torch.Tensor]) -> TracedStep:
@@ -85,7 +87,13 @@ def transform(
 
 def _pipeline(job: StagedJob, *, dump_dir: Path | None) -> Pipeline:
     """`job`'s pass pipeline, with what its memory budget reads of the job beyond the config."""
-    return build_pipeline(job.cfg, dump_dir=dump_dir, budget_choice=job.budget_choice, eager_update=job.eager_update())
+    return build_pipeline(
+        job.cfg,
+        dump_dir=dump_dir,
+        budget_choice=job.budget_choice,
+        eager_update=job.eager_update(),
+        accumulation=job.accumulation(),
+    )
 
 
 def compile(job: StagedJob, result: Transformed) -> Transformed:  # noqa: A001 (the stage's name)

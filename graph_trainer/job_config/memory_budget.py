@@ -8,9 +8,10 @@ with its unit for the whole step's per-rank peak.
   Binary units (KiB, MiB, GiB, TiB) are powers of 1024 and decimal ones (KB, MB, GB, TB) powers of 1000, as
   their names say; a bare "G" is refused, since it could mean either.
 
-For now a size budget needs one micro-batch per step and no Inductor (`check_memory_budget`): the policy plans one
-graph, and only then is that graph, with the eager AdamW update after it (whose state and peak the policy counts),
-the whole step.
+For now a size budget needs no Inductor (`check_memory_budget`), whose compiled graph's buffers lie outside the
+graph the policy plans. The policy counts what is alive beside that graph (the eager AdamW update's state; with
+gradient accumulation, the step's other micro-batches) and the eager update's own peak after it; with accumulation
+the update graph after the micro-steps is held to the budget by the preflight, on the whole step's plan.
 
 A bare number above 1 once meant GiB of activation memory; it is refused with the unit to add, because the same
 number now read as the whole step's peak would plan something else without a word.
@@ -23,7 +24,6 @@ import math
 import re
 
 from graph_trainer.errors import ConfigError
-from graph_trainer.job_config.batching import accumulation_steps
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import GIB
 
@@ -95,28 +95,22 @@ def parse_memory_budget(value: str | float) -> MemoryBudget:
 
 
 def check_memory_budget(cfg: JobConfig) -> None:
-    """Refuse a whole-step size budget where the policy's graph is not the whole step. (FSDP's prefetch, which moves
-    gathers after the budget is decided, is allowed: the policy keeps room for it, `passes/budget.py`.)
-
-    The policy decides on one graph, and a size budget promises the whole step's peak. That graph and the eager
-    update after it (its state and scratch, which the policy counts: `passes/budget.py`, `Outside`) are the whole
-    step only without accumulation or Inductor: an accumulated step's update graph and a compiled graph's buffers
-    lie outside what it plans.
+    """Refuse a whole-step size budget where the policy cannot see the whole step. (FSDP's prefetch, which moves
+    gathers after the budget is decided, and gradient accumulation, whose micro-batches and update graph lie beside
+    the graph planned, are allowed: the policy keeps room for the one and the others, `passes/budget.py`, and the
+    preflight holds the whole step's plan to the budget, `plan/preflight.py`.)
 
     Raises:
-        ConfigError: a size budget with gradient accumulation or `compile.backend inductor`.
+        ConfigError: a size budget with `compile.backend inductor` (a compiled graph's buffers lie outside what
+            the policy plans).
     """
     ac = cfg.activation_checkpoint
     budget = parse_memory_budget(ac.memory_budget)
     if ac.mode != "budget" or budget.peak_bytes is None:
         return
-    outside = [
-        (accumulation_steps(cfg) > 1, "gradient accumulation (its update graph)", "one micro-batch per step"),
-        (cfg.compile.backend == "inductor", "Inductor (the compiled graph's buffers)", "--compile.backend none"),
-    ]
-    for applies, what, fix in outside:
-        if applies:
-            raise ConfigError(
-                f"{KEY} {ac.memory_budget!r} is a whole-step peak, but {what} lies outside the graph the memory "
-                f"policy plans: set {fix}, or give a fraction <= 1 of the no-AC activation memory"
-            )
+    if cfg.compile.backend == "inductor":
+        raise ConfigError(
+            f"{KEY} {ac.memory_budget!r} is a whole-step peak, but Inductor (the compiled graph's buffers) lies "
+            "outside the graph the memory policy plans: set --compile.backend none, or give a fraction <= 1 of the "
+            "no-AC activation memory"
+        )

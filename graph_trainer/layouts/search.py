@@ -28,6 +28,7 @@ from graph_trainer.distributed.parallelism import ScheduleModel
 from graph_trainer.distributed.parallelize import config_refusal, refusal
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args, validate
+from graph_trainer.job_config.memory_budget import parse_memory_budget
 from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.schema import JobConfig, ParallelismConfig
 from graph_trainer.layouts.cluster import Cluster
@@ -35,7 +36,7 @@ from graph_trainer.layouts.cost_model import StepTime, step_time
 from graph_trainer.layouts.progress import silent
 from graph_trainer.observability.log import get_logger
 from graph_trainer.plan.accumulate import accumulated
-from graph_trainer.plan.block_plan import APPROXIMATE_MODES, plan_batches, short_depths
+from graph_trainer.plan.block_plan import APPROXIMATE_MODES, budget_bracket, plan_batches, short_depths
 from graph_trainer.plan.stage_plan import StagePlan, plan_positions
 from graph_trainer.plan.step_plan import StepPlan
 from graph_trainer.runtime.device import compute_dtype
@@ -274,7 +275,7 @@ def candidates(
                     budget = cfg.activation_checkpoint.memory_budget if mode == "budget" else ""
                     cand = Candidate(degrees, mode, lb, chunk, in_graph, acc, tuple(options.items()), str(budget))
                     # The AC mode and accumulation are part of the verdict: the trainer refuses a size budget
-                    # beside accumulation (its update graph lies outside the graph the budget plans).
+                    # beside Inductor, and its parallelisms may refuse accumulation.
                     key = (degrees, acc > 1, cand.options, mode, in_graph)
                     if key not in verdicts:
                         verdicts[key] = trainer_refuses(cfg, cand)
@@ -330,7 +331,8 @@ class Plans:
         self.cfg, self.device, self.say, self.progress = cfg, device, say, progress
         self._plans: dict[tuple, dict[int, dict[str, StepPlan | UserError]]] = {}
         self._extrapolated: set[tuple] = set()  # (shape, local batch): extended below its grid, for the screen only
-        self._budgets_solved: set[tuple] = set()  # (shape, local batch) whose AC budget was planned alone
+        # (shape, local batch, bytes accumulation holds beside the micro-step) -> the AC budget's plan solved alone
+        self._budgets_solved: dict[tuple, StepPlan | UserError] = {}
         # {"candidate", "stage" (screen or exact), "error"} for each candidate whose plan failed (a UserError)
         self.failed: list[dict[str, str]] = []
         self.depth_free = 0  # depth-free plans made (each a grid of short traces, for every mode and batch at once)
@@ -379,20 +381,39 @@ class Plans:
     def _solve_budgets(self, cands: Iterable[Candidate]) -> None:
         """Plan the AC budget of each micro-step of `cands` at its own local batch alone, where the budget's choice
         is solved (`block_plan.plan_batches` with one batch): a grid of several batches only reads the budget off
-        the none and full plans, an upper bound the ranking leaves out. Once a micro-step: a solve that still
+        the none and full plans, an upper bound the ranking leaves out. With accumulation and a size, the micro-step
+        is solved to the size less what accumulation holds beside it (`_beside`), as the trainer solves its
+        micro-step graph (`passes/budget.py`, `Accumulation`). Once a micro-step and size: a solve that still
         comes out approximate (short traces that do not extend) stays so, and is said as the plan says it."""
-        for cand in cands:
+        for cand in (c for c in cands if c.ac_mode == "budget"):
             micro = cand.micro()
             shape, batch = self._shape(micro), micro.local_batch
-            if (shape, batch) in self._budgets_solved:
+            beside = self._beside(cand)
+            if (shape, batch, beside) in self._budgets_solved:
                 continue
-            self._budgets_solved.add((shape, batch))
             cfg = micro.apply(self.cfg)
+            if beside:
+                size = parse_memory_budget(cand.memory_budget).peak_bytes
+                cfg.activation_checkpoint.memory_budget = f"{size - beside}B"
             fallbacks: list[str] = []
             with planning_mesh(ParallelDims.from_config(cfg.parallelism), self.device) as mesh:
                 planned = plan_batches(cfg, mesh, ["budget"], [batch], on_fallback=fallbacks.append)
             self._count(f"{_shape_words(micro)}, local batch {batch}, AC budget solved", fallbacks)
-            self._plans.setdefault(shape, {}).setdefault(batch, {})["budget"] = planned[batch]["budget"]
+            self._budgets_solved[shape, batch, beside] = planned[batch]["budget"]
+
+    def _beside(self, cand: Candidate) -> int:
+        """Bytes `cand`'s accumulation holds beside each micro-step (`accumulate.accumulated`, read on a plan of
+        its micro-step, any mode: they are the other micro-batches, the losses and the gradient accumulator), when
+        its AC budget is a size; 0 otherwise (one micro-batch a step, or a fraction of the micro-step's own)."""
+        if cand.accumulation == 1 or parse_memory_budget(cand.memory_budget).peak_bytes is None:
+            return 0
+        micro = cand.micro()
+        planned = self._plans.get(self._shape(micro), {}).get(micro.local_batch, {}).values()
+        base = next((p for p in planned if isinstance(p, StepPlan)), None)
+        if base is None:  # nothing of this micro-step could be planned: its budget fails as they did
+            return 0
+        d, options = dict(cand.degrees), dict(cand.options)
+        return accumulated(base, cand.accumulation, options, d, self.device.type).peak_bytes - base.peak_bytes
 
     def _count(self, words: str, fallbacks: list[str]) -> None:
         """Count one plan as depth-free or whole-depth; the first whole-depth fallback is said (`block_plan.fall_back`
@@ -415,7 +436,11 @@ class Plans:
         """`cand`'s micro-step plans for `modes` (cand's own AC mode is ignored); exact unless `screen`."""
         self.plan([cand], modes, screen=screen)
         micro = cand.micro()
-        return self._plans[self._shape(micro)][micro.local_batch]
+        plans = self._plans[self._shape(micro)][micro.local_batch]
+        if screen or cand.ac_mode != "budget":
+            return plans
+        solved = self._budgets_solved.get((self._shape(micro), micro.local_batch, self._beside(cand)))
+        return plans if solved is None else {**plans, "budget": solved}
 
 
 SHARDED = ("parameter", "optimizer_state", "gradient")  # the categories FSDP divides by dp_shard
@@ -429,6 +454,8 @@ def screen(cfg: JobConfig, cluster: Cluster, cands: list[Candidate], efficiency:
     at the reference's dp_shard is its own reference, and on another dp_shard the sharded state at the peak scales
     with 1 / dp_shard. Accumulation then adds what `accumulate.accumulated` adds."""
     modes = sorted({c.ac_mode for c in cands})
+    if "budget" in modes:  # the modes a budget row is read between (`_budget_read_beside`); planned with it anyway
+        modes = sorted({*modes, "none", "full"})
     refs: dict[tuple, Candidate] = {}
     for c in sorted(cands, key=lambda c: layout.sharded_degree(dict(c.degrees))):
         key, ref = _reference(c)
@@ -441,11 +468,11 @@ def screen(cfg: JobConfig, cluster: Cluster, cands: list[Candidate], efficiency:
     out = []
     for cand in cands:
         ref = ref_of(cand)
-        plan = plans.get(ref, modes, screen=True)[cand.ac_mode]
-        if isinstance(plan, UserError):
+        by_mode = plans.get(ref, modes, screen=True)
+        if isinstance(plan := by_mode[cand.ac_mode], UserError):
             plans.fail(cand, "screen", plan)
             continue
-        out.append(_screened(cluster, cand, ref, plan, efficiency, plans.device.type, sequence_bytes(cfg)))
+        out.append(_screened(cluster, cand, ref, by_mode, efficiency, plans.device.type, sequence_bytes(cfg)))
     return out
 
 
@@ -485,19 +512,66 @@ def _reference(c: Candidate) -> tuple[tuple, Candidate]:
 
 
 def _screened(
-    cluster, cand: Candidate, ref: Candidate, p: StepPlan, efficiency, device_type: str, seq_bytes: int
+    cluster,
+    cand: Candidate,
+    ref: Candidate,
+    by_mode: Mapping[str, StepPlan | UserError],
+    efficiency,
+    device_type: str,
+    seq_bytes: int,
 ) -> Screened:
     d, r = dict(cand.degrees), dict(ref.degrees)
     scale = layout.sharded_degree(r) / layout.sharded_degree(d)
-    sharded = sum(p.peak_by_category.get(k, 0) for k in SHARDED)
-    cats = {**p.peak_by_category, **{k: int(p.peak_by_category[k] * scale) for k in SHARDED if k in p.peak_by_category}}
-    micro = dataclasses.replace(p, peak_bytes=p.peak_bytes + int(sharded * scale) - sharded, peak_by_category=cats)
+    p = by_mode[cand.ac_mode]
+    micro = _at_scale(p, scale)
     options = dict(cand.options)
+    if cand.ac_mode == "budget":
+        at_scale = {m: _at_scale(q, scale) for m, q in by_mode.items() if isinstance(q, StepPlan)}
+        micro = _budget_read_beside(micro, cand, at_scale, device_type)
     plan = accumulated(micro, cand.accumulation, options, d, device_type)
     plan, idle = scheduled(plan, layout.schedule_model(d, options, cand.local_batch, seq_bytes))
     comm = {**plan.comm_bytes, **layout.reference_comm(d, p.num_params * 4 // layout.state_divisor(d))}
     t = step_time(cluster, plan.flops, comm, d, efficiency, options, idle=idle)
     return Screened(cand, plan.peak_bytes, t)
+
+
+def _at_scale(p: StepPlan, scale: float) -> StepPlan:
+    """`p` with its sharded state at the peak scaled by `scale` (the reference's dp_shard over the candidate's)."""
+    sharded = sum(p.peak_by_category.get(k, 0) for k in SHARDED)
+    cats = {**p.peak_by_category, **{k: int(p.peak_by_category[k] * scale) for k in SHARDED if k in p.peak_by_category}}
+    return dataclasses.replace(p, peak_bytes=p.peak_bytes + int(sharded * scale) - sharded, peak_by_category=cats)
+
+
+def _budget_read_beside(
+    budget: StepPlan, cand: Candidate, by_mode: Mapping[str, StepPlan], device_type: str
+) -> StepPlan:
+    """The screen's unsolved budget plan of `cand`'s micro-step, read again where an accumulating `cand` solves it:
+    at the size less what accumulation holds beside each micro-step (`Plans._beside`), between the modes planned
+    beside it as `block_plan` reads it (`budget_bracket`). Read at the size itself, it would be over the size by
+    those bytes once accumulated, and the screen would never send it to the exact plan. `budget` itself otherwise
+    (one micro-batch a step, a fraction, a solved plan, or none and full not planned)."""
+    size = parse_memory_budget(cand.memory_budget).peak_bytes
+    if cand.accumulation == 1 or size is None or not budget.approximate or not {"none", "full"} <= set(by_mode):
+        return budget
+    beside = accumulated(budget, cand.accumulation, dict(cand.options), dict(cand.degrees), device_type).peak_bytes
+    peak = int(min(size - (beside - budget.peak_bytes), by_mode["none"].peak_bytes))
+    above, below, w = budget_bracket(
+        peak, {m: by_mode[m].peak_bytes for m in ("none", "selective", "full") if m in by_mode}
+    )
+    a, b = by_mode[above], by_mode[below]
+
+    def mix(x: int, y: int) -> int:
+        return int(round(x + w * (y - x)))
+
+    activation = budget.peak_by_category.get("activation", 0) - (budget.peak_bytes - peak)
+    return dataclasses.replace(
+        budget,
+        peak_bytes=peak,
+        peak_by_category={**budget.peak_by_category, "activation": activation},
+        flops=mix(a.flops, b.flops),
+        saved_bytes=mix(a.saved_bytes, b.saved_bytes),
+        comm_bytes={k: mix(a.comm_bytes.get(k, 0), b.comm_bytes.get(k, 0)) for k in {*a.comm_bytes, *b.comm_bytes}},
+    )
 
 
 STATE = ("parameter", "optimizer_state", "gradient")  # what a pipeline rank holds a share of (its stages')

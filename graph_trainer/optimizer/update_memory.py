@@ -1,7 +1,8 @@
 """What the AdamW update costs in memory when it runs eagerly after the graph: its state and its scratch.
 
 The traced update's memory is in the graph's own estimate; this is the rest of the step's peak for
-`compile.trace_optimizer = false` (and eager mode), modelled exactly for each torch implementation.
+`compile.trace_optimizer = false` (and eager mode), modelled exactly for each torch implementation. Also what an
+accumulated step holds beside its micro-step graph (`Accumulation`), and its two graphs' estimate together.
 """
 
 from __future__ import annotations
@@ -180,3 +181,27 @@ def peak_with_update(step_peak: int, step_end: int, update: EagerUpdate) -> tupl
     """
     after_step = step_end + update.scratch_bytes
     return max(step_peak, after_step) + update.state_bytes, after_step > step_peak
+
+
+LOSS_BYTES = 4  # one micro-step's loss, a float32 scalar
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulation:
+    """A step of `steps` micro-batches (`training.global_batch_size`): the micro-step graph runs once per
+    micro-batch, and beside it, none of its inputs, are alive the other micro-batches of the step's batch, the
+    losses of the micro-steps already run (one float32 scalar each, kept for the step's sum) and, with the update
+    traced (`traced_state_bytes`), the optimizer state its update graph reads once after them
+    (`tracer.executor.GraphStep.step_estimate` counts the same)."""
+
+    steps: int
+    traced_state_bytes: int = 0
+
+    def held(self, gm: Any, input_categories: list[str]) -> int:
+        """Bytes alive beside one micro-step of graph `gm` (its inputs in `input_categories`)."""
+        inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+        # A micro-batch's tensors are views of the step's batch; the token count (0-d) is one tensor for all.
+        batch = [t for t, c in zip(inputs, input_categories, strict=True) if c == "batch" and t.dim() > 0]
+        device = batch[0].device.type if batch else "cpu"
+        others = (self.steps - 1) * sum(t.numel() * t.element_size() for t in batch)
+        return others + (self.steps - 1) * allocated_bytes(LOSS_BYTES, device) + self.traced_state_bytes

@@ -36,7 +36,7 @@ from graph_trainer.job_config.load import parse_ac_option
 from graph_trainer.job_config.memory_budget import parse_memory_budget
 from graph_trainer.job_config.schema import ActivationCheckpointConfig, JobConfig
 from graph_trainer.observability.log import get_logger
-from graph_trainer.optimizer.update_memory import EagerUpdate
+from graph_trainer.optimizer.update_memory import Accumulation, EagerUpdate
 from graph_trainer.passes.budget_depth import BlockChoice
 from graph_trainer.passes.cleanup import dead_code_elimination, remove_noops
 from graph_trainer.passes.fsdp_gather import tag_fsdp_gathers
@@ -126,6 +126,7 @@ REGISTRY: tuple[GraphPass, ...] = (
             fsdp_policy=_fsdp_policy(ctx.config),
             gathers_prefetched=_prefetching(ctx.config),
             eager_update=ctx.config.eager_update,
+            accumulation=ctx.config.accumulation,
             budget_choice=ctx.config.budget_choice,
         ),
         True,
@@ -216,14 +217,16 @@ def build_pipeline(
     dump_dir: Path | None,
     budget_choice: BlockChoice | None = None,
     eager_update: EagerUpdate | None = None,
+    accumulation: Accumulation | None = None,
 ) -> Pipeline:
     """The pipeline a job's config asks for (`activation_checkpoint`, `parallelism` and `compile` sections); see
     `pipeline_for`. Graphs are written under `dump_dir` only with `compile.dump_graphs`. `budget_choice`: the
     budget's choice planned on a deep model's short traces (`passes.budget_depth`). `eager_update`: the AdamW
-    update the job runs after the graph (`builder.Job.eager_update`), which a size budget leaves room for."""
+    update the job runs after the graph (`builder.Job.eager_update`), which a size budget leaves room for, and
+    `accumulation` the step's micro-batches (`builder.Job.accumulation`), whose micro-step it leaves room beside."""
     c = cfg.compile
     return pipeline_for(
-        PassConfig(cfg.activation_checkpoint, cfg.parallelism, budget_choice, eager_update),
+        PassConfig(cfg.activation_checkpoint, cfg.parallelism, budget_choice, eager_update, accumulation),
         disable_passes=c.disable_passes,
         dump_dir=dump_dir if c.dump_graphs else None,
         log_saved_activations=c.log_saved_activations,

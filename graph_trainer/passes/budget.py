@@ -45,7 +45,7 @@ from graph_trainer.job_config.memory_budget import MemoryBudget, parse_memory_bu
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
 from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.units import GIB
-from graph_trainer.optimizer.update_memory import EagerUpdate
+from graph_trainer.optimizer.update_memory import Accumulation, EagerUpdate
 from graph_trainer.passes.activation_checkpoint import (
     RECOMPUTE,
     SAVE,
@@ -179,13 +179,16 @@ def _reserve(gm: torch.fx.GraphModule, fsdp_policy: str | None, gathers_prefetch
 @dataclasses.dataclass(frozen=True)
 class Outside:
     """What the step holds beyond the graph the budget's model describes: `reserve`, room for the gathers FSDP's
-    prefetch moves up later (`_reserve`); with the update run eagerly after the graph, its state (`held`: alive
-    through the graph, not one of its inputs) and its own peak after the graph (`after`: the graph's final bytes,
-    the update's scratch and its state)."""
+    prefetch moves up later (`_reserve`); `held`, bytes alive through the graph that are not its inputs (the eager
+    update's state; with accumulation, the other micro-batches and what `Accumulation` lists), said in `held_what`;
+    and `after`, the eager update's own peak after the graph (the graph's final bytes, the update's scratch and
+    its state; 0 for a micro-step, after which the update graph runs: the preflight holds the budget to the whole
+    step's planned peak, `plan/preflight.py`)."""
 
     reserve: int = 0
     held: int = 0
     after: int = 0
+    held_what: str = ""
 
     def graph_target(self, budget: MemoryBudget, *, input_bytes: int, no_ac_peak: int) -> float:
         """The peak the final graph may reach: a size budget is the whole step's, so the eager update's state comes
@@ -202,7 +205,7 @@ class Outside:
     def words(self) -> str:
         """The log lines' words for what the target leaves room for (nothing without it)."""
         parts = [f"{self.reserve / GIB:.4f} GiB kept for FSDP's prefetch"] if self.reserve else []
-        parts += [f"{self.held / GIB:.4f} GiB of eager AdamW state beside the graph"] if self.held else []
+        parts += [f"{self.held / GIB:.4f} GiB of {self.held_what} beside the graph"] if self.held else []
         return f" (with {' and '.join(parts)})" if parts else ""
 
 
@@ -211,14 +214,19 @@ def _outside(
     fsdp_policy: str | None,
     gathers_prefetched: bool,
     eager_update: EagerUpdate | None,
+    accumulation: Accumulation | None,
     final_bytes: int,
+    input_categories: list[str] | None,
 ) -> Outside:
     """`gm`'s `Outside`: `final_bytes` is what the graph leaves alive (the eager update runs on it)."""
     reserve = _reserve(gm, fsdp_policy, gathers_prefetched)
+    state = eager_update.state_bytes if eager_update is not None else 0
+    if accumulation is not None and "gradient" in (input_categories or []):  # a micro-step: accumulators are inputs
+        held = state + accumulation.held(gm, input_categories)
+        return Outside(reserve, held, 0, "the optimizer state and the step's other micro-batches")
     if eager_update is None:
         return Outside(reserve)
-    held = eager_update.state_bytes
-    return Outside(reserve, held, final_bytes + eager_update.scratch_bytes + held)
+    return Outside(reserve, state, final_bytes + eager_update.scratch_bytes + state, "eager AdamW state")
 
 
 def _update_refusal(ac: ActivationCheckpointConfig, outside: Outside) -> ConfigError | None:
@@ -266,6 +274,7 @@ def tag_memory_budget(
     fsdp_policy: str | None = None,
     gathers_prefetched: bool = False,
     eager_update: EagerUpdate | None = None,
+    accumulation: Accumulation | None = None,
     block_choice: BlockChoice | None = None,
 ) -> torch.fx.GraphModule:
     """Tag `gm` so its estimated peak fits `ac.memory_budget` with the fewest recompute FLOPs (see module docstring).
@@ -275,9 +284,10 @@ def tag_memory_budget(
     gathers more than the graph decided here: the choice is solved that much below the target (`_reserve`), and the
     no-AC peak a fraction refers to counts it. `eager_update`: the AdamW update run after the graph (None: in it),
     whose state a size budget leaves room for beside the graph, and whose own peak it must hold (`Outside`).
-    `block_choice`: the choice the plan solved on this model's short traces (`solve_in_depth`), applied by block
-    class instead of solving this graph whole; a graph it was not solved for (a retrace at another shape) is solved
-    whole, which is said.
+    `accumulation`: the step's micro-batches, when `gm` is one micro-step of several (a size budget leaves room for
+    what is alive beside it, `Accumulation`). `block_choice`: the choice the plan solved on this model's short
+    traces (`solve_in_depth`), applied by block class instead of solving this graph whole; a graph it was not solved
+    for (a retrace at another shape) is solved whole, which is said.
 
     In place; returns `gm`.
 
@@ -290,7 +300,7 @@ def tag_memory_budget(
         return gm
     built = None if fsdp_policy is None else _remat_model(gm, structure, ac, input_categories, fsdp_policy)
     input_bytes, no_ac_peak, final_bytes = _no_ac_peak(gm, built and built[0], input_categories)
-    out = _outside(gm, fsdp_policy, gathers_prefetched, eager_update, final_bytes)
+    out = _outside(gm, fsdp_policy, gathers_prefetched, eager_update, accumulation, final_bytes, input_categories)
     if refusal := _update_refusal(ac, out):
         raise refusal
     no_ac_peak += out.reserve
@@ -450,7 +460,7 @@ def deep_model(
             at_depth(lambda i: eager_updates[i].state_bytes),
             at_depth(lambda i: eager_updates[i].scratch_bytes),
         )
-    outside = _outside(short[1], fsdp_policy, gathers_prefetched, update, final_bytes)
+    outside = _outside(short[1], fsdp_policy, gathers_prefetched, update, None, final_bytes, None)
     return DeepModel(model, candidate_keys(model.candidates, lead + 4, lead), input_bytes, depth, lead, outside)
 
 
@@ -666,7 +676,9 @@ def budget_frontier(
     model, _always, _pinned = _remat_model(gm, structure, ac, input_categories, fsdp_policy)
     no_ac = estimate_peak_memory(gm, input_categories=input_categories)
     highest = no_ac.peak_bytes if fsdp_policy is None else model.peak([])
-    out = _outside(gm, fsdp_policy, gathers_prefetched, eager_update, sum(no_ac.final_bytes_by_category.values()))
+    out = _outside(
+        gm, fsdp_policy, gathers_prefetched, eager_update, None, sum(no_ac.final_bytes_by_category.values()), None
+    )
     return model_frontier(
         model, no_ac.input_bytes, highest, points=points, on_point=on_point, time_limit_s=time_limit_s, outside=out
     )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch.fx
 
 from graph_trainer.job_config.schema import ActivationCheckpointConfig
-from graph_trainer.optimizer.update_memory import EagerUpdate
+from graph_trainer.optimizer.update_memory import Accumulation, EagerUpdate
 from graph_trainer.passes.activation_checkpoint import tag_activation_checkpoint
 from graph_trainer.passes.budget import tag_memory_budget
 from graph_trainer.passes.budget_depth import BlockChoice
@@ -38,6 +38,7 @@ def memory_policy(
     fsdp_policy: str | None = None,
     gathers_prefetched: bool = False,
     eager_update: EagerUpdate | None = None,
+    accumulation: Accumulation | None = None,
     budget_choice: BlockChoice | None = None,
 ) -> torch.fx.GraphModule:
     """Tag `gm`'s layer ops save/recompute as `ac.mode` asks (see module docstring). In place; returns `gm`.
@@ -53,6 +54,8 @@ def memory_policy(
             the later `fsdp_prefetch` pass may hold early.
         eager_update: the AdamW update run after the graph (None: in it): a size budget is the whole step's, so
             the budget leaves room for its state beside the graph and refuses a size below its own peak.
+        accumulation: the step's micro-batches when `gm` is a micro-step of several: a size budget leaves room for
+            what is alive beside it (`passes.budget.Accumulation`).
         budget_choice: budget only: the choice planned on a deep model's short traces (`passes.budget_depth`).
 
     Raises:
@@ -69,6 +72,7 @@ def memory_policy(
             fsdp_policy=fsdp_policy,
             gathers_prefetched=gathers_prefetched,
             eager_update=eager_update,
+            accumulation=accumulation,
             block_choice=budget_choice,
         )
     if ac.mode in ("selective", "full"):

@@ -23,7 +23,7 @@ from graph_trainer.errors import ConfigError, did_you_mean
 from graph_trainer.job_config.schema import ActivationCheckpointConfig, ParallelismConfig
 from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.units import MIB
-from graph_trainer.optimizer.update_memory import EagerUpdate
+from graph_trainer.optimizer.update_memory import Accumulation, EagerUpdate
 from graph_trainer.passes.activation_checkpoint import policy_name
 from graph_trainer.passes.budget_depth import BlockChoice
 from graph_trainer.tracer import node_meta
@@ -47,6 +47,9 @@ class PassConfig:
     # The AdamW update run after the graph (None: traced into it): its state is alive through the graph without
     # being one of its inputs, which a whole-step size budget must leave room for (`passes/budget.py`).
     eager_update: EagerUpdate | None = None
+    # With gradient accumulation, the step's micro-batches: what is alive beside each micro-step, which a whole-step
+    # size budget must leave room for too (`passes/budget.py`, `Accumulation`).
+    accumulation: Accumulation | None = None
 
 
 @dataclasses.dataclass(frozen=True)

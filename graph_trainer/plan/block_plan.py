@@ -43,7 +43,7 @@ import dataclasses
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -754,6 +754,22 @@ def _extend(grid: _Grid, shorts: dict[_Point, _Short], depth: int, batch: int) -
     )
 
 
+def budget_bracket(peak: float, peaks: Mapping[str, int]) -> tuple[str, str, float]:
+    """(the planned mode above `peak`, the one below, w) between which a budget's unsolved plan peaking at `peak` is
+    read, from the planned modes' `peaks` ("none" and "full", and "selective" when planned): its FLOPs and saved
+    bytes are the one above's plus w (0 to 1) of the way to the one below's. Selective replaces whichever of none
+    and full lies on the far side of `peak`, since the policy never costs more than a fixed mode that fits."""
+    above, below = "none", "full"
+    selective = peaks.get("selective")
+    if selective is not None and peaks["full"] < selective < peaks["none"]:
+        if peak >= selective:
+            below = "selective"
+        else:
+            above = "selective"
+    span = peaks[above] - peaks[below]
+    return above, below, min((peaks[above] - peak) / span, 1.0) if span > 0 else 0.0
+
+
 def _approximate_budget(
     cfg: JobConfig, none: _Parts | UserError, full: _Parts | UserError, selective: _Parts | UserError | None = None
 ) -> _Parts | UserError:
@@ -779,13 +795,9 @@ def _approximate_budget(
     if budget.peak_bytes is not None and none.update is not None:  # the eager update's state is beside the graph
         target -= none.update.state_bytes
     peak = int(min(target, none.est.peak_bytes))
-    if isinstance(selective, _Parts) and full.est.peak_bytes < selective.est.peak_bytes < none.est.peak_bytes:
-        if peak >= selective.est.peak_bytes:
-            full = selective  # between selective and none
-        else:
-            none = selective  # between full and selective
-    span = none.est.peak_bytes - full.est.peak_bytes
-    w = min((none.est.peak_bytes - peak) / span, 1.0) if span > 0 else 0.0  # 0: as none, 1: as full
+    parts = {"none": none, "full": full, **({"selective": selective} if isinstance(selective, _Parts) else {})}
+    above, below, w = budget_bracket(peak, {mode: p.est.peak_bytes for mode, p in parts.items()})
+    none, full = parts[above], parts[below]
 
     def mix(a: int, b: int) -> int:
         return int(round(a + w * (b - a)))

@@ -7,11 +7,12 @@ import torch
 from graph_trainer.builder import build_job
 from graph_trainer.distributed.layout import planned_apart
 from graph_trainer.distributed.mesh import Mesh
-from graph_trainer.errors import UserError
+from graph_trainer.errors import ConfigError, UserError
 from graph_trainer.job_config.load import resolve_model_args
+from graph_trainer.job_config.memory_budget import parse_memory_budget
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger
-from graph_trainer.observability.units import KIB, to_gib
+from graph_trainer.observability.units import GIB, KIB, to_gib
 from graph_trainer.plan.block_plan import plan_modes, short_depths
 from graph_trainer.plan.stage_plan import StagePlan, plan_stage, stage_position
 from graph_trainer.plan.step_plan import StepPlan, plan_step
@@ -55,10 +56,32 @@ def preflight(cfg: JobConfig, mesh: Mesh) -> StepPlan | StagePlan:
             logger.info(f"preflight: depth-free plan, models of {short} blocks traced for a model of {depth}")
     else:  # shallow: the whole trace, which the first step reuses
         plan = plan_step(build_job(cfg, mesh, materialize=False), log_passes=True)
+    check_budget_held(cfg, plan)
     available = available_bytes(mesh.device)
     if plan.peak_bytes <= available:
         return plan
     raise UserError(_does_not_fit(cfg, mesh, plan, available))
+
+
+def check_budget_held(cfg: JobConfig, plan: StepPlan) -> None:
+    """Refuse a whole-step size budget the planned step exceeds. The memory policy fits the graph it plans and what
+    it knows is alive beside it; what runs outside that graph and no choice in it lowers (with gradient
+    accumulation: the update graph after the micro-steps, and the eager update after that) is held here.
+
+    Raises:
+        ConfigError: the plan's peak is above `activation_checkpoint.memory_budget` (the message gives the peak's
+            place and the smallest budget that fits).
+    """
+    ac = cfg.activation_checkpoint
+    budget = parse_memory_budget(ac.memory_budget)
+    if ac.mode != "budget" or budget.peak_bytes is None or plan.peak_bytes <= budget.peak_bytes:
+        return
+    smallest = budget.smallest(plan.peak_bytes, input_bytes=0, no_ac_peak=0)
+    raise ConfigError(
+        f"activation_checkpoint.memory_budget {ac.memory_budget} is infeasible: the step's plan peaks at "
+        f"{plan.peak_bytes / GIB:.4f} GiB at {plan.peak_at}, which no recompute choice lowers; set "
+        f"--activation_checkpoint.memory_budget {smallest} or more, or shard the state (--parallelism.dp_shard)"
+    )
 
 
 def _preflight_stage(cfg: JobConfig, mesh: Mesh) -> StagePlan:

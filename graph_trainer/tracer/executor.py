@@ -24,9 +24,8 @@ import torch.nn as nn
 from graph_trainer.errors import UserError
 from graph_trainer.loss import NUM_TOKENS, lm_loss
 from graph_trainer.observability.log import get_logger
-from graph_trainer.observability.memory import allocated_bytes
 from graph_trainer.optimizer.adamw import adamw_implementation
-from graph_trainer.optimizer.update_memory import EagerUpdate, accumulated_estimate, whole_step_peak
+from graph_trainer.optimizer.update_memory import Accumulation, EagerUpdate, accumulated_estimate, whole_step_peak
 from graph_trainer.step import (
     CountReduce,
     GraphNode,
@@ -345,14 +344,11 @@ class GraphStep:
         if self.update is None or est is None or self.update.memory_estimate is None:
             return est
         # Alive outside the micro graph: the traced update's optimizer state, the other micro-batches' tokens, and
-        # during the last micro-step the earlier micro-steps' losses (float32 scalars kept for `sum_losses`).
+        # during the last micro-step the earlier micro-steps' losses: what the memory budget leaves room for too.
         state = _nbytes(self.optimizer.state_tensors()) if self.optimizer is not None else 0
-        others = self._batch_bytes - self._batch_bytes // self.accumulation_steps
-        device = self.device or self._params[0].device
-        losses = (self.accumulation_steps - 1) * allocated_bytes(4, device.type)
-        return accumulated_estimate(
-            est, self.update.memory_estimate, micro_extra=state + others + losses, update_extra=self._batch_bytes
-        )
+        beside = Accumulation(self.accumulation_steps, state).held(self.traced.gm, self.traced.layout.categories)
+        update = self.update.memory_estimate
+        return accumulated_estimate(est, update, micro_extra=beside, update_extra=self._batch_bytes)
 
     def __call__(self, batch: Any) -> StepOutput:
         """Run one training step; returns (loss, grad_norm) and leaves the (clipped) grads in `param.grad`."""

@@ -218,6 +218,56 @@ def test_a_size_budget_beside_the_eager_update_bounds_the_whole_steps_measured_p
     assert "\n" not in str(info.value) and re.search(r"memory_budget \d+\.\d+GiB or more", str(info.value))
 
 
+@pytest.mark.integration  # trains three budgets or modes for two steps each, twice
+@pytest.mark.parametrize("optimizer", ["eager", "traced"])
+def test_a_size_budget_with_accumulation_bounds_the_whole_steps_measured_peak(tmp_path, caplog, optimizer):
+    """Four micro-batches a step: the micro-step graph runs beside the step's other micro-batches, the losses kept
+    for the step's sum and the optimizer state (eager, or read by the traced update graph after the micro-steps),
+    none of them its inputs. A size budget leaves room for them, so the whole step's measured peak stays under it,
+    and the estimate is the measured peak. (Before, a size budget needed one micro-batch a step.)"""
+    import logging
+
+    accumulating = [
+        "--training.global_batch_size",
+        "8",
+        "--compile.trace_optimizer",
+        str(optimizer == "traced").lower(),
+    ]
+
+    def measured(name: str, *ac: str) -> int:
+        args = ["--metrics.track_memory", "true", "--training.steps", "2", *accumulating, *ac]
+        step_peaks = peaks(_trainer(tmp_path, name, *args).train().records)
+        assert_peaks_match(step_peaks, name)
+        return max(m for _, m, _ in step_peaks)
+
+    none = measured("none")
+    full = measured("full", "--activation_checkpoint.mode", "full")
+    budget = (none + full) // 2
+    with caplog.at_level(logging.INFO, logger="graph_trainer"):
+        size = ["--activation_checkpoint.memory_budget", f"{budget}B"]
+        peak = measured("mid", "--activation_checkpoint.mode", "budget", *size)
+    print(f"4 micro-batches, {optimizer} update: no AC {none:,} B, full {full:,}, budget {budget:,}, its plan {peak:,}")
+    assert "the step's other micro-batches beside the graph" in caplog.text
+    assert full <= peak <= budget < none
+
+
+def test_the_preflight_refuses_a_size_budget_its_plan_exceeds(tmp_path):
+    """What runs outside the graph the policy plans (with accumulation: the update graph, then the eager update)
+    is held by the preflight on the whole step's plan: a size one byte below the plan's peak is refused in one
+    line with the smallest that fits; the plan's own peak passes."""
+    from graph_trainer.plan.preflight import check_budget_held
+
+    trainer = _trainer(tmp_path, "plan", "--training.global_batch_size", "8", *MODES["budget"])
+    plan = trainer.preflight
+    cfg = trainer.cfg
+    cfg.activation_checkpoint.memory_budget = f"{plan.peak_bytes}B"
+    check_budget_held(cfg, plan)
+    cfg.activation_checkpoint.memory_budget = f"{plan.peak_bytes - 1}B"
+    with pytest.raises(ConfigError, match=r"the step's plan peaks at .* or more") as info:
+        check_budget_held(cfg, plan)
+    assert "\n" not in str(info.value)
+
+
 def test_recompute_override_of_a_random_op_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="never recomputed"):
         _measure(
