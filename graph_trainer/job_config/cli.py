@@ -199,15 +199,22 @@ def parse_cli(argv: list[str]) -> CliOptions:
     )
 
 
+def given_keys(opts: CliOptions) -> set[str]:
+    """section.key of every option the user set, in the --config file or on the command line (an option set to its
+    default value is still given: a caller that fills in what the user left out must not read it off the value)."""
+    given = {f"{key.split('.', 1)[0]}.{canonical_key(*key.split('.', 1))}" for key, _ in opts.overrides}
+    if opts.config is not None:
+        data = load_toml(resolve_config_path(opts.config))
+        given |= {f"{s}.{canonical_key(s, k)}" for s, table in data.items() for k in table}
+    return given
+
+
 def build_config(opts: CliOptions) -> JobConfig:
     """Defaults, then the --config file, then command-line overrides; validated."""
     cfg = JobConfig()
-    given: set[str] = set()  # section.key of every option the user set (file or command line)
     if opts.config is not None:
         path = resolve_config_path(opts.config)
-        data = load_toml(path)
-        apply_toml(cfg, data, str(path))
-        given |= {f"{s}.{canonical_key(s, k)}" for s, table in data.items() for k in table}
+        apply_toml(cfg, load_toml(path), str(path))
     known = sections()
     for key, raw in opts.overrides:
         sec_name, name = key.split(".", 1)
@@ -215,7 +222,7 @@ def build_config(opts: CliOptions) -> JobConfig:
         # A bool option given without a value means true.
         value: Any = True if raw is None else parse_cli_value(raw, fields[name].type)
         set_value(getattr(cfg, sec_name), sec_name, name, value, fields, "")
-        given.add(f"{sec_name}.{canonical_key(sec_name, name)}")
+    given = given_keys(opts)
     apply_pretrained_config(cfg, given)  # the folder is the model: before the checks that read the model
     apply_data_source(cfg, given)  # the data path is the data: its files pick the source
     validate(cfg)

@@ -132,9 +132,8 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
 
     from graph_trainer.distributed import layout
     from graph_trainer.errors import UserError
-    from graph_trainer.job_config.cli import load_config
+    from graph_trainer.job_config.cli import given_keys, load_config
     from graph_trainer.job_config.pretrained import model_name
-    from graph_trainer.job_config.schema import ActivationCheckpointConfig
     from graph_trainer.layouts import search
     from graph_trainer.layouts.cluster import build_cluster
     from graph_trainer.layouts.cost_model import PREFETCH
@@ -145,7 +144,7 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     start, cpu_start = time.perf_counter(), time.process_time()
     overrides = {k: getattr(opts, k) for k in ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "efficiency")}
     cluster = build_cluster(opts.device, opts.gpus, opts.gpus_per_node, overrides)
-    cfg, _ = load_config(rest)
+    cfg, cli = load_config(rest)
     if (why := layout.not_searched(cfg.parallelism)) is not None:
         raise UserError(why)
     pipelines = opts.pipelines == "true"
@@ -156,7 +155,7 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     if opts.device != "cpu":  # the bf16 plan: as the trainer runs on a GPU (bf16 compute, bf16 FSDP gathers)
         cfg.training.dtype = "bfloat16"
     # AC budget: the fewest recompute FLOPs that fit the device, whatever the layout, unless the user gave a budget.
-    own_budget = cfg.activation_checkpoint.memory_budget != ActivationCheckpointConfig().memory_budget
+    own_budget = "activation_checkpoint.memory_budget" in given_keys(cli)
     if "budget" in opts.ac_modes and not own_budget:
         cfg.activation_checkpoint.memory_budget = f"{cluster.memory_bytes // MIB}MiB"
     seq = cfg.training.seq_len

@@ -206,3 +206,21 @@ def test_the_difference_names_the_first_node_that_differs_and_its_field():
     assert _first_difference([node], [node, wider]) == (
         "at its node 1 (aten.mm.default), field op: one has 1 nodes, the other 2"
     )
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ([], "memory_budget 1MiB (the device's memory"),
+        # The default value given on purpose is the user's (it was read off the value, and replaced by the device's).
+        (["--activation_checkpoint.memory_budget", "0.5"], "memory_budget 0.5 (yours)"),
+    ],
+)
+def test_the_budget_searched_is_the_users_when_given_even_at_its_default(capsys, tmp_path, given, says):
+    """The planner fills in the device's memory as the AC budget only where the user gave none: given is read off the
+    command line and the config file, not off the value. (A memory so small that every candidate is pruned: the
+    line comes before any plan.)"""
+    argv = ["--config", "llama3_debug", "--cluster.device", "cpu", "--cluster.gpus", "2", "--cluster.gpus_per_node",
+            "2", "--cluster.memory_gib", "0.001", "--search.ac_modes", "budget", "--out", str(tmp_path)]  # fmt: skip
+    main([*argv, *given])
+    assert f"AC budget planned to --activation_checkpoint.{says}" in capsys.readouterr().out
