@@ -674,6 +674,20 @@ def is_exact_fit(row: Screened, cluster: Cluster) -> bool:
     return row.exact is not None and not row.exact.approximate and row.exact.peak_bytes <= cluster.memory_bytes
 
 
+def repeats_of_none(rows: list[Screened]) -> list[Screened]:
+    """The AC budget rows of `rows` whose exact plan is the no-AC row's of the same candidate, also in `rows`: where
+    no AC fits, the budget recomputes nothing, and its row would repeat that one."""
+    by_cand = {r.cand: r for r in rows if r.exact is not None}
+    return [
+        r
+        for r in rows
+        if r.cand.ac_mode == "budget"
+        and r.exact is not None
+        and (none := by_cand.get(dataclasses.replace(r.cand, ac_mode="none", memory_budget=""))) is not None
+        and (r.exact.peak_bytes, r.exact.flops) == (none.exact.peak_bytes, none.exact.flops)
+    ]
+
+
 def screen_errors(rows: list[Screened]) -> list[tuple[Screened, float, float]]:
     """(row, peak error, step-time error) of the screen against the exact plan, for each row planned both ways."""
     return [
@@ -696,6 +710,7 @@ __all__ = [
     "is_exact_fit",
     "plan_best",
     "plan_exactly",
+    "repeats_of_none",
     "screen",
     "screen_errors",
     "state_bytes",

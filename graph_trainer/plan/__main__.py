@@ -209,6 +209,8 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
     fitting = sorted((r for r in rows if r.peak <= cluster.memory_bytes), key=lambda r: r.time.total_s)
     exact = search.plan_best(cfg, cluster, fitting, opts.exact, cluster.device.efficiency, plans)
     final = sorted((r for r in exact if search.is_exact_fit(r, cluster)), key=lambda r: r.exact_time.total_s)
+    if repeats := search.repeats_of_none(final):  # said once below, and left out of the table
+        final = [r for r in final if r not in repeats]
     # Upper bounds that fit and would beat the best exact plan: listed, never ranked (every ranked row is exact).
     bounds = [
         r for r in exact
@@ -228,6 +230,11 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
         )
     for row, peak_err, time_err in search.screen_errors(exact):
         print(f"screen vs exact: {row.cand.label()}: peak {peak_err:+.1%}, step time {time_err:+.1%}")
+    if repeats:
+        print(
+            f"{len(repeats)} AC budget rows recompute nothing (no AC fits there) and are their AC none rows: shown "
+            f"once, as none, e.g. {repeats[0].cand.label()}"
+        )
     for r in bounds:
         c = r.cand
         print(

@@ -384,3 +384,24 @@ def test_pipeline_layouts_screen_on_references_of_their_own():
     flat_key, flat_ref = layout.reference({"pp": 1, "dp_shard": 64, "tp": 8})
     assert piped_key != flat_key and piped_ref["pp"] == 1 == flat_ref["pp"]
     assert layout.reference({"pp": 32, "dp_shard": 4, "tp": 8})[0] == piped_key  # FSDP's degrees still share one
+
+
+def test_a_budget_row_that_recomputes_nothing_is_shown_once_as_none():
+    """Where no AC fits, the budget recomputes nothing and its exact plan is the none row's: left out of the
+    ranking (the planner says so once). A budget row that recomputes, or whose none row is not planned, stays."""
+    from graph_trainer.plan.step_plan import StepPlan
+
+    shard2 = (("dp_replicate", 1), ("dp_shard", 2), ("tp", 1))
+
+    def row(mode: str, batch: int, flops: int) -> search.Screened:
+        cand = search.Candidate(shard2, mode, batch, 0, False, memory_budget="80GiB" if mode == "budget" else "")
+        plan = StepPlan(mode, 10 * 2**30, 0, {}, "", flops, 1000, 0.0)
+        return search.Screened(cand, plan.peak_bytes, None, exact=plan)
+
+    none, same, recomputes, alone = (
+        row("none", 1, 100),
+        row("budget", 1, 100),
+        row("budget", 2, 90),
+        row("budget", 4, 80),
+    )
+    assert search.repeats_of_none([none, same, recomputes, alone, row("none", 2, 100)]) == [same]
