@@ -79,7 +79,7 @@ def check_budget_held(cfg: JobConfig, plan: StepPlan) -> None:
     smallest = budget.smallest(plan.peak_bytes, input_bytes=0, no_ac_peak=0)
     raise ConfigError(
         f"activation_checkpoint.memory_budget {ac.memory_budget} is infeasible: the step's plan peaks at "
-        f"{plan.peak_bytes / GIB:.4f} GiB at {plan.peak_at}, which no recompute choice lowers; set "
+        f"{plan.peak_bytes / GIB:.4f} GiB at {plan.peak_at}, above it; set "
         f"--activation_checkpoint.memory_budget {smallest} or more, or shard the state (--parallelism.dp_shard)"
     )
 
