@@ -12,6 +12,10 @@ at most one unit's gathered parameters more than without prefetch (the memory
 estimate, run on the final graph, counts them). `prefetch_reserve` measures that
 unit on the graph before the pass, for the budget policy, which decides earlier.
 
+Each moved node is marked with the unit it now follows (`node_meta.PREFETCHED_AFTER`):
+it runs in that unit's block, where the blocks before hold what their memory
+policy saved, and the depth-free plan keys it there (`plan.step_plan.running_blocks`).
+
 Only the position of gather-issuing nodes changes: they read nothing but the
 parameter shards, which nothing writes before the optimizer update, so the
 pass preserves numerics bitwise. The order of collectives is the same on every
@@ -88,6 +92,7 @@ def prefetch_fsdp_gathers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             for n in _issue_chain(gather):
                 anchor.append(n)
                 anchor = n
+                node_meta.custom(n)[node_meta.PREFETCHED_AFTER] = node_meta.gathered_unit(previous)
     gm.recompile()
     return gm
 

@@ -60,6 +60,7 @@ from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger, quiet
+from graph_trainer.observability.units import GIB
 from graph_trainer.optimizer.update_memory import EagerUpdate
 from graph_trainer.passes import CLEAN_UP, build_pipeline, fsdp_policy_of, fsdp_prefetch_of
 from graph_trainer.passes.activation_checkpoint import (
@@ -81,6 +82,7 @@ from graph_trainer.plan.step_plan import (
     peak_location,
     plan_of,
     plan_step,
+    running_blocks,
     with_ac_mode,
 )
 from graph_trainer.runtime.gc_pause import gc_paused
@@ -371,7 +373,20 @@ def _extended(
             out[batch][mode] = part if isinstance(part, UserError) else part.plan(mode_job, elapsed, grid.blocks_traced)
             if mode == "budget" and isinstance(budget_choice, BlockChoice) and isinstance(part, _Parts):
                 out[batch][mode].budget_choice = budget_choice
+                _check_target(part.est.peak_bytes, budget_choice, on_fallback or logger.warning)
     return out
+
+
+def _check_target(graph_peak: int, choice: BlockChoice, say: Callable[[str], None]) -> None:
+    """Say, in one line, a depth-free plan of the budget's choice whose graph peaks above the target the choice was
+    solved for: the choice's model and the plan read the same short traces, so one of them misreads the deep step
+    (a prefetched gather read in its own block did, `running_blocks`); the plan is the estimate the step runs at."""
+    if graph_peak > choice.target_bytes:
+        say(
+            f"memory_budget: the depth-free plan puts the budget's choice at {graph_peak / GIB:.4f} GiB of graph, "
+            f"above the {choice.target_bytes / GIB:.4f} GiB it was solved for (its model: "
+            f"{choice.peak_bytes / GIB:.4f} GiB); planned as traced, please report it with this config"
+        )
 
 
 def _budget_choice(
@@ -822,13 +837,18 @@ def _flops(gm: torch.fx.GraphModule) -> int:
 def _deep_location(
     gm: torch.fx.GraphModule, index: int, cls: str, depth: int, layers: str | None, lead: int
 ) -> tuple[int | None, str, str]:
-    """The (layer, module, op) in the deep model of the `index`-th node of the reference graph, of class `cls`."""
+    """The (layer, module, op) in the deep model of the `index`-th node of the reference graph, of class `cls` (the
+    class of the block it runs in, `running_blocks`: a prefetched gather's own block is the next or previous)."""
     layer, module, op = peak_location(gm, index, layers)
     if layer is None:
         return layer, module, op
-    deep = layer if cls.startswith("lead") else {
+    runs_in = next(b for i, _, b in running_blocks(gm, layers) if i == index)
+    if runs_in is None:  # issued after the root unit's gather: its own block's class says where it is
+        runs_in, cls = layer, _classes(layer, lead + SHORT[1], lead)[0]
+    deep = runs_in if cls.startswith("lead") else {
         "first": lead, "mid_first": lead + 1, "mid_last": depth - 2, "last": depth - 1
     }[cls]  # fmt: skip
+    deep += layer - runs_in
     if layers:
         module = re.sub(rf"(^|\.){re.escape(layers)}\.{layer}(?=\.|$)", rf"\g<1>{layers}.{deep}", module)
     return deep, module, op
@@ -860,8 +880,11 @@ def _classes(layer: int | None, k: int, lead: int) -> list[str]:
 
 def _keys(gm: torch.fx.GraphModule, k: int, layers: str | None, lead: int) -> dict[_Key, int]:
     """Each running node's key -> its index in graph order. A node of a chunked loss (`node_meta.loss_chunk`) is
-    keyed by its chunk's class as well; the nodes of middle chunks other than the first and last have none."""
-    blocks = node_blocks(gm, layers)
+    keyed by its chunk's class as well; the nodes of middle chunks other than the first and last have none. A node
+    is keyed by the block it runs in (`running_blocks`): a gather prefetched into the block before its own is alive
+    beside what that block's neighbours saved, which under a budget's per-class choice differs between the first
+    block (the 3-block step's neighbour) and a middle one (the 4-block step's)."""
+    blocks = running_blocks(gm, layers)
     chunks = 1 + max((c for _, n, _ in blocks if (c := node_meta.loss_chunk(n)) is not None), default=-1)
     ranks: Counter = Counter()
     keys: dict[_Key, int] = {}

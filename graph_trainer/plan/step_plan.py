@@ -146,7 +146,7 @@ def node_blocks(gm: torch.fx.GraphModule, layers: str | None) -> list[tuple[int,
     (`layers`.N: FSDP's ops for a block's unit have the module but no tag). A backward node with neither
     (autograd's sum of two gradients of one tensor has no forward op, nor has the residual stream's at a
     block's start) belongs to the block the backward was in: that of the last node with a module before it."""
-    pattern = re.compile(rf"(?:^|\.){re.escape(layers)}\.(\d+)(?:\.|$)") if layers else None
+    pattern = _block_pattern(layers)
 
     def block(node: torch.fx.Node) -> Any:
         if node_meta.layer_id(node) is not None:
@@ -163,6 +163,27 @@ def node_blocks(gm: torch.fx.GraphModule, layers: str | None) -> list[tuple[int,
         if anchor is _UNKNOWN and node_meta.is_backward(node) and isinstance(prev, int):
             layer = prev
         out.append((i, node, layer))
+    return out
+
+
+def _block_pattern(layers: str | None) -> re.Pattern | None:
+    """What finds a block's index in a module FQN: `layers`.N."""
+    return re.compile(rf"(?:^|\.){re.escape(layers)}\.(\d+)(?:\.|$)") if layers else None
+
+
+def running_blocks(gm: torch.fx.GraphModule, layers: str | None) -> list[tuple[int, torch.fx.Node, int | None]]:
+    """(index, node, block) as `node_blocks`, but the block each node runs in: a gather FSDP's prefetch moved up
+    runs in the block of the unit whose gather it follows (`node_meta.prefetched_after`; None: the root unit), in
+    the forward the block before its own, in the backward the one after. What is alive there is what that block's
+    neighbours saved, which is how the depth-free plan must read it (`block_plan._keys`)."""
+    pattern = _block_pattern(layers)
+    out = []
+    for i, node, block in node_blocks(gm, layers):
+        unit = node_meta.prefetched_after(node)
+        if unit is not None:
+            match = pattern.search(unit) if pattern else None
+            block = int(match.group(1)) if match else None
+        out.append((i, node, block))
     return out
 
 
@@ -280,6 +301,7 @@ __all__ = [
     "for_device",
     "meta_batch",
     "node_blocks",
+    "running_blocks",
     "op_nodes",
     "peak_location",
     "plan_config",

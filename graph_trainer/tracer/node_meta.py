@@ -22,6 +22,9 @@ MODULE_FQN = "module_fqn"
 LAYER_ID = "layer_id"
 RANDOM = "random"  # True on ops that draw from an RNG: they must run exactly once
 REMATERIALIZED = "rematerialized"  # True on the backward copy of a recomputed forward op (passes.remat)
+# On the nodes FSDP's prefetch moved up (passes.fsdp_prefetch): the unit of the gather they now follow ("" the root
+# unit), so that a plan reads them where they run, in that unit's block, not in their own (plan.step_plan).
+PREFETCHED_AFTER = "prefetched_after"
 # On every node a parallelism made for one of its collectives (the collective itself, its wait, the buffers
 # it fills and the cuts of its result): {"kind": who made it, "role": what it is for, "unit": which group of
 # parameters ("" the root unit; None if none), "layer": the transformer layer it serves (None: outside them)}.
@@ -120,6 +123,11 @@ def gathered_unit(node: torch.fx.Node) -> str | None:
     """The unit ('' for the root, else e.g. a layer FQN) whose parameter gather made the node, or None."""
     tag = collective(node)
     return tag["unit"] if tag is not None and tag["role"] == PARAM_GATHER else None
+
+
+def prefetched_after(node: torch.fx.Node) -> str | None:
+    """The unit whose gather the node was moved up to follow by FSDP's prefetch (`PREFETCHED_AFTER`), or None."""
+    return node.meta.get(CUSTOM, {}).get(PREFETCHED_AFTER)
 
 
 def is_random(node: torch.fx.Node) -> bool:

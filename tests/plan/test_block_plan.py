@@ -10,14 +10,18 @@ the whole graph's per-op optimum where that is solved.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import pytest
 import torch
 
+from graph_trainer.builder import build_job
 from graph_trainer.distributed.mesh import ParallelDims, planning_mesh
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.cli import load_config
 from graph_trainer.plan.block_plan import SHORT, plan_modes
-from graph_trainer.plan.step_plan import AC_MODES, StepPlan
+from graph_trainer.plan.step_plan import AC_MODES, StepPlan, plan_step
 
 EXACT = ("none", "selective", "full")
 # The budget's recompute FLOPs (one choice per block class, `passes/budget_depth.py`) against the whole graph's
@@ -202,8 +206,6 @@ def test_depth_free_plan_equals_the_full_trace_moe_expert_parallel_one_rank_of_4
 def test_depth_free_plan_equals_the_full_trace_moe_with_two_dense_blocks(monkeypatch):
     """DeepSeek-V3 671B has 3 dense blocks: the leading ones are keyed one by one (`ModelSpec.leading_blocks`), the
     last dense one is the `first` class, so 4 + 5 blocks are traced here (2 dense)."""
-    import dataclasses
-
     from models.deepseek_v3 import SPEC
 
     flavor = SPEC.flavors["debugmodel"]
@@ -214,8 +216,6 @@ def test_depth_free_plan_equals_the_full_trace_moe_with_two_dense_blocks(monkeyp
 def test_a_budget_whose_short_models_do_not_extend_is_approximate_and_said(monkeypatch, caplog):
     """Where the short steps' models do not extend in depth (`NotExtendable`), the budget row falls back to the
     approximation from none and full, marked approximate and said in one line; the other modes stay exact."""
-    import logging
-
     from graph_trainer.passes.budget_depth import NotExtendable
     from graph_trainer.plan import block_plan
 
@@ -244,3 +244,45 @@ def test_depth_free_budget_plan_equals_the_full_trace_with_a_loss_of_eight_chunk
     cfg, _ = load_config([*args, "--model.n_layers", "6"])
     fast = plan_modes(cfg, Mesh(ParallelDims(), 0, torch.device("cpu")), ["budget"])
     _check_budget(args, 6, sum(SHORT), fast, None)
+
+
+@pytest.mark.parametrize("recomputed", ["middle", "first", "nothing"])
+def test_depth_free_plan_of_any_per_class_choice_equals_the_full_trace_with_fsdp_prefetch(
+    monkeypatch, caplog, recomputed
+):
+    """A prefetched gather of block i runs in block i-1's forward (in the backward, block i+1's), where the blocks
+    before it hold what their class's choice saved. In the 3-block step that is the first block's, in the 4-block step
+    a middle one's: keyed by its own block, one more block then looked like one more first block, exact only while
+    every class saves alike (the fixed modes). A budget that saved far more in the first block than in the middle
+    ones (Llama-3 70B, dp_shard 32 x tp 2, 75GiB) was planned at 149.9 GiB where the full trace and the choice's model
+    peak at 71.8. Here the choice is forced both ways (the first block saves everything and the middle ones recompute
+    everything, or the reverse, or nothing), whatever the solver would pick, and the plan must still equal the full
+    trace. A plan above the target its choice was solved for is said in one line (`block_plan._check_target`: the
+    solver's own choices fit, so in a run it means the plan and the model disagree)."""
+    from graph_trainer.passes import budget
+    from graph_trainer.passes.budget_depth import candidate_keys
+    from graph_trainer.passes.remat_model import Solution
+
+    args = [*BUDGET, "--parallelism.dp_shard", "8", "--parallelism.fsdp_prefetch", "true"]
+    args += ["--activation_checkpoint.mode", "budget"]
+    first = recomputed == "first"
+
+    def forced(model, _budget, **_):  # the deep model's solve, answered with the forced choice
+        keys = candidate_keys(model.candidates, SHORT[1], 0)  # the 4-block model's keys (no leading blocks)
+        chosen = [c for c in model.candidates if recomputed != "nothing" and (keys[c][0] == "first") == first]
+        return Solution(chosen, model.peak(chosen), model.recompute_flops(chosen), 0.0, "forced", True)
+
+    monkeypatch.setattr(budget, "solve", forced)
+    cfg, _ = load_config([*args, "--model.n_layers", "8"])
+    with caplog.at_level(logging.WARNING, logger="graph_trainer"):
+        with planning_mesh(ParallelDims.from_config(cfg.parallelism), torch.device("cpu")) as mesh:
+            fast = plan_modes(cfg, mesh, ["budget"], fast=True)
+    plan = fast["budget"]
+    said = [r.getMessage() for r in caplog.records if "the depth-free plan puts the budget's choice" in r.getMessage()]
+    # Recomputing the middle blocks fits the 0.5 budget's target; recomputing only the first, or nothing, does not.
+    assert len(said) == (0 if recomputed == "middle" else 1), said
+    assert plan.blocks_traced == sum(SHORT) and not plan.approximate
+    with planning_mesh(ParallelDims.from_config(cfg.parallelism), torch.device("cpu")) as mesh:
+        applied = plan_step(build_job(cfg, mesh, materialize=False).with_budget_choice(plan.budget_choice))
+    assert applied.blocks_traced == 8
+    assert _numbers(plan) == _numbers(applied)
