@@ -254,11 +254,12 @@ def test_depth_free_plan_of_any_per_class_choice_equals_the_full_trace_with_fsdp
     before it hold what their class's choice saved. In the 3-block step that is the first block's, in the 4-block step
     a middle one's: keyed by its own block, one more block then looked like one more first block, exact only while
     every class saves alike (the fixed modes). A budget that saved far more in the first block than in the middle
-    ones (Llama-3 70B, dp_shard 32 x tp 2, 75GiB) was planned at 149.9 GiB where the full trace and the choice's model
-    peak at 71.8. Here the choice is forced both ways (the first block saves everything and the middle ones recompute
-    everything, or the reverse, or nothing), whatever the solver would pick, and the plan must still equal the full
-    trace. A plan above the target its choice was solved for is said in one line (`block_plan._check_target`: the
-    solver's own choices fit, so in a run it means the plan and the model disagree)."""
+    ones (Llama-3 70B, dp_shard 32 x tp 2, 75GiB) was planned at 149.9 GiB where its model put the step at 71.8 (at 12
+    blocks a whole trace agreed with the model, 17.85 GiB, and the plan said 20.58). Here the choice is forced both
+    ways (the first block saves everything and the others recompute everything, or the reverse, or nothing),
+    whatever the solver would pick, and the plan must still equal the full trace. A plan above the target its choice
+    was solved for is said in one line (`block_plan._check_target`: the solver's own choices fit, so in a run it
+    means the plan and the model disagree)."""
     from graph_trainer.passes import budget
     from graph_trainer.passes.budget_depth import candidate_keys
     from graph_trainer.passes.remat_model import Solution
