@@ -553,8 +553,9 @@ def _budget_read_beside(
     size = parse_memory_budget(cand.memory_budget).peak_bytes
     if cand.accumulation == 1 or size is None or not budget.approximate or not {"none", "full"} <= set(by_mode):
         return budget
-    beside = accumulated(budget, cand.accumulation, dict(cand.options), dict(cand.degrees), device_type).peak_bytes
-    peak = int(min(size - (beside - budget.peak_bytes), by_mode["none"].peak_bytes))
+    options, degrees = dict(cand.options), dict(cand.degrees)
+    accumulated_peak = accumulated(budget, cand.accumulation, options, degrees, device_type).peak_bytes
+    peak = int(min(size - (accumulated_peak - budget.peak_bytes), by_mode["none"].peak_bytes))
     above, below, w = budget_bracket(
         peak, {m: by_mode[m].peak_bytes for m in ("none", "selective", "full") if m in by_mode}
     )
