@@ -119,3 +119,52 @@ def test_ci_run_fails_when_a_pytest_call_collects_nothing(tmp_path, unit_rc, int
 def test_ci_run_passes_when_every_step_passes(tmp_path):
     proc = _ci_run(tmp_path, 0, 0)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+SLOW = """
+import pytest
+
+@pytest.mark.integration
+@pytest.mark.slow(held_by={held_by!r})
+def test_large():
+    pass
+
+@pytest.mark.integration
+def test_small():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    "held_by, words",
+    [
+        ("test_mod.py::test_small", None),
+        ("test_mod.py::test_absent", "name the test CI runs that holds its claim"),
+        ("", "name the test CI runs that holds its claim"),
+    ],
+)
+def test_a_slow_test_names_the_ci_test_that_holds_its_claim_and_ci_leaves_only_it_out(
+    pytester, monkeypatch, held_by, words
+):
+    """`.ci/run` leaves `slow` tests out; each names the test CI runs in its place (`tests/conftest.py`)."""
+    pytester.makepyfile(test_mod=SLOW.format(held_by=held_by))
+    monkeypatch.delenv("CI", raising=False)
+    result = pytester.runpytest_inprocess("-p", "tests.conftest", "-q", "-m", "integration and not slow")
+    if words is None:
+        result.assert_outcomes(passed=1, deselected=1)
+    else:
+        assert result.ret == pytest.ExitCode.USAGE_ERROR and words in result.stderr.str() + result.stdout.str()
+
+
+def test_a_slow_test_that_is_not_integration_is_refused(pytester, monkeypatch):
+    module = SLOW.format(held_by="test_mod.py::test_small").replace(
+        "@pytest.mark.integration\n@pytest.mark.slow", "@pytest.mark.slow"
+    )
+    pytester.makepyfile(test_mod=module)
+    result = pytester.runpytest_inprocess("-p", "tests.conftest", "-q")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR and "but not integration" in result.stderr.str()
+
+
+def test_ci_leaves_out_only_the_slow_integration_tests():
+    script = (REPO / ".ci" / "run").read_text()
+    assert '-m "integration and not slow"' in script

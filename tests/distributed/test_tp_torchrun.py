@@ -31,6 +31,10 @@ from tests.test_run_lifecycle import CKPT, EXACT, checkpoints, start, summary, w
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.integration,  # 4 torchrun launches of 4 ranks
+    # 82-112 s. CI holds a torchrun rank killed mid-run and resumed at pp 2, and tp with FSDP resumed bitwise.
+    pytest.mark.slow(
+        held_by="tests/distributed/test_pipeline_torchrun.py::test_torchrun_pp_with_one_rank_killed_mid_write_resumes_to_the_uninterrupted_losses"
+    ),
     pytest.mark.skipif(
         not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with the gloo backend"
     ),

@@ -301,6 +301,9 @@ def test_the_gate_runs_at_every_ac_mode_and_update_placement():
 
 
 @pytest.mark.integration
+@pytest.mark.slow(
+    held_by="tests/layouts/test_search.py::test_a_budget_search_ranks_budgets_solved_at_their_own_batch"
+)  # 131 s; and test_activation_checkpoint's accumulating size budget
 def test_the_budget_is_searched_at_the_devices_memory_and_trains_at_its_planned_peak_accumulating(tmp_path):
     """AC budget in the search plans each layout to the device's memory (`memory_budget` set to it, said in one
     line), solved exactly at each ranked row's own batch; with accumulation, at the memory less what accumulation

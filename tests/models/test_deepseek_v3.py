@@ -77,6 +77,7 @@ def eager_none(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("ds_eager"), "eager", "--compile.mode", "eager")[0]
 
 
+@pytest.mark.usefixtures("short_solves")  # its claims hold for any choice the budget solve returns
 @pytest.mark.parametrize("mode", list(MODES))
 def test_traced_step_is_bitwise_equal_to_eager_with_one_trace_and_estimated_peak(tmp_path, mode, eager_none):
     trainer = _trainer(tmp_path, "traced", *MODES[mode])

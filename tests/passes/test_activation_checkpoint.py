@@ -116,6 +116,9 @@ def test_ac_modes_reduce_saved_activations(tmp_path):
 
 
 @pytest.mark.integration  # plans and measures several budgets or modes
+@pytest.mark.slow(
+    held_by="tests/passes/test_remat_model.py::test_the_frontier_spans_the_lowest_peak_to_no_ac_and_each_point_fits_at_the_fewest_flops"
+)  # 105 s; the same claim on the model
 def test_a_smaller_budget_never_costs_fewer_flops_and_every_peak_fits(tmp_path):
     """The policy is optimal (tests/passes/test_remat_model.py), so a smaller budget, whose choices are a subset of
     a larger one's, can never be met with fewer recompute FLOPs; each measured peak fits its target."""
@@ -283,6 +286,7 @@ def test_recompute_override_of_a_random_op_is_refused(tmp_path):
 
 
 @pytest.mark.integration  # a deep model: the preflight's short traces, then the whole step, then eager
+@pytest.mark.usefixtures("short_solves")  # the step applies whichever choice the plan solved
 def test_a_deep_model_runs_the_budget_choice_its_plan_solved(tmp_path, caplog):
     """At 6 blocks the preflight solves the budget per block class on the 3- and 4-block traces, and the step
     applies that choice (passes/budget_depth.py): its estimate is the plan's, equal to the measured peak, and its

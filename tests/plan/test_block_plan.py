@@ -99,16 +99,22 @@ def _check_budget(args: list[str], layers: int, traced: int, fast: dict, full: d
     assert ours <= (1 + OPTIMUM_BOUND) * best
 
 
+@pytest.mark.usefixtures("short_solves")
 def test_depth_free_plan_equals_the_full_trace_debug_8_blocks():
     _check(BUDGET, 8, optimum=False)
 
 
 @pytest.mark.integration
+@pytest.mark.slow(
+    held_by="tests/plan/test_block_plan.py::test_depth_free_plan_equals_the_full_trace_debug_8_blocks"
+)  # 49-141 s
+@pytest.mark.usefixtures("short_solves")
 def test_depth_free_budget_plan_equals_the_full_trace_debug_16_blocks():
     _check(BUDGET, 16, optimum=False)
 
 
 @pytest.mark.integration
+@pytest.mark.usefixtures("short_solves")
 def test_depth_free_size_budget_beside_the_eager_update_equals_the_full_trace():
     """A whole-step size with the eager AdamW update after the graph: the deep model leaves room for the update's
     state at the model's depth (extended from the short steps, as the plan extends it), and the plan fits."""
@@ -118,12 +124,17 @@ def test_depth_free_size_budget_beside_the_eager_update_equals_the_full_trace():
 
 
 @pytest.mark.integration
+@pytest.mark.usefixtures("short_solves")
 def test_depth_free_budget_plan_equals_the_full_trace_fsdp_one_rank_of_8():
     """FSDP's gathers are in the budget's model as `fsdp_gather` tags them (re-gathered in the backward)."""
     _check([*BUDGET, "--parallelism.dp_shard", "8"], 8, optimum=False)
 
 
 @pytest.mark.integration
+@pytest.mark.slow(  # 38 s; CI holds it under any per-class choice (recomputing nothing: no AC's)
+    held_by="tests/plan/test_block_plan.py::test_depth_free_plan_of_any_per_class_choice_equals_the_full_trace_with_fsdp_prefetch"
+)
+@pytest.mark.usefixtures("short_solves")
 def test_depth_free_plan_equals_the_full_trace_fsdp_prefetch_one_rank_of_8():
     """With prefetch the last block keeps its gathered parameters into its backward, unlike the middle ones:
     the first and last blocks may differ from the middle, as long as they are the same at both short depths. The
@@ -147,6 +158,7 @@ def test_shallow_models_are_traced_whole_once_for_all_modes(layers):
     assert plans["none"].peak_bytes > plans["selective"].peak_bytes > plans["full"].peak_bytes
 
 
+@pytest.mark.usefixtures("short_solves")
 def test_the_preflight_and_dry_run_of_a_deep_model_use_the_depth_free_plan():
     from graph_trainer.distributed.mesh import Mesh
     from graph_trainer.plan.dry_run import dry_run
@@ -185,6 +197,7 @@ def test_one_trace_shared_by_the_modes_plans_as_one_trace_per_mode():
 
 
 @pytest.mark.integration
+@pytest.mark.usefixtures("short_solves")
 def test_depth_free_plan_equals_the_full_trace_tp2_dp_shard2_one_rank_of_4():
     """Tensor parallelism (sequence parallel between the blocks) with FSDP, one rank of 4 on the fake process
     group: the TP collectives and the vocabulary-parallel loss extend exactly too."""
@@ -234,6 +247,7 @@ def test_a_budget_whose_short_models_do_not_extend_is_approximate_and_said(monke
     assert len(said) == 1 and "one more middle block adds" in said[0]
 
 
+@pytest.mark.usefixtures("short_solves")
 def test_depth_free_budget_plan_equals_the_full_trace_with_a_loss_of_eight_chunks():
     """The chunked loss's middle chunks have no block-plan key; outside the blocks the short steps' ops are paired in
     order instead (`block_plan._short_budget_args`), so the budget's model still extends (it was refused: approximate).

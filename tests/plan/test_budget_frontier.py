@@ -19,6 +19,7 @@ SIX_BUDGET = ["--config", "llama3_debug", "--model.n_layers", "6", "--training.s
 
 
 @pytest.mark.integration
+@pytest.mark.usefixtures("short_solves")  # the budget row's own solve; the frontier's points stop at 10 s anyway
 def test_the_dry_run_prints_and_writes_the_frontier_of_a_deep_model(tmp_path):
     cfg, _ = load_config([*SIX_BUDGET, "--job.dump_folder", str(tmp_path)])
     lines: list[str] = []

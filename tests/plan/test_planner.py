@@ -75,6 +75,7 @@ def test_plan_of_meta_model_orders_modes_by_memory():
     assert {"parameter", "optimizer_state", "activation"} <= set(plans["none"].peak_by_category)
 
 
+@pytest.mark.usefixtures("short_solves")
 def test_preflight_refusal_names_sizes_and_what_would_fit(monkeypatch):
     cfg, _ = load_config(["--config", "llama3_debug", *SMALL])
     plan = plan_config(cfg, torch.device("cpu"))

@@ -14,8 +14,17 @@ from graph_trainer.plan.stage_plan import plan_pipeline, plan_positions
 EIGHT = ["--config", "llama3_debug", "--model.n_layers", "8", "--training.seq_len", "64"]  # stages of 4 (or 2) blocks
 
 
+# Interleaved1F1B (52 s) is the largest case of the same extension; CI runs the other two.
+INTERLEAVED_IS_SLOW = pytest.mark.slow(
+    held_by="tests/plan/test_stage_plan_counts.py::test_a_stage_plan_from_three_short_counts_equals_the_plan_at_the_jobs_count"
+)
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize(("schedule", "count"), [("1F1B", 9), ("GPipe", 8), ("Interleaved1F1B", 12)])
+@pytest.mark.parametrize(
+    ("schedule", "count"),
+    [("1F1B", 9), ("GPipe", 8), pytest.param("Interleaved1F1B", 12, marks=INTERLEAVED_IS_SLOW)],
+)
 def test_a_stage_plan_from_three_short_counts_equals_the_plan_at_the_jobs_count(schedule, count):
     args = [*EIGHT, "--parallelism.pp", "2", "--parallelism.pp_schedule", schedule]
     cfg, _ = load_config([*args, "--training.local_batch_size", str(count)])
