@@ -129,6 +129,10 @@ def check_slow_marker(item: pytest.Item) -> None:
     source = Path(item.config.rootpath, path)
     if item.get_closest_marker("integration") is None:
         raise pytest.UsageError(f"{item.nodeid} is marked slow but not integration: mark it integration too")
+    # Itself only as a parametrized case whose other cases CI runs: a test naming itself would hold nothing.
+    names_itself = name == getattr(item, "originalname", None) and Path(item.path) == source.resolve()
+    if names_itself and not hasattr(item, "callspec"):
+        raise pytest.UsageError(f"{item.nodeid} is marked slow with held_by naming itself: name another test")
     if not name or not source.is_file() or f"def {name}(" not in source.read_text():
         raise pytest.UsageError(
             f"{item.nodeid} is marked slow with held_by={held_by!r}: name the test CI runs that holds its claim "

@@ -141,6 +141,7 @@ def test_small():
         ("test_mod.py::test_small", None),
         ("test_mod.py::test_absent", "name the test CI runs that holds its claim"),
         ("", "name the test CI runs that holds its claim"),
+        ("test_mod.py::test_large", "held_by naming itself"),
     ],
 )
 def test_a_slow_test_names_the_ci_test_that_holds_its_claim_and_ci_leaves_only_it_out(
