@@ -128,9 +128,11 @@ def mode_family(prefix: str, base: tuple[str, ...], suites: tuple[str, ...], ste
         ),
         test(
             "budget_low",
-            TRACE + _ac("budget", "--activation_checkpoint.memory_budget", "0.6"),
+            # 0.7: ops with FLOPs are recomputed (0.134 GFLOP at the quick suite's size), and HiGHS proves the
+            # choice in 3 s. At 0.6 the proof took 57 s of its 60 s limit, the quick suite's longest run by 6x.
+            TRACE + _ac("budget", "--activation_checkpoint.memory_budget", "0.7"),
             replace(traced, peak_ratio=PeakRatio(f"{prefix}budget_high", 1.00)),
-            "memory budget 0.6: peak <= budget 0.9 (monotonic)",
+            "memory budget 0.7: peak <= budget 0.9 (monotonic)",
         ),
     ]
 
