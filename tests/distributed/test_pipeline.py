@@ -298,9 +298,9 @@ def test_the_trainer_at_pp_2_under_each_kind_of_schedule_is_one_process_accumula
     update were one process's to the bit. Each rank holds only its stage's parameters and their optimizer state.
 
     Each rank's measured peak at steps 2 and 3 is its per-stage plan's (`plan_pipeline`, what --dry-run prints) to
-    the byte, under GPipe (every micro-batch in flight), 1F1B and ZBVZeroBubble (two stages a rank, weight
-    gradients deferred). The first step is not: torch makes its receive buffers in it, and the cut prunes the
-    other stages' embedding, norm and output with their optimizer state."""
+    the byte under GPipe (every micro-batch in flight) and 1F1B, and its in-job plan's under every schedule
+    (ZBVZeroBubble: two stages a rank, weight gradients deferred). The first step is not: torch makes its receive
+    buffers in it, and the cut prunes the other stages' embedding, norm and output with their optimizer state."""
     _, reference = train_one_process(ONE_PROCESS, str(tmp_path / "one"))
     norms = [r["grad_norm"] for r in reference.records]
     assert max(norms) > 1.0  # clipping scaled the gradients
@@ -321,7 +321,9 @@ def test_the_trainer_at_pp_2_under_each_kind_of_schedule_is_one_process_accumula
             assert [r["held_blocks"] for r in ranks] == [[0, 1, 2, 3], [4, 5, 6, 7]], schedule
         # The bubble is measured inside the traced stages' graphs; an eager stage's backward has no end to time.
         assert all((b is None) == (schedule in EAGER) for r in ranks for b in r["bubbles"]), schedule
-        if schedule in ("GPipe", "1F1B", "ZBVZeroBubble", "eager 1F1B"):
+        # What --dry-run prints, planned here for the two schedules the issue asks of it (9-11 s each on CI's cores);
+        # every schedule's ranks are held to their own in-job plan (`preflight`) below, the same planner's answer.
+        if schedule in ("GPipe", "1F1B"):
             cfg, _ = load_config([*PIPELINE, *EAGER.get(schedule, ["--parallelism.pp_schedule", schedule])])
             plans = list(plan_pipeline(cfg, torch.device("cpu")))
             assert sorted(b for p in plans for b in p.blocks) == list(range(8)), schedule  # 4 blocks a rank
@@ -336,13 +338,15 @@ def test_the_trainer_at_pp_2_under_each_kind_of_schedule_is_one_process_accumula
 RESUMABLE = [*PIPELINE, "--lr_scheduler.decay_type", "none", "--training.steps", "4"]
 
 
-def _resume_pipelines(rank: int, port: int, out: str) -> None:
+def _resume_pipelines(rank: int, port: int, out: str, resume: bool = True) -> None:
     half = ["--job.dump_folder", f"{out}/half", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
     runs = {
         "whole": ["--parallelism.pp_schedule", "GPipe"],
         "first_half": [*half, "--parallelism.pp_schedule", "GPipe", "--training.steps", "2"],
         "resumed": [*half, "--parallelism.pp_schedule", "1F1B", "--checkpoint.resume", "true"],
     }
+    if not resume:
+        del runs["resumed"]
     for name, trainer, result in train_runs(rank, 2, port, runs, RESUMABLE, out):
         _record_resume(out, name, rank, trainer, result)
         if name == "first_half":  # the step-2 checkpoint for the pp 4 and pp 1 resumes, before `resumed` adds step 4
@@ -352,13 +356,14 @@ def _resume_pipelines(rank: int, port: int, out: str) -> None:
             dist.barrier()
 
 
-def _reshard_pipelines(rank: int, port: int, out: str) -> None:
+def _reshard_pipelines(rank: int, port: int, out: str, names: tuple[str, ...]) -> None:
     runs = {
         "resharded": ["--job.dump_folder", f"{out}/half4", "--parallelism.pp", "4", "--checkpoint.resume", "true"],
         # pp 2 x dp_shard 2: two data ranks of 4 sequences, each 2 micro-batches of 2.
         "sharded": ["--job.dump_folder", f"{out}/half_sharded", "--parallelism.dp_shard", "2",
                     "--training.local_batch_size", "4", "--checkpoint.resume", "true"],
     }  # fmt: skip
+    runs = {name: runs[name] for name in names}
     for name, trainer, result in train_runs(rank, 4, port, runs, [*RESUMABLE, "--checkpoint.enable", "true"], out):
         _record_resume(out, name, rank, trainer, result)
 
@@ -371,20 +376,20 @@ def _record_resume(out: str, name: str, rank: int, trainer, result) -> None:
 
 @pytest.mark.integration
 @pytest.mark.multiprocess
-def test_a_pp_checkpoint_resumes_bitwise_under_another_schedule_and_reshards_to_pp_4_to_fsdp_stages_and_to_one_process(
+def test_a_pp_checkpoint_resumes_bitwise_under_another_schedule_and_reshards_to_fsdp_stages_and_to_one_process(
     tmp_path,
 ):
     """Each rank writes its stage's parameters and AdamW state under their whole-model names (DCP). The run resumed
     from step 2 ends on the uninterrupted run's losses exactly, though it resumed under 1F1B (every schedule is
     one process accumulating the same micro-batches, so the schedule may change on resume); so does the same
-    checkpoint resumed at pp 4 on 4 ranks, each reading its 2 blocks by name, and resumed by one process that
-    accumulates the same 4 micro-batches of 2 (it reads the folder with DCP and goes on writing DCP there).
+    checkpoint resumed by one process that accumulates the same 4 micro-batches of 2 (it reads the folder with DCP
+    and goes on writing DCP there). At pp 4: `test_a_pp_2_checkpoint_resumes_bitwise_at_pp_4` (slow).
     Resumed at pp 2 x dp_shard 2, each rank reads its row shards of its stage's parameters and state: the two data
     ranks' gradients are averaged by reduce-scatters, another summation order, so the losses are the
     uninterrupted run's within rel 1e-5 (the resharding tolerance of docs/checkpoints.md; measured 8.3e-8 at
     step 4, step 3 equal)."""
     spawn_ranks(_resume_pipelines, 2, (free_port(), str(tmp_path)), timeout_s=600)
-    spawn_ranks(_reshard_pipelines, 4, (free_port(), str(tmp_path)), timeout_s=600)
+    spawn_ranks(_reshard_pipelines, 4, (free_port(), str(tmp_path), ("sharded",)), timeout_s=600)
     one = ["--lr_scheduler.decay_type", "none", "--training.steps", "4", "--checkpoint.enable", "true"]
     alone, result = train_one_process([*ONE_PROCESS, *one, "--checkpoint.resume", "true"], str(tmp_path / "half1"))
     assert alone.step == 4 and len(list(alone.model.parameters())) == 75  # the whole model (8 blocks), in one process
@@ -398,14 +403,29 @@ def test_a_pp_checkpoint_resumes_bitwise_under_another_schedule_and_reshards_to_
         assert resumed["step"] == 4 and resumed["held"] == whole[rank]["held"], rank
     assert result.losses == whole[0]["losses"][2:]
     assert (tmp_path / "half1" / "checkpoint" / "step-00000004.dcp" / ".metadata").is_file()
-    resharded = [json.loads((tmp_path / f"resharded.rank{rank}.json").read_text()) for rank in range(4)]
-    for rank, run in enumerate(resharded):
-        assert run["losses"] == whole[0]["losses"][2:] and run["step"] == 4, rank
-        assert {int(n.split(".")[1]) for n in run["held"] if n.startswith("layers.")} == {2 * rank, 2 * rank + 1}
     for rank in range(4):
         run = json.loads((tmp_path / f"sharded.rank{rank}.json").read_text())
         assert run["step"] == 4 and run["losses"] == pytest.approx(whole[0]["losses"][2:], rel=1e-5, abs=0), rank
         assert run["held"] == whole[rank // 2]["held"], rank  # ranks 2p and 2p + 1 shard position p
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+@pytest.mark.slow(
+    held_by="tests/distributed/test_pipeline.py::"
+    "test_a_pp_checkpoint_resumes_bitwise_under_another_schedule_and_reshards_to_fsdp_stages_and_to_one_process"
+)
+def test_a_pp_2_checkpoint_resumes_bitwise_at_pp_4(tmp_path):
+    """The step-2 checkpoint of a pp 2 run, resumed at pp 4 on 4 ranks: each rank reads its 2 blocks by their
+    whole-model names and the run ends on the uninterrupted run's losses exactly. (CI holds the same DCP names
+    read under another layout at pp 1 and at pp 2 x dp_shard 2; this test took 59 s on 2 cores beside another.)"""
+    spawn_ranks(_resume_pipelines, 2, (free_port(), str(tmp_path), False), timeout_s=600)
+    spawn_ranks(_reshard_pipelines, 4, (free_port(), str(tmp_path), ("resharded",)), timeout_s=600)
+    whole = json.loads((tmp_path / "whole.rank0.json").read_text())
+    for rank in range(4):
+        run = json.loads((tmp_path / f"resharded.rank{rank}.json").read_text())
+        assert run["losses"] == whole["losses"][2:] and run["step"] == 4, rank
+        assert {int(n.split(".")[1]) for n in run["held"] if n.startswith("layers.")} == {2 * rank, 2 * rank + 1}
 
 
 def _fine_tune(rank: int, port: int, out: str, folder: str) -> None:
