@@ -9,7 +9,7 @@ from graph_trainer.distributed import layout
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.layouts import search
 from graph_trainer.layouts.cluster import Cluster
-from graph_trainer.observability.units import to_gib
+from graph_trainer.observability.units import gib_at_least, gib_text, to_gib
 
 # The table's communication columns: (heading, does a '<parallelism> <collective>' key count here).
 COLUMNS = (
@@ -138,7 +138,7 @@ def write_picture(path: Path, screened, final, cluster: Cluster, seq: int) -> No
             frontier.append((p, t))
             best = t
     ax.step([p for p, _ in frontier], [t for _, t in frontier], where="post", c="C1", label="frontier of fitting")
-    ax.axvline(to_gib(cluster.memory_bytes), c="C3", ls="--", label=f"memory {cluster.device.memory_gib:.0f} GiB")
+    ax.axvline(to_gib(cluster.memory_bytes), c="C3", ls="--", label=f"memory {cluster.device.memory_gib:g} GiB")
     ax.set_xscale("log")
     ax.set_xlabel("per-rank peak (GiB, log scale)")
     ax.set_ylabel("predicted tokens/s per GPU")
@@ -151,7 +151,7 @@ def write_picture(path: Path, screened, final, cluster: Cluster, seq: int) -> No
 def nothing_fits(cfg: JobConfig, cluster: Cluster, global_seqs: int, cands, screened, exact) -> str:
     """One line: why nothing fits (the state alone, or the activations at the smallest local batch), the
     smallest GPU count or memory per GPU that would fit."""
-    where = f"nothing fits on {cluster.gpus} x {cluster.device.name} ({cluster.device.memory_gib:.0f} GiB each)"
+    where = f"nothing fits on {cluster.gpus} x {cluster.device.name} ({cluster.device.memory_gib:g} GiB each)"
     limit = cluster.memory_bytes
     if screened and any(r.peak <= limit for r in screened):  # the screen's fitting candidates were planned low
         return (
@@ -164,8 +164,8 @@ def nothing_fits(cfg: JobConfig, cluster: Cluster, global_seqs: int, cands, scre
         while state * cluster.gpus / gpus >= limit and gpus < 1 << 20:
             gpus *= 2
         return (
-            f"{where}: parameters, gradients and AdamW state alone need {to_gib(state):.0f} GiB per GPU at the "
-            f"most sharded layout; try --cluster.gpus {gpus} or --cluster.memory_gib {to_gib(state) * 1.25:.0f} "
+            f"{where}: parameters, gradients and AdamW state alone need {gib_text(state)} GiB per GPU at the "
+            f"most sharded layout; try --cluster.gpus {gpus} or --cluster.memory_gib {gib_at_least(state * 1.25)} "
             "(then plan again: activations come on top)"
         )
     low = min(screened, key=lambda r: r.peak)  # the smallest local batch, most sharded, most recomputing
@@ -175,18 +175,18 @@ def nothing_fits(cfg: JobConfig, cluster: Cluster, global_seqs: int, cands, scre
     what = f"{c.layout()}, AC {c.ac_mode}, local batch {c.local_batch} x {c.accumulation} micro-steps"
     if act >= limit:
         return (
-            f"{where}: the activations at the smallest local batch ({what}) alone take {to_gib(act):.1f} GiB per "
+            f"{where}: the activations at the smallest local batch ({what}) alone take {gib_text(act)} GiB per "
             f"GPU, and more GPUs do not lower them (nor does pipeline parallelism: under 1F1B its first stage holds "
-            f"pp micro-batches of 1/pp of the model each); --cluster.memory_gib {to_gib(low.peak) * 1.05:.0f} or a "
+            f"pp micro-batches of 1/pp of the model each); --cluster.memory_gib {gib_at_least(low.peak * 1.05)} or a "
             "shorter --training.seq_len would make it fit"
         )
     gpus = cluster.gpus
     while state * cluster.gpus / gpus + act > limit and gpus < 1 << 20:
         gpus *= 2
     return (
-        f"{where}: the smallest plan ({what}) needs {to_gib(low.peak):.1f} GiB per GPU ({to_gib(state):.1f} of "
-        f"state, {to_gib(act):.1f} of activations at its local batch); try --cluster.gpus {gpus} (and a global "
-        f"batch they divide) or --cluster.memory_gib {to_gib(low.peak) * 1.05:.0f}"
+        f"{where}: the smallest plan ({what}) needs {gib_text(low.peak)} GiB per GPU ({gib_text(state)} of "
+        f"state, {gib_text(act)} of activations at its local batch); try --cluster.gpus {gpus} (and a global "
+        f"batch they divide) or --cluster.memory_gib {gib_at_least(low.peak * 1.05)}"
     )
 
 

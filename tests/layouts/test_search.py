@@ -93,6 +93,12 @@ def test_nothing_fits_exits_2_with_the_gpu_count_that_would(capsys, tmp_path):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("nothing fits"))
     assert "--cluster.gpus" in line and "--cluster.memory_gib" in line
+    # Sizes below a GiB are said as they are, and the memory suggested would hold the state: "0 GiB each" and
+    # "--cluster.memory_gib 0" were printed here.
+    assert "(0.0001 GiB each)" in line, line
+    need = float(line.split("alone need ")[1].split(" GiB")[0])
+    suggested = float(line.split("--cluster.memory_gib ")[1].split()[0])
+    assert 0 < need < suggested, line
 
 
 def test_an_unknown_device_is_one_line_exit_2(capsys):
@@ -408,3 +414,13 @@ def test_a_budget_row_that_recomputes_nothing_is_shown_once_as_none():
         row("budget", 4, 80),
     )
     assert search.repeats_of_none([none, same, recomputes, alone, row("none", 2, 100)]) == [same]
+
+
+@pytest.mark.parametrize("gib", [0.0001, 0.0203, 0.3, 1.0, 5.3025, 61.0, 80.4, 123.4])
+def test_a_suggested_memory_is_never_below_what_it_must_hold(gib):
+    """`--cluster.memory_gib` suggestions round up at two significant digits: to the nearest whole GiB, 5.3 needed
+    was suggested as 5 and a debug model's 0.02 as 0."""
+    from graph_trainer.observability.units import GIB, gib_at_least
+
+    suggested = float(gib_at_least(gib * GIB))
+    assert gib <= suggested <= gib * 1.1 + 1e-12, suggested
