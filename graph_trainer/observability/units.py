@@ -27,9 +27,9 @@ def gib_text(nbytes: int | float) -> str:
 
 
 def gib_at_least(nbytes: int | float) -> str:
-    """A GiB figure to suggest for a memory option: `nbytes` rounded *up* to two significant digits, so the
-    suggestion is never below what it has to hold (rounded to the nearest whole GiB, 5.3 needed read as 5, and a
-    debug model's 0.02 as 0, which fits nothing)."""
+    """A GiB figure to suggest for a memory option: `nbytes` rounded *up*, to two significant digits below 10 GiB
+    and to a whole GiB above, so the suggestion is never below what it has to hold (rounded to the nearest whole
+    GiB, 5.3 needed read as 5, and a debug model's 0.02 as 0, which fits nothing)."""
     gib = nbytes / GIB
     if gib <= 0:
         return "0"
