@@ -418,8 +418,8 @@ def test_a_budget_row_that_recomputes_nothing_is_shown_once_as_none():
 
 @pytest.mark.parametrize("gib", [0.0001, 0.0203, 0.3, 1.0, 5.3025, 61.0, 80.4, 123.4])
 def test_a_suggested_memory_is_never_below_what_it_must_hold(gib):
-    """`--cluster.memory_gib` suggestions round up at two significant digits: to the nearest whole GiB, 5.3 needed
-    was suggested as 5 and a debug model's 0.02 as 0."""
+    """`--cluster.memory_gib` suggestions round up (two significant digits below 10 GiB, a whole GiB above): to the
+    nearest whole GiB, 5.3 needed was suggested as 5 and a debug model's 0.02 as 0."""
     from graph_trainer.observability.units import GIB, gib_at_least
 
     suggested = float(gib_at_least(gib * GIB))
