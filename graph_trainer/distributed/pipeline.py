@@ -163,6 +163,12 @@ def micro_batch_count(local_batch_size: int, microbatch_size: int, pp: int, sche
     return count
 
 
+def job_stage_blocks(cfg: Any, n_layers: int) -> list[range]:
+    """The blocks each stage of `cfg`'s pipeline runs at depth `n_layers` (`stage_blocks` over its stage count)."""
+    p = cfg.parallelism
+    return stage_blocks(n_layers, p.pp * stages_per_rank(p.pp_schedule, p.pp_stages_per_rank))
+
+
 def short_counts(cfg: Any) -> tuple[int, list[int]]:
     """(the job's micro-batch count, three smaller counts whose stage plans extend to it, or [] when it is not larger
     than them): from the first count past pp that the schedule takes, 1 apart (pp apart under a schedule of several
@@ -956,7 +962,7 @@ class PipelineParallel(Parallelism):
                 return f"parallelism.pp > 1 with {what} is not supported yet; pass {fix} or --parallelism.pp 1"
         try:
             micro_batch_count(cfg.training.local_batch_size, p.pp_microbatch_size, p.pp, p.pp_schedule)
-            stage_blocks(n_layers, p.pp * stages_per_rank(p.pp_schedule, p.pp_stages_per_rank))
+            job_stage_blocks(cfg, n_layers)
         except UserError as e:
             return str(e)
         return None
@@ -1089,6 +1095,7 @@ __all__ = [
     "micro_batch_count",
     "run_schedule",
     "stage_blocks",
+    "job_stage_blocks",
     "short_counts",
     "stages_per_rank",
     "step_inputs",

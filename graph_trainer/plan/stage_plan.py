@@ -27,7 +27,9 @@ tensors a collective or a send goes to its fake kernel, which communicates nothi
 Under `compile.mode eager` the rank's eager stages (`distributed.eager_pipeline`: the model's own modules) run
 instead, by autograd on fake tensors: the plan of the eager pipeline, to the byte too.
 
-The plan traces the whole micro-step at the model's depth (the depth-free short traces are not used under pp yet).
+Depth-free, as the plan without pp is (`plan_positions`): a deep model's stage plans are run at three shallower
+depths and extended, exact to the byte where the three are evenly spaced (else planned whole, and said); the
+preflight inside the job traces its own depth, since the job's first step runs that trace.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import bisect
 import contextlib
 import copy
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -47,8 +50,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from graph_trainer.builder import build_job
 from graph_trainer.distributed.layout import planned_apart
 from graph_trainer.distributed.mesh import Mesh, ParallelDims, planning_mesh
-from graph_trainer.distributed.pipeline import short_counts
+from graph_trainer.distributed.pipeline import job_stage_blocks, short_counts
 from graph_trainer.job_config.load import resolve_model_args
+from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.memory import LiveTensorTracker, allocated_bytes
@@ -79,6 +83,7 @@ class StagePlan:
     held_bytes: int  # torch's receive buffers, kept from step to step
     state_bytes: int  # the optimizer state of the rank's parameters
     plan_s: float  # seconds the plan took
+    made: str = "run at the job's depth and micro-batch count"  # how: or extended from smaller ones (`plan_positions`)
     # The traced micro-step the stages were cut from (`Transformed`; None for eager stages): the job's first step
     # reuses it rather than tracing again (`PipelinedStep.reuse_trace`).
     step_graph: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -196,13 +201,95 @@ def plan_pipeline(cfg: Any, device: torch.device) -> Iterator[StagePlan]:
         yield plan
 
 
+# The smallest stage of the shallowest depth a stage plan is made at holds this many blocks (past the model's
+# leading blocks on the first stage): stages of 2, 3 and 4 blocks are already evenly spaced (the debug model's, and
+# DeepSeek-V3's past its dense block: tests/plan/test_stage_plan_counts.py).
+SHORT_STAGE = 2
+
+
+def short_depths(cfg: Any) -> tuple[int, list[int]]:
+    """(the job's depth, three shallower depths whose stage plans extend to it, or [] when the three together are
+    not shallower than it: planning it whole is then less work): one block a stage apart, each stage losing the same
+    number of blocks (so that an uneven split stays the same split, `pipeline.stage_blocks`), the shallowest with
+    `SHORT_STAGE` blocks on its smallest stage past the model's leading blocks (DeepSeek-V3's dense ones, which the
+    first stage keeps). A plan's work grows with the blocks it runs, so theirs does not grow with the depth."""
+    args = resolve_model_args(cfg)
+    spec = get_model_spec(cfg.model.name)
+    lead = spec.leading_blocks(args) if spec.leading_blocks is not None else 0
+    sizes = [len(blocks) for blocks in job_stage_blocks(cfg, args.n_layers)]
+    spare = min(sizes[0] - lead, *sizes[1:]) - SHORT_STAGE
+    depths = [args.n_layers - len(sizes) * (spare - i) for i in range(3)]
+    return args.n_layers, (depths if sum(depths) < args.n_layers else [])
+
+
+def _extended_label(labels: list[str], more: int) -> str | None:
+    """Where the peak is, `more` steps past three plans' `labels` one step apart: the words must be the same and
+    each number (a layer, a micro-batch) evenly spaced, as a peak's bytes are; None where they are not."""
+    words = {re.sub(r"\d+", "#", label) for label in labels}
+    numbers = [[int(n) for n in re.findall(r"\d+", label)] for label in labels]
+    if len(words) > 1 or any(b - a != c - b for a, b, c in zip(*numbers, strict=True)):
+        return None
+    grown = iter(c + more * (c - b) for _, b, c in zip(*numbers, strict=True))
+    return re.sub(r"\d+", lambda _: str(next(grown)), labels[-1])
+
+
+_GROWN = ("peak_bytes", "held_bytes", "state_bytes", "in_flight", "most_in_flight")  # each a line, or planned whole
+
+
+def _extended(planned: list[list[StagePlan]], more: int) -> list[StagePlan] | int:
+    """Every position's plan `more` steps past the last of `planned` (each position's plans at three points one step
+    apart, in depth or in micro-batches), or the first position whose three plans are not evenly spaced (its bytes,
+    its micro-batches in flight, the place of its peak)."""
+    out = []
+    for position, plans in enumerate(zip(*planned, strict=True)):
+        a, b, c = ({name: getattr(p, name) for name in _GROWN} for p in plans)
+        at = _extended_label([p.at for p in plans], more)
+        if at is None or any(b[name] - a[name] != c[name] - b[name] for name in _GROWN):
+            return position
+        grown = {name: c[name] + more * (c[name] - b[name]) for name in _GROWN}
+        out.append(dataclasses.replace(plans[-1], **grown, at=at, plan_s=sum(p.plan_s for p in plans), step_graph=None))
+    return out
+
+
 def plan_positions(cfg: Any, device: torch.device, say: Callable[[str], None] | None = None) -> list[StagePlan]:
+    """Every stage position's plan at the job's depth and micro-batch count (`plan_pipeline`'s), depth-free: made at
+    three shallower depths (`short_depths`) and extended, as the plan without pp is. A stage's step repeats its
+    blocks, each adding the same bytes (its parameters, gradients and AdamW state, its saved activations per
+    micro-batch in flight) to its position's peak, so two depths give the slope and a third checks it. At each depth
+    the plan is made at three micro-batch counts when the job's is larger (`_plan_in_counts`). Equal to the plan of
+    the whole depth to the byte (tests/plan/test_stage_plan_counts.py). A position whose three plans are not evenly
+    spaced is planned at the job's depth, said through `say` (`layouts/search.py`'s exact rows; the dry run)."""
+    depth, depths = short_depths(cfg)
+    if not depths:
+        return _plan_in_counts(cfg, device, say)
+    planned = []
+    for n in depths:
+        short = copy.deepcopy(cfg)
+        short.model.n_layers = n
+        planned.append(_plan_in_counts(short, device, say))
+    out = _extended(planned, (depth - depths[-1]) // (depths[1] - depths[0]))
+    if isinstance(out, int):
+        (say or logger.warning)(
+            f"stage plan: position {out}'s plans at {depths[0]}, {depths[1]} and {depths[2]} blocks are not evenly "
+            f"spaced; planned at the job's {depth} blocks"
+        )
+        return _plan_in_counts(cfg, device, say)
+    per_stage = job_stage_blocks(cfg, depth)
+    made = f"run at {depths[0]}, {depths[1]} and {depths[2]} blocks and extended to {depth}"
+    if planned[0][0].made != StagePlan.made:
+        made += f"; at each, {planned[0][0].made}"
+    return [
+        dataclasses.replace(plan, blocks=tuple(sorted(b for s in plan.stages for b in per_stage[s])), made=made)
+        for plan in out
+    ]
+
+
+def _plan_in_counts(cfg: Any, device: torch.device, say: Callable[[str], None] | None) -> list[StagePlan]:
     """Every stage position's plan at the job's micro-batch count M (`plan_pipeline`'s), made from three smaller
     counts when M is larger (`pipeline.short_counts`): past its warm-up a schedule repeats, each micro-batch adding
     the same bytes to a position's peak (its receive buffer, its slice of the batch; under GPipe its activations
     too, and one more micro-batch in flight), so two counts give the slope and a third checks it. A position whose
-    three plans are not evenly spaced is planned at M itself, said through `say` (`layouts/search.py`'s exact rows;
-    equal to the plan at M to the byte: tests/plan/test_stage_plan_counts.py)."""
+    three plans are not evenly spaced is planned at M itself, said through `say`."""
     count, counts = short_counts(cfg)
     if not counts:
         return list(plan_pipeline(cfg, device))
@@ -211,21 +298,14 @@ def plan_positions(cfg: Any, device: torch.device, say: Callable[[str], None] | 
         short = copy.deepcopy(cfg)
         short.training.local_batch_size = n * cfg.parallelism.pp_microbatch_size
         planned.append(list(plan_pipeline(short, device)))
-    out = []
     more, off = divmod(count - counts[-1], counts[1] - counts[0])
-    grown = ("peak_bytes", "held_bytes", "in_flight", "most_in_flight")  # each a line in the count, or planned whole
-    for position, plans in enumerate(zip(*planned, strict=True)):
-        a, b, c = ({name: getattr(p, name) for name in grown} for p in plans)
-        even = all(b[name] - a[name] == c[name] - b[name] for name in grown)
-        if off or not even:
-            why = "not a whole number of steps past them" if off else "not evenly spaced there"
-            (say or logger.warning)(
-                f"stage plan: position {position}'s {count} micro-batches are {why} ({counts}); planned whole"
-            )
-            return list(plan_pipeline(cfg, device))
-        extended = {name: c[name] + more * (c[name] - b[name]) for name in grown}
-        out.append(dataclasses.replace(plans[-1], **extended, plan_s=sum(p.plan_s for p in plans), step_graph=None))
-    return out
+    out = None if off else _extended(planned, more)
+    if not isinstance(out, list):
+        why = "not a whole number of steps past them" if off else f"not evenly spaced there (position {out})"
+        (say or logger.warning)(f"stage plan: {count} micro-batches are {why} ({counts}); planned whole")
+        return list(plan_pipeline(cfg, device))
+    made = f"run at {counts[0]}, {counts[1]} and {counts[2]} micro-batches and extended to {count}"
+    return [dataclasses.replace(plan, made=made) for plan in out]
 
 
 def stage_position(mesh: Mesh) -> int:
@@ -291,8 +371,8 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
 
 
 def print_stage_plans(cfg: Any, device: torch.device, print_fn: Callable[[str], None]) -> None:
-    """Every pp rank's plan (`plan_pipeline`), one line each as it is made: the configured AC mode only, since
-    each rank's plan runs its whole schedule on fake tensors."""
+    """Every pp rank's plan (`plan_positions`: depth-free), one line each, then how they were made: the configured
+    AC mode only, since each rank's plan runs its whole schedule on fake tensors."""
     p, t = cfg.parallelism, cfg.training
     eager = ", its stages run eagerly (compile.mode eager)" if cfg.compile.mode == "eager" else ""
     print_fn(
@@ -306,13 +386,25 @@ def print_stage_plans(cfg: Any, device: torch.device, print_fn: Callable[[str], 
         f"{'pp rank':7} {'stages':>7} {'blocks':>9} {'peak GiB':>9} {'state GiB':>9} {'buffers MiB':>11} "
         f"{'in flight':>9} {'most':>5} {'plan s':>7}  peak at"
     )
-    for plan in plan_pipeline(cfg, device):
+    said: list[str] = []  # a position planned whole, said under the table rather than inside it
+    plans = plan_positions(cfg, device, said.append)
+    for plan in plans:
         blocks = f"{plan.blocks[0]}-{plan.blocks[-1]}" if len(plan.stages) == 1 else ",".join(map(str, plan.blocks))
         print_fn(
             f"{plan.rank:7} {','.join(map(str, plan.stages)):>7} {blocks:>9} {to_gib(plan.peak_bytes):9.3f} "
             f"{to_gib(plan.state_bytes):9.3f} {plan.held_bytes / MIB:11.2f} {plan.in_flight:9} "
             f"{plan.most_in_flight:5} {plan.plan_s:7.1f}  {plan.at}"
         )
+    for line in [*said, f"each rank's plan {plans[0].made} (plan s: the runs' seconds)"]:
+        print_fn(line)
 
 
-__all__ = ["StagePlan", "plan_pipeline", "plan_positions", "plan_stage", "print_stage_plans", "stage_position"]
+__all__ = [
+    "StagePlan",
+    "plan_pipeline",
+    "plan_positions",
+    "plan_stage",
+    "print_stage_plans",
+    "short_depths",
+    "stage_position",
+]

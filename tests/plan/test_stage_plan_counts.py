@@ -1,38 +1,155 @@
-"""A stage plan at many micro-batches, made from three small counts (`plan.stage_plan.plan_positions`), equals the
-plan at that count to the byte: past its warm-up a schedule repeats, each micro-batch adding its receive buffer
-and its slice of the batch to a position's peak."""
+"""A stage plan made from smaller runs equals the plan of the job itself to the byte (`plan.stage_plan`):
+- at many micro-batches, from three small counts (past its warm-up a schedule repeats, each micro-batch adding its
+  receive buffer and its slice of the batch to a position's peak);
+- at depth, from three shallower depths (`short_depths`: each block of a stage adds its parameters, gradients,
+  AdamW state and saved activations), as the plan without pp is depth-free; both together for a deep model at many
+  micro-batches."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
-from graph_trainer.distributed.pipeline import short_counts
+from graph_trainer.distributed.pipeline import short_counts, stage_blocks
 from graph_trainer.job_config.cli import load_config
-from graph_trainer.plan.stage_plan import plan_pipeline, plan_positions
+from graph_trainer.plan.stage_plan import SHORT_STAGE, StagePlan, plan_pipeline, plan_positions, short_depths
 
-EIGHT = ["--config", "llama3_debug", "--model.n_layers", "8", "--training.seq_len", "64"]  # stages of 4 (or 2) blocks
+SEQ = ["--training.seq_len", "64"]
+BATCH_4 = ["--training.local_batch_size", "4"]  # 4 micro-batches at pp 2: planned at that count (`short_counts`)
+EIGHT = ["--config", "llama3_debug", "--model.n_layers", "8", *SEQ]  # stages of 4 (or 2) blocks
 
 
-# Interleaved1F1B (52 s) is the largest case of the same extension; CI runs the other two.
-INTERLEAVED_IS_SLOW = pytest.mark.slow(
-    held_by="tests/plan/test_stage_plan_counts.py::test_a_stage_plan_from_three_short_counts_equals_the_plan_at_the_jobs_count"
-)
+def _fields(plan: StagePlan) -> tuple:
+    """Everything a plan says but the seconds it took and how it was made."""
+    return (plan.rank, plan.stages, plan.blocks, plan.peak_bytes, plan.peak_in_update, plan.at, plan.in_flight,
+            plan.most_in_flight, plan.held_bytes, plan.state_bytes)  # fmt: skip
+
+
+def _extended_equals_whole(args: list[str]) -> list[StagePlan]:
+    cfg, _ = load_config(args)
+    whole = list(plan_pipeline(cfg, torch.device("cpu")))
+    said: list[str] = []
+    extended = plan_positions(cfg, torch.device("cpu"), said.append)
+    assert not said  # extended, not planned whole
+    assert [_fields(p) for p in extended] == [_fields(p) for p in whole]
+    return extended
+
+
+def _slow(held_by: str) -> pytest.MarkDecorator:
+    return pytest.mark.slow(held_by=f"tests/plan/test_stage_plan_counts.py::{held_by}")
+
+
+COUNTS_TEST = "test_a_stage_plan_from_three_short_counts_equals_the_plan_at_the_jobs_count"
+DEPTHS_TEST = "test_a_deep_stage_plan_from_three_shallow_depths_equals_the_plan_of_the_whole_depth"
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
     ("schedule", "count"),
-    [("1F1B", 9), ("GPipe", 8), pytest.param("Interleaved1F1B", 12, marks=INTERLEAVED_IS_SLOW)],
+    # GPipe grows most with the count (its activations and its micro-batches in flight too); the other two are the
+    # same extension (38 s and 52 s), in the slow tier.
+    [
+        ("GPipe", 8),
+        pytest.param("1F1B", 9, marks=_slow(COUNTS_TEST)),
+        pytest.param("Interleaved1F1B", 12, marks=_slow(COUNTS_TEST)),
+    ],
 )
 def test_a_stage_plan_from_three_short_counts_equals_the_plan_at_the_jobs_count(schedule, count):
     args = [*EIGHT, "--parallelism.pp", "2", "--parallelism.pp_schedule", schedule]
     cfg, _ = load_config([*args, "--training.local_batch_size", str(count)])
-    whole = list(plan_pipeline(cfg, torch.device("cpu")))
-    said: list[str] = []
-    extended = plan_positions(cfg, torch.device("cpu"), said.append)
     _, counts = short_counts(cfg)
-    assert counts and counts[-1] < count and not said  # extended, not planned whole
-    assert [p.peak_bytes for p in extended] == [p.peak_bytes for p in whole]
-    assert [p.held_bytes for p in extended] == [p.held_bytes for p in whole]
-    assert [(p.in_flight, p.stages, p.blocks) for p in extended] == [(p.in_flight, p.stages, p.blocks) for p in whole]
+    assert counts and counts[-1] < count and short_depths(cfg)[1] == []  # extended in micro-batches only
+    extended = _extended_equals_whole([*args, "--training.local_batch_size", str(count)])
+    assert extended[0].made.startswith(f"run at {counts[0]}, {counts[1]} and {counts[2]} micro-batches")
+
+
+@pytest.mark.integration
+def test_a_deep_stage_plan_from_three_shallow_depths_equals_the_plan_of_the_whole_depth():
+    """23 blocks at pp 2 split unevenly (12 and 11: the embedding and the output count as a block each), planned at
+    5, 7 and 9 blocks and extended seven steps, under 1F1B; every field equal, the peak's place (layer and
+    micro-batch) included."""
+    args = ["--config", "llama3_debug", "--model.n_layers", "23", *SEQ, "--parallelism.pp", "2"]
+    extended = _extended_equals_whole([*args, *BATCH_4])
+    assert extended[0].made == "run at 5, 7 and 9 blocks and extended to 23"
+    assert [p.blocks for p in extended] == [tuple(range(12)), tuple(range(12, 23))]
+
+
+DEEPER = [
+    # A model with a leading dense block, its experts split over dp_shard x ep inside each stage.
+    "--config deepseek_v3_debug --model.n_layers 26 --parallelism.dp_shard 2 --parallelism.ep 2"
+    " --training.local_batch_size 4",
+    # Deep and many micro-batches: three counts at each of three depths.
+    "--config llama3_debug --model.n_layers 20 --parallelism.pp_schedule GPipe --training.local_batch_size 8",
+]
+
+
+@pytest.mark.integration
+@_slow(DEPTHS_TEST)
+@pytest.mark.parametrize("args", DEEPER, ids=["deepseek-ep", "gpipe-depth-and-count"])
+def test_deeper_stage_plans_extend_exactly(args):
+    _extended_equals_whole([*args.split(), *SEQ, "--parallelism.pp", "2"])
+
+
+@pytest.mark.parametrize(
+    ("args", "depth", "depths"),
+    [
+        ("--config llama3_debug --model.n_layers 23 --parallelism.pp 2", 23, [5, 7, 9]),  # stages 12 and 11
+        ("--config llama3_debug --model.n_layers 13 --parallelism.pp 2", 13, []),  # 5 + 7 + 9 > 13: planned whole
+        ("--config deepseek_v3_debug --model.n_layers 26 --parallelism.pp 2", 26, [6, 8, 10]),  # 1 dense block kept
+        # Llama-3 405B's 126 blocks at pp 8: 15, 16 x 6, 15; at pp 16 (7, 8 x 14, 7) planned whole (46 + 62 + 78).
+        ("--config llama3_405b --parallelism.pp 8", 126, [22, 30, 38]),
+        ("--config llama3_405b --parallelism.pp 16", 126, []),
+        # Two stages a rank: 8 stages of 10 blocks (Llama-3 70B's 80 blocks).
+        ("--config llama3_70b --parallelism.pp 4 --parallelism.pp_schedule Interleaved1F1B", 80, [16, 24, 32]),
+    ],
+)
+def test_the_shallow_depths_take_the_same_blocks_from_every_stage(args, depth, depths):
+    cfg, _ = load_config(args.split())
+    assert short_depths(cfg) == (depth, depths)
+    p = cfg.parallelism
+    n_stages = p.pp * (2 if p.pp_schedule == "Interleaved1F1B" else 1)
+    deep = [len(r) for r in stage_blocks(depth, n_stages)]
+    lead = 1 if cfg.model.name == "deepseek_v3" else 0  # debug DeepSeek-V3's dense block
+    for d in depths:
+        sizes = [len(r) for r in stage_blocks(d, n_stages)]
+        assert sizes == [s - (depth - d) // n_stages for s in deep]
+    if depths:
+        assert sum(depths) < depth
+        shallowest = [len(r) for r in stage_blocks(depths[0], n_stages)]
+        assert min(shallowest[0] - lead, *shallowest[1:]) == SHORT_STAGE
+
+
+def _stand_in(cfg, device, bend: int = 10**6):
+    """A stage plan that is a line in the depth up to `bend` blocks and bent past it, to reach the fallback
+    cheaply."""
+    n = cfg.model.n_layers
+    for position in range(cfg.parallelism.pp):
+        yield StagePlan(position, (position,), (), 1000 * n + max(0, n - bend) ** 2, False,
+                        f"stage {position} backward of micro-batch 0: mm in layers.{n}.w (layer {n})", 1, 2, 0, 10 * n,
+                        0.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("bent", [False, True])
+def test_plans_that_are_not_evenly_spaced_are_planned_whole_and_said(monkeypatch, bent):
+    """Stand-in plans of 23 blocks at pp 2, made at 5, 7 and 9 blocks: extended when those are evenly spaced (the
+    place's layer number grows as the bytes do); bent past 5 blocks, they are not, and the job's depth is planned
+    instead, said in one line."""
+    import graph_trainer.plan.stage_plan as stage_plan
+
+    stand_in = functools.partial(_stand_in, bend=5 if bent else 10**6)
+    monkeypatch.setattr(stage_plan, "plan_pipeline", stand_in)
+    cfg, _ = load_config(["--config", "llama3_debug", "--model.n_layers", "23", "--parallelism.pp", "2", *BATCH_4])
+    said: list[str] = []
+    plans = plan_positions(cfg, torch.device("cpu"), said.append)
+    if bent:
+        assert [_fields(p) for p in plans] == [_fields(p) for p in stand_in(cfg, None)]
+        assert said == [
+            "stage plan: position 0's plans at 5, 7 and 9 blocks are not evenly spaced; planned at the job's 23 blocks"
+        ]
+        assert plans[0].made == StagePlan.made
+    else:
+        assert not said and plans[0].made == "run at 5, 7 and 9 blocks and extended to 23"
+        assert plans[1].peak_bytes == 23_000 and plans[1].at.endswith("layers.23.w (layer 23)")
+        assert plans[0].state_bytes == 230 and plans[0].blocks == tuple(range(12))
