@@ -28,8 +28,9 @@ Under `compile.mode eager` the rank's eager stages (`distributed.eager_pipeline`
 instead, by autograd on fake tensors: the plan of the eager pipeline, to the byte too.
 
 Depth-free, as the plan without pp is (`plan_positions`): a deep model's stage plans are run at three shallower
-depths and extended, exact to the byte where the three are evenly spaced (else planned whole, and said); the
-preflight inside the job traces its own depth, since the job's first step runs that trace.
+depths and extended pass by pass (each forward, backward and weight pass keeps its own peak: the one holding the
+step's peak can change with the depth), exact to the byte where the three are evenly spaced (else planned whole,
+and said); the preflight inside the job traces its own depth, since the job's first step runs that trace.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ from graph_trainer.tracer.memory_estimate import op_name
 
 logger = get_logger(__name__)
 
+UPDATE = "the AdamW update"  # the last of a plan's `pass_peaks`: after the schedule
+
 
 @dataclasses.dataclass
 class StagePlan:
@@ -84,6 +87,9 @@ class StagePlan:
     state_bytes: int  # the optimizer state of the rank's parameters
     plan_s: float  # seconds the plan took
     made: str = "run at the job's depth and micro-batch count"  # how: or extended from smaller ones (`plan_positions`)
+    # Each pass's own peak, in the order they ran, the update last (`UPDATE`): words -> (bytes, where, micro-batches
+    # in flight); the largest is `peak_bytes`. What a deeper plan is extended from.
+    pass_peaks: dict[str, tuple[int, str, int]] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     # The traced micro-step the stages were cut from (`Transformed`; None for eager stages): the job's first step
     # reuses it rather than tracing again (`PipelinedStep.reuse_trace`).
     step_graph: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -100,6 +106,10 @@ class _PeakTracker(LiveTensorTracker):
         self.outside = "in torch's schedule"  # where an op outside the stages' graphs runs ("eagerly": no graphs)
         self.node: fx.Node | None = None
         self.at, self.in_flight, self.most_in_flight = "", 0, 0
+        # Each pass's own peak (its words `now` -> bytes, where, micro-batches in flight): a deep model's plan
+        # extends each pass on its own, since the pass holding the step's peak can change with the depth.
+        self._pass_peaks: dict[str, tuple[int, fx.Node | None, str, str, int]] = {}  # the words made at the end
+        self._pass_peak = 0
         self.flight = self.ending = 0
 
     def run_graph(self, gm: fx.GraphModule, args: list[torch.Tensor]) -> Any:
@@ -121,6 +131,7 @@ class _PeakTracker(LiveTensorTracker):
     def on_pass(self, stage: int, what: str, micro: int) -> None:
         """A pass starts: a micro-batch is in flight from its forward's start to its backward's end (the next pass's
         start; the weights' part of a split backward keeps little of it)."""
+        self._pass_peak = 0
         self.now = f"stage {stage} {what} of micro-batch {micro}"
         self.flight -= self.ending
         self.ending = 0
@@ -133,20 +144,29 @@ class _PeakTracker(LiveTensorTracker):
     def begin(self) -> None:
         """A new step: nothing in flight."""
         self.flight = self.ending = self.most_in_flight = 0
+        self._pass_peaks, self._pass_peak = {}, 0
 
     def _update_peak(self) -> None:
         if self.current_bytes > self.peak_bytes:
-            self.at, self.in_flight = self._where(), self.flight
+            self.at, self.in_flight = self._where(self.node, self.now, self.op), self.flight
+        if self.current_bytes > self._pass_peak:
+            self._pass_peak = self.current_bytes
+            self._pass_peaks[self.now] = (self.current_bytes, self.node, self.now, self.op, self.flight)
         super()._update_peak()
 
-    def _where(self) -> str:
+    def pass_peaks(self) -> dict[str, tuple[int, str, int]]:
+        """Each pass's own peak since `begin`, in the order the passes ran: its words -> (bytes, where, micro-batches
+        in flight). The step's peak is the largest."""
+        return {k: (b, self._where(node, now, op), f) for k, (b, node, now, op, f) in self._pass_peaks.items()}
+
+    def _where(self, node: fx.Node | None, now: str, op: str) -> str:
         """The pass and the op running, in words: e.g. 'stage 1 backward of micro-batch 2: mm in
         layers.5.feed_forward.w2 (layer 5)', or torch's op outside the graphs."""
-        if self.node is None:
-            return f"{self.now}: {self.op} {self.outside}" if self.now else self.op
-        layer = node_meta.layer_id(self.node)
-        module = node_meta.module_fqn(self.node) or "the top level"
-        return f"{self.now}: {op_name(self.node)} in {module}" + ("" if layer is None else f" (layer {layer})")
+        if node is None:
+            return f"{now}: {op} {self.outside}" if now else op
+        layer = node_meta.layer_id(node)
+        module = node_meta.module_fqn(node) or "the top level"
+        return f"{now}: {op_name(node)} in {module}" + ("" if layer is None else f" (layer {layer})")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.op = str(func.overloadpacket).replace("aten::", "aten.")
@@ -202,9 +222,10 @@ def plan_pipeline(cfg: Any, device: torch.device) -> Iterator[StagePlan]:
 
 
 # The smallest stage of the shallowest depth a stage plan is made at holds this many blocks (past the model's
-# leading blocks on the first stage): stages of 2, 3 and 4 blocks are already evenly spaced (the debug model's, and
-# DeepSeek-V3's past its dense block: tests/plan/test_stage_plan_counts.py).
-SHORT_STAGE = 2
+# leading blocks on the first stage), as the plan without pp starts from 3. At 2, DeepSeek-V3's first stage (its
+# dense block and 2, 3, 4 more) peaked at the start of its forward at the first depth and at its last block's
+# experts at the others: not evenly spaced, so planned whole.
+SHORT_STAGE = 3
 
 
 def short_depths(cfg: Any) -> tuple[int, list[int]]:
@@ -236,76 +257,102 @@ def _extended_label(labels: list[str], more: int) -> str | None:
 _GROWN = ("peak_bytes", "held_bytes", "state_bytes", "in_flight", "most_in_flight")  # each a line, or planned whole
 
 
-def _extended(planned: list[list[StagePlan]], more: int) -> list[StagePlan] | int:
+def _evenly(values: list[int], more: int) -> int | None:
+    """The value `more` steps past three evenly spaced `values`; None when they are not."""
+    a, b, c = values
+    return c + more * (c - b) if b - a == c - b else None
+
+
+def _extended(planned: list[list[StagePlan]], more: int, by_pass: bool) -> list[StagePlan] | int:
     """Every position's plan `more` steps past the last of `planned` (each position's plans at three points one step
-    apart, in depth or in micro-batches), or the first position whose three plans are not evenly spaced (its bytes,
-    its micro-batches in flight, the place of its peak)."""
+    apart, in depth or in micro-batches), or the first position whose three plans are not evenly spaced.
+
+    `by_pass` (the same passes at the three points: in depth): each pass's own peak is extended, and the largest at
+    the far point is the peak, since the pass holding a stage's peak can change with the depth (ZBVZeroBubble at 40
+    blocks: stage 0's weight pass overtakes stage 3's, which holds the peak at 8, 12 and 16). Else the peak itself,
+    its micro-batches in flight and its place are (in micro-batches, where the passes grow in number)."""
     out = []
     for position, plans in enumerate(zip(*planned, strict=True)):
-        a, b, c = ({name: getattr(p, name) for name in _GROWN} for p in plans)
+        grown = {name: _evenly([getattr(p, name) for p in plans], more) for name in _GROWN}
         at = _extended_label([p.at for p in plans], more)
-        if at is None or any(b[name] - a[name] != c[name] - b[name] for name in _GROWN):
+        if by_pass:
+            passes = [p.pass_peaks for p in plans]
+            if not passes[0] or any(list(q) != list(passes[0]) for q in passes):
+                return position
+            peaks = {k: _evenly([q[k][0] for q in passes], more) for k in passes[0]}
+            if None in peaks.values():
+                return position
+            top = max(peaks, key=peaks.__getitem__)  # the first pass to reach it, as the tracker notes a peak
+            at = "update" if top == UPDATE else _extended_label([q[top][1] for q in passes], more)
+            flight = _evenly([q[top][2] for q in passes], more)
+            grown.update(peak_bytes=peaks[top], in_flight=flight)
+        if at is None or None in grown.values():
             return position
-        grown = {name: c[name] + more * (c[name] - b[name]) for name in _GROWN}
-        out.append(dataclasses.replace(plans[-1], **grown, at=at, plan_s=sum(p.plan_s for p in plans), step_graph=None))
+        seconds = sum(p.plan_s for p in plans)
+        out.append(dataclasses.replace(plans[-1], **grown, peak_in_update=at == "update", at=at, plan_s=seconds,
+                                       pass_peaks={}, step_graph=None))  # fmt: skip
     return out
 
 
 def plan_positions(cfg: Any, device: torch.device, say: Callable[[str], None] | None = None) -> list[StagePlan]:
-    """Every stage position's plan at the job's depth and micro-batch count (`plan_pipeline`'s), depth-free: made at
-    three shallower depths (`short_depths`) and extended, as the plan without pp is. A stage's step repeats its
-    blocks, each adding the same bytes (its parameters, gradients and AdamW state, its saved activations per
-    micro-batch in flight) to its position's peak, so two depths give the slope and a third checks it. At each depth
-    the plan is made at three micro-batch counts when the job's is larger (`_plan_in_counts`). Equal to the plan of
-    the whole depth to the byte (tests/plan/test_stage_plan_counts.py). A position whose three plans are not evenly
-    spaced is planned at the job's depth, said through `say` (`layouts/search.py`'s exact rows; the dry run)."""
+    """Every stage position's plan at the job's depth and micro-batch count M (`plan_pipeline`'s), made from smaller
+    runs where they are less work, and equal to it to the byte (tests/plan/test_stage_plan_counts.py):
+
+    - past its warm-up a schedule repeats, each micro-batch adding the same bytes to a position's peak (its receive
+      buffer, its slice of the batch; under GPipe its activations too, and one more micro-batch in flight), so a
+      large M is planned at three smaller counts (`pipeline.short_counts`) and extended: two counts give the slope
+      and a third checks it;
+    - depth-free, as the plan without pp is: a stage's step repeats its blocks, each adding the same bytes to each
+      of its passes (its parameters, gradients and AdamW state, its saved activations per micro-batch in flight),
+      so at each count a deep model is planned at three shallower depths (`short_depths`) and extended pass by pass.
+
+    Where three plans are not evenly spaced, the job itself is planned, said through `say` (`layouts/search.py`'s
+    exact rows; the dry run)."""
+    count, counts = short_counts(cfg)
+    if not counts:
+        return _plan_in_depths(cfg, device, say)
+    planned = []
+    for n in counts:
+        short = copy.deepcopy(cfg)
+        short.training.local_batch_size = n * cfg.parallelism.pp_microbatch_size
+        planned.append(_plan_in_depths(short, device, say))
+    more, off = divmod(count - counts[-1], counts[1] - counts[0])
+    out = None if off else _extended(planned, more, by_pass=False)
+    if not isinstance(out, list):
+        why = "not a whole number of steps past them" if off else f"not evenly spaced there (position {out})"
+        (say or logger.warning)(f"stage plan: {count} micro-batches are {why} ({counts}); planned whole")
+        return _plan_in_depths(cfg, device, say)
+    made = f"run at {counts[0]}, {counts[1]} and {counts[2]} micro-batches and extended to {count}"
+    if planned[0][0].made != StagePlan.made:
+        made += f"; at each, {planned[0][0].made}"
+    return [dataclasses.replace(plan, made=made) for plan in out]
+
+
+def _plan_in_depths(cfg: Any, device: torch.device, say: Callable[[str], None] | None) -> list[StagePlan]:
+    """Every stage position's plan at the job's depth, made at three shallower depths when those are less work
+    (`short_depths`) and extended pass by pass; a position whose passes are not evenly spaced there is planned at
+    the job's depth, said through `say`."""
     depth, depths = short_depths(cfg)
     if not depths:
-        return _plan_in_counts(cfg, device, say)
+        return list(plan_pipeline(cfg, device))
     planned = []
     for n in depths:
         short = copy.deepcopy(cfg)
         short.model.n_layers = n
-        planned.append(_plan_in_counts(short, device, say))
-    out = _extended(planned, (depth - depths[-1]) // (depths[1] - depths[0]))
+        planned.append(list(plan_pipeline(short, device)))
+    out = _extended(planned, (depth - depths[-1]) // (depths[1] - depths[0]), by_pass=True)
     if isinstance(out, int):
         (say or logger.warning)(
             f"stage plan: position {out}'s plans at {depths[0]}, {depths[1]} and {depths[2]} blocks are not evenly "
             f"spaced; planned at the job's {depth} blocks"
         )
-        return _plan_in_counts(cfg, device, say)
+        return list(plan_pipeline(cfg, device))
     per_stage = job_stage_blocks(cfg, depth)
     made = f"run at {depths[0]}, {depths[1]} and {depths[2]} blocks and extended to {depth}"
-    if planned[0][0].made != StagePlan.made:
-        made += f"; at each, {planned[0][0].made}"
     return [
         dataclasses.replace(plan, blocks=tuple(sorted(b for s in plan.stages for b in per_stage[s])), made=made)
         for plan in out
     ]
-
-
-def _plan_in_counts(cfg: Any, device: torch.device, say: Callable[[str], None] | None) -> list[StagePlan]:
-    """Every stage position's plan at the job's micro-batch count M (`plan_pipeline`'s), made from three smaller
-    counts when M is larger (`pipeline.short_counts`): past its warm-up a schedule repeats, each micro-batch adding
-    the same bytes to a position's peak (its receive buffer, its slice of the batch; under GPipe its activations
-    too, and one more micro-batch in flight), so two counts give the slope and a third checks it. A position whose
-    three plans are not evenly spaced is planned at M itself, said through `say`."""
-    count, counts = short_counts(cfg)
-    if not counts:
-        return list(plan_pipeline(cfg, device))
-    planned = []
-    for n in counts:
-        short = copy.deepcopy(cfg)
-        short.training.local_batch_size = n * cfg.parallelism.pp_microbatch_size
-        planned.append(list(plan_pipeline(short, device)))
-    more, off = divmod(count - counts[-1], counts[1] - counts[0])
-    out = None if off else _extended(planned, more)
-    if not isinstance(out, list):
-        why = "not a whole number of steps past them" if off else f"not evenly spaced there (position {out})"
-        (say or logger.warning)(f"stage plan: {count} micro-batches are {why} ({counts}); planned whole")
-        return list(plan_pipeline(cfg, device))
-    made = f"run at {counts[0]}, {counts[1]} and {counts[2]} micro-batches and extended to {count}"
-    return [dataclasses.replace(plan, made=made) for plan in out]
 
 
 def stage_position(mesh: Mesh) -> int:
@@ -352,7 +399,10 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
         finally:
             tracker.forget()
     # cuBLAS's workspace on CUDA: made by the process's first matmul, held from then on (0 on CPU).
+    held_always = update.state_bytes + step.workspace_bytes()
     peak += step.workspace_bytes()
+    passes = {k: (b + held_always, at, f) for k, (b, at, f) in tracker.pass_peaks().items()}
+    passes[UPDATE] = (tracker.current_bytes + update.scratch_bytes + held_always, "update", 0)
     plan = StagePlan(
         rank=position,
         stages=tuple(stage.index for stage in step.stages),
@@ -365,6 +415,7 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
         held_bytes=sum(allocated_bytes(t.untyped_storage().nbytes(), device.type) for t in held),
         state_bytes=update.state_bytes,
         plan_s=time.perf_counter() - start,
+        pass_peaks=passes,
         step_graph=None if traced is None else Transformed(traced, graph_step.memory_estimate),
     )
     return plan, traced

@@ -14,7 +14,14 @@ import torch
 
 from graph_trainer.distributed.pipeline import short_counts, stage_blocks
 from graph_trainer.job_config.cli import load_config
-from graph_trainer.plan.stage_plan import SHORT_STAGE, StagePlan, plan_pipeline, plan_positions, short_depths
+from graph_trainer.plan.stage_plan import (
+    SHORT_STAGE,
+    UPDATE,
+    StagePlan,
+    plan_pipeline,
+    plan_positions,
+    short_depths,
+)
 
 SEQ = ["--training.seq_len", "64"]
 BATCH_4 = ["--training.local_batch_size", "4"]  # 4 micro-batches at pp 2: planned at that count (`short_counts`)
@@ -67,27 +74,30 @@ def test_a_stage_plan_from_three_short_counts_equals_the_plan_at_the_jobs_count(
 
 @pytest.mark.integration
 def test_a_deep_stage_plan_from_three_shallow_depths_equals_the_plan_of_the_whole_depth():
-    """23 blocks at pp 2 split unevenly (12 and 11: the embedding and the output count as a block each), planned at
-    5, 7 and 9 blocks and extended seven steps, under 1F1B; every field equal, the peak's place (layer and
+    """29 blocks at pp 2 split unevenly (15 and 14: the embedding and the output count as a block each), planned at
+    7, 9 and 11 blocks and extended nine steps, under 1F1B; every field equal, the peak's place (layer and
     micro-batch) included."""
-    args = ["--config", "llama3_debug", "--model.n_layers", "23", *SEQ, "--parallelism.pp", "2"]
+    args = ["--config", "llama3_debug", "--model.n_layers", "29", *SEQ, "--parallelism.pp", "2"]
     extended = _extended_equals_whole([*args, *BATCH_4])
-    assert extended[0].made == "run at 5, 7 and 9 blocks and extended to 23"
-    assert [p.blocks for p in extended] == [tuple(range(12)), tuple(range(12, 23))]
+    assert extended[0].made == "run at 7, 9 and 11 blocks and extended to 29"
+    assert [p.blocks for p in extended] == [tuple(range(15)), tuple(range(15, 29))]
 
 
 DEEPER = [
     # A model with a leading dense block, its experts split over dp_shard x ep inside each stage.
-    "--config deepseek_v3_debug --model.n_layers 26 --parallelism.dp_shard 2 --parallelism.ep 2"
+    "--config deepseek_v3_debug --model.n_layers 32 --parallelism.dp_shard 2 --parallelism.ep 2"
     " --training.local_batch_size 4",
     # Deep and many micro-batches: three counts at each of three depths.
-    "--config llama3_debug --model.n_layers 20 --parallelism.pp_schedule GPipe --training.local_batch_size 8",
+    "--config llama3_debug --model.n_layers 28 --parallelism.pp_schedule GPipe --training.local_batch_size 8",
+    # Two stages a rank, V-shaped (at 40 blocks, stage 0's weight pass overtook stage 3's, which held the peak at
+    # 8, 12 and 16 blocks: the extension of the peak alone was 306,684 B short).
+    "--config llama3_debug --model.n_layers 56 --parallelism.pp_schedule ZBVZeroBubble --training.local_batch_size 4",
 ]
 
 
 @pytest.mark.integration
 @_slow(DEPTHS_TEST)
-@pytest.mark.parametrize("args", DEEPER, ids=["deepseek-ep", "gpipe-depth-and-count"])
+@pytest.mark.parametrize("args", DEEPER, ids=["deepseek-ep", "gpipe-depth-and-count", "zbv"])
 def test_deeper_stage_plans_extend_exactly(args):
     _extended_equals_whole([*args.split(), *SEQ, "--parallelism.pp", "2"])
 
@@ -95,14 +105,14 @@ def test_deeper_stage_plans_extend_exactly(args):
 @pytest.mark.parametrize(
     ("args", "depth", "depths"),
     [
-        ("--config llama3_debug --model.n_layers 23 --parallelism.pp 2", 23, [5, 7, 9]),  # stages 12 and 11
-        ("--config llama3_debug --model.n_layers 13 --parallelism.pp 2", 13, []),  # 5 + 7 + 9 > 13: planned whole
-        ("--config deepseek_v3_debug --model.n_layers 26 --parallelism.pp 2", 26, [6, 8, 10]),  # 1 dense block kept
-        # Llama-3 405B's 126 blocks at pp 8: 15, 16 x 6, 15; at pp 16 (7, 8 x 14, 7) planned whole (46 + 62 + 78).
-        ("--config llama3_405b --parallelism.pp 8", 126, [22, 30, 38]),
+        ("--config llama3_debug --model.n_layers 29 --parallelism.pp 2", 29, [7, 9, 11]),  # stages 15 and 14
+        ("--config llama3_debug --model.n_layers 23 --parallelism.pp 2", 23, []),  # 7 + 9 + 11 > 23: planned whole
+        ("--config deepseek_v3_debug --model.n_layers 32 --parallelism.pp 2", 32, [8, 10, 12]),  # 1 dense block kept
+        # Llama-3 405B's 126 blocks at pp 8: 15, 16 x 6, 15; at pp 16 (7, 8 x 14, 7) planned whole (62 + 78 + 94).
+        ("--config llama3_405b --parallelism.pp 8", 126, [30, 38, 46]),
         ("--config llama3_405b --parallelism.pp 16", 126, []),
-        # Two stages a rank: 8 stages of 10 blocks (Llama-3 70B's 80 blocks).
-        ("--config llama3_70b --parallelism.pp 4 --parallelism.pp_schedule Interleaved1F1B", 80, [16, 24, 32]),
+        # Two stages a rank: 4 stages of 20 blocks (Llama-3 70B's 80 blocks).
+        ("--config llama3_70b --parallelism.pp 2 --parallelism.pp_schedule Interleaved1F1B", 80, [12, 16, 20]),
     ],
 )
 def test_the_shallow_depths_take_the_same_blocks_from_every_stage(args, depth, depths):
@@ -122,34 +132,42 @@ def test_the_shallow_depths_take_the_same_blocks_from_every_stage(args, depth, d
 
 
 def _stand_in(cfg, device, bend: int = 10**6):
-    """A stage plan that is a line in the depth up to `bend` blocks and bent past it, to reach the fallback
-    cheaply."""
+    """A stage plan of two passes at depth n: a forward of 1000 n + 8000 bytes, which holds the peak up to 16 blocks,
+    and a backward of 1500 n (bent past `bend` blocks), which overtakes it past 16 blocks."""
     n = cfg.model.n_layers
     for position in range(cfg.parallelism.pp):
-        yield StagePlan(position, (position,), (), 1000 * n + max(0, n - bend) ** 2, False,
-                        f"stage {position} backward of micro-batch 0: mm in layers.{n}.w (layer {n})", 1, 2, 0, 10 * n,
-                        0.0)  # fmt: skip
+        passes = {
+            f"stage {position} forward of micro-batch 1": (1000 * n + 8000, f"forward: mm in layers.{n}.w", 2),
+            f"stage {position} backward of micro-batch 0": (1500 * n + max(0, n - bend) ** 2, f"bw (layer {n + 1})", 1),
+            UPDATE: (0, "update", 0),
+        }
+        top = max(passes, key=lambda k: passes[k][0])
+        peak, at, flight = passes[top]
+        yield StagePlan(position, (position,), (), peak, False, at, flight, 2, 0, 10 * n, 0.0, pass_peaks=passes)
 
 
 @pytest.mark.parametrize("bent", [False, True])
-def test_plans_that_are_not_evenly_spaced_are_planned_whole_and_said(monkeypatch, bent):
-    """Stand-in plans of 23 blocks at pp 2, made at 5, 7 and 9 blocks: extended when those are evenly spaced (the
-    place's layer number grows as the bytes do); bent past 5 blocks, they are not, and the job's depth is planned
-    instead, said in one line."""
+def test_plans_are_extended_pass_by_pass_or_planned_whole_and_said(monkeypatch, bent):
+    """Stand-in plans of 29 blocks at pp 2, made at 7, 9 and 11 blocks, where the forward holds the peak: extended
+    pass by pass, the backward, which grows faster, holds it at 29 (its place's layer number grows as its bytes do);
+    bent past 5 blocks, the backward's peaks are not evenly spaced, and the job's depth is planned instead, said in
+    one line."""
     import graph_trainer.plan.stage_plan as stage_plan
 
     stand_in = functools.partial(_stand_in, bend=5 if bent else 10**6)
     monkeypatch.setattr(stage_plan, "plan_pipeline", stand_in)
-    cfg, _ = load_config(["--config", "llama3_debug", "--model.n_layers", "23", "--parallelism.pp", "2", *BATCH_4])
+    cfg, _ = load_config(["--config", "llama3_debug", "--model.n_layers", "29", "--parallelism.pp", "2", *BATCH_4])
     said: list[str] = []
     plans = plan_positions(cfg, torch.device("cpu"), said.append)
     if bent:
         assert [_fields(p) for p in plans] == [_fields(p) for p in stand_in(cfg, None)]
         assert said == [
-            "stage plan: position 0's plans at 5, 7 and 9 blocks are not evenly spaced; planned at the job's 23 blocks"
+            "stage plan: position 0's plans at 7, 9 and 11 blocks are not evenly spaced; planned at the job's 29 blocks"
         ]
         assert plans[0].made == StagePlan.made
     else:
-        assert not said and plans[0].made == "run at 5, 7 and 9 blocks and extended to 23"
-        assert plans[1].peak_bytes == 23_000 and plans[1].at.endswith("layers.23.w (layer 23)")
-        assert plans[0].state_bytes == 230 and plans[0].blocks == tuple(range(12))
+        assert not said and plans[0].made == "run at 7, 9 and 11 blocks and extended to 29"
+        assert [_fields(p) for p in plans] == [
+            (0, (0,), tuple(range(15)), 43_500, False, "bw (layer 30)", 1, 2, 0, 290),
+            (1, (1,), tuple(range(15, 29)), 43_500, False, "bw (layer 30)", 1, 2, 0, 290),
+        ]
