@@ -279,6 +279,8 @@ def _extended(planned: list[list[StagePlan]], more: int, by_pass: bool) -> list[
             passes = [p.pass_peaks for p in plans]
             if not passes[0] or any(list(q) != list(passes[0]) for q in passes):
                 return position
+            if any(max(b for b, _, _ in q.values()) != p.peak_bytes for p, q in zip(plans, passes, strict=True)):
+                return position  # the passes do not account for the step's peak: nothing to extend it from
             peaks = {k: _evenly([q[k][0] for q in passes], more) for k in passes[0]}
             if None in peaks.values():
                 return position
@@ -396,13 +398,14 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
             with tracker:  # the step cuts its batch (the token count is the step's) and runs the schedule
                 step.run(traced, micro_batches(batch, step.n_micro, graph_step.count_reduce), update=False)
             peak, in_update = peak_with_update(tracker.peak_bytes, tracker.current_bytes, update)
+            step_end = tracker.current_bytes  # what the update runs beside (`forget` sets it to 0)
         finally:
             tracker.forget()
     # cuBLAS's workspace on CUDA: made by the process's first matmul, held from then on (0 on CPU).
     held_always = update.state_bytes + step.workspace_bytes()
     peak += step.workspace_bytes()
     passes = {k: (b + held_always, at, f) for k, (b, at, f) in tracker.pass_peaks().items()}
-    passes[UPDATE] = (tracker.current_bytes + update.scratch_bytes + held_always, "update", 0)
+    passes[UPDATE] = (step_end + update.scratch_bytes + held_always, "update", 0)
     plan = StagePlan(
         rank=position,
         stages=tuple(stage.index for stage in step.stages),

@@ -131,19 +131,21 @@ def test_the_shallow_depths_take_the_same_blocks_from_every_stage(args, depth, d
         assert min(shallowest[0] - lead, *shallowest[1:]) == SHORT_STAGE
 
 
-def _stand_in(cfg, device, bend: int = 10**6):
+def _stand_in(cfg, device, bend: int = 10**6, update: int = 0, unaccounted: int = 0):
     """A stage plan of two passes at depth n: a forward of 1000 n + 8000 bytes, which holds the peak up to 16 blocks,
-    and a backward of 1500 n (bent past `bend` blocks), which overtakes it past 16 blocks."""
+    and a backward of 1500 n (bent past `bend` blocks), which overtakes it past 16 blocks; the update holds
+    `update` bytes, and the step's peak is `unaccounted` bytes above every pass's."""
     n = cfg.model.n_layers
     for position in range(cfg.parallelism.pp):
         passes = {
             f"stage {position} forward of micro-batch 1": (1000 * n + 8000, f"forward: mm in layers.{n}.w", 2),
             f"stage {position} backward of micro-batch 0": (1500 * n + max(0, n - bend) ** 2, f"bw (layer {n + 1})", 1),
-            UPDATE: (0, "update", 0),
+            UPDATE: (update, "update", 0),
         }
         top = max(passes, key=lambda k: passes[k][0])
         peak, at, flight = passes[top]
-        yield StagePlan(position, (position,), (), peak, False, at, flight, 2, 0, 10 * n, 0.0, pass_peaks=passes)
+        yield StagePlan(position, (position,), (), peak + unaccounted, top == UPDATE, at, flight, 2, 0, 10 * n, 0.0,
+                        pass_peaks=passes)  # fmt: skip
 
 
 @pytest.mark.parametrize("bent", [False, True])
@@ -171,3 +173,21 @@ def test_plans_are_extended_pass_by_pass_or_planned_whole_and_said(monkeypatch, 
             (0, (0,), tuple(range(15)), 43_500, False, "bw (layer 30)", 1, 2, 0, 290),
             (1, (1,), tuple(range(15, 29)), 43_500, False, "bw (layer 30)", 1, 2, 0, 290),
         ]
+
+
+def test_a_peak_in_the_update_is_extended_and_passes_that_miss_the_peak_plan_whole(monkeypatch):
+    """The update's own peak is a pass like the others (constant here: it wins at every depth); stand-in plans whose
+    passes do not account for the step's peak (a pass's peak lost) are not extended but planned whole, said."""
+    import graph_trainer.plan.stage_plan as stage_plan
+
+    cfg, _ = load_config(["--config", "llama3_debug", "--model.n_layers", "29", "--parallelism.pp", "2", *BATCH_4])
+    monkeypatch.setattr(stage_plan, "plan_pipeline", functools.partial(_stand_in, update=10**6))
+    plans = plan_positions(cfg, torch.device("cpu"))
+    assert [(p.peak_bytes, p.peak_in_update, p.at, p.in_flight) for p in plans] == [(10**6, True, "update", 0)] * 2
+    monkeypatch.setattr(stage_plan, "plan_pipeline", functools.partial(_stand_in, unaccounted=1))
+    said: list[str] = []
+    plans = plan_positions(cfg, torch.device("cpu"), said.append)
+    assert said == [
+        "stage plan: position 0's plans at 7, 9 and 11 blocks are not evenly spaced; planned at the job's 29 blocks"
+    ]
+    assert plans[0].made == StagePlan.made
