@@ -274,8 +274,9 @@ def _extended(planned: list[list[StagePlan]], more: int, by_pass: bool) -> list[
     out = []
     for position, plans in enumerate(zip(*planned, strict=True)):
         grown = {name: _evenly([getattr(p, name) for p in plans], more) for name in _GROWN}
-        at = _extended_label([p.at for p in plans], more)
-        if by_pass:
+        if not by_pass:
+            at = _extended_label([p.at for p in plans], more)
+        else:
             passes = [p.pass_peaks for p in plans]
             if not passes[0] or any(list(q) != list(passes[0]) for q in passes):
                 return position
