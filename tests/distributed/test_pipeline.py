@@ -613,34 +613,41 @@ def _tp_facts(trainer) -> dict:
     return {"shapes": {n: list(p.shape) for n, p in trainer.model.named_parameters()}}
 
 
-def _train_composed(rank: int, world: int, port: int, out: str, args: list[str], facts_of: Callable) -> None:
-    """The reference (2 ranks, one run) or the pipeline (4 ranks, one run a schedule): losses and norms, and for the
+def _train_composed(
+    rank: int, world: int, port: int, out: str, args: list[str], facts_of: Callable, schedules: tuple[str, ...]
+) -> None:
+    """The reference (no `schedules`: one run) or the pipeline (one run a schedule): losses and norms, and for the
     pipeline its peaks, blocks and `facts_of(trainer)`."""
-    runs = (
-        {f"{s}.world4": ["--parallelism.pp_schedule", s] for s in SHARDED_SCHEDULES} if world == 4 else {"world2": []}
-    )
+    runs = {f"{s}.world{world}": ["--parallelism.pp_schedule", s] for s in schedules} or {f"world{world}": []}
     for name, trainer, result in train_runs(rank, world, port, runs, args, out):
         record = {"losses": result.losses, "grad_norms": [r["grad_norm"] for r in result.records]}
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
-        if world == 4:
+        if schedules:
             facts = {"peaks": peaks(result.records), "blocks": trainer.step_fn.held_blocks(), **facts_of(trainer)}
             Path(out, f"{name}.rank{rank}.facts.json").write_text(json.dumps(facts))
 
 
 def _composed_runs(
-    out: Path, one: list[str], pipeline: list[str], facts_of: Callable
+    out: Path,
+    one: list[str],
+    pipeline: list[str],
+    facts_of: Callable,
+    world: int = 2,
+    schedules: tuple[str, ...] = SHARDED_SCHEDULES,
 ) -> Iterator[tuple[str, int, dict]]:
-    """Run the reference on 2 ranks and the pipeline on 4 under each of `SHARDED_SCHEDULES`; assert every pipeline
-    rank's losses and clipped norms are the reference's (which clips) and its peaks its plan's (`assert_peaks_match`);
-    yield (schedule, rank, facts) for each, then assert the ranks held all 8 blocks under each schedule."""
-    spawn_ranks(_train_composed, 2, (2, free_port(), str(out), one, facts_of), timeout_s=300)
-    spawn_ranks(_train_composed, 4, (4, free_port(), str(out), pipeline, facts_of), timeout_s=600)
-    reference = json.loads((out / "world2.rank0.json").read_text())
+    """Run the reference on `world` ranks and the pipeline (pp 2) on twice as many under each of `schedules`; assert
+    every pipeline rank's losses and clipped norms are the reference's (which clips) and its peaks its plan's
+    (`assert_peaks_match`); yield (schedule, rank, facts) for each, then assert the ranks held all 8 blocks under
+    each schedule."""
+    staged = 2 * world
+    spawn_ranks(_train_composed, world, (world, free_port(), str(out), one, facts_of, ()), timeout_s=300)
+    spawn_ranks(_train_composed, staged, (staged, free_port(), str(out), pipeline, facts_of, schedules), timeout_s=600)
+    reference = json.loads((out / f"world{world}.rank0.json").read_text())
     assert max(reference["grad_norms"]) > 1.0  # clipping scaled the gradients
-    for schedule in SHARDED_SCHEDULES:
+    for schedule in schedules:
         blocks = set()
-        for rank in range(4):
-            name = f"{schedule}.world4.rank{rank}"
+        for rank in range(staged):
+            name = f"{schedule}.world{staged}.rank{rank}"
             assert json.loads((out / f"{name}.json").read_text()) == reference, name
             facts = json.loads((out / f"{name}.facts.json").read_text())
             assert_peaks_match(facts["peaks"][1:], name)
@@ -693,6 +700,39 @@ def test_tensor_parallel_stages_are_tp_accumulating_bitwise_and_planned(tmp_path
         name, layer = f"{schedule} rank {rank}", facts["blocks"][0]
         assert facts["shapes"][f"layers.{layer}.attention.wq.weight"] == [32, 64], name  # 64 rows, halved
         assert facts["shapes"][f"layers.{layer}.attention_norm.weight"] == [64], name  # whole on every rank
+
+
+# All three at once, the layout the planner gives 405B (pp 8 x dp_shard 8 x tp 8) at its smallest: each of 2 stages
+# split over tp 2 and sharded over dp_shard 2 (8 ranks), against tp 2 x dp_shard 2 alone (4 ranks) accumulating the
+# same 4 micro-batches of 2 on each data rank.
+SPLIT_SHARDED = [*TRAIN, "--parallelism.tp", "2", "--parallelism.dp_shard", "2"]
+SPLIT_SHARDED_PIPELINE = [*SPLIT_SHARDED, "--training.local_batch_size", "8", "--parallelism.pp", "2"]
+SPLIT_SHARDED_PIPELINE += ["--parallelism.pp_microbatch_size", "2"]
+SPLIT_SHARDED_ONE = [*SPLIT_SHARDED, "--training.local_batch_size", "2", "--training.global_batch_size", "16"]
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+@pytest.mark.slow(
+    held_by="tests/distributed/test_pipeline.py::test_tensor_parallel_stages_are_tp_accumulating_bitwise_and_planned"
+)
+def test_stages_both_tensor_parallel_and_fsdp_sharded_are_tp_x_dp_shard_accumulating_bitwise_and_planned(tmp_path):
+    """pp 2 x dp_shard 2 x tp 2 (8 ranks; pp outermost, so ranks 4p to 4p + 3 hold position p) against
+    tp 2 x dp_shard 2 alone on the same global batch, under 1F1B and ZBVZeroBubble: every rank's losses and clipped
+    norms equal, and its peak is its preflight's plan (`assert_peaks_match`). Each stage gathers and reduces only its
+    own FSDP units, and a rank holds its stage's parameters split by tp then sharded by dp_shard."""
+    runs = _composed_runs(tmp_path, SPLIT_SHARDED_ONE, SPLIT_SHARDED_PIPELINE, _fsdp_facts, world=4)
+    for schedule, rank, facts in runs:
+        name, layers = f"{schedule} rank {rank}", [f"layers.{b}" for b in facts["blocks"]]
+        assert len(layers) == 4, name
+        ends = {0: ["tok_embeddings"], 1: ["norm", "output"]}[rank // 4]
+        if schedule == "ZBVZeroBubble":  # V-shaped: the first position runs the first and the last stage
+            ends = {0: ["norm", "output", "tok_embeddings"], 1: []}[rank // 4]
+        assert facts["gathered"] == facts["reduced"] == sorted([*layers, *ends]), name
+        assert all(n.startswith(tuple(f"{m}." for m in [*layers, *ends])) for n in facts["shapes"]), name
+        # wq's 64 output rows: 32 a tp rank, 16 of those a dp_shard rank; a norm's 64 whole on tp, halved by FSDP.
+        assert facts["shapes"][f"{layers[0]}.attention.wq.weight"] == [16, 64], name
+        assert facts["shapes"][f"{layers[0]}.attention_norm.weight"] == [32], name
 
 
 # DeepSeek-V3 (8 blocks, its balancing bias) with FSDP inside each of 2 stages, against dp_shard 2 alone.
