@@ -51,7 +51,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from graph_trainer.builder import build_job
 from graph_trainer.distributed.layout import planned_apart
 from graph_trainer.distributed.mesh import Mesh, ParallelDims, planning_mesh
-from graph_trainer.distributed.pipeline import job_stage_blocks, short_counts
+from graph_trainer.distributed.pipeline import job_stage_blocks, make_buffers, short_counts
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.pretrained import model_name
@@ -142,7 +142,8 @@ class _PeakTracker(LiveTensorTracker):
             self.ending = 1
 
     def begin(self) -> None:
-        """A new step: nothing in flight."""
+        """A new step: nothing in flight, and no pass yet (the step makes its accumulators and cuts its batch)."""
+        self.now = "the step's start"
         self.flight = self.ending = self.most_in_flight = 0
         self._pass_peaks, self._pass_peak = {}, 0
 
@@ -389,10 +390,13 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
     with FakeTensorMode(), _as_real_runtime(step.schedule):
         materialize_fake(job.model, device)
         batch = {name: torch.zeros(b, s, dtype=torch.long, device=device) for name in meta_batch(cfg)}
-        step.run(traced, micro_batches(batch, step.n_micro, graph_step.count_reduce), update=False)
+        try:  # torch's buffers, as the first step makes them: the plan is of the step after it
+            make_buffers(step.schedule, step.stages, step.n_micro)
+        except RuntimeError as e:  # another torch's runtime: the first step makes them (the same plan, more time)
+            logger.info(f"stage plan: {e}; a first step is run on fake tensors to make them")
+            step.run(traced, micro_batches(batch, step.n_micro, graph_step.count_reduce), update=False)
         model = job.model
         held = step.held_tensors()
-        # The first step made torch's buffers; the plan is of the next.
         tracker.track_existing([list(model.parameters()), list(model.buffers()), batch, held])
         tracker.begin()
         try:
