@@ -22,6 +22,7 @@ from graph_trainer.plan.stage_plan import (
     plan_positions,
     short_depths,
 )
+from tests.tiny import tiny_model
 
 SEQ = ["--training.seq_len", "64"]
 BATCH_4 = ["--training.local_batch_size", "4"]  # 4 micro-batches at pp 2: planned at that count (`short_counts`)
@@ -191,3 +192,28 @@ def test_a_peak_in_the_update_is_extended_and_passes_that_miss_the_peak_plan_who
         "stage plan: position 0's plans at 7, 9 and 11 blocks are not evenly spaced; planned at the job's 29 blocks"
     ]
     assert plans[0].made == StagePlan.made
+
+
+@pytest.mark.integration
+def test_the_plan_made_after_torchs_set_up_is_the_plan_made_after_a_first_step(monkeypatch, caplog):
+    """The plan is of the step after the first, whose torch buffers are made by torch's own stage set-up
+    (`make_buffers`) rather than by running the first step: every field, each pass's peak included, is the plan a
+    first step's run gives (the path a torch without that set-up takes, said in the log). Under ZBVZeroBubble: two
+    stages a rank, deferred weights (torch's multi-stage set-up; the trainer's pp tests measure both set-ups' plans).
+    Without the set-up's buffers, `held_bytes` is 0 and the plans differ."""
+    from graph_trainer.plan import stage_plan
+
+    six = ["--config", "llama3_debug", *tiny_model(6), *SEQ, *BATCH_4]
+    cfg, _ = load_config([*six, "--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"])
+    set_up = list(plan_pipeline(cfg, torch.device("cpu")))
+    assert all(p.held_bytes > 0 for p in set_up)  # torch's receive buffers, made and counted
+
+    def no_set_up(*args: object) -> None:
+        raise RuntimeError("torch's pipeline schedule has no stage set-up to call")
+
+    monkeypatch.setattr(stage_plan, "make_buffers", no_set_up)
+    with caplog.at_level("INFO", logger=stage_plan.__name__):
+        stepped = list(plan_pipeline(cfg, torch.device("cpu")))
+    assert [(_fields(p), p.pass_peaks) for p in set_up] == [(_fields(p), p.pass_peaks) for p in stepped]
+    said = [r.getMessage() for r in caplog.records if "a first step is run" in r.getMessage()]
+    assert len(said) == len(stepped), said  # once a position
