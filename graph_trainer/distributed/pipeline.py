@@ -652,23 +652,21 @@ def run_schedule(schedule: Any, stages: list[GraphStage], micro_batches: list[di
     return [loss.detach() for loss in losses]
 
 
-def make_buffers(schedule: Any, stages: list[Any], n_micro: int) -> None:
+def make_buffers(schedule: Any, stages: list[Any], n_micro: int) -> bool:
     """torch's receive buffers on this rank's `stages` (`held_tensors`), made as `schedule`'s first step makes them
     (its stages' forward and backward set-up, shapes given: nothing runs), so that a plan of the step after the
-    first need not run the first (`plan.stage_plan`).
-
-    Raises:
-        RuntimeError: this torch's schedule has no such set-up (the plan then runs a first step).
-    """
+    first need not run the first (`plan.stage_plan`). False, and nothing made, where this torch's schedule has no
+    such set-up (the plan then runs a first step); an error inside the set-up is raised."""
     index = torch.arange(n_micro)[:1]  # the first micro-batch's chunk, as `run_schedule`'s step cuts it
     target = index if any(stage.is_last for stage in stages) else None
     set_up = getattr(schedule, "_initialize_stages", None) or getattr(schedule, "_initialize_stage", None)
     if set_up is None:  # pragma: no cover - another torch's runtime
-        raise RuntimeError("torch's pipeline schedule has no stage set-up to call")
+        return False
     if "target" in inspect.signature(set_up).parameters:  # torch 2.13 sets up the loss's backward with the target
         set_up((), {"micro": index}, target)
     else:  # pragma: no cover - an older torch's set-up takes the inputs only
         set_up((), {"micro": index})
+    return True
 
 
 def step_inputs(

@@ -390,10 +390,11 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
     with FakeTensorMode(), _as_real_runtime(step.schedule):
         materialize_fake(job.model, device)
         batch = {name: torch.zeros(b, s, dtype=torch.long, device=device) for name in meta_batch(cfg)}
-        try:  # torch's buffers, as the first step makes them: the plan is of the step after it
-            make_buffers(step.schedule, step.stages, step.n_micro)
-        except RuntimeError as e:  # another torch's runtime: the first step makes them (the same plan, more time)
-            logger.info(f"stage plan: {e}; a first step is run on fake tensors to make them")
+        # torch's buffers, as the first step makes them: the plan is of the step after it. A torch whose schedule
+        # has no stage set-up makes them in a first step (the same plan, more time).
+        if not make_buffers(step.schedule, step.stages, step.n_micro):
+            logger.info("stage plan: torch's pipeline schedule has no stage set-up; a first step is run on fake "
+                        "tensors to make its buffers")  # fmt: skip
             step.run(traced, micro_batches(batch, step.n_micro, graph_step.count_reduce), update=False)
         model = job.model
         held = step.held_tensors()

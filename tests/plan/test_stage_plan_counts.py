@@ -208,8 +208,8 @@ def test_the_plan_made_after_torchs_set_up_is_the_plan_made_after_a_first_step(m
     set_up = list(plan_pipeline(cfg, torch.device("cpu")))
     assert all(p.held_bytes > 0 for p in set_up)  # torch's receive buffers, made and counted
 
-    def no_set_up(*args: object) -> None:
-        raise RuntimeError("torch's pipeline schedule has no stage set-up to call")
+    def no_set_up(*args: object) -> bool:
+        return False
 
     monkeypatch.setattr(stage_plan, "make_buffers", no_set_up)
     with caplog.at_level("INFO", logger=stage_plan.__name__):
