@@ -127,7 +127,7 @@ class Trainer:
             )
         # The job the preflight planned, materialized: from here on a sharded parameter is this rank's part of it.
         job = build_job(cfg, self.mesh, vocab_needed=data.tokenizer.vocab_size)
-        job = job.with_budget_choice(plan.budget_choice if isinstance(plan, StepPlan) else None)
+        job = job.with_budget_choice(plan.budget_choice)  # the step applies the choice the preflight planned
         self.model, self.parallel = job.model, job.parallel
         self.optimizer, self.scheduler = job.optimizer, job.scheduler
         self.model_args = self.model.args

@@ -47,6 +47,7 @@ import torch.nn as nn
 from graph_trainer.distributed.mesh import Mesh
 from graph_trainer.distributed.parallelism import Parallelism, ScheduleModel
 from graph_trainer.errors import UserError
+from graph_trainer.job_config.memory_budget import parse_memory_budget
 from graph_trainer.optimizer.clip import grad_norms, scale_to_norm_
 from graph_trainer.step import StepOutput, StepReport, micro_batches, sum_losses
 from graph_trainer.tracer import node_meta
@@ -168,6 +169,24 @@ def job_stage_blocks(cfg: Any, n_layers: int) -> list[range]:
     """The blocks each stage of `cfg`'s pipeline runs at depth `n_layers` (`stage_blocks` over its stage count)."""
     p = cfg.parallelism
     return stage_blocks(n_layers, p.pp * stages_per_rank(p.pp_schedule, p.pp_stages_per_rank))
+
+
+def one_micro_batch(cfg: Any) -> Any:
+    """`cfg` as one process running one of its pipeline's micro-batches (a copy): no pp, a local batch of
+    `pp_microbatch_size` sequences and no accumulation; every other degree kept. The step whose memory budget
+    choice the pipeline's micro-step applies (`plan.stage_plan.pipeline_budget_choice`)."""
+    out = copy.deepcopy(cfg)
+    out.training.local_batch_size = cfg.parallelism.pp_microbatch_size
+    out.training.global_batch_size = -1
+    out.parallelism.pp = 1
+    return out
+
+
+def without_stages(mesh: Mesh) -> Mesh:
+    """`mesh` seen without its pp dimension: this rank's place in one pipeline position's data and tensor parallel
+    groups, where a job built on it traces the step one process of that position would (nothing communicates while
+    a step is traced)."""
+    return dataclasses.replace(mesh, dims=dataclasses.replace(mesh.dims, pp=1))
 
 
 def short_counts(cfg: Any) -> tuple[int, list[int]]:
@@ -971,9 +990,12 @@ class PipelineParallel(Parallelism):
             (accumulation_steps(cfg) > 1, "gradient accumulation (its micro-batches are the pipeline's)",
              "--training.global_batch_size -1"),
             (cfg.validation.enable, "validation", "--validation.enable false"),
-            # Its target is a share of a rank's peak, which needs the per-stage plan (not built yet).
-            (cfg.activation_checkpoint.mode == "budget", "activation_checkpoint.mode budget",
-             "--activation_checkpoint.mode selective"),
+            # A size is one rank's whole peak, which differs from position to position and with each position's
+            # choice: not solved yet. A fraction is one process's choice at a micro-batch (`one_micro_batch`).
+            (cfg.activation_checkpoint.mode == "budget"
+             and parse_memory_budget(cfg.activation_checkpoint.memory_budget).peak_bytes is not None,
+             f"a size memory_budget ({cfg.activation_checkpoint.memory_budget})",
+             "a fraction (--activation_checkpoint.memory_budget 0.5: one process's choice at a micro-batch)"),
         ]  # fmt: skip
         for bad, what, fix in refused:
             if bad:
@@ -1111,6 +1133,7 @@ __all__ = [
     "meta_copy",
     "cut_stages",
     "micro_batch_count",
+    "one_micro_batch",
     "run_schedule",
     "stage_blocks",
     "job_stage_blocks",
@@ -1118,4 +1141,5 @@ __all__ = [
     "stages_per_rank",
     "step_inputs",
     "the_loss",
+    "without_stages",
 ]

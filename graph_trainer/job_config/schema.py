@@ -205,7 +205,8 @@ class ActivationCheckpointConfig:
     memory_budget: str | float = _opt(
         0.5,
         "budget: a fraction in (0, 1] of the no-AC activation memory, or the whole step's per-rank peak with its "
-        "unit, e.g. '40GiB' (graph_trainer/job_config/memory_budget.py)",
+        "unit, e.g. '40GiB' (graph_trainer/job_config/memory_budget.py); under pp a fraction only, of one process's "
+        "micro-batch (docs/pipeline.md)",
     )
     save_list: list[str] = _opt([], "ops always saved, e.g. 'aten.mm' or 'layers.*.attention::aten.mm'")
     recompute_list: list[str] = _opt([], "ops always recomputed, same syntax as save_list")

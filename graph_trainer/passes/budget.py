@@ -388,8 +388,16 @@ def _apply_block_choice(
     _write_choice(gm, structure, always, pinned, chosen)
     if depth != block_choice.depth:  # a short step of the plan, tagged as the deep one will be
         return True
-    _check_estimate(gm, input_categories, fsdp_policy, block_choice.peak_bytes)
     c = block_choice
+    if c.micro_step:  # a pipeline's: each rank's peak is its stage plan's, said by the preflight
+        (logger.info if c.optimal else logger.warning)(
+            f"memory_budget: one process's choice at this micro-batch, one per block class solved on the "
+            f"{' + '.join(map(str, c.short_depths))}-block traces: recompute {c.recomputed}/{c.candidates} candidates, "
+            f"{c.recompute_flops / 1e9:.3f} GFLOP of recompute a micro-batch ({_proof(c.optimal, c.status, c.gap)}, "
+            f"{c.solve_s:.1f} s)"
+        )
+        return True
+    _check_estimate(gm, input_categories, fsdp_policy, block_choice.peak_bytes)
     say = logger.info if c.optimal else logger.warning
     say(
         f"memory_budget: the graph's target peak {c.target_bytes / GIB:.4f} GiB{c.room}; recompute "

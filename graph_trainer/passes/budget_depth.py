@@ -87,6 +87,9 @@ class BlockChoice:
     short_depths: tuple[int, int]
     lead: int  # leading blocks, each its own class (`block_class`)
     room: str = ""  # what the target left room for beside the graph, in the log's words (`budget.Outside.words`)
+    # Solved on one process's step and applied to a pipeline's micro-step (`plan.stage_plan.pipeline_budget_choice`):
+    # the deep graph it tags is not the step `peak_bytes` estimates; the stage plan plans each rank's peak.
+    micro_step: bool = False
 
     def decisions(self, keys: dict[torch.fx.Node, Key]) -> set[torch.fx.Node] | str:
         """The candidates of a graph (`keys`: theirs) this choice recomputes, or why it does not apply there."""

@@ -14,7 +14,7 @@ from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.log import get_logger
 from graph_trainer.observability.units import GIB, KIB, to_gib
 from graph_trainer.plan.block_plan import plan_modes, short_depths
-from graph_trainer.plan.stage_plan import StagePlan, plan_stage, stage_position
+from graph_trainer.plan.stage_plan import StagePlan, pipeline_budget_choice, plan_stage, stage_position
 from graph_trainer.plan.step_plan import StepPlan, plan_step
 from graph_trainer.runtime.gc_pause import gc_paused
 
@@ -87,7 +87,7 @@ def check_budget_held(cfg: JobConfig, plan: StepPlan) -> None:
 def _preflight_stage(cfg: JobConfig, mesh: Mesh) -> StagePlan:
     """This rank's stage plan, made inside the job on fake tensors (`plan_stage`: no peer takes part), said in one
     line; UserError when it does not fit."""
-    plan, _ = plan_stage(cfg, mesh, stage_position(mesh))
+    plan, _ = plan_stage(cfg, mesh, stage_position(mesh), choice=pipeline_budget_choice(cfg, mesh))
     blocks = f"blocks {plan.blocks[0]}-{plan.blocks[-1]}" if plan.blocks else "no blocks"
     logger.info(
         f"preflight: pipeline position {plan.rank} (stages {', '.join(map(str, plan.stages))}, {blocks}): "

@@ -51,7 +51,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from graph_trainer.builder import build_job
 from graph_trainer.distributed.layout import planned_apart
 from graph_trainer.distributed.mesh import Mesh, ParallelDims, planning_mesh
-from graph_trainer.distributed.pipeline import job_stage_blocks, make_buffers, short_counts
+from graph_trainer.distributed.pipeline import (
+    job_stage_blocks,
+    make_buffers,
+    one_micro_batch,
+    short_counts,
+    without_stages,
+)
+from graph_trainer.errors import UserError
 from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.model_args import get_model_spec
 from graph_trainer.job_config.pretrained import model_name
@@ -93,6 +100,9 @@ class StagePlan:
     # The traced micro-step the stages were cut from (`Transformed`; None for eager stages): the job's first step
     # reuses it rather than tracing again (`PipelinedStep.reuse_trace`).
     step_graph: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # The memory budget's choice the stages apply (`pipeline_budget_choice`; None: another AC mode), which the
+    # job's step applies too (`Job.with_budget_choice`).
+    budget_choice: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
 class _PeakTracker(LiveTensorTracker):
@@ -211,15 +221,48 @@ def _as_real_runtime(schedule: Any) -> Iterator[None]:
         del schedule._warmup_p2p
 
 
-def plan_pipeline(cfg: Any, device: torch.device) -> Iterator[StagePlan]:
+def plan_pipeline(cfg: Any, device: torch.device, choice: Any = None) -> Iterator[StagePlan]:
     """Every stage position's step plan (`StagePlan`, of the first data-parallel replica), in pipeline order, each
-    as it is made."""
+    as it is made. `choice`: the memory budget's (`pipeline_budget_choice`, solved at the job's depth: the plan of
+    a shallower `cfg` applies it too, as the deep one will); None: solved here when the mode is `budget`."""
     dims = ParallelDims.from_config(cfg.parallelism)
     traced = None  # every rank cuts its stages from the same micro-step graph: traced once, by the first
     for position, rank in enumerate(planned_apart(dims.degrees()) or [0]):
         with planning_mesh(dims, device, rank=rank) as mesh:
-            plan, traced = plan_stage(cfg, mesh, position, traced)
+            if choice is None:
+                choice = pipeline_budget_choice(cfg, mesh)
+            plan, traced = plan_stage(cfg, mesh, position, traced, choice)
         yield plan
+
+
+def pipeline_budget_choice(cfg: Any, mesh: Mesh) -> Any:
+    """The `budget` mode's choice for `cfg`'s pipeline (None in another mode): one process's choice for one
+    micro-batch (`pipeline.one_micro_batch`: the step one process accumulating the pipeline's micro-batches runs),
+    one per block class, solved at the job's depth on its short traces as the plan without pp solves it
+    (`block_plan.deep_budget_model`), on `mesh` seen without its pp dimension. Every stage applies it to its
+    blocks, so the pipeline recomputes what that process recomputes, and each rank's peak is its stage plan's.
+
+    A fraction is of that process's no-AC activation memory; a size budget is refused under pp
+    (`PipelineParallel.refuses`): one rank's peak depends on its position.
+
+    Raises:
+        UserError: the short traces do not extend in depth (one line); ConfigError: the budget is infeasible.
+    """
+    if cfg.activation_checkpoint.mode != "budget":
+        return None
+    from graph_trainer.passes.budget import solve_in_depth
+    from graph_trainer.passes.budget_depth import NotExtendable
+    from graph_trainer.plan.block_plan import deep_budget_model
+
+    one = one_micro_batch(cfg)
+    try:
+        deep = deep_budget_model(one, without_stages(mesh))
+    except NotExtendable as e:
+        raise UserError(
+            f"activation_checkpoint.mode budget under pp: its choice cannot be solved on the short traces ({e}); "
+            "pass --activation_checkpoint.mode selective or full"
+        ) from None
+    return dataclasses.replace(solve_in_depth(deep, one.activation_checkpoint), micro_step=True)
 
 
 # The smallest stage of the shallowest depth a stage plan is made at holds this many blocks (past the model's
@@ -313,44 +356,57 @@ def plan_positions(cfg: Any, device: torch.device, say: Callable[[str], None] | 
     Where three plans are not evenly spaced, the job itself is planned, said through `say` (`layouts/search.py`'s
     exact rows; the dry run)."""
     count, counts = short_counts(cfg)
+    choice = budget_choice(cfg, device)
     if not counts:
-        return _plan_in_depths(cfg, device, say)
+        return _plan_in_depths(cfg, device, say, choice)
     planned = []
     for n in counts:
         short = copy.deepcopy(cfg)
         short.training.local_batch_size = n * cfg.parallelism.pp_microbatch_size
-        planned.append(_plan_in_depths(short, device, say))
+        planned.append(_plan_in_depths(short, device, say, choice))
     more, off = divmod(count - counts[-1], counts[1] - counts[0])
     out = None if off else _extended(planned, more, by_pass=False)
     if not isinstance(out, list):
         why = "not a whole number of steps past them" if off else f"not evenly spaced there (position {out})"
         (say or logger.warning)(f"stage plan: {count} micro-batches are {why} ({counts}); planned whole")
-        return _plan_in_depths(cfg, device, say)
+        return _plan_in_depths(cfg, device, say, choice)
     made = f"run at {counts[0]}, {counts[1]} and {counts[2]} micro-batches and extended to {count}"
     if planned[0][0].made != StagePlan.made:
         made += f"; at each, {planned[0][0].made}"
     return [dataclasses.replace(plan, made=made) for plan in out]
 
 
-def _plan_in_depths(cfg: Any, device: torch.device, say: Callable[[str], None] | None) -> list[StagePlan]:
+def budget_choice(cfg: Any, device: torch.device) -> Any:
+    """`pipeline_budget_choice` for the plans of every position, depth and count (None in another mode), solved in
+    this process on the first position's planning mesh (the dry run's; the preflight solves it on the job's)."""
+    if cfg.activation_checkpoint.mode != "budget":
+        return None
+    dims = ParallelDims.from_config(cfg.parallelism)
+    with planning_mesh(dims, device, rank=(planned_apart(dims.degrees()) or [0])[0]) as mesh:
+        return pipeline_budget_choice(cfg, mesh)
+
+
+def _plan_in_depths(
+    cfg: Any, device: torch.device, say: Callable[[str], None] | None, choice: Any = None
+) -> list[StagePlan]:
     """Every stage position's plan at the job's depth, made at three shallower depths when those are less work
     (`short_depths`) and extended pass by pass; a position whose passes are not evenly spaced there is planned at
-    the job's depth, said through `say`."""
+    the job's depth, said through `say`. `choice`: the memory budget's, solved at the job's depth."""
     depth, depths = short_depths(cfg)
     if not depths:
-        return list(plan_pipeline(cfg, device))
+        return list(plan_pipeline(cfg, device, choice))
     planned = []
     for n in depths:
         short = copy.deepcopy(cfg)
         short.model.n_layers = n
-        planned.append(list(plan_pipeline(short, device)))
+        planned.append(list(plan_pipeline(short, device, choice)))
     out = _extended(planned, (depth - depths[-1]) // (depths[1] - depths[0]), by_pass=True)
     if isinstance(out, int):
         (say or logger.warning)(
             f"stage plan: position {out}'s plans at {depths[0]}, {depths[1]} and {depths[2]} blocks are not evenly "
             f"spaced; planned at the job's {depth} blocks"
         )
-        return list(plan_pipeline(cfg, device))
+        return list(plan_pipeline(cfg, device, choice))
     per_stage = job_stage_blocks(cfg, depth)
     made = f"run at {depths[0]}, {depths[1]} and {depths[2]} blocks and extended to {depth}"
     return [
@@ -365,14 +421,15 @@ def stage_position(mesh: Mesh) -> int:
     return bisect.bisect_right(ranks, mesh.rank) - 1
 
 
-def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple[StagePlan, Any]:
+def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None, choice: Any = None) -> tuple[StagePlan, Any]:
     """The plan of `mesh`'s rank (at `position` along the pipeline), and the micro-step graph its stages were cut
-    from (`traced`, or traced here when None). `mesh` is torch's fake process group's (`planning_mesh`) or the
-    running job's own: a collective or a send on fake tensors goes to its fake kernel, which communicates nothing,
-    so a rank plans its own step inside the job without its peers (the preflight)."""
+    from (`traced`, or traced here when None), its stages applying the memory budget's `choice`
+    (`pipeline_budget_choice`; None in another mode). `mesh` is torch's fake process group's (`planning_mesh`) or
+    the running job's own: a collective or a send on fake tensors goes to its fake kernel, which communicates
+    nothing, so a rank plans its own step inside the job without its peers (the preflight)."""
     start = time.perf_counter()
     device = mesh.device
-    job = build_job(cfg, mesh, materialize=False)
+    job = build_job(cfg, mesh, materialize=False).with_budget_choice(choice)
     step = job.build_step()
     graph_step = step.graph_step
     # Traced (unless given) and cut, or the eager stages built: on the meta model, so that the optimizer state of
@@ -426,6 +483,7 @@ def plan_stage(cfg: Any, mesh: Mesh, position: int, traced: Any = None) -> tuple
         plan_s=time.perf_counter() - start,
         pass_peaks=passes,
         step_graph=None if traced is None else Transformed(traced, graph_step.memory_estimate),
+        budget_choice=choice,
     )
     return plan, traced
 
@@ -457,10 +515,20 @@ def print_stage_plans(cfg: Any, device: torch.device, print_fn: Callable[[str], 
         )
     for line in [*said, f"each rank's plan {plans[0].made} (plan s: the runs' seconds)"]:
         print_fn(line)
+    if (c := plans[0].budget_choice) is not None:
+        print_fn(
+            f"budget {cfg.activation_checkpoint.memory_budget}: every stage applies one process's choice at a "
+            f"micro-batch of {p.pp_microbatch_size}, one per block class solved on its "
+            f"{' + '.join(map(str, c.short_depths))}-block traces: {c.recomputed}/{c.candidates} candidates "
+            f"recomputed, {c.recompute_flops / 1e9:.3f} GFLOP of recompute a micro-batch "
+            f"({'optimal' if c.optimal else 'not proven optimal: ' + c.status})"
+        )
 
 
 __all__ = [
     "StagePlan",
+    "budget_choice",
+    "pipeline_budget_choice",
     "plan_pipeline",
     "plan_positions",
     "plan_stage",

@@ -333,6 +333,51 @@ def test_the_trainer_at_pp_2_under_each_kind_of_schedule_is_one_process_accumula
             assert rank["peaks"][1:] == [rank["preflight"]] * 2 and rank["errors"] == [None, 0.0, 0.0], schedule
 
 
+# The memory budget at pp 2: one process's choice at a micro-batch of 2. The tiny model's smallest feasible fraction is
+# 0.6 at seq 32 (0.5 is refused); at 0.8 its per-class solve takes 5 s here, at 0.6 24 s.
+BUDGET = ["--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", "0.8"]
+
+
+def _train_budgeted(rank: int, port: int, out: str) -> None:
+    for _, trainer, result in train_runs(rank, 2, port, {"budget": BUDGET}, PIPELINE, out):
+        graphs = [g for s in trainer.step_fn.stages for g in (s.graphs.forward, s.graphs.backward)]
+        record = {
+            "losses": result.losses,
+            "grad_norms": [r["grad_norm"] for r in result.records],
+            "peaks": peaks(result.records),
+            "preflight": trainer.preflight.peak_bytes,
+            "recomputed": sum(node_meta.is_rematerialized(n) for g in graphs for n in g.graph.nodes),
+            "choice": sorted(map(list, trainer.preflight.budget_choice.recompute)),
+        }
+        Path(out, f"budget.rank{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+def test_a_memory_budget_at_pp_2_recomputes_one_process_choice_in_every_stage_bitwise_and_planned(tmp_path):
+    """`activation_checkpoint.mode budget` under pp: every stage recomputes what one process's choice at a micro-batch
+    says (solved once per block class, `pipeline_budget_choice`), so the losses and clipped norms are one process
+    accumulating the same micro-batches (recomputing nothing), to the bit. Each rank's measured peak is its
+    preflight's plan and the dry run's (`plan_pipeline`, which solves the same choice), and below the dry run's plan
+    of the same pipeline recomputing nothing."""
+    _, reference = train_one_process(ONE_PROCESS, str(tmp_path / "one"))
+    spawn_ranks(_train_budgeted, 2, (free_port(), str(tmp_path)), timeout_s=600)
+    ranks = [json.loads((tmp_path / f"budget.rank{r}.json").read_text()) for r in (0, 1)]
+    plans = {
+        mode: list(plan_pipeline(load_config([*PIPELINE, *args])[0], torch.device("cpu")))
+        for mode, args in (("none", []), ("budget", BUDGET))
+    }
+    for rank, plain, plan in zip(ranks, plans["none"], plans["budget"], strict=True):
+        where = plan.rank
+        assert rank["losses"] == reference.losses, where
+        assert rank["grad_norms"] == [r["grad_norm"] for r in reference.records], where
+        assert rank["recomputed"] > 0 and plain.budget_choice is None, where
+        assert rank["choice"] == sorted(map(list, plan.budget_choice.recompute)), where  # the dry run's choice
+        assert_peaks_match(rank["peaks"][1:], where)
+        assert [m for _, m, _ in rank["peaks"][1:]] == [plan.peak_bytes] * 2 and rank["preflight"] == plan.peak_bytes
+        assert plan.peak_bytes < plain.peak_bytes, where
+
+
 # Four steps at pp 2 with GPipe; the same run saved at step 2 and resumed under 1F1B to step 4. No LR decay
 # horizon, so a 2-step run continued to 4 is the 4-step run.
 RESUMABLE = [*PIPELINE, "--lr_scheduler.decay_type", "none", "--training.steps", "4"]
@@ -853,7 +898,10 @@ def _pp_mesh() -> Mesh:
         (["--compile.trace_optimizer", "true"], "compile.trace_optimizer"),
         (["--training.global_batch_size", "32"], "gradient accumulation"),
         (["--validation.enable", "true"], "validation"),
-        (["--activation_checkpoint.mode", "budget"], "activation_checkpoint.mode budget is not supported yet"),
+        (
+            ["--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", "40GiB"],
+            r"with a size memory_budget \(40GiB\) is not supported yet; pass a fraction",
+        ),
         (["--model.n_layers", "1"], "2 pipeline stages .* leave a stage without a block of model.n_layers = 1"),
         (
             ["--parallelism.pp_schedule", "Interleaved1F1B", "--parallelism.pp_stages_per_rank", "4"],
@@ -869,6 +917,13 @@ def test_the_trainer_refuses_what_pp_cannot_run_yet_in_one_line(flags, words):
     with pytest.raises(UserError, match=words) as err:
         PipelineParallel.apply(model, _pp_mesh(), cfg, None)
     assert "\n" not in str(err.value)
+
+
+def test_a_fractional_memory_budget_is_taken_under_pp():
+    cfg, _ = load_config(
+        ["--config", "llama3_debug", "--parallelism.pp", "2", "--activation_checkpoint.mode", "budget"]
+    )
+    assert cfg.activation_checkpoint.memory_budget == 0.5 and PipelineParallel.refuses(cfg, 6) is None
 
 
 def test_pp_composes_with_dp_shard_tp_and_ep_and_pp_1_applies_nothing():

@@ -84,6 +84,21 @@ def test_a_deep_stage_plan_from_three_shallow_depths_equals_the_plan_of_the_whol
     assert [p.blocks for p in extended] == [tuple(range(15)), tuple(range(15, 29))]
 
 
+@pytest.mark.integration
+@_slow(DEPTHS_TEST)
+def test_a_deep_stage_plan_under_a_memory_budget_extends_exactly():
+    """The budget's choice is solved once at the job's depth (`pipeline_budget_choice`) and every shorter plan applies
+    it by block class, so the stage plans at 7, 9 and 11 blocks extend to 29 as under the other modes: every field
+    equal to the whole depth's plan, which recomputes (84 s here). At seq 256 (at 64 a fraction below 1 is
+    infeasible: the boundaries and the loss, which no choice recomputes, hold most of a sequence's activations)."""
+    args = ["--config", "llama3_debug", "--model.n_layers", "29", "--training.seq_len", "256", "--parallelism.pp", "2"]
+    budget = ["--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", "0.7"]
+    extended = _extended_equals_whole([*args, *BATCH_4, *budget])
+    assert extended[0].made == "run at 7, 9 and 11 blocks and extended to 29"
+    choice = extended[0].budget_choice
+    assert choice.depth == 29 and choice.recompute and choice.optimal
+
+
 DEEPER = [
     # A model with a leading dense block, its experts split over dp_shard x ep inside each stage.
     "--config deepseek_v3_debug --model.n_layers 32 --parallelism.dp_shard 2 --parallelism.ep 2"
@@ -132,7 +147,7 @@ def test_the_shallow_depths_take_the_same_blocks_from_every_stage(args, depth, d
         assert min(shallowest[0] - lead, *shallowest[1:]) == SHORT_STAGE
 
 
-def _stand_in(cfg, device, bend: int = 10**6, update: int = 0, unaccounted: int = 0):
+def _stand_in(cfg, device, choice=None, *, bend: int = 10**6, update: int = 0, unaccounted: int = 0):
     """A stage plan of two passes at depth n: a forward of 1000 n + 8000 bytes, which holds the peak up to 16 blocks,
     and a backward of 1500 n (bent past `bend` blocks), which overtakes it past 16 blocks; the update holds
     `update` bytes, and the step's peak is `unaccounted` bytes above every pass's."""
