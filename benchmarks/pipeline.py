@@ -46,15 +46,20 @@ def run(out: Path, name: str, ranks: int, options: list[str], steps: int, layers
     return json.loads((folder / "summary.json").read_text())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str, name: str) -> tuple[argparse.Namespace, list[str]]:
+    """(the command line of a pipeline benchmark whose docstring is `doc` and results file `name`, the pp 2 options
+    every run of it shares: the local batch in micro-batches of one sequence)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_pipeline")
-    parser.add_argument("--save", action="store_true", help="write benchmarks/results/pipeline.json")
-    a = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / f"bench_{name}")
+    parser.add_argument("--save", action="store_true", help=f"write benchmarks/results/{name}.json")
     pipeline = ["--training.local_batch_size", str(GLOBAL), "--parallelism.pp", str(PP)]
-    pipeline += ["--parallelism.pp_microbatch_size", "1"]
+    return parser.parse_args(), [*pipeline, "--parallelism.pp_microbatch_size", "1"]
+
+
+def main() -> None:
+    a, pipeline = arguments(__doc__, "pipeline")
     runs = [
         ("one process, whole batch", 1, ["--training.local_batch_size", str(GLOBAL)], 1),
         (
