@@ -13,13 +13,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from graph_trainer.errors import UserError
 from graph_trainer.job_config.schema import ParallelismConfig
+
+T = TypeVar("T")
 
 # Mesh dimensions, outermost first (torchtitan's order): pipeline stages (which may span nodes: they exchange one
 # activation per micro-batch), replicas, then shards within a replica, then tensor-parallel peers innermost
@@ -186,6 +189,25 @@ class Mesh:
         flag = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world_group)
         return int(flag.item())
+
+    def from_first_rank(self, make: Callable[[], T]) -> T:
+        """`make()` run by rank 0 alone and handed to every rank (one `broadcast_object_list`), so that every rank
+        takes the same answer of a computation whose answer can depend on the machine (a solver stopped at its time
+        limit) and the others do not spend the time. An exception `make` raises is raised on every rank, so none
+        waits for an answer that will not come. One process: `make()`."""
+        if not self.is_distributed:
+            return make()
+        box: list = [None]
+        if self.rank == 0:
+            try:
+                box[0] = (True, make())
+            except Exception as e:  # noqa: BLE001 (raised again below, on every rank)
+                box[0] = (False, e)
+        dist.broadcast_object_list(box, src=0, group=self.world_group)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
 
     def barrier(self) -> None:
         """Wait for every rank (no-op for one process)."""

@@ -87,7 +87,11 @@ def check_budget_held(cfg: JobConfig, plan: StepPlan) -> None:
 def _preflight_stage(cfg: JobConfig, mesh: Mesh) -> StagePlan:
     """This rank's stage plan, made inside the job on fake tensors (`plan_stage`: no peer takes part), said in one
     line; UserError when it does not fit."""
-    plan, _ = plan_stage(cfg, mesh, stage_position(mesh), choice=pipeline_budget_choice(cfg, mesh))
+    # Solved by rank 0 for every rank: the same choice everywhere, even where the solver stops at its time limit.
+    choice = None
+    if cfg.activation_checkpoint.mode == "budget":
+        choice = mesh.from_first_rank(lambda: pipeline_budget_choice(cfg, mesh))
+    plan, _ = plan_stage(cfg, mesh, stage_position(mesh), choice=choice)
     blocks = f"blocks {plan.blocks[0]}-{plan.blocks[-1]}" if plan.blocks else "no blocks"
     logger.info(
         f"preflight: pipeline position {plan.rank} (stages {', '.join(map(str, plan.stages))}, {blocks}): "

@@ -500,12 +500,12 @@ def print_stage_plans(cfg: Any, device: torch.device, print_fn: Callable[[str], 
         f"{p.pp_microbatch_size}, AC {cfg.activation_checkpoint.mode}, device {device.type}: each rank's step run "
         f"on fake tensors under torch's schedule{eager} (the AdamW update added)"
     )
+    said: list[str] = []  # a position planned whole, said under the table rather than inside it
+    plans = plan_positions(cfg, device, said.append)  # before the header: a refusal is then the line after the first
     print_fn(
         f"{'pp rank':7} {'stages':>7} {'blocks':>9} {'peak GiB':>9} {'state GiB':>9} {'buffers MiB':>11} "
         f"{'in flight':>9} {'most':>5} {'plan s':>7}  peak at"
     )
-    said: list[str] = []  # a position planned whole, said under the table rather than inside it
-    plans = plan_positions(cfg, device, said.append)
     for plan in plans:
         blocks = f"{plan.blocks[0]}-{plan.blocks[-1]}" if len(plan.stages) == 1 else ",".join(map(str, plan.blocks))
         print_fn(

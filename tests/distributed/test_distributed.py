@@ -244,3 +244,40 @@ def test_torchrun_world_size_not_dp_shard_exits_2_in_one_line_per_rank(tmp_path)
         assert "Traceback" not in text, text[-2000:]
         said = [s for s in text.splitlines() if s.startswith(("error:", "interrupted"))]
         assert len(said) == 1 and (line in said[0] or said[0] == "interrupted by SIGTERM"), text[-2000:]
+
+
+def _first_rank_answers(rank: int, port: int, out: str) -> None:
+    """Rank 0's answer, or its exception, on both ranks; what each rank ran `make` for."""
+    from graph_trainer.distributed.mesh import ParallelDims, build_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mesh = build_mesh(ParallelDims(pp=2), rank, torch.device("cpu"))
+        ran: list[int] = []
+
+        def answer() -> dict:
+            ran.append(rank)
+            return {"from": rank}
+
+        def refuse() -> None:
+            ran.append(rank)
+            raise UserError(f"refused by rank {rank}")
+
+        got = mesh.from_first_rank(answer)
+        try:
+            mesh.from_first_rank(refuse)
+            raised = None
+        except UserError as e:
+            raised = str(e)
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"got": got, "raised": raised, "ran": ran}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_0s_answer_or_its_error_reaches_every_rank_and_no_other_rank_computes_it(tmp_path):
+    """`Mesh.from_first_rank`, how a pipeline's ranks take one memory budget choice: the same answer on both ranks,
+    computed by rank 0 alone, and rank 0's error raised on both (a rank left waiting would hang the job)."""
+    spawn_ranks(_first_rank_answers, 2, (free_port(), str(tmp_path)), timeout_s=60)
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record == {"got": {"from": 0}, "raised": "refused by rank 0", "ran": [0, 0] if rank == 0 else []}
