@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import pickle
 from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
@@ -202,7 +203,7 @@ class Mesh:
             try:
                 box[0] = (True, make())
             except Exception as e:  # noqa: BLE001 (raised again below, on every rank)
-                box[0] = (False, e)
+                box[0] = (False, _sendable(e))
         dist.broadcast_object_list(box, src=0, group=self.world_group)
         ok, value = box[0]
         if not ok:
@@ -213,6 +214,16 @@ class Mesh:
         """Wait for every rank (no-op for one process)."""
         if self.is_distributed:
             dist.barrier(group=self.world_group)
+
+
+def _sendable(error: Exception) -> Exception:
+    """`error`, or a RuntimeError with its words where it cannot be pickled (one holding a lambda, say): the broadcast
+    would fail on rank 0 alone and leave the others waiting for it."""
+    try:
+        pickle.dumps(error)
+    except Exception:  # noqa: BLE001 (any failure to pickle)
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
 
 
 def build_mesh(dims: ParallelDims, rank: int, device: torch.device) -> Mesh:

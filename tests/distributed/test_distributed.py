@@ -263,12 +263,18 @@ def _first_rank_answers(rank: int, port: int, out: str) -> None:
             ran.append(rank)
             raise UserError(f"refused by rank {rank}")
 
+        def unpicklable() -> None:
+            error = UserError("holds a lambda")
+            error.hook = lambda: None  # pickle cannot send this
+            raise error
+
         got = mesh.from_first_rank(answer)
-        try:
-            mesh.from_first_rank(refuse)
-            raised = None
-        except UserError as e:
-            raised = str(e)
+        raised = []
+        for make in (refuse, unpicklable):
+            try:
+                mesh.from_first_rank(make)
+            except Exception as e:
+                raised.append(f"{type(e).__name__}: {e}")
         Path(out, f"rank{rank}.json").write_text(json.dumps({"got": got, "raised": raised, "ran": ran}))
     finally:
         dist.destroy_process_group()
@@ -276,8 +282,10 @@ def _first_rank_answers(rank: int, port: int, out: str) -> None:
 
 def test_rank_0s_answer_or_its_error_reaches_every_rank_and_no_other_rank_computes_it(tmp_path):
     """`Mesh.from_first_rank`, how a pipeline's ranks take one memory budget choice: the same answer on both ranks,
-    computed by rank 0 alone, and rank 0's error raised on both (a rank left waiting would hang the job)."""
+    computed by rank 0 alone, and rank 0's error raised on both (a rank left waiting would hang the job), in its own
+    words where pickle cannot send it."""
     spawn_ranks(_first_rank_answers, 2, (free_port(), str(tmp_path)), timeout_s=60)
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert record == {"got": {"from": 0}, "raised": "refused by rank 0", "ran": [0, 0] if rank == 0 else []}
+        raised = ["UserError: refused by rank 0", "RuntimeError: UserError: holds a lambda"]
+        assert record == {"got": {"from": 0}, "raised": raised, "ran": [0, 0] if rank == 0 else []}
