@@ -713,12 +713,12 @@ def model_frontier(
     # found on deep ones (said once). Either way a known choice reaches it, so every point has a choice that fits.
     lowest_found = lowest_peak(model, time_limit_s=time_limit_s)
     lowest_choice, lowest = lowest_found.recompute, lowest_found.peak_bytes
-    if not lowest_found.optimal:
-        logger.warning(
-            f"budget frontier: its first budget, {lowest / GIB:.4f} GiB, is the lowest peak the solver found in "
-            f"{time_limit_s:g} s, not one it proved the lowest"
-        )
     reserve, whole = outside.reserve, MemoryBudget(peak_bytes=0)  # a size budget: the whole step's peak
+    if not lowest_found.optimal:  # in the rows' terms: the whole step's peak, not the model's
+        logger.warning(
+            f"budget frontier: its first budget, {outside.whole_step(whole, lowest) / GIB:.4f} GiB, is the lowest "
+            f"peak the solver found in {time_limit_s:g} s, not one it proved the lowest"
+        )
     activations = max(highest + reserve - input_bytes, 1)
     out = []
     # The best choice known to fit: the lowest-peak choice fits every budget here, and each point's choice fits the

@@ -110,6 +110,22 @@ def test_no_choice_fits_a_budget_below_the_smallest_peak():
     assert proven and solve(model, lowest - 1).recompute is None
 
 
+def test_a_budget_that_saving_everything_fits_is_answered_without_a_solve(monkeypatch):
+    """At or above the no-AC peak, recomputing nothing is the optimum (no FLOPs, no elements): no solver call, so
+    the frontier's top point cannot stop unproven at its time limit. Held candidates still go to the solver."""
+    from graph_trainer.passes import remat_model
+
+    gm, categories = _clean_step(1)
+    candidates, free = choices(analyze(gm), set(), backward_storages(gm))
+    model = build_model(gm, candidates, free, set(), categories)
+    no_ac = estimate_peak_memory(gm, input_categories=categories).peak_bytes
+    monkeypatch.setattr(remat_model, "_milp", lambda *a, **k: pytest.fail("solved a budget that nothing fits"))
+    found = solve(model, no_ac)
+    assert found.recompute == [] and found.optimal and found.peak_bytes == no_ac and found.recompute_flops == 0
+    with pytest.raises(pytest.fail.Exception):  # a held candidate is the solver's question
+        solve(model, no_ac, fixed={candidates[0]: True})
+
+
 def test_the_solve_time_benchmark_runs_on_one_block():
     """benchmarks/budget_policy.py, so that its table cannot rot: one block, every budget solved and fitting."""
     from benchmarks.budget_policy import SHARES, measure
@@ -264,6 +280,28 @@ def test_a_frontier_point_the_solver_finds_no_choice_for_gets_the_lowest_peak_ch
     assert len(points) == 10 and not any(p.optimal for p in points)
     assert len({(p.peak_bytes, p.recompute_flops) for p in points}) == 1  # the lowest-peak choice at every budget
     assert all(p.peak_bytes <= p.budget_bytes for p in points)
+
+
+def test_an_unproven_lowest_peak_is_said_as_the_first_rows_whole_step_budget(monkeypatch, caplog):
+    """The warning for an unproven low end quotes the first row's budget (the whole step's peak, with what the step
+    holds beside the graph), not the model's peak: a 6-block dry run said 0.0412 GiB above a row of 0.0805."""
+    import dataclasses
+    import logging
+
+    from graph_trainer.observability.units import GIB
+    from graph_trainer.passes import budget as budget_pass
+
+    gm, categories = _clean_step(1)
+    structure = analyze(gm)
+    candidates, free = choices(structure, set(), backward_storages(gm))
+    model = build_model(gm, candidates, free, set(), categories)
+    no_ac = estimate_peak_memory(gm, input_categories=categories).peak_bytes
+    unproven = lambda model, **kw: dataclasses.replace(lowest_peak(model, **kw), optimal=False)  # noqa: E731
+    monkeypatch.setattr(budget_pass, "lowest_peak", unproven)
+    outside = budget_pass.Outside(held=3 * 2**20, held_what="eager AdamW state")
+    with caplog.at_level(logging.WARNING, logger="graph_trainer"):
+        points = budget_pass.model_frontier(model, 0, no_ac, points=2, outside=outside, time_limit_s=10)
+    assert f"its first budget, {points[0].budget_bytes / GIB:.4f} GiB" in caplog.text, caplog.text
 
 
 def test_a_stopped_solve_that_costs_more_than_the_point_before_takes_that_points_choice(monkeypatch):
