@@ -163,9 +163,7 @@ class Mesh:
         """`t` averaged over every rank (a new tensor; `t` itself for one process). For logging."""
         if not self.is_distributed:
             return t
-        total = t.detach().clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.world_group)
-        return total / self.world_size
+        return self._world_sum(t) / self.world_size
 
     def loss_average(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss averaged over the data-parallel ranks, the same on every rank: under pipeline
@@ -173,11 +171,14 @@ class Mesh:
         nothing). For logging."""
         if not self.is_distributed:
             return loss
-        total = loss.detach().clone()
-        if self.coordinate("pp") != self.size("pp") - 1:
-            total.zero_()
+        last_stage = self.coordinate("pp") == self.size("pp") - 1
+        return self._world_sum(loss if last_stage else torch.zeros_like(loss)) / (self.world_size // self.size("pp"))
+
+    def _world_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over every rank, into a new tensor (one all-reduce)."""
+        total = t.detach().clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.world_group)
-        return total / (self.world_size // self.size("pp"))
+        return total
 
     def max_over_ranks(self, value: int) -> int:
         """The largest of every rank's `value`, the same answer on every rank (`value` itself for one process).
