@@ -259,17 +259,26 @@ ONE_PROCESS = [*TRAIN, "--training.local_batch_size", "2", "--training.global_ba
 
 # Eager pp (`compile.mode eager`): the model's own modules as stages under torch's schedule.
 EAGER = {"eager 1F1B": ["--parallelism.pp_schedule", "1F1B", "--compile.mode", "eager"]}
-# The trainer runs one schedule of each kind: all micro-batches in flight (GPipe), 1F1B's, looped stages
-# (Interleaved1F1B) and V-shaped stages with deferred weight gradients (ZBVZeroBubble). InterleavedZeroBubble (looped
-# and deferred) and eager GPipe were trained here too, 2 of 7 runs of a 199 s test on CI's 2 cores: every schedule
-# stays bitwise at the stages, on two ranks (test_every_schedule_on_two_ranks_is_one_process_accumulating_bitwise).
-TRAINER_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+# The memory budget at pp 2: one process's choice at a micro-batch of 2. The tiny model's smallest feasible fraction is
+# 0.6 at seq 32 (0.5 is refused); at 0.8 its per-class solve takes 5 s here, at 0.6 24 s.
+BUDGET = ["--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", "0.8"]
+# The trainer runs one schedule of each kind: all micro-batches in flight (GPipe), 1F1B's (under the memory budget,
+# which AC none's GPipe and the dry run's plan of 1F1B under none frame), looped stages (Interleaved1F1B) and
+# V-shaped stages with deferred weight gradients (ZBVZeroBubble). InterleavedZeroBubble (looped and deferred) and
+# eager GPipe were trained here too, 2 of 7 runs of a 199 s test on CI's 2 cores: every schedule stays bitwise at the
+# stages, on two ranks (test_every_schedule_on_two_ranks_is_one_process_accumulating_bitwise). 1F1B with AC none
+# was a run of its own, and the budget a test of its own (138 s in CI): one run holds both claims.
+TRAINER_RUNS = {
+    "GPipe": ["--parallelism.pp_schedule", "GPipe"],
+    "1F1B budget": ["--parallelism.pp_schedule", "1F1B", *BUDGET],
+    "Interleaved1F1B": ["--parallelism.pp_schedule", "Interleaved1F1B"],
+    "ZBVZeroBubble": ["--parallelism.pp_schedule", "ZBVZeroBubble"],
+}
 
 
 def _train_pipelines(rank: int, port: int, out: str) -> None:
-    runs = {s: ["--parallelism.pp_schedule", s] for s in TRAINER_SCHEDULES} | EAGER
-    for name, trainer, result in train_runs(rank, 2, port, runs, PIPELINE, out):
-        state = trainer.optimizer.state
+    for name, trainer, result in train_runs(rank, 2, port, TRAINER_RUNS | EAGER, PIPELINE, out):
+        state, choice = trainer.optimizer.state, trainer.preflight.budget_choice
         record = {
             "losses": result.losses,
             "grad_norms": [r["grad_norm"] for r in result.records],
@@ -286,8 +295,17 @@ def _train_pipelines(rank: int, port: int, out: str) -> None:
             "preflight": trainer.preflight.peak_bytes,  # this rank's own plan, made inside the job
             "errors": [r.get("estimate_error_pct") for r in result.records],
             "bubbles": [r.get("pp_bubble_pct") for r in result.records],
+            "choice": None if choice is None else sorted(map(list, choice.recompute)),
         }
+        if choice is not None:  # what the stages' graphs recompute: the choice, applied
+            graphs = [g for s in trainer.step_fn.stages for g in (s.graphs.forward, s.graphs.backward)]
+            record["recomputed"] = sum(node_meta.is_rematerialized(n) for g in graphs for n in g.graph.nodes)
         Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(record))
+
+
+def _dry_run_plans(args: list[str]) -> list:
+    """What --dry-run prints at pp 2 for PIPELINE with `args`: one plan a rank."""
+    return list(plan_pipeline(load_config([*PIPELINE, *args])[0], torch.device("cpu")))
 
 
 @pytest.mark.integration
@@ -300,12 +318,18 @@ def test_the_trainer_at_pp_2_under_each_kind_of_schedule_is_one_process_accumula
     Each rank's measured peak at steps 2 and 3 is its per-stage plan's (`plan_pipeline`, what --dry-run prints) to
     the byte under GPipe (every micro-batch in flight) and 1F1B, and its in-job plan's under every schedule
     (ZBVZeroBubble: two stages a rank, weight gradients deferred). The first step is not: torch makes its receive
-    buffers in it, and the cut prunes the other stages' embedding, norm and output with their optimizer state."""
+    buffers in it, and the cut prunes the other stages' embedding, norm and output with their optimizer state.
+
+    `activation_checkpoint.mode budget` (the 1F1B run): every stage recomputes what one process's choice at a
+    micro-batch says (solved once per block class, `pipeline_budget_choice`; the reference recomputes nothing, so
+    the bits say remat recomputed the same ops), the dry run's choice, and each rank's plan is below the dry run's
+    plan of the same pipeline recomputing nothing."""
     _, reference = train_one_process(ONE_PROCESS, str(tmp_path / "one"))
     norms = [r["grad_norm"] for r in reference.records]
     assert max(norms) > 1.0  # clipping scaled the gradients
     spawn_ranks(_train_pipelines, 2, (free_port(), str(tmp_path)), timeout_s=600)
-    for schedule in (*TRAINER_SCHEDULES, *EAGER):
+    dry_run = {name: _dry_run_plans(TRAINER_RUNS[name]) for name in ("GPipe", "1F1B budget")}
+    for schedule in (*TRAINER_RUNS, *EAGER):
         ranks = [json.loads((tmp_path / f"{schedule}.rank{r}.json").read_text()) for r in (0, 1)]
         for rank in ranks:
             assert rank["losses"] == reference.losses and rank["grad_norms"] == norms, schedule
@@ -316,66 +340,27 @@ def test_the_trainer_at_pp_2_under_each_kind_of_schedule_is_one_process_accumula
             assert rank["reused"] == (schedule not in EAGER), schedule
         assert not set(ranks[0]["stage"]) & set(ranks[1]["stage"]), schedule
         if schedule in EAGER:  # the same split as the traced stages': the same blocks, embedding, norm and output
-            traced = [json.loads((tmp_path / f"{EAGER[schedule][1]}.rank{r}.json").read_text()) for r in (0, 1)]
+            traced = [json.loads((tmp_path / f"1F1B budget.rank{r}.json").read_text()) for r in (0, 1)]
             assert [r["stage"] for r in ranks] == [r["stage"] for r in traced], schedule
             assert [r["held_blocks"] for r in ranks] == [[0, 1, 2, 3], [4, 5, 6, 7]], schedule
         # The bubble is measured inside the traced stages' graphs; an eager stage's backward has no end to time.
         assert all((b is None) == (schedule in EAGER) for r in ranks for b in r["bubbles"]), schedule
         # What --dry-run prints, planned here for the two schedules the issue asks of it (9-11 s each on CI's cores);
         # every schedule's ranks are held to their own in-job plan (`preflight`) below, the same planner's answer.
-        if schedule in ("GPipe", "1F1B"):
-            cfg, _ = load_config([*PIPELINE, *EAGER.get(schedule, ["--parallelism.pp_schedule", schedule])])
-            plans = list(plan_pipeline(cfg, torch.device("cpu")))
+        if schedule in dry_run:
+            plans = dry_run[schedule]
             assert sorted(b for p in plans for b in p.blocks) == list(range(8)), schedule  # 4 blocks a rank
             for plan, rank in zip(plans, ranks, strict=True):
                 assert rank["peaks"][1:] == [plan.peak_bytes] * 2, (schedule, plan)
         for rank in ranks:  # every schedule: the preflight's plan (no estimate at step 1, which makes the buffers)
             assert rank["peaks"][1:] == [rank["preflight"]] * 2 and rank["errors"] == [None, 0.0, 0.0], schedule
-
-
-# The memory budget at pp 2: one process's choice at a micro-batch of 2. The tiny model's smallest feasible fraction is
-# 0.6 at seq 32 (0.5 is refused); at 0.8 its per-class solve takes 5 s here, at 0.6 24 s.
-BUDGET = ["--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", "0.8"]
-
-
-def _train_budgeted(rank: int, port: int, out: str) -> None:
-    for _, trainer, result in train_runs(rank, 2, port, {"budget": BUDGET}, PIPELINE, out):
-        graphs = [g for s in trainer.step_fn.stages for g in (s.graphs.forward, s.graphs.backward)]
-        record = {
-            "losses": result.losses,
-            "grad_norms": [r["grad_norm"] for r in result.records],
-            "peaks": peaks(result.records),
-            "preflight": trainer.preflight.peak_bytes,
-            "recomputed": sum(node_meta.is_rematerialized(n) for g in graphs for n in g.graph.nodes),
-            "choice": sorted(map(list, trainer.preflight.budget_choice.recompute)),
-        }
-        Path(out, f"budget.rank{rank}.json").write_text(json.dumps(record))
-
-
-@pytest.mark.integration
-@pytest.mark.multiprocess
-def test_a_memory_budget_at_pp_2_recomputes_one_process_choice_in_every_stage_bitwise_and_planned(tmp_path):
-    """`activation_checkpoint.mode budget` under pp: every stage recomputes what one process's choice at a micro-batch
-    says (solved once per block class, `pipeline_budget_choice`), so the losses and clipped norms are one process
-    accumulating the same micro-batches (recomputing nothing), to the bit. Each rank's measured peak is its
-    preflight's plan and the dry run's (`plan_pipeline`, which solves the same choice), and below the dry run's plan
-    of the same pipeline recomputing nothing."""
-    _, reference = train_one_process(ONE_PROCESS, str(tmp_path / "one"))
-    spawn_ranks(_train_budgeted, 2, (free_port(), str(tmp_path)), timeout_s=600)
-    ranks = [json.loads((tmp_path / f"budget.rank{r}.json").read_text()) for r in (0, 1)]
-    plans = {
-        mode: list(plan_pipeline(load_config([*PIPELINE, *args])[0], torch.device("cpu")))
-        for mode, args in (("none", []), ("budget", BUDGET))
-    }
-    for rank, plain, plan in zip(ranks, plans["none"], plans["budget"], strict=True):
-        where = plan.rank
-        assert rank["losses"] == reference.losses, where
-        assert rank["grad_norms"] == [r["grad_norm"] for r in reference.records], where
-        assert rank["recomputed"] > 0 and plain.budget_choice is None, where
-        assert rank["choice"] == sorted(map(list, plan.budget_choice.recompute)), where  # the dry run's choice
-        assert_peaks_match(rank["peaks"][1:], where)
-        assert [m for _, m, _ in rank["peaks"][1:]] == [plan.peak_bytes] * 2 and rank["preflight"] == plan.peak_bytes
-        assert plan.peak_bytes < plain.peak_bytes, where
+            assert (rank["choice"] is None) == (schedule != "1F1B budget"), schedule
+    budgeted = [json.loads((tmp_path / f"1F1B budget.rank{r}.json").read_text()) for r in (0, 1)]
+    plain = _dry_run_plans(["--parallelism.pp_schedule", "1F1B"])
+    for rank, plain_plan, plan in zip(budgeted, plain, dry_run["1F1B budget"], strict=True):
+        assert rank["recomputed"] > 0 and plain_plan.budget_choice is None, plan.rank
+        assert rank["choice"] == sorted(map(list, plan.budget_choice.recompute)), plan.rank  # the dry run's choice
+        assert plan.peak_bytes < plain_plan.peak_bytes, plan.rank
 
 
 # Four steps at pp 2 with GPipe; the same run saved at step 2 and resumed under 1F1B to step 4. No LR decay
@@ -701,16 +686,31 @@ def _composed_runs(
         assert blocks == set(range(8)), schedule
 
 
+def _one_in_ci(in_ci: str, slow: str, test: str) -> list:
+    """A composed pp test's schedules: `in_ci` in CI, `slow` (the same claims under another schedule, 20-30 s more
+    of 4 ranks on CI's 2 cores) only with -m slow."""
+    held = pytest.mark.slow(held_by=f"tests/distributed/test_pipeline.py::{test}")
+    return [in_ci, pytest.param(slow, marks=held)]
+
+
 @pytest.mark.integration
 @pytest.mark.multiprocess
-def test_fsdp_inside_each_stage_is_dp_shard_accumulating_bitwise_and_planned_to_the_byte(tmp_path):
+@pytest.mark.parametrize(
+    "schedule",
+    # ZBV in CI: the V puts both ends on the first position, and its deferred weight gradients reduce-scatter apart.
+    _one_in_ci(
+        "ZBVZeroBubble", "1F1B", "test_fsdp_inside_each_stage_is_dp_shard_accumulating_bitwise_and_planned_to_the_byte"
+    ),
+)
+def test_fsdp_inside_each_stage_is_dp_shard_accumulating_bitwise_and_planned_to_the_byte(tmp_path, schedule):
     """pp 2 x dp_shard 2 (4 ranks; each stage FSDP-sharded over the 2 ranks holding it) against dp_shard 2 alone on
-    the same global batch, under 1F1B and ZBVZeroBubble: every rank's losses and clipped norms equal. Each stage
+    the same global batch, under 1F1B or ZBVZeroBubble: every rank's losses and clipped norms equal. Each stage
     gathers and reduce-scatters only its own units (the root cut into embedding / norm / output), the layers
     gathered again in the backward (the default gather policy) and the root's parts not; each rank holds the
     shards of its stage's parameters only, and its measured peak is its preflight's plan to the byte, or above it by
     no more than gloo's thread freed late that step (a reduce-scatter's input, once, under load)."""
-    for schedule, rank, facts in _composed_runs(tmp_path, SHARDED_ONE_PIPELINE, SHARDED_PIPELINE, _fsdp_facts):
+    runs = _composed_runs(tmp_path, SHARDED_ONE_PIPELINE, SHARDED_PIPELINE, _fsdp_facts, schedules=(schedule,))
+    for _, rank, facts in runs:
         name, layers = f"{schedule} rank {rank}", [f"layers.{b}" for b in facts["blocks"]]
         assert len(layers) == 4, name  # ranks 2p and 2p + 1 shard pipeline position p (pp outermost)
         # V-shaped ZBV: the first rank runs the first and the last stage, so the embedding and the output.
@@ -735,13 +735,18 @@ SPLIT_ONE_PIPELINE = [*SPLIT, "--training.local_batch_size", "2", "--training.gl
 
 @pytest.mark.integration
 @pytest.mark.multiprocess
-def test_tensor_parallel_stages_are_tp_accumulating_bitwise_and_planned(tmp_path):
+@pytest.mark.parametrize(
+    "schedule",
+    _one_in_ci("1F1B", "ZBVZeroBubble", "test_tensor_parallel_stages_are_tp_accumulating_bitwise_and_planned"),
+)
+def test_tensor_parallel_stages_are_tp_accumulating_bitwise_and_planned(tmp_path, schedule):
     """pp 2 x tp 2 (4 ranks; each stage split over the 2 ranks holding it, sequence-parallel, the loss
-    vocabulary-parallel on the last) against tp 2 alone on the same batch, under 1F1B and ZBVZeroBubble: every
+    vocabulary-parallel on the last) against tp 2 alone on the same batch, under 1F1B or ZBVZeroBubble: every
     rank's losses and clipped norms equal. The clip counts the norms' replicated gradients once over tp, every
     stage's (their norms gathered over pp). Each rank holds its stage's blocks, split; its measured peak is its
     preflight's plan, or above it by no more than gloo freed late (TP's collectives are not in place)."""
-    for schedule, rank, facts in _composed_runs(tmp_path, SPLIT_ONE_PIPELINE, SPLIT_PIPELINE, _tp_facts):
+    runs = _composed_runs(tmp_path, SPLIT_ONE_PIPELINE, SPLIT_PIPELINE, _tp_facts, schedules=(schedule,))
+    for _, rank, facts in runs:
         name, layer = f"{schedule} rank {rank}", facts["blocks"][0]
         assert facts["shapes"][f"layers.{layer}.attention.wq.weight"] == [32, 64], name  # 64 rows, halved
         assert facts["shapes"][f"layers.{layer}.attention_norm.weight"] == [64], name  # whole on every rank
