@@ -55,7 +55,13 @@ def _six_blocks():
     return _extended(6)
 
 
-@pytest.mark.parametrize("depth", [6, pytest.param(8, marks=pytest.mark.integration)])
+# 8 blocks: the same claim as 6 at a larger depth (41 s in CI), run with -m slow.
+_AT_8 = pytest.mark.slow(
+    held_by="tests/passes/test_budget_depth.py::test_the_extended_model_is_the_deep_graphs_model_under_any_per_class_choice"
+)
+
+
+@pytest.mark.parametrize("depth", [6, pytest.param(8, marks=[pytest.mark.integration, _AT_8])])
 def test_the_extended_model_is_the_deep_graphs_model_under_any_per_class_choice(depth):
     extended = _extended(depth)
     gm, whole = _model(depth)

@@ -186,11 +186,18 @@ def _enumerated_optimum_holds(gm, categories, chosen_from: list, candidates: lis
         assert found.optimal and (peak, found.bound_bytes) == (lowest_within, lowest_within) and flops <= limit
 
 
+_TWO_BLOCKS_SLOW = pytest.mark.slow(
+    held_by="tests/passes/test_remat_model.py::test_the_solver_is_the_enumerated_optimum_across_blocks_and_at_8b_dims"
+)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize(
     ("layers", "per_block", "dims"),
     [
-        (2, 5, ()),
+        # 1,024 choices over 2 blocks: 68 s in CI, run with -m slow. CI holds the claim at 4 blocks (across blocks)
+        # and at one block's 1,024 (test_the_solvers_choice_is_the_enumerated_optimum_at_every_budget).
+        pytest.param(2, 5, (), marks=_TWO_BLOCKS_SLOW),
         (4, 2, ()),  # 256 choices: at 4 blocks each one's remat and estimate cost 4x a block's
         # At 8B widths a short sequence's activations are nothing beside one block's parameters and gradients
         # (1.7 GB): at 2 x 1024 tokens they set the peak, as they do in training.
