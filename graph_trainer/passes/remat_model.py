@@ -96,29 +96,39 @@ class RematModel:
     place_nodes: list[torch.fx.Node]  # per memory row: the op at that place (a copy's place: the op it precedes)
     place_copies: list[torch.fx.Node | None]  # per memory row: the op copied there (None: the op's own place)
     ties: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # candidate pairs chosen alike
+    # The rules and memory rows as sparse matrices, built on the first evaluation (`_evaluator`); not copied by
+    # `dataclasses.replace`, whose model has rows of its own.
+    _compiled: _Evaluator | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------------------ evaluation of one choice
 
     def values(self, recompute: Iterable[torch.fx.Node]) -> np.ndarray:
-        """Every variable's value under a choice (the candidates in `recompute` recomputed, the rest saved)."""
+        """Every variable's value under a choice (the candidates in `recompute` recomputed, the rest saved): each
+        stage's lower bounds raised to their least fixed point, the copy rules first."""
         chosen = set(recompute)
         x = np.zeros(self.n_vars)
         for i, c in enumerate(self.candidates):
             x[i] = 1.0 if c in chosen else 0.0
-        for rules in (self.lower[: self.copy_stage], self.lower[self.copy_stage :]):
-            changed = True
-            while changed:
-                changed = False
-                for v, (coef, const) in rules:
-                    value = min(const + sum(c * x[u] for u, c in coef.items()), 1.0)
-                    if value > x[v] + 1e-9:
-                        x[v] = value
-                        changed = True
+        for rules, levels in zip(self._stages(), self._evaluator().levels, strict=True):
+            if levels is None:  # rules that depend on each other in a cycle: raised until nothing moves
+                _raise_until_settled(rules, x)
+                continue
+            for matrix, const, target in levels:  # each level reads only variables the levels before it settled
+                np.maximum.at(x, target, np.minimum(matrix @ x + const, 1.0))
         return x
 
     def row_values(self, x: np.ndarray) -> np.ndarray:
         """The bytes alive at every place (each memory row's value) under the variables' values `x`."""
-        return np.array([const + sum(c * x[u] for u, c in coef.items()) for coef, const in self.memory])
+        evaluator = self._evaluator()
+        return evaluator.memory @ x + evaluator.memory_const
+
+    def _stages(self) -> tuple[list[tuple[int, Expr]], list[tuple[int, Expr]]]:
+        return self.lower[: self.copy_stage], self.lower[self.copy_stage :]
+
+    def _evaluator(self) -> _Evaluator:
+        if self._compiled is None:
+            self._compiled = _Evaluator.of(self)
+        return self._compiled
 
     def peak(self, recompute: Iterable[torch.fx.Node]) -> int:
         """The peak the estimate gives the graph remat makes from this choice."""
@@ -127,6 +137,84 @@ class RematModel:
     def recompute_flops(self, recompute: Iterable[torch.fx.Node]) -> int:
         """The FLOPs of every copy remat makes under this choice (torch's FLOP counter)."""
         return int(round(float(self.flops @ self.values(recompute))))
+
+
+def _raise_until_settled(rules: list[tuple[int, Expr]], x: np.ndarray) -> None:
+    """Raise every rule's variable to its bound (`x[v] >= min(expr, 1)`) until no rule raises one."""
+    changed = True
+    while changed:
+        changed = False
+        for v, (coef, const) in rules:
+            value = min(const + sum(c * x[u] for u, c in coef.items()), 1.0)
+            if value > x[v] + 1e-9:
+                x[v] = value
+                changed = True
+
+
+def _levels(rules: list[tuple[int, Expr]]) -> list[int] | None:
+    """Each rule's level: 0 where it reads no variable that another rule of `rules` sets, else one more than the
+    highest level among the variables it reads; None where the rules read each other in a cycle."""
+    reads: dict[int, set[int]] = defaultdict(set)
+    for v, (coef, _) in rules:
+        reads[v].update(coef)
+    level: dict[int, int] = {}
+    for root in reads:
+        if root in level:
+            continue
+        stack, on_path = [(root, iter(reads[root]))], {root}
+        while stack:
+            v, pending = stack[-1]
+            u = next((u for u in pending if u in reads and u not in level), None)
+            if u is None:
+                stack.pop()
+                on_path.discard(v)
+                level[v] = max((level[u] + 1 for u in reads[v] if u in reads), default=0)
+            elif u in on_path:
+                return None
+            else:
+                on_path.add(u)
+                stack.append((u, iter(reads[u])))
+    return [level[v] for v, _ in rules]
+
+
+@dataclasses.dataclass
+class _Evaluator:
+    """A model's rules and memory rows as sparse matrices: one choice evaluated in a few matrix products instead
+    of a Python sum per rule (0.9 s a choice on an 8-block FSDP model, evaluated about 20 times a budget plan).
+    Every coefficient and constant is a whole number (bytes, or 0/1 terms), so the sums are exact in any order."""
+
+    levels: list[list[tuple[object, np.ndarray, np.ndarray]] | None]  # per stage: (matrix, constants, targets)
+    memory: object  # csr matrix: the memory rows' coefficients
+    memory_const: np.ndarray
+
+    @classmethod
+    def of(cls, model: RematModel) -> _Evaluator:
+        from scipy.sparse import csr_matrix
+
+        def matrix(rows: list[tuple[int, Expr]]):
+            cols = [u for _, (coef, _) in rows for u in coef]
+            data = [c for _, (coef, _) in rows for c in coef.values()]
+            starts = np.cumsum([0, *(len(coef) for _, (coef, _) in rows)])
+            return csr_matrix((np.asarray(data, dtype=float), np.asarray(cols, dtype=np.int64), starts),
+                              shape=(len(rows), model.n_vars))  # fmt: skip
+
+        levels = []
+        for rules in model._stages():
+            level = _levels(rules)
+            if level is None:
+                levels.append(None)
+                continue
+            by_level: dict[int, list[tuple[int, Expr]]] = defaultdict(list)
+            for rule, k in zip(rules, level, strict=True):
+                by_level[k].append(rule)
+            levels.append(
+                [
+                    (matrix(group), np.array([const for _, (_, const) in group]), np.array([v for v, _ in group]))
+                    for _, group in sorted(by_level.items())
+                ]
+            )
+        memory = matrix([(-1, row) for row in model.memory])
+        return cls(levels, memory, np.array([const for _, const in model.memory], dtype=float))
 
 
 def build_model(
