@@ -152,8 +152,7 @@ def short_solves(monkeypatch: pytest.MonkeyPatch) -> None:
     own choice; a refusal names its sizes. At the debug widths the whole deep solve never proves its optimum in 60 s
     (gaps of 17-60% at 8 blocks, measured 2026-12-01 on 2 cores), so each such test waited a minute on a solve
     whose answer it does not judge. The choice's quality is judged where the limit is left alone: against
-    enumeration (tests/passes/test_remat_model.py) and against the per-op optimum at the 8B widths
-    (test_block_plan.py)."""
+    enumeration (tests/passes/test_remat_model.py), at the debug and the 8B widths."""
     from graph_trainer.passes import budget
 
     monkeypatch.setattr(budget, "SOLVE_TIME_LIMIT_S", SHORT_SOLVE_S)
