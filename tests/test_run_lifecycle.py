@@ -146,21 +146,33 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
+KILLED_RUN = [*EXACT, *CKPT, "--metrics.log_freq", "10", "--training.steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The summary of KILLED_RUN trained without a kill: what each killed-and-resumed run must end as (one run
+    for both kill points, not one each)."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    assert cli(*KILLED_RUN, "--job.dump_folder", str(folder / "straight"), cwd=folder).returncode == 0
+    return summary(folder / "straight")
+
+
 @pytest.mark.parametrize("killed_after", [2, 4])
-def test_a_kill_right_after_a_checkpoint_loses_no_step_and_no_final_record(tmp_path, monkeypatch, killed_after):
+def test_a_kill_right_after_a_checkpoint_loses_no_step_and_no_final_record(
+    tmp_path, monkeypatch, killed_after, uninterrupted
+):
     """Killed after step 2's checkpoint with a console line every 10 steps, the resumed run's summary lacked steps
     1 and 2; killed after the last checkpoint, the resume found the run complete and summary.json kept no final
     record (no status, no params_sha256: a KeyError in the fault-injection test)."""
-    args = [*EXACT, *CKPT, "--metrics.log_freq", "10", "--training.steps", "4"]
-    straight, dump = tmp_path / "straight", tmp_path / "run"
-    assert cli(*args, "--job.dump_folder", str(straight), cwd=tmp_path).returncode == 0
+    args, dump = KILLED_RUN, tmp_path / "run"
     monkeypatch.setenv("KILL_AFTER_STEP", str(killed_after))
     killed = start(*args, "--job.dump_folder", str(dump), cwd=tmp_path, python=[sys.executable, "-c", KILL_AFTER_SAVE])
     killed.communicate(timeout=120)
     assert killed.returncode == 9
     resumed = cli(*args, "--job.dump_folder", str(dump), "--checkpoint.resume", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    expected = summary(straight)
+    expected = uninterrupted
     assert [s["loss"] for s in summary(dump)["steps"]] == [s["loss"] for s in expected["steps"]]
     final = summary(dump)["final"]
     assert final["status"] == "ok" and final["final_step"] == 4

@@ -248,15 +248,21 @@ def _infeasible(
 ):
     """The one-line refusal of a budget no choice of `model` fits, with the smallest feasible budget (in the
     budget's terms: `Outside.whole_step` of the model's lowest peak)."""
-    smallest, proven = smallest_peak(model, time_limit_s=SOLVE_TIME_LIMIT_S)
-    smallest = out.whole_step(parse_memory_budget(ac.memory_budget), smallest)
-    needed = parse_memory_budget(ac.memory_budget).smallest(smallest, input_bytes=input_bytes, no_ac_peak=no_ac_peak)
+    lowest, proven = smallest_peak(model, time_limit_s=SOLVE_TIME_LIMIT_S)
+    budget = parse_memory_budget(ac.memory_budget)
+    smallest = out.whole_step(budget, lowest)
+    needed = budget.smallest(smallest, input_bytes=input_bytes, no_ac_peak=no_ac_peak)
     which = "the smallest reachable peak" if proven else f"the lowest peak found in {SOLVE_TIME_LIMIT_S:g} s"
     if status != INFEASIBLE:  # not proven: say what stopped the solver
         which += f" (no fitting choice found: {status})"
+    # A fraction is of the graph's peak; the dry run's table shows the whole step's (with what runs beside the
+    # graph, such as the eager update): a refusal naming 0.0412 GiB under rows of 0.08 read as a contradiction.
+    step = out.whole_step(MemoryBudget(peak_bytes=0), lowest)
+    beside = f" ({out.held_what} beside the graph)" if out.held_what else ""
+    whole = "" if step == smallest else f"; the whole step{beside} then peaks at {step / GIB:.4f} GiB"
     return ConfigError(
         f"activation_checkpoint.memory_budget {ac.memory_budget} is infeasible: {which} "
-        f"is {smallest / GIB:.4f} GiB ({(smallest - input_bytes) / GIB:.4f} GiB of activations); "
+        f"is {smallest / GIB:.4f} GiB ({(smallest - input_bytes) / GIB:.4f} GiB of activations{whole}); "
         f"set --activation_checkpoint.memory_budget {needed} or more, or lower the batch size "
         "or sequence length"
     )

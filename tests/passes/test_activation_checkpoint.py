@@ -144,6 +144,8 @@ def test_a_smaller_budget_never_costs_fewer_flops_and_every_peak_fits(tmp_path):
 
 @pytest.mark.integration  # plans and measures several budgets or modes
 def test_infeasible_budget_names_the_smallest_feasible_one(tmp_path):
+    """The refusal's figure is in the fraction's terms (the graph's peak); beside it, the whole step's peak at that
+    choice, with the eager update's state (what the dry run's rows show), so the two are not read as one."""
     with pytest.raises(ConfigError, match="infeasible") as info:
         _measure(
             _trainer(
@@ -155,7 +157,11 @@ def test_infeasible_budget_names_the_smallest_feasible_one(tmp_path):
                 "0.01",
             )
         )
-    smallest = re.search(r"memory_budget (\d+\.\d+) or more", str(info.value)).group(1)
+    said = str(info.value)
+    graph = float(re.search(r"is (\d+\.\d+) GiB \(", said).group(1))
+    step = re.search(r"the whole step \(eager AdamW state beside the graph\) then peaks at (\d+\.\d+) GiB", said)
+    assert "\n" not in said and step and float(step.group(1)) > graph, said
+    smallest = re.search(r"memory_budget (\d+\.\d+) or more", said).group(1)
     est, meas, _ = _measure(
         _trainer(
             tmp_path, "ok", "--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget", smallest
