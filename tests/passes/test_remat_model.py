@@ -73,6 +73,24 @@ def test_the_models_peak_and_flops_are_remats_under_any_choice():
         ), f"{len(chosen)} of {len(candidates)} recomputed"
 
 
+def test_rules_are_evaluated_level_by_level_and_a_cycle_by_the_settling_loop():
+    """`RematModel.values` evaluates each stage's rules one dependency level at a time (a rule after every rule
+    whose variable it reads); rules that read each other in a cycle have no levels and are raised until nothing
+    moves, which reaches the same least fixed point."""
+    import numpy as np
+
+    from graph_trainer.passes.remat_model import _levels, _raise_until_settled
+
+    # x2 >= x1, x3 >= x2 + x0 - 1: var 1 is no rule's, so x2's rule is level 0 and x3's level 1.
+    chain = [(3, ({2: 1.0, 0: 1.0}, -1.0)), (2, ({1: 1.0}, 0.0))]
+    assert _levels(chain) == [1, 0]
+    cycle = [(2, ({3: 1.0, 0: 1.0}, -1.0)), (3, ({2: 1.0}, 0.0)), (2, ({1: 1.0}, 0.0))]
+    assert _levels(cycle) is None
+    x = np.array([1.0, 1.0, 0.0, 0.0])
+    _raise_until_settled(cycle, x)
+    assert x.tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
 def test_selective_acs_choice_is_one_of_the_budgets_choices():
     """Selective AC saves the output projections and recomputes the residual adds after them; the backward never
     reads a projection in the no-AC graph, but the recomputed add does. Had the budget tagged such an op recompute
