@@ -17,12 +17,12 @@ from graph_trainer.job_config.load import resolve_model_args
 from graph_trainer.job_config.pretrained import model_name
 from graph_trainer.job_config.schema import JobConfig
 from graph_trainer.observability.units import to_gib
+from graph_trainer.plan import budget_frontier
 from graph_trainer.plan.attention_memory import attention_memory
 from graph_trainer.plan.block_plan import plan_modes, short_depths
 from graph_trainer.plan.budget_frontier import (
     HEADER,
     POINTS,
-    SOLVE_S,
     depth_free,
     frontier_row,
     plan_frontier,
@@ -103,7 +103,7 @@ def _print_frontier(cfg: JobConfig, mesh, print_fn: Callable[[str], None]) -> No
     """The budget policy's frontier (`plan.budget_frontier`): a row per budget as it is solved, then the files."""
     depth = resolve_model_args(cfg).n_layers
     short = " + ".join(map(str, short_depths(cfg)))
-    solve = f"one solve of at most {SOLVE_S:g} s a point"
+    solve = f"one solve of at most {budget_frontier.SOLVE_S:g} s a point"  # the limit plan_frontier reads
     solved_on = (
         f"one choice per block class, solved on the {short}-block traces extended to {depth} blocks ({solve})"
         if depth_free(cfg)

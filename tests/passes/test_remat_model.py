@@ -218,9 +218,8 @@ _ACROSS_BLOCKS_SLOW = pytest.mark.slow(
         # (test_the_solvers_choice_is_the_enumerated_optimum_at_every_budget).
         pytest.param(2, 5, (), marks=_ACROSS_BLOCKS_SLOW),
         (3, 2, ()),
-        pytest.param(
-            4, 2, (), marks=_ACROSS_BLOCKS_SLOW
-        ),  # at 4 blocks each choice's remat and estimate cost 4x a block's
+        # At 4 blocks each choice's remat and estimate cost 4x a block's.
+        pytest.param(4, 2, (), marks=_ACROSS_BLOCKS_SLOW),
         # At 8B widths a short sequence's activations are nothing beside one block's parameters and gradients
         # (1.7 GB): at 2 x 1024 tokens they set the peak, as they do in training.
         (1, 10, ("--model.flavor", "8B", "--model.n_layers", "1", "--training.seq_len", "1024")),
